@@ -1,0 +1,155 @@
+"""Every workflow of the zero monorepo.
+
+    nox -t ci                 everything CI runs (README's test command)
+    nox -s tests              unit tests, one session per package, each in its own venv
+                              holding only that package, its declared dependencies and torch
+    nox -s kernels            Triton kernels vs their torch twins under TRITON_INTERPRET=1
+    nox -s integration        multi-process end-to-end trainings (gloo on CPU)
+    nox -s lint               ruff + import-linter layer contracts
+    nox -s docs               mkdocs build --strict
+    nox -s demo               the demo (README's demo command)
+    nox -s bench              benchmarks, results under benchmarks/results/
+
+torch is pinned to 2.13.0 through constraints.txt (a CPU wheel; an unpinned torch
+would pull a multi-GB CUDA build). Package metadata keeps a normal range.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import sys
+
+import nox
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - nox itself may run on 3.10
+    import tomli as tomllib
+
+ROOT = pathlib.Path(__file__).parent
+CONSTRAINTS = str(ROOT / "constraints.txt")
+PACKAGE_DIRS = {
+    "zero-kernels": "kernels",
+    "zero-comm": "packages/zero-comm",
+    "zero-offload": "packages/zero-offload",
+    "zero-params": "packages/zero-params",
+    "zero-coord": "packages/zero-coord",
+    "zero-optim": "packages/zero-optim",
+    "zero-full": "packages/zero-full",
+    "zero-testing": "packages/zero-testing",
+}
+TORCH = "torch==2.13.0"
+# Ranks of multi-process tests share 2 cores: one thread each.
+TEST_ENV = {"OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+
+nox.options.default_venv_backend = "venv"
+nox.options.reuse_existing_virtualenvs = False
+nox.options.error_on_missing_interpreters = True
+
+
+def _internal_deps(dist: str) -> list[str]:
+    """The zero packages ``dist`` depends on (transitively, itself included), in install order."""
+    seen: list[str] = []
+
+    def visit(name: str) -> None:
+        if name in seen:
+            return
+        meta = tomllib.loads((ROOT / PACKAGE_DIRS[name] / "pyproject.toml").read_text())["project"]
+        reqs = list(meta.get("dependencies", []))
+        for req in reqs:
+            dep = re.split(r"[<>=!~\[ ;]", req, maxsplit=1)[0]
+            if dep in PACKAGE_DIRS:
+                visit(dep)
+        seen.append(name)
+
+    visit(dist)
+    return seen
+
+
+def _install(session: nox.Session, *dists: str, extras: str = "test", editable: bool = False) -> None:
+    """Install torch (pinned) then ``dists`` with their zero dependencies from this checkout."""
+    session.install("-c", CONSTRAINTS, TORCH)
+    closure: list[str] = []
+    for dist in dists:
+        closure += [d for d in _internal_deps(dist) if d not in closure]
+    args: list[str] = []
+    for dist in closure:
+        target = f"{ROOT / PACKAGE_DIRS[dist]}[{extras}]" if extras and dist in dists else str(ROOT / PACKAGE_DIRS[dist])
+        args += ["-e", target] if editable else [target]
+    session.install("-c", CONSTRAINTS, *args)
+
+
+def _has_tests(path: pathlib.Path) -> bool:
+    return any(path.rglob("test_*.py"))
+
+
+UNIT_PACKAGES = [d for d in PACKAGE_DIRS]
+
+
+@nox.session(tags=["ci"])
+@nox.parametrize("package", UNIT_PACKAGES, ids=UNIT_PACKAGES)
+def tests(session: nox.Session, package: str) -> None:
+    """Unit tests of one package, installed alone (plus zero-testing for the fixtures)."""
+    pkg_dir = ROOT / PACKAGE_DIRS[package]
+    _install(session, package, "zero-testing")
+    import_name = package.replace("-", "_")
+    session.run("python", "-c", f"import {import_name}; print({import_name}.__doc__.splitlines()[0])")
+    if not _has_tests(pkg_dir / "tests"):
+        session.log(f"{package}: not implemented yet (no tests); the import check above is all there is")
+        return
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", str(pkg_dir / "tests"), env=TEST_ENV)
+
+
+@nox.session(tags=["ci"])
+def kernels(session: nox.Session) -> None:
+    """Triton kernels against their torch reference twins, on CPU under TRITON_INTERPRET=1."""
+    _install(session, "zero-kernels", extras="test,triton")
+    env = dict(TEST_ENV, TRITON_INTERPRET="1")
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "kernels/tests"), env=env)
+
+
+@nox.session(tags=["ci"])
+def integration(session: nox.Session) -> None:
+    """End-to-end multi-process runs of the whole stack."""
+    tests_dir = ROOT / "integration_tests"
+    _install(session, "zero-full", "zero-testing")
+    session.install("-c", CONSTRAINTS, "pytest>=8", "transformers>=4.45")
+    if not _has_tests(tests_dir):
+        session.log("integration_tests: none yet")
+        return
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests_dir), env=TEST_ENV)
+
+
+@nox.session(tags=["ci"])
+def lint(session: nox.Session) -> None:
+    """ruff (style, bugs, no bare assert in library code) and import-linter (the layer rule)."""
+    session.install("ruff>=0.6", "import-linter>=2.1")
+    # import-linter only reads sources: install the packages without their dependencies.
+    session.install("--no-deps", *(arg for d in PACKAGE_DIRS.values() for arg in ("-e", str(ROOT / d))))
+    session.run("ruff", "check", str(ROOT))
+    session.run("ruff", "format", "--check", str(ROOT))
+    session.run("lint-imports", "--config", str(ROOT / "pyproject.toml"))
+
+
+@nox.session(tags=["ci"])
+def docs(session: nox.Session) -> None:
+    """The documentation site, built with --strict (broken links or API refs fail)."""
+    session.install("mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26")
+    session.run("mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"), "--site-dir", str(session.create_tmp() + "/site"))
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The demo: collectives on 2 local gloo processes with the communication ledger."""
+    _install(session, "zero-comm", extras="")
+    session.run("python", "-m", "zero_comm.demo", "--world", "2", env=TEST_ENV)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Benchmarks; results (markdown + JSON) are written under benchmarks/results/."""
+    _install(session, "zero-comm", "zero-kernels", extras="")
+    out = str(ROOT / "benchmarks/results")
+    session.run("python", str(ROOT / "benchmarks/comm.py"), "--world", "2", "--out", out, env=TEST_ENV)
+    session.run("python", str(ROOT / "benchmarks/quantize_kernels.py"), "--out", out, env=TEST_ENV)

@@ -1,0 +1,1 @@
+"""Coalesced, hierarchical and quantized collectives over torch.distributed; topology, groups and byte accounting."""

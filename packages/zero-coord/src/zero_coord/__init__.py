@@ -1,0 +1,1 @@
+"""Module hooks, execution trace, prefetch and release for ZeRO-3."""

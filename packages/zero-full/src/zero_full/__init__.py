@@ -1,0 +1,1 @@
+"""The zero training product: DeepSpeed-compatible config, initialize() -> engine, checkpoints, the `zero` CLI."""

@@ -1,0 +1,1 @@
+"""CPU / NVMe placement of optimizer state and parameters, async swapping, CPU Adam."""

@@ -1,0 +1,1 @@
+"""Partitioned optimizers: ZeRO stage 1/2, stage 3 and MiCS, loss scaling, clipping."""

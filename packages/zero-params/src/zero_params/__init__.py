@@ -1,0 +1,1 @@
+"""Partitioned parameters for ZeRO-3: ShardedParam state, partition / gather / release, Init, GatheredParameters."""

@@ -1,0 +1,258 @@
+"""A pool of gloo ranks that runs test functions in separate processes.
+
+Starting a process that imports torch costs seconds, so a pool keeps its
+ranks alive and runs one test function after another on them. Every rank
+has an initialised default process group (gloo, file store under the pool's
+work directory) and ``LOCAL_WORLD_SIZE`` / ``LOCAL_RANK`` set from the
+explicit ``ranks_per_node``, so tests can simulate several nodes on one
+machine.
+
+Failure handling is the point of this module:
+
+* an exception on any rank becomes one :class:`RankFailure` naming the rank
+  and carrying its traceback;
+* a rank that does not answer before the deadline is killed and reported
+  as hung (:class:`RankTimeout`), never a hung suite;
+* after any failure the pool is torn down; the next run starts a fresh one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import os
+import pathlib
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+_GRACE_AFTER_FAILURE_S = 10.0
+_STARTUP_TIMEOUT_S = 120.0
+
+
+class RankFailure(AssertionError):
+    """A test function raised on one or more ranks."""
+
+
+class RankTimeout(AssertionError):
+    """One or more ranks did not finish before the deadline and were killed."""
+
+
+@dataclasses.dataclass(frozen=True)
+class RankInfo:
+    """What a test function may want to know about the rank it runs on."""
+
+    rank: int
+    world_size: int
+    ranks_per_node: int
+    workdir: str
+
+    @property
+    def local_rank(self) -> int:
+        return self.rank % self.ranks_per_node
+
+    @property
+    def node(self) -> int:
+        return self.rank // self.ranks_per_node
+
+
+def _worker_main(rank: int, world_size: int, ranks_per_node: int, workdir: str, conn: Connection) -> None:
+    os.environ.update(
+        OMP_NUM_THREADS="1",
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank % ranks_per_node),
+        LOCAL_WORLD_SIZE=str(ranks_per_node),
+    )
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{workdir}/store",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=120),
+    )
+    info = RankInfo(rank, world_size, ranks_per_node, workdir)
+    conn.send(("ready", None))
+    while True:
+        try:
+            job = conn.recv()
+        except EOFError:
+            break
+        if job is None:
+            break
+        fn, args, kwargs = job
+        try:
+            result = fn(info, *args, **kwargs) if _wants_info(fn) else fn(*args, **kwargs)
+            conn.send(("ok", result))
+        except BaseException:  # noqa: BLE001 - every failure is reported to the parent
+            conn.send(("error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+def _wants_info(fn: Callable[..., Any]) -> bool:
+    """A test function receives a :class:`RankInfo` if its first parameter is named ``rank``."""
+    import inspect
+
+    params = list(inspect.signature(fn).parameters)
+    return bool(params) and params[0] == "rank"
+
+
+class DistributedPool:
+    """``world_size`` live gloo ranks that run functions on request.
+
+    Use :meth:`run`; a pool that failed is closed and must be replaced
+    (``PoolRegistry`` does that for tests).
+    """
+
+    def __init__(self, world_size: int, ranks_per_node: int, workdir: pathlib.Path) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if ranks_per_node < 1 or world_size % ranks_per_node:
+            raise ValueError(
+                f"ranks_per_node={ranks_per_node} must be >= 1 and divide world_size={world_size}"
+            )
+        self.world_size = world_size
+        self.ranks_per_node = ranks_per_node
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        ctx = mp.get_context("spawn")
+        self._conns: list[Connection] = []
+        self._procs: list[mp.process.BaseProcess] = []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=_worker_main,
+                args=(rank, world_size, ranks_per_node, str(workdir), child),
+                name=f"zero-rank{rank}",
+                daemon=True,
+            )
+            proc.start()
+            child.close()
+            self._conns.append(parent)
+            self._procs.append(proc)
+        self.alive = True
+        self._collect("pool start-up", _STARTUP_TIMEOUT_S, expect="ready")
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results in rank order.
+
+        If ``fn``'s first parameter is named ``rank`` it receives a :class:`RankInfo` first.
+        """
+        if not self.alive:
+            raise RuntimeError("this DistributedPool failed earlier and was closed; create a new one")
+        for conn in self._conns:
+            conn.send((fn, args, kwargs))
+        return self._collect(getattr(fn, "__qualname__", repr(fn)), timeout, expect="ok")
+
+    def _collect(self, what: str, timeout: float, expect: str) -> list[Any]:
+        results: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        deadline = time.monotonic() + timeout
+        pending = dict(enumerate(self._conns))
+        while pending:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            for conn in wait(list(pending.values()), timeout=remaining):
+                rank = next(r for r, c in pending.items() if c is conn)
+                del pending[rank]
+                try:
+                    status, payload = conn.recv()
+                except EOFError:
+                    status, payload = "error", f"rank {rank} exited (exit code {self._procs[rank].exitcode})"
+                if status == expect:
+                    results[rank] = payload
+                else:
+                    errors[rank] = payload
+                    # Other ranks may now wait forever in a collective: shorten the deadline.
+                    deadline = min(deadline, time.monotonic() + _GRACE_AFTER_FAILURE_S)
+        if errors or pending:
+            self.close(kill=True)
+            raise self._failure(what, errors, sorted(pending), timeout)
+        return [results[r] for r in range(self.world_size)]
+
+    def _failure(self, what: str, errors: dict[int, str], hung: list[int], timeout: float) -> AssertionError:
+        topo = f"world_size={self.world_size}, ranks_per_node={self.ranks_per_node}"
+        if errors:
+            first = min(errors)
+            lines = [f"{what} failed on rank(s) {sorted(errors)} ({topo})."]
+            if hung:
+                lines.append(f"Rank(s) {hung} did not finish after the failure and were killed.")
+            lines.append(f"--- traceback of rank {first} ---\n{errors[first]}")
+            others = {r: e.strip().splitlines()[-1] for r, e in errors.items() if r != first}
+            lines += [f"rank {r}: {last}" for r, last in sorted(others.items())]
+            return RankFailure("\n".join(lines))
+        return RankTimeout(
+            f"{what}: rank(s) {hung} did not finish within {timeout:.0f}s ({topo}) and were killed. "
+            "A rank probably waits in a collective the others never entered."
+        )
+
+    def close(self, kill: bool = False) -> None:
+        """Stop every rank (politely unless ``kill``)."""
+        if not self.alive:
+            return
+        self.alive = False
+        for conn, proc in zip(self._conns, self._procs):
+            if not kill and proc.is_alive():
+                try:
+                    conn.send(None)
+                except (BrokenPipeError, OSError):
+                    pass
+        for proc in self._procs:
+            proc.join(timeout=0 if kill else 10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=10)
+        for conn in self._conns:
+            conn.close()
+
+
+class PoolRegistry:
+    """Keeps at most ``max_pools`` pools alive, keyed by (world size, ranks per node)."""
+
+    def __init__(self, root: pathlib.Path, max_pools: int = 2) -> None:
+        self.root = root
+        self.max_pools = max_pools
+        self._pools: dict[tuple[int, int], DistributedPool] = {}
+        self._started = 0
+
+    def get(self, world_size: int, ranks_per_node: int | None = None) -> DistributedPool:
+        key = (world_size, ranks_per_node or world_size)
+        pool = self._pools.get(key)
+        if pool is not None and pool.alive:
+            self._pools[key] = self._pools.pop(key)  # most recently used last
+            return pool
+        self._pools.pop(key, None)
+        while len(self._pools) >= self.max_pools:
+            oldest = next(iter(self._pools))
+            self._pools.pop(oldest).close()
+        self._started += 1
+        workdir = self.root / f"pool{self._started}-w{key[0]}-n{key[1]}"
+        pool = DistributedPool(key[0], key[1], workdir)
+        self._pools[key] = pool
+        return pool
+
+    def run(
+        self,
+        world_size: int,
+        fn: Callable[..., Any],
+        *args: Any,
+        ranks_per_node: int | None = None,
+        timeout: float = 120.0,
+        **kwargs: Any,
+    ) -> list[Any]:
+        """Run ``fn`` on ``world_size`` gloo ranks; return per-rank results."""
+        return self.get(world_size, ranks_per_node).run(fn, *args, timeout=timeout, **kwargs)
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+        self._pools.clear()
