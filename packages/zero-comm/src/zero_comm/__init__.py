@@ -1,1 +1,63 @@
-"""Coalesced, hierarchical and quantized collectives over torch.distributed; topology, groups and byte accounting."""
+"""Coalesced, hierarchical and quantized collectives over torch.distributed.
+
+Topology, process groups and byte accounting for the zero stack:
+
+* :class:`Topology`: nodes and ranks, cached process groups (intra / inter node, MiCS and
+  hpZ shard and replicate groups, hierarchical hops).
+* :func:`all_gather_coalesced`, :func:`reduce_scatter_coalesced`,
+  :func:`hierarchical_all_gather_coalesced`: one collective for many tensors; each
+  returns a handle with ``.wait()``.
+* Strategies (:class:`FlatAllGather`, :class:`HierarchicalAllGather`,
+  :class:`AllToAllReduceScatter`) implementing the :class:`AllGatherStrategy` /
+  :class:`ReduceScatterStrategy` protocols.
+* :class:`CommLedger`: per-step record of every collective's payload and ring-ideal
+  wire bytes, by link kind.
+"""
+
+from zero_comm.coalesced import all_gather_coalesced, reduce_scatter_coalesced
+from zero_comm.handles import AllGatherHandle, CollectiveHandle, ReduceScatterHandle, TensorHandle
+from zero_comm.hierarchical import hierarchical_all_gather_coalesced
+from zero_comm.ledger import CommLedger, CommRecord, CommTotals, record, ring_wire_bytes
+from zero_comm.partition import padded_numel, partition_numel, shard_range
+from zero_comm.primitives import all_reduce, all_to_all_single, broadcast
+from zero_comm.reduction import ReduceOpLike, Reduction
+from zero_comm.strategies import (
+    AllGatherStrategy,
+    AllToAllReduceScatter,
+    FlatAllGather,
+    HierarchicalAllGather,
+    ReduceScatterStrategy,
+)
+from zero_comm.topology import HierarchicalGroups, LinkKind, Topology, group_ranks
+
+__all__ = [
+    "AllGatherHandle",
+    "AllGatherStrategy",
+    "AllToAllReduceScatter",
+    "CollectiveHandle",
+    "CommLedger",
+    "CommRecord",
+    "CommTotals",
+    "FlatAllGather",
+    "HierarchicalAllGather",
+    "HierarchicalGroups",
+    "LinkKind",
+    "ReduceOpLike",
+    "ReduceScatterHandle",
+    "ReduceScatterStrategy",
+    "Reduction",
+    "TensorHandle",
+    "Topology",
+    "all_gather_coalesced",
+    "all_reduce",
+    "all_to_all_single",
+    "broadcast",
+    "group_ranks",
+    "hierarchical_all_gather_coalesced",
+    "padded_numel",
+    "partition_numel",
+    "record",
+    "reduce_scatter_coalesced",
+    "ring_wire_bytes",
+    "shard_range",
+]

@@ -1,0 +1,222 @@
+"""Benchmark zero-comm's coalesced collectives against naive loops and plain torch collectives.
+
+Run from the repository root::
+
+    python benchmarks/comm.py --world 2 --out benchmarks/results
+
+Spawns ``--world`` local gloo ranks. For ``--tensors`` tensors of mixed odd sizes
+(about ``--numel`` fp32 elements in total) it times, per variant, the median over
+``--repeats`` runs of the slowest rank, and measures the bytes each rank wrote
+(``wchar`` of ``/proc/self/io``) against the ring-ideal bytes:
+
+* all-gather: ``all_gather_coalesced`` (separate shards; and shards that already lie back
+  to back in one buffer, which skips the input concatenation, gathered into a
+  preallocated ``out=``) vs one ``all_gather_single`` per tensor vs one
+  ``all_gather_single`` of an already-flat buffer into a preallocated output (no copy-out);
+* reduce-scatter: ``reduce_scatter_coalesced`` (all-to-all + local sum) vs one padded
+  ``reduce_scatter_single`` per tensor vs one ``reduce_scatter_single`` of an
+  already-interleaved flat buffer;
+* with several simulated nodes (``--ranks-per-node``): the hierarchical all-gather too.
+
+Writes ``comm.json`` and ``comm.md`` into ``--out``. Not a test: nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing as mp
+import os
+import pathlib
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+import zero_comm
+from zero_comm import Topology, all_gather_coalesced, partition_numel, reduce_scatter_coalesced
+
+
+def read_wchar() -> int:
+    """Bytes written by this process so far."""
+    with open("/proc/self/io", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("wchar:"):
+                return int(line.split()[1])
+    raise RuntimeError("/proc/self/io has no wchar line (Linux only)")
+
+
+def tensor_sizes(count: int, total: int, seed: int = 0) -> list[int]:
+    """``count`` odd sizes spread over two orders of magnitude, summing to about ``total``."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = torch.exp(torch.rand(count, generator=gen, dtype=torch.float64) * 4.6)
+    sizes = (weights / weights.sum() * total).long().tolist()
+    return [max(1, s) | 1 for s in sizes]
+
+
+def measure(fn: Callable[[], object], repeats: int) -> tuple[float, int]:
+    """Median seconds (slowest rank per run) and median bytes this rank wrote, after a warm-up."""
+    fn()
+    times, wrote = [], []
+    for _ in range(repeats):
+        dist.barrier()
+        w0, t0 = read_wchar(), time.perf_counter()
+        fn()
+        t1, w1 = time.perf_counter(), read_wchar()
+        times.append(t1 - t0)
+        wrote.append(w1 - w0)
+    slowest = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return statistics.median(slowest.tolist()), int(statistics.median(wrote))
+
+
+def gather_variants(sizes: list[int], topo: Topology) -> dict[str, tuple[Callable[[], object], int]]:
+    """All-gather variants and their ring-ideal bytes per rank."""
+    world = topo.world_size
+    shards = [torch.randn(partition_numel(n, world)) for n in sizes]
+    total = sum(s.numel() for s in shards)
+    outs = [torch.empty(world * s.numel()) for s in shards]
+    flat_in, flat_out = torch.cat(shards), torch.empty(world * total)
+    adjacent = list(torch.split(flat_in, [s.numel() for s in shards]))  # shards kept in one buffer
+    ideal = (world - 1) * total * 4
+
+    def loop() -> None:
+        for o, s in zip(outs, shards):
+            dist.all_gather_single(o, s)
+
+    variants = {
+        "all_gather_coalesced": (lambda: all_gather_coalesced(shards).wait(), ideal),
+        "all_gather_coalesced, shards in one buffer, out=": (
+            lambda: all_gather_coalesced(adjacent, out=flat_out).wait(),
+            ideal,
+        ),
+        "per-tensor all_gather_single loop": (loop, ideal),
+        "one all_gather_single, pre-flattened": (lambda: dist.all_gather_single(flat_out, flat_in), ideal),
+    }
+    if topo.num_nodes > 1 and topo.ranks_per_node > 1:
+        hops = topo.hierarchical_groups(world)
+        run = lambda: zero_comm.hierarchical_all_gather_coalesced(shards, hops).wait()
+        variants["hierarchical_all_gather_coalesced"] = (run, ideal)
+    return variants
+
+
+def reduce_scatter_variants(sizes: list[int], world: int) -> dict[str, tuple[Callable[[], object], int]]:
+    """Reduce-scatter variants and their ring-ideal bytes per rank."""
+    tensors = [torch.randn(n) for n in sizes]
+    parts = [partition_numel(n, world) for n in sizes]
+    padded = [torch.nn.functional.pad(t, (0, world * p - t.numel())) for t, p in zip(tensors, parts)]
+    outs = [torch.empty(p) for p in parts]
+    flat_in, flat_out = torch.cat(padded), torch.empty(sum(parts))
+    ideal = (world - 1) * sum(parts) * 4
+
+    def loop() -> None:
+        for t, p, o in zip(tensors, parts, outs):
+            buf = torch.zeros(world * p)
+            buf[: t.numel()] = t
+            dist.reduce_scatter_single(o, buf)
+
+    return {
+        "reduce_scatter_coalesced": (lambda: reduce_scatter_coalesced(tensors, op="sum").wait(), ideal),
+        "per-tensor reduce_scatter_single loop": (loop, ideal),
+        "one reduce_scatter_single, pre-flattened": (
+            lambda: dist.reduce_scatter_single(flat_out, flat_in),
+            ideal,
+        ),
+    }
+
+
+def _rank_main(rank: int, args: argparse.Namespace, store: str, results: mp.Queue) -> None:
+    os.environ.update(OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    torch.manual_seed(rank)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=args.world)
+    topo = Topology(ranks_per_node=args.ranks_per_node or args.world)
+    sizes = tensor_sizes(args.tensors, args.numel)
+    rows = []
+    for kind, variants in (
+        ("all_gather", gather_variants(sizes, topo)),
+        ("reduce_scatter", reduce_scatter_variants(sizes, args.world)),
+    ):
+        for name, (fn, ideal) in variants.items():
+            seconds, wrote = measure(fn, args.repeats)
+            rows.append(
+                {"op": kind, "variant": name, "seconds": seconds, "wire_bytes": wrote, "ideal_bytes": ideal}
+            )
+    dist.destroy_process_group()
+    if rank == 0:
+        results.put({"sizes": sizes, "rows": rows})
+
+
+def write_reports(out: pathlib.Path, args: argparse.Namespace, result: dict) -> None:
+    """``comm.json`` (everything) and ``comm.md`` (a table) in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "cpus": os.cpu_count(),
+        "load_average_1m": os.getloadavg()[0],
+        "world": args.world,
+        "ranks_per_node": args.ranks_per_node or args.world,
+        "tensors": args.tensors,
+        "total_numel": sum(result["sizes"]),
+        "dtype": "float32",
+        "repeats": args.repeats,
+    }
+    (out / "comm.json").write_text(json.dumps({"meta": meta, **result}, indent=2) + "\n")
+    lines = [
+        f"# zero-comm collectives, world {meta['world']} ({meta['ranks_per_node']} per node), gloo on CPU",
+        "",
+        f"{meta['tensors']} fp32 tensors of mixed odd sizes, {meta['total_numel']:,} elements in total; "
+        f"median of {meta['repeats']} runs (slowest rank). torch {meta['torch']}, {meta['cpus']} CPUs, "
+        f"1-min load {meta['load_average_1m']:.1f} at {meta['date']}.",
+        "",
+        "| op | variant | ms | time / coalesced | MB written / rank | / ring ideal |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    base = {r["op"]: r["seconds"] for r in result["rows"] if r["variant"] == f"{r['op']}_coalesced"}
+    for r in result["rows"]:
+        ratio = r["wire_bytes"] / r["ideal_bytes"] if r["ideal_bytes"] else float("nan")
+        cells = [
+            r["op"],
+            r["variant"],
+            f"{r['seconds'] * 1e3:.1f}",
+            f"{r['seconds'] / base[r['op']]:.2f}",
+            f"{r['wire_bytes'] / 1e6:.2f}",
+            f"{ratio:.2f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    (out / "comm.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--ranks-per-node", type=int, default=None)
+    parser.add_argument("--tensors", type=int, default=64)
+    parser.add_argument("--numel", type=int, default=4_000_000)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
+    args = parser.parse_args()
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="zero-comm-bench-") as tmp:
+        procs = [
+            ctx.Process(target=_rank_main, args=(r, args, f"{tmp}/store", results)) for r in range(args.world)
+        ]
+        for p in procs:
+            p.start()
+        result = results.get(timeout=600)
+        for p in procs:
+            p.join(timeout=60)
+    write_reports(args.out, args, result)
+    print((args.out / "comm.md").read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""Handles returned by zero-comm collectives: wait once, finish once."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any, Generic, TypeVar
+
+import torch
+from torch.profiler import record_function
+
+__all__ = ["AllGatherHandle", "CollectiveHandle", "ReduceScatterHandle", "TensorHandle"]
+
+T = TypeVar("T")
+
+
+class CollectiveHandle(Generic[T]):
+    """An issued collective: the torch ``Work`` (or none) plus a local finishing step.
+
+    :meth:`wait` waits for the communication, runs the finishing step (a copy-out, a
+    local reduction, ...) exactly once under ``record_function("zero.<op>.finish")`` and
+    returns its result; later calls return the same result without doing anything.
+
+    Args:
+        op: Collective name used in profiler ranges and messages.
+        work: The ``torch.distributed`` work object of an asynchronous call, or ``None``
+            when the communication already completed (synchronous call, one-rank group).
+        finish: Computes the result once the communication is complete.
+        keepalive: Buffers that must outlive the communication (e.g. a staging input).
+    """
+
+    __slots__ = ("_finish", "_keepalive", "_result", "_work", "op")
+
+    def __init__(
+        self,
+        op: str,
+        work: Any | None,
+        finish: Callable[[], T],
+        keepalive: tuple[torch.Tensor, ...] = (),
+    ) -> None:
+        self.op = op
+        self._work = work
+        self._finish: Callable[[], T] | None = finish
+        self._keepalive = keepalive
+        self._result: T | None = None
+
+    def __repr__(self) -> str:
+        state = "finished" if self._finish is None else ("pending" if self._work else "ready")
+        return f"{type(self).__name__}(op={self.op!r}, {state})"
+
+    def wait(self, timeout: timedelta | None = None) -> T:
+        """Block until the collective completed and return its result.
+
+        Args:
+            timeout: Maximum time to wait for the communication (``None``: the process
+                group's timeout).
+
+        Raises:
+            TimeoutError: the communication did not complete within ``timeout``; the handle
+                stays pending and ``wait`` may be called again.
+        """
+        finish = self._finish
+        if finish is None:
+            return self._result  # type: ignore[return-value]
+        if self._work is not None:
+            done = self._work.wait() if timeout is None else self._work.wait(timeout)
+            if done is False:
+                raise TimeoutError(f"{self.op} did not complete within {timeout}")
+        with record_function(f"zero.{self.op}.finish"):
+            self._result = finish()
+        self._work = None
+        self._finish = None
+        self._keepalive = ()
+        return self._result
+
+    def is_completed(self) -> bool:
+        """True when :meth:`wait` would not block on communication."""
+        return self._finish is None or self._work is None or bool(self._work.is_completed())
+
+
+class AllGatherHandle(CollectiveHandle[list[torch.Tensor]]):
+    """Result of an all-gather: ``wait()`` returns one full 1-D tensor per input shard.
+
+    All returned tensors are views into one flat buffer, laid out tensor after tensor.
+    """
+
+    __slots__ = ()
+
+
+class ReduceScatterHandle(CollectiveHandle[list[torch.Tensor]]):
+    """Result of a reduce-scatter: ``wait()`` returns this rank's partition of each input.
+
+    All returned tensors are 1-D views into one flat buffer.
+    """
+
+    __slots__ = ()
+
+
+class TensorHandle(CollectiveHandle[torch.Tensor]):
+    """Result of a single-tensor collective (all-reduce, broadcast, all-to-all)."""
+
+    __slots__ = ()

@@ -1,0 +1,141 @@
+"""Collective strategies: what a parameter or gradient store holds instead of flags.
+
+:class:`AllGatherStrategy` and :class:`ReduceScatterStrategy` are the protocols;
+:class:`FlatAllGather`, :class:`HierarchicalAllGather` and :class:`AllToAllReduceScatter`
+are the implementations here. Other variants (e.g. quantized qwZ / qgZ) are new classes
+in their own modules that satisfy the same protocols — no caller changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch.distributed import ProcessGroup
+
+from zero_comm.coalesced import all_gather_coalesced, reduce_scatter_coalesced
+from zero_comm.handles import AllGatherHandle, ReduceScatterHandle
+from zero_comm.hierarchical import hierarchical_all_gather_coalesced
+from zero_comm.reduction import ReduceOpLike
+from zero_comm.topology import HierarchicalGroups, group_size_and_rank
+
+__all__ = [
+    "AllGatherStrategy",
+    "AllToAllReduceScatter",
+    "FlatAllGather",
+    "HierarchicalAllGather",
+    "ReduceScatterStrategy",
+]
+
+
+@runtime_checkable
+class AllGatherStrategy(Protocol):
+    """Gathers 1-D shards over a fixed group of ``group_size`` ranks.
+
+    Attributes:
+        group_size: Ranks in the group (the shard count of each tensor).
+        group_rank: This rank's position in the group (which shard it owns).
+    """
+
+    group_size: int
+    group_rank: int
+
+    def all_gather_coalesced(
+        self, shards: Sequence[torch.Tensor], *, async_op: bool = False, out: torch.Tensor | None = None
+    ) -> AllGatherHandle:
+        """Same contract as :func:`zero_comm.all_gather_coalesced` over this strategy's group."""
+        ...
+
+
+@runtime_checkable
+class ReduceScatterStrategy(Protocol):
+    """Reduces tensors over a fixed group and keeps this rank's partition of each.
+
+    Attributes:
+        group_size: Ranks in the group (the partition count of each tensor).
+        group_rank: This rank's position in the group (which partition it keeps).
+    """
+
+    group_size: int
+    group_rank: int
+
+    def reduce_scatter_coalesced(
+        self, tensors: Sequence[torch.Tensor], *, op: ReduceOpLike = "avg", async_op: bool = False
+    ) -> ReduceScatterHandle:
+        """Same contract as :func:`zero_comm.reduce_scatter_coalesced` over this strategy's group."""
+        ...
+
+
+class FlatAllGather:
+    """One ``all_gather_single`` over ``group`` per call.
+
+    Args:
+        group: Process group (``None``: the world).
+    """
+
+    __slots__ = ("group", "group_rank", "group_size")
+
+    def __init__(self, group: ProcessGroup | None = None) -> None:
+        self.group = group
+        self.group_size, self.group_rank = group_size_and_rank(group, "FlatAllGather")
+
+    def __repr__(self) -> str:
+        return f"FlatAllGather(group_size={self.group_size}, group_rank={self.group_rank})"
+
+    def all_gather_coalesced(
+        self, shards: Sequence[torch.Tensor], *, async_op: bool = False, out: torch.Tensor | None = None
+    ) -> AllGatherHandle:
+        """See :func:`zero_comm.all_gather_coalesced`."""
+        return all_gather_coalesced(shards, self.group, async_op=async_op, out=out)
+
+
+class HierarchicalAllGather:
+    """Two-hop gather (inter-node, then intra-node) over a group spanning several nodes.
+
+    Args:
+        groups: The hops, from :meth:`zero_comm.Topology.hierarchical_groups`.
+    """
+
+    __slots__ = ("group_rank", "group_size", "groups")
+
+    def __init__(self, groups: HierarchicalGroups) -> None:
+        group_size_and_rank(groups.inter, "HierarchicalAllGather")
+        self.groups = groups
+        self.group_size = groups.size
+        self.group_rank = groups.rank
+
+    def __repr__(self) -> str:
+        return (
+            f"HierarchicalAllGather(nodes={self.groups.inter_size}, per_node={self.groups.intra_size}, "
+            f"group_rank={self.group_rank})"
+        )
+
+    def all_gather_coalesced(
+        self, shards: Sequence[torch.Tensor], *, async_op: bool = False, out: torch.Tensor | None = None
+    ) -> AllGatherHandle:
+        """See :func:`zero_comm.hierarchical_all_gather_coalesced`."""
+        return hierarchical_all_gather_coalesced(shards, self.groups, async_op=async_op, out=out)
+
+
+class AllToAllReduceScatter:
+    """Reduce-scatter as one ``all_to_all_single`` plus a local sum (ring-ideal bytes).
+
+    Args:
+        group: Process group (``None``: the world).
+    """
+
+    __slots__ = ("group", "group_rank", "group_size")
+
+    def __init__(self, group: ProcessGroup | None = None) -> None:
+        self.group = group
+        self.group_size, self.group_rank = group_size_and_rank(group, "AllToAllReduceScatter")
+
+    def __repr__(self) -> str:
+        return f"AllToAllReduceScatter(group_size={self.group_size}, group_rank={self.group_rank})"
+
+    def reduce_scatter_coalesced(
+        self, tensors: Sequence[torch.Tensor], *, op: ReduceOpLike = "avg", async_op: bool = False
+    ) -> ReduceScatterHandle:
+        """See :func:`zero_comm.reduce_scatter_coalesced`."""
+        return reduce_scatter_coalesced(tensors, self.group, op=op, async_op=async_op)

@@ -1,0 +1,40 @@
+"""Shared cases of the zero-comm tests (imported by the test modules and by the spawned ranks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+# (world_size, ranks_per_node). Session scope makes pytest run every test of one world
+# size together, so the pooled ranks are reused instead of restarted.
+WORLDS = [pytest.param((1, 1), id="w1"), pytest.param((2, 2), id="w2"), pytest.param((4, 2), id="2x2")]
+over_worlds = pytest.mark.parametrize("spec", WORLDS, scope="session")
+
+# Shard / tensor numels: empty, one, small odd, primes, one below a power of two.
+ODD_SIZES = [0, 1, 7, 131, 1023, 4099]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def rank_tensor(seed: int, rank: int, shape: tuple[int, ...], dtype: torch.dtype, integer: bool = False):
+    """Deterministic data that differs per rank and per seed."""
+    gen = torch.Generator().manual_seed(1000 * seed + rank)
+    if integer:
+        return torch.randint(-64, 64, shape, generator=gen).to(dtype)
+    return torch.randn(shape, generator=gen).to(dtype)
+
+
+def same_buffer(views: list[torch.Tensor], flat_ptr: int | None = None) -> bool:
+    """All views live in one buffer, laid out one after another (from ``flat_ptr`` if given).
+
+    Empty views have no address (``data_ptr() == 0``) and are skipped.
+    """
+    es = views[0].element_size()
+    offsets, offset = [], 0
+    for v in views:
+        offsets.append(offset)
+        offset += v.numel()
+    located = [(v.data_ptr(), off) for v, off in zip(views, offsets) if v.numel()]
+    if not located:
+        return True
+    base = located[0][0] - located[0][1] * es if flat_ptr is None else flat_ptr
+    return all(ptr == base + off * es for ptr, off in located)

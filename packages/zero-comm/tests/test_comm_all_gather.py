@@ -1,0 +1,136 @@
+"""all_gather_coalesced against per-tensor torch all-gathers, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as tdist
+from comm_cases import DTYPES, ODD_SIZES, over_worlds, rank_tensor, same_buffer
+
+from zero_comm import CommLedger, Topology, all_gather_coalesced
+from zero_comm.coalesced import adjacent_flat_view
+
+
+def _reference(shard: torch.Tensor, group=None) -> torch.Tensor:
+    out = torch.empty(tdist.get_world_size(group) * shard.numel(), dtype=shard.dtype)
+    tdist.all_gather_single(out, shard, group=group)
+    return out
+
+
+def _check_against_reference(shards, full, group=None) -> None:
+    assert len(full) == len(shards)
+    for i, (s, f) in enumerate(zip(shards, full)):
+        ref = _reference(s, group)
+        assert f.shape == ref.shape and f.dtype == s.dtype, (i, f.shape, ref.shape)
+        assert torch.equal(f, ref), f"tensor {i} (numel {s.numel()}) differs from all_gather_single"
+
+
+def _gather_cases(rank):
+    world = rank.world_size
+    calls = 0
+    with CommLedger(Topology()) as ledger:
+        for name, dtype in DTYPES.items():
+            shards = [rank_tensor(i, rank.rank, (n,), dtype) for i, n in enumerate(ODD_SIZES)]
+            for use_out in (False, True):
+                for async_op in (False, True):
+                    out = torch.full((world * sum(ODD_SIZES),), 7.0, dtype=dtype) if use_out else None
+                    handle = all_gather_coalesced(shards, async_op=async_op, out=out)
+                    calls += 1
+                    full = handle.wait()
+                    assert handle.wait() is full and handle.is_completed()
+                    _check_against_reference(shards, full)
+                    assert same_buffer(full, out.data_ptr() if use_out else None), name
+    shard_bytes = sum(ODD_SIZES) * 4
+    assert ledger.count("all_gather") == calls == 12
+    fp32 = [r for r in ledger.records if r.payload_bytes == shard_bytes]
+    assert len(fp32) == 4 and all(r.wire_bytes == (world - 1) * shard_bytes for r in fp32)
+    return calls
+
+
+@over_worlds
+def test_matches_per_tensor_all_gather_for_odd_shapes_and_dtypes(dist, spec):
+    world, rpn = spec
+    assert dist.run(world, _gather_cases, ranks_per_node=rpn) == [12] * world
+
+
+def _single_and_empty(rank):
+    world = rank.world_size
+    shard = rank_tensor(3, rank.rank, (4099,), torch.float32)
+    out = torch.empty(world * 4099)
+    (full,) = all_gather_coalesced([shard], out=out).wait()
+    assert full.data_ptr() == out.data_ptr() and torch.equal(full, _reference(shard))
+    empties = all_gather_coalesced([torch.empty(0), torch.empty(0)]).wait()
+    assert [e.numel() for e in empties] == [0, 0]
+    mixed = [torch.empty(0), rank_tensor(4, rank.rank, (1,), torch.float32), torch.empty(0)]
+    _check_against_reference(mixed, all_gather_coalesced(mixed).wait())
+    store = rank_tensor(5, rank.rank, (1023 + 7 + 131,), torch.float16)  # shards kept in one buffer
+    adjacent = list(torch.split(store, [1023, 0, 7, 131]))
+    assert adjacent_flat_view(adjacent) is not None
+    _check_against_reference(adjacent, all_gather_coalesced(adjacent).wait())
+    return True
+
+
+@over_worlds
+def test_one_tensor_lands_in_out_and_empty_shards_work(dist, spec):
+    world, rpn = spec
+    assert all(dist.run(world, _single_and_empty, ranks_per_node=rpn))
+
+
+def _subgroup_gather(rank):
+    topo = Topology()
+    results = []
+    for shard_size in (1, 2):
+        if rank.world_size % shard_size:
+            continue
+        group = topo.shard_group(shard_size)
+        shards = [rank_tensor(i, rank.rank, (n,), torch.bfloat16) for i, n in enumerate((131, 0, 7))]
+        full = all_gather_coalesced(shards, group, async_op=True).wait()
+        _check_against_reference(shards, full, group)
+        results.append(full[0].numel())
+    return results
+
+
+@over_worlds
+def test_gathers_over_a_shard_group(dist, spec):
+    world, rpn = spec
+    expected = [131, 262] if world % 2 == 0 else [131]
+    assert dist.run(world, _subgroup_gather, ranks_per_node=rpn) == [expected] * world
+
+
+def _bad_inputs(rank):
+    world = rank.world_size
+    ok = torch.ones(4)
+    with pytest.raises(ValueError, match="empty list"):
+        all_gather_coalesced([])
+    with pytest.raises(ValueError, match="input 1 has dtype torch.float16 but input 0 has torch.float32"):
+        all_gather_coalesced([ok, ok.half()])
+    with pytest.raises(ValueError, match="input 1 is on meta but input 0 is on cpu"):
+        all_gather_coalesced([ok, torch.empty(4, device="meta")])
+    with pytest.raises(ValueError, match="input 2 is not contiguous"):
+        all_gather_coalesced([ok, ok, torch.ones(8)[::2]])
+    with pytest.raises(ValueError, match=r"input 1 has shape \(2, 2\); shards must be 1-D"):
+        all_gather_coalesced([ok, torch.ones(2, 2)])
+    with pytest.raises(ValueError, match=f"out has 7 elements but needs {world * 8}"):
+        all_gather_coalesced([ok, ok], out=torch.empty(7))
+    with pytest.raises(ValueError, match="out is torch.float16"):
+        all_gather_coalesced([ok], out=torch.empty(world * 4, dtype=torch.float16))
+    with pytest.raises(ValueError, match="single tensor"):
+        all_gather_coalesced(ok)
+    return True
+
+
+@over_worlds
+def test_bad_inputs_are_named(dist, spec):
+    world, rpn = spec
+    assert all(dist.run(world, _bad_inputs, ranks_per_node=rpn))
+
+
+def test_adjacent_shards_are_recognised_as_one_buffer():
+    buf = torch.arange(20.0)
+    flat = adjacent_flat_view([buf[0:3], buf[3:3], buf[3:10], buf[10:11]])
+    assert flat is not None and flat.data_ptr() == buf.data_ptr() and torch.equal(flat, buf[:11])
+    assert adjacent_flat_view([buf[4:6], buf[6:7]]).data_ptr() == buf[4:].data_ptr()
+    assert adjacent_flat_view([buf[0:3], buf[4:6]]) is None  # gap
+    assert adjacent_flat_view([buf[3:5], buf[0:3]]) is None  # out of order
+    assert adjacent_flat_view([torch.ones(2), torch.ones(2)]) is None  # two storages
+    assert adjacent_flat_view([torch.empty(0)]) is None

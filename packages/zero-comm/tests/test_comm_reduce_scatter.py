@@ -1,0 +1,164 @@
+"""reduce_scatter_coalesced against all_reduce + slicing, and its bytes on the wire."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as tdist
+from comm_cases import DTYPES, ODD_SIZES, over_worlds, rank_tensor, same_buffer
+
+from zero_comm import CommLedger, Topology, partition_numel, reduce_scatter_coalesced
+from zero_testing import assert_tensors_close, measure_wire_bytes
+
+SHAPES = [(n,) for n in ODD_SIZES] + [(3, 5), (2, 0), (1, 1, 7)]
+TOLERANCE = {torch.float32: 0.0, torch.bfloat16: 8e-3, torch.float16: 1e-3}
+
+
+def _reference(t: torch.Tensor, average: bool, group=None) -> torch.Tensor:
+    """This rank's partition of the fp32 all-reduced, zero-padded tensor."""
+    world, rank = tdist.get_world_size(group), tdist.get_rank(group)
+    part = partition_numel(t.numel(), world)
+    padded = torch.zeros(world * part, dtype=torch.float32)
+    padded[: t.numel()] = t.reshape(-1).float()
+    tdist.all_reduce(padded, group=group)
+    if average:
+        padded /= world
+    return padded[rank * part : (rank + 1) * part].to(t.dtype)
+
+
+def _reduce_scatter_cases(rank):
+    world = rank.world_size
+    calls = 0
+    with CommLedger(Topology()) as ledger:
+        for name, dtype in DTYPES.items():
+            integer = dtype == torch.float32  # integer-valued fp32 must come out exact
+            tensors = [rank_tensor(i, rank.rank, s, dtype, integer=integer) for i, s in enumerate(SHAPES)]
+            for op in ("sum", "avg"):
+                for async_op in (False, True):
+                    handle = reduce_scatter_coalesced(tensors, op=op, async_op=async_op)
+                    calls += 1
+                    parts = handle.wait()
+                    assert handle.wait() is parts and handle.is_completed()
+                    assert same_buffer(parts)
+                    for i, (t, p) in enumerate(zip(tensors, parts)):
+                        ref = _reference(t, op == "avg")
+                        assert p.shape == ref.shape and p.dtype == dtype, (i, p.shape, ref.shape)
+                        if integer:
+                            assert torch.equal(p, ref), f"{name} {op} tensor {i} {tuple(t.shape)}"
+                        else:
+                            assert_tensors_close(p, ref, TOLERANCE[dtype], f"{name} {op} tensor {i}")
+    padded = sum(partition_numel(torch.Size(s).numel(), world) for s in SHAPES) * world
+    fp32 = ledger.select(step=0)[:4]
+    assert ledger.count("reduce_scatter") == calls == 12
+    assert all(r.payload_bytes == sum(torch.Size(s).numel() for s in SHAPES) * 4 for r in fp32)
+    assert all(r.wire_bytes == (world - 1) * padded * 4 // world for r in fp32)
+    return calls
+
+
+@over_worlds
+def test_matches_all_reduce_then_slice(dist, spec):
+    world, rpn = spec
+    assert dist.run(world, _reduce_scatter_cases, ranks_per_node=rpn) == [12] * world
+
+
+def _padding_and_accumulation(rank):
+    world = rank.world_size
+    # 7 elements over `world` ranks: the padded tail of the last partition must be zero.
+    (part,) = reduce_scatter_coalesced([torch.ones(7)], op="sum").wait()
+    start = rank.rank * partition_numel(7, world)
+    expected = [float(world) if start + i < 7 else 0.0 for i in range(part.numel())]
+    assert part.tolist() == expected
+    # bf16: 1 + (world-1) * 2**-8 summed in fp32 and rounded once, not rounded after every add.
+    value = 1.0 if rank.rank == 0 else 2.0**-8
+    (got,) = reduce_scatter_coalesced([torch.full((world,), value, dtype=torch.bfloat16)], op="sum").wait()
+    exact = torch.tensor(1.0 + (world - 1) * 2.0**-8).to(torch.bfloat16)
+    assert torch.equal(got, exact.expand(1)), (got, exact)
+    return got.item()
+
+
+@over_worlds
+def test_padding_is_zero_and_half_precision_accumulates_in_fp32(dist, spec):
+    world, rpn = spec
+    assert (
+        dist.run(world, _padding_and_accumulation, ranks_per_node=rpn)
+        == [{1: 1.0, 2: 1.0, 4: 1.015625}[world]] * world
+    )
+
+
+def _subgroup(rank):
+    topo = Topology()
+    group = topo.replicate_group(2) if rank.world_size % 2 == 0 else topo.shard_group(1)
+    tensors = [rank_tensor(i, rank.rank, (n,), torch.float32, integer=True) for i, n in enumerate((131, 7))]
+    parts = reduce_scatter_coalesced(tensors, group, op="avg").wait()
+    for t, p in zip(tensors, parts):
+        assert torch.equal(p, _reference(t, True, group))
+    return [p.numel() for p in parts]
+
+
+@over_worlds
+def test_reduces_over_a_subgroup(dist, spec):
+    world, rpn = spec
+    groups = world // 2 if world % 2 == 0 else 1
+    assert dist.run(world, _subgroup, ranks_per_node=rpn) == [[-(-131 // groups), -(-7 // groups)]] * world
+
+
+def _wire_bytes(rank):
+    world = rank.world_size
+    tensors = [torch.ones(n) for n in (1_000_003, 524_287, 7)]
+    padded = sum(partition_numel(t.numel(), world) for t in tensors) * world
+    tdist.barrier()
+    with measure_wire_bytes() as ours:
+        reduce_scatter_coalesced(tensors, op="sum").wait()
+    flat, out = torch.ones(padded), torch.empty(padded // world)
+    tdist.barrier()
+    with measure_wire_bytes() as torch_rs:
+        tdist.reduce_scatter_single(out, flat)
+    return ours.written, torch_rs.written, (world - 1) * padded * 4 // world
+
+
+@over_worlds
+def test_wire_bytes_are_ring_ideal_and_half_of_gloo_reduce_scatter(dist, spec):
+    world, rpn = spec
+    for ours, theirs, ideal in dist.run(world, _wire_bytes, ranks_per_node=rpn):
+        if world == 1:
+            assert ours == 0 and ideal == 0
+            continue
+        assert 0.95 * ideal <= ours <= 1.1 * ideal + 65536, (ours, ideal)
+        assert ours < 0.7 * theirs, f"ours {ours} vs dist.reduce_scatter_single {theirs}"
+
+
+def _bad_inputs(rank):
+    ok = torch.ones(4)
+    with pytest.raises(ValueError, match="unsupported reduction 'max'; use one of 'sum', 'avg'"):
+        reduce_scatter_coalesced([ok], op="max")
+    with pytest.raises(ValueError, match="op='avg' needs a floating-point dtype, got torch.int64"):
+        reduce_scatter_coalesced([torch.ones(3, dtype=torch.int64)])
+    with pytest.raises(ValueError, match="input 1 is not contiguous"):
+        reduce_scatter_coalesced([ok, torch.ones(4, 4).t()])
+    with pytest.raises(ValueError, match="input 1 has dtype torch.bfloat16"):
+        reduce_scatter_coalesced([ok, ok.bfloat16()])
+    with pytest.raises(ValueError, match="empty list"):
+        reduce_scatter_coalesced([])
+    (summed,) = reduce_scatter_coalesced([torch.ones(3, dtype=torch.int64)], op=tdist.ReduceOp.SUM).wait()
+    return summed.tolist()
+
+
+@over_worlds
+def test_bad_inputs_are_named(dist, spec):
+    world, rpn = spec
+    part = partition_numel(3, world)
+    expected = [[world if r * part + i < 3 else 0 for i in range(part)] for r in range(world)]
+    assert dist.run(world, _bad_inputs, ranks_per_node=rpn) == expected
+
+
+@pytest.mark.parametrize("rows", [2, 3, 4, 5, 8])
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
+def test_local_sum_over_received_rows(rows, dtype):
+    from zero_comm.coalesced import _sum_rows
+
+    recv = torch.randint(-20, 20, (rows, 1023), generator=torch.Generator().manual_seed(rows)).to(dtype)
+    for average in (False, True):
+        out = torch.empty(1023, dtype=dtype)
+        _sum_rows(recv, out, average)
+        want = recv.double().sum(0) / (rows if average else 1)
+        assert torch.equal(out, want.to(dtype)), (rows, dtype, average)
