@@ -75,7 +75,11 @@ def _install(session: nox.Session, *dists: str, extras: str = "test", editable: 
         closure += [d for d in _internal_deps(dist) if d not in closure]
     args: list[str] = []
     for dist in closure:
-        target = f"{ROOT / PACKAGE_DIRS[dist]}[{extras}]" if extras and dist in dists else str(ROOT / PACKAGE_DIRS[dist])
+        target = (
+            f"{ROOT / PACKAGE_DIRS[dist]}[{extras}]"
+            if extras and dist in dists
+            else str(ROOT / PACKAGE_DIRS[dist])
+        )
         args += ["-e", target] if editable else [target]
     session.install("-c", CONSTRAINTS, *args)
 
@@ -98,7 +102,9 @@ def tests(session: nox.Session, package: str) -> None:
     if not _has_tests(pkg_dir / "tests"):
         session.log(f"{package}: not implemented yet (no tests); the import check above is all there is")
         return
-    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", str(pkg_dir / "tests"), env=TEST_ENV)
+    session.run(
+        "python", "-m", "pytest", "-q", "-p", "no:cacheprovider", str(pkg_dir / "tests"), env=TEST_ENV
+    )
 
 
 @nox.session(tags=["ci"])
@@ -106,7 +112,9 @@ def kernels(session: nox.Session) -> None:
     """Triton kernels against their torch reference twins, on CPU under TRITON_INTERPRET=1."""
     _install(session, "zero-kernels", extras="test,triton")
     env = dict(TEST_ENV, TRITON_INTERPRET="1")
-    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "kernels/tests"), env=env)
+    session.run(
+        "python", "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "kernels/tests"), env=env
+    )
 
 
 @nox.session(tags=["ci"])
@@ -138,7 +146,16 @@ def docs(session: nox.Session) -> None:
     session.install("mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26")
     site = pathlib.Path(session.create_tmp()) / "site"
     env = {"NO_MKDOCS_2_WARNING": "1"}
-    session.run("mkdocs", "build", "--strict", "--config-file", str(ROOT / "mkdocs.yml"), "--site-dir", str(site), env=env)
+    session.run(
+        "mkdocs",
+        "build",
+        "--strict",
+        "--config-file",
+        str(ROOT / "mkdocs.yml"),
+        "--site-dir",
+        str(site),
+        env=env,
+    )
 
 
 @nox.session

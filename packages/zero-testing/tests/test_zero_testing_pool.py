@@ -6,7 +6,13 @@ import pytest
 import torch
 import torch.distributed as dist_
 
-from zero_testing import RankFailure, RankTimeout, assert_losses_close, assert_tensors_close, measure_wire_bytes
+from zero_testing import (
+    RankFailure,
+    RankTimeout,
+    assert_losses_close,
+    assert_tensors_close,
+    measure_wire_bytes,
+)
 
 
 def _sum_of_ranks(rank):

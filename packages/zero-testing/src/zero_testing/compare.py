@@ -22,7 +22,9 @@ def max_rel_to_magnitude(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return diff / scale
 
 
-def assert_tensors_close(actual: torch.Tensor, expected: torch.Tensor, rel: float, what: str = "tensor") -> None:
+def assert_tensors_close(
+    actual: torch.Tensor, expected: torch.Tensor, rel: float, what: str = "tensor"
+) -> None:
     """Assert ``max|a - e| <= rel * max|e|`` with a message that says by how much it missed."""
     err = max_rel_to_magnitude(actual, expected)
     if not err <= rel:
@@ -49,4 +51,6 @@ def assert_losses_close(actual: Sequence[float], expected: Sequence[float], rel:
     for step, (a, e) in enumerate(zip(actual, expected)):
         bound = rel * max(abs(e), 1e-30)
         if not abs(a - e) <= bound:
-            raise AssertionError(f"step {step}: loss {a!r} vs reference {e!r} (rel err {abs(a - e) / abs(e):.3e} > {rel:.1e})")
+            raise AssertionError(
+                f"step {step}: loss {a!r} vs reference {e!r} (rel err {abs(a - e) / abs(e):.3e} > {rel:.1e})"
+            )
