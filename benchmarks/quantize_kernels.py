@@ -1,0 +1,128 @@
+"""CPU throughput of zero-kernels' torch reference: quantize / dequantize vs a plain copy.
+
+Run from the repository root::
+
+    python benchmarks/quantize_kernels.py --out benchmarks/results
+
+For a ``--numel`` fp32 tensor (default 10M) of Gaussian data it times, per bit width (group size
+``--group-size``, default 2048), the median over ``--repeats`` runs of:
+
+* ``quantize``: fp32 -> codes + scales (new tensors, as the library returns them);
+* ``dequantize``: codes + scales -> fp32, into a preallocated output;
+* ``round trip``: both;
+
+next to ``copy`` (``dst.copy_(src)`` of the same fp32 bytes into a preallocated tensor) and
+``clone`` (the same with a fresh allocation). GB/s is always the fp32 tensor's bytes
+(4 * numel) divided by the time, so the rows compare directly. The relative RMSE of the round
+trip and the wire payload are recorded too. Writes ``quantize_kernels.json`` into ``--out``.
+Not a test: nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+import zero_kernels
+from zero_kernels import QuantConfig, dequantize, quantize
+
+
+def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
+    """Median wall time of ``fn()`` over ``repeats`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def run(numel: int, group_size: int, repeats: int) -> dict:
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(numel, generator=gen)
+    fp32_bytes = 4 * numel
+    rows: list[dict] = []
+
+    def row(name: str, seconds: float, **extra: object) -> None:
+        rows.append({"op": name, "ms": seconds * 1e3, "gb_per_s": fp32_bytes / seconds / 1e9, **extra})
+
+    dst = torch.empty_like(x)
+    row("copy (preallocated)", median_seconds(lambda: dst.copy_(x), repeats))
+    row("clone (allocating)", median_seconds(lambda: x.clone(), repeats))
+    for bits in (8, 4):
+        cfg = QuantConfig(bits, group_size)
+        q = quantize(x, cfg, backend="torch")
+        out = torch.empty_like(x)
+        rmse = ((dequantize(q, backend="torch") - x).norm() / x.norm()).item()
+        t_q = median_seconds(lambda cfg=cfg: quantize(x, cfg, backend="torch"), repeats)
+        t_d = median_seconds(lambda q=q, out=out: dequantize(q, out=out, backend="torch"), repeats)
+        t_rt = median_seconds(
+            lambda cfg=cfg, out=out: dequantize(quantize(x, cfg, backend="torch"), out=out, backend="torch"),
+            repeats,
+        )
+        extra = {"bits": bits, "payload_bytes": q.nbytes, "relative_rmse": rmse}
+        row(f"int{bits} quantize", t_q, **extra)
+        row(f"int{bits} dequantize", t_d, **extra)
+        row(f"int{bits} round trip", t_rt, **extra)
+    return {
+        "benchmark": "quantize_kernels",
+        "backend": "torch reference",
+        "numel": numel,
+        "fp32_bytes": fp32_bytes,
+        "group_size": group_size,
+        "repeats": repeats,
+        "statistic": "median",
+        "rows": rows,
+        "environment": {
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "torch": torch.__version__,
+            "zero_kernels": zero_kernels.__version__,
+            "torch_threads": torch.get_num_threads(),
+            "cpu_count": os.cpu_count(),
+            "machine": platform.machine(),
+            "python": platform.python_version(),
+        },
+    }
+
+
+def table(result: dict) -> str:
+    lines = [
+        f"zero-kernels torch reference, {result['numel']:,} fp32 elements, group {result['group_size']}, "
+        f"median of {result['repeats']}, {result['environment']['torch_threads']} torch threads",
+        f"{'op':<22}{'ms':>9}{'GB/s':>9}{'payload MB':>12}{'rel. RMSE':>11}",
+    ]
+    for r in result["rows"]:
+        payload = f"{r['payload_bytes'] / 1e6:.2f}" if "payload_bytes" in r else "-"
+        rmse = f"{r['relative_rmse']:.4f}" if "relative_rmse" in r else "-"
+        lines.append(f"{r['op']:<22}{r['ms']:>9.2f}{r['gb_per_s']:>9.2f}{payload:>12}{rmse:>11}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--numel", type=int, default=10_000_000)
+    parser.add_argument("--group-size", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(__file__).parent / "results")
+    args = parser.parse_args()
+    result = run(args.numel, args.group_size, args.repeats)
+    print(table(result))
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "quantize_kernels.json"
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
