@@ -1,1 +1,33 @@
-"""Module hooks, execution trace, prefetch and release for ZeRO-3."""
+"""Module hooks, execution trace, prefetch and release for ZeRO-3.
+
+:class:`Coordinator` installs forward / backward hooks on a model whose parameters were
+partitioned with ``zero_params``: it gathers each module's parameters before it runs,
+prefetches the next modules of a recorded :class:`Trace`, releases parameters after use
+(never before their gradient reached the :class:`GradientSink`) and reports
+:class:`StepStats`. :func:`set_leaf_modules` marks blocks (mixture of experts) that are
+gathered as a whole.
+"""
+
+from zero_coord.config import CoordinatorConfig, Phase, TraceState
+from zero_coord.coordinator import Coordinator
+from zero_coord.hooks import HookSet, ModuleHookState
+from zero_coord.leaf import LeafRegistry, find_leaf_modules, set_leaf_modules
+from zero_coord.sink import GradientSink
+from zero_coord.stats import StepStats
+from zero_coord.trace import Trace, TraceEvent
+
+__all__ = [
+    "Coordinator",
+    "CoordinatorConfig",
+    "GradientSink",
+    "HookSet",
+    "LeafRegistry",
+    "ModuleHookState",
+    "Phase",
+    "StepStats",
+    "Trace",
+    "TraceEvent",
+    "TraceState",
+    "find_leaf_modules",
+    "set_leaf_modules",
+]

@@ -1,1 +1,68 @@
-"""Partitioned parameters for ZeRO-3: ShardedParam state, partition / gather / release, Init, GatheredParameters."""
+"""Partitioned parameters for ZeRO-3: the ShardedParam state, partition / gather / release,
+Init and GatheredParameters.
+
+* :class:`ShardedParam` (``param._zero``), :class:`ParamStatus`, :func:`state_of`,
+  :func:`is_partitioned`, :func:`full_shape`: the per-parameter state.
+* :func:`partition`, :func:`gather`, :func:`release`, :func:`reduce_scatter_grads`,
+  :func:`commit_shards`, :func:`invalidate_secondary`: the operations (coalesced,
+  strategy-driven collectives from ``zero_comm``).
+* :class:`Init`: partition while constructing; :class:`GatheredParameters`: whole
+  parameters inside a block; :func:`register_external_parameter`: parameters a module
+  uses but does not own.
+"""
+
+from zero_params.external import (
+    ModuleParamsState,
+    external_parameters,
+    register_external_parameter,
+    unregister_external_parameter,
+)
+from zero_params.gathered import GatheredParameters
+from zero_params.init import Init
+from zero_params.ops import (
+    GatherHandle,
+    GradReduceHandle,
+    commit_shards,
+    gather,
+    invalidate_secondary,
+    partition,
+    reduce_scatter_grads,
+    release,
+)
+from zero_params.spec import ShardingSpec
+from zero_params.state import (
+    GatheredBuffer,
+    ParamStatus,
+    PartitionedParameter,
+    PartitionedParameterError,
+    ShardedParam,
+    full_shape,
+    is_partitioned,
+    state_of,
+)
+
+__all__ = [
+    "GatherHandle",
+    "GatheredBuffer",
+    "GatheredParameters",
+    "GradReduceHandle",
+    "Init",
+    "ModuleParamsState",
+    "ParamStatus",
+    "PartitionedParameter",
+    "PartitionedParameterError",
+    "ShardedParam",
+    "ShardingSpec",
+    "commit_shards",
+    "external_parameters",
+    "full_shape",
+    "gather",
+    "invalidate_secondary",
+    "is_partitioned",
+    "partition",
+    "reduce_scatter_grads",
+    "register_external_parameter",
+    "release",
+    "state_of",
+    "unregister_external_parameter",
+]

@@ -1,0 +1,282 @@
+"""Hook state objects and the one place their handles live.
+
+Every hook is a bound method of a small slotted state object (no closures), so a hook can
+be inspected and its owner found; every handle goes into one :class:`HookSet`, whose
+:meth:`HookSet.remove` takes them all out again.
+
+* :class:`ParamSlot`: the coordinator's bookkeeping for one managed parameter.
+* :class:`ModuleHookState`: forward pre/post hooks of one module, and the pre/post-backward
+  callbacks reached through :class:`PreBackward` / :class:`PostBackward`.
+* :class:`GradHook`: the post-accumulate-grad hook of one parameter.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from zero_coord._tree import collect_grad_tensors, replace_grad_tensors
+
+if TYPE_CHECKING:
+    from zero_coord.coordinator import Coordinator
+
+__all__ = [
+    "GatherBatch",
+    "GradHook",
+    "HookSet",
+    "ModuleHookState",
+    "ParamSlot",
+    "PostBackward",
+    "PreBackward",
+]
+
+
+class HookSet:
+    """All hook handles of one coordinator; :meth:`remove` removes every one of them."""
+
+    __slots__ = ("_handles",)
+
+    def __init__(self) -> None:
+        self._handles: list[RemovableHandle] = []
+
+    def add(self, handle: RemovableHandle) -> None:
+        """Keep ``handle`` until :meth:`remove`."""
+        self._handles.append(handle)
+
+    def remove(self) -> None:
+        """Remove every hook added so far."""
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+
+class GatherBatch:
+    """The parameters one gather call made live: they share one flat buffer.
+
+    Like the buffer itself, the batch's elements count as live until its last parameter is
+    released (releasing some of them frees nothing), which is what the live-element
+    accounting mirrors.
+
+    Attributes:
+        handle: The gather handle while not waited for, else ``None``.
+        numel: Elements of the batch's parameters.
+        live: Parameters of the batch still gathered.
+    """
+
+    __slots__ = ("handle", "live", "numel")
+
+    def __init__(self, handle: Any, numel: int, live: int) -> None:
+        self.handle = handle
+        self.numel = numel
+        self.live = live
+
+    def wait(self) -> None:
+        """Wait for the gather (once)."""
+        handle = self.handle
+        if handle is not None:
+            self.handle = None
+            handle.wait()
+
+
+class ParamSlot:
+    """Per-parameter state of the coordinator (nothing is stored on the parameter itself).
+
+    Attributes:
+        param: The managed (partitioned, not persistent) parameter.
+        name: Its qualified name in the model.
+        index: Position in the coordinator's slot list (used as the trace key).
+        numel: Elements of the full parameter.
+        nbytes: Bytes of the full parameter.
+        holds: Module activations currently using the parameter (tied weights and external
+            parameters are held by several modules).
+        batch: The gather that made it live (``None`` while not gathered).
+        prefetched: Gathered ahead of its next use and not yet used.
+        retained: Kept gathered after use because its next use is close (reuse distance).
+        grad_ready: Its gradient was accumulated (and handed to the sink) in this backward.
+        release_on_grad: Its module finished backward before its gradient was ready: the
+            gradient hook releases it.
+    """
+
+    __slots__ = (
+        "batch",
+        "grad_ready",
+        "holds",
+        "index",
+        "name",
+        "nbytes",
+        "numel",
+        "param",
+        "prefetched",
+        "release_on_grad",
+        "retained",
+    )
+
+    def __init__(self, param: nn.Parameter, name: str, index: int, numel: int, nbytes: int) -> None:
+        self.param = param
+        self.name = name
+        self.index = index
+        self.numel = numel
+        self.nbytes = nbytes
+        self.holds = 0
+        self.batch: GatherBatch | None = None
+        self.prefetched = False
+        self.retained = False
+        self.grad_ready = False
+        self.release_on_grad = False
+
+    def __repr__(self) -> str:
+        return (
+            f"ParamSlot({self.name!r}, numel={self.numel}, holds={self.holds}, live={self.batch is not None})"
+        )
+
+
+class PreBackward(torch.autograd.Function):
+    """Identity on a module's outputs whose backward fetches the module's parameters.
+
+    The outputs are returned detached (not as views of the inputs), so in-place operations
+    on them later stay legal.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, state: ModuleHookState, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.state = state
+        ctx.set_materialize_grads(False)
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        ctx.state.pre_backward()
+        return (None, *grads)
+
+
+class PostBackward(torch.autograd.Function):
+    """Identity on a module's inputs whose backward runs once the module's backward is done."""
+
+    @staticmethod
+    def forward(ctx: Any, state: ModuleHookState, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.state = state
+        ctx.set_materialize_grads(False)
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        ctx.state.post_backward()
+        return (None, *grads)
+
+
+def _wrap(fn: type[torch.autograd.Function], state: ModuleHookState, structure: Any) -> Any:
+    """Route the grad-requiring tensors of ``structure`` through ``fn`` (one node for all)."""
+    if type(structure) is torch.Tensor:  # the common single-tensor output: no traversal
+        return fn.apply(state, structure)[0] if structure.requires_grad else structure
+    tensors = collect_grad_tensors(structure, [])
+    if not tensors:
+        return structure
+    return replace_grad_tensors(structure, iter(fn.apply(state, *tensors)))
+
+
+def _wrap_inputs(state: ModuleHookState, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+    """Route the module's grad-requiring inputs through :class:`PostBackward`; ``None``: unchanged."""
+    if not kwargs and len(args) == 1 and type(args[0]) is torch.Tensor:  # the common case
+        if not args[0].requires_grad:
+            return None
+        return (PostBackward.apply(state, args[0])[0],), kwargs
+    tensors = collect_grad_tensors((args, kwargs), [])
+    if not tensors:
+        return None
+    return replace_grad_tensors((args, kwargs), iter(PostBackward.apply(state, *tensors)))
+
+
+def in_backward() -> bool:
+    """True while the autograd engine runs a backward on this thread (e.g. a recompute)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class ModuleHookState:
+    """Hooks of one module: fetch before its forward and backward, release after them.
+
+    Attributes:
+        coord: The owning coordinator.
+        module: The hooked module.
+        name: Its qualified name.
+        index: Position in the coordinator's module list (trace events use it).
+        slots: Managed parameters it needs: its direct and external parameters, or for a
+            leaf module those of its whole subtree.
+        numel: Elements of those parameters.
+        is_leaf: Whether the module is a leaf (subtree gathered at once, no inner hooks).
+        active: Activations currently holding the parameters (forward or backward).
+    """
+
+    __slots__ = ("active", "coord", "index", "is_leaf", "module", "name", "numel", "slots")
+
+    def __init__(
+        self,
+        coord: Coordinator,
+        module: nn.Module,
+        name: str,
+        index: int,
+        slots: tuple[ParamSlot, ...],
+        is_leaf: bool,
+    ) -> None:
+        self.coord = coord
+        self.module = module
+        self.name = name
+        self.index = index
+        self.slots = slots
+        self.numel = sum(s.numel for s in slots)
+        self.is_leaf = is_leaf
+        self.active = 0
+
+    def __repr__(self) -> str:
+        return f"ModuleHookState({self.name or '<root>'!r}, params={len(self.slots)}, numel={self.numel})"
+
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """Forward pre-hook: start a step if none runs, fetch, arm the post-backward node."""
+        recompute = in_backward()
+        self.coord.on_pre_forward(self, recompute)
+        if self.slots and not recompute and torch.is_grad_enabled():
+            return _wrap_inputs(self, args, kwargs)
+        return None
+
+    def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        """Forward hook (always called): release, arm the pre-backward node, end eval steps.
+
+        Also runs when the forward raised (``output`` is ``None`` and the exception is being
+        handled): the parameters are released all the same and the error is annotated.
+        """
+        error = sys.exc_info()[1] if output is None else None
+        if error is not None:
+            self.coord.on_forward_error(self, error)
+        recompute = in_backward()
+        if self.slots and not recompute and error is None and torch.is_grad_enabled():
+            output = _wrap(PreBackward, self, output)
+        self.coord.on_post_forward(self, output, recompute, failed=error is not None)
+        return output
+
+    def pre_backward(self) -> None:
+        """Called by :class:`PreBackward` before the module's backward runs."""
+        self.coord.on_pre_backward(self)
+
+    def post_backward(self) -> None:
+        """Called by :class:`PostBackward` once the module's input gradients exist."""
+        self.coord.on_post_backward(self)
+
+
+class GradHook:
+    """Post-accumulate-grad hook of one parameter: hand the gradient to the sink, then release."""
+
+    __slots__ = ("coord", "slot")
+
+    def __init__(self, coord: Coordinator, slot: ParamSlot | None) -> None:
+        self.coord = coord
+        self.slot = slot
+
+    def on_grad_accumulated(self, param: torch.Tensor) -> None:
+        """Called by autograd once ``param.grad`` holds this backward's full gradient."""
+        self.coord.on_grad_accumulated(param, self.slot)

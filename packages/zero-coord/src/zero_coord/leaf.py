@@ -1,0 +1,114 @@
+"""Leaf modules: blocks whose whole subtree is gathered at entry and released at exit.
+
+A leaf module is needed when the modules inside a block run data-dependently (mixture of
+experts routing, early exits): with per-module hooks, ranks that take different paths would
+issue different gathers and hang. Gathering the block's whole subtree at its entry makes
+every rank issue the same collectives whatever runs inside; no hooks are installed inside.
+
+Where the marking lives: in one :class:`LeafRegistry` object per model, stored on the model
+it was set on (a single attribute of the module passed to :func:`set_leaf_modules`, not one
+per marked module and nothing on parameters). It stores qualified names relative to that
+model, so ``copy.deepcopy(model)`` carries the marking along, a second call adds to it, and
+the :class:`~zero_coord.Coordinator` of a model (or of any module containing it) finds it
+when it installs its hooks. There is no process-wide registry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch import nn
+
+__all__ = ["LeafRegistry", "find_leaf_modules", "set_leaf_modules"]
+
+_REGISTRY_ATTR = "_zero_coord_leaf_registry"
+
+
+class LeafRegistry:
+    """Qualified names (relative to the owning model) of the modules marked as leaves."""
+
+    __slots__ = ("names",)
+
+    def __init__(self) -> None:
+        self.names: set[str] = set()
+
+    def __repr__(self) -> str:
+        return f"LeafRegistry({sorted(self.names)})"
+
+
+def set_leaf_modules(model: nn.Module, classes_or_names: Iterable[type[nn.Module] | str]) -> list[nn.Module]:
+    """Mark modules of ``model`` as ZeRO-3 leaf modules.
+
+    Call before :meth:`Coordinator.install` (a coordinator reads the marking when it
+    installs its hooks). Marking is additive across calls.
+
+    Args:
+        model: The model (or a submodule of it) holding the modules to mark.
+        classes_or_names: Module classes, class names (``"MixtralSparseMoeBlock"``) or
+            qualified module names relative to ``model`` (``"layers.3.moe"``).
+
+    Returns:
+        The modules marked by this call, in ``model.named_modules()`` order.
+
+    Raises:
+        ValueError: an entry matched no module of ``model`` (named in the message).
+        TypeError: an entry is neither a module class nor a string.
+    """
+    wanted = list(classes_or_names)
+    for entry in wanted:
+        if not (isinstance(entry, str) or (isinstance(entry, type) and issubclass(entry, nn.Module))):
+            raise TypeError(
+                f"set_leaf_modules: {entry!r} is neither an nn.Module subclass nor a class or module name"
+            )
+    matched_entries: set[int] = set()
+    marked: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        hits = [i for i, entry in enumerate(wanted) if _matches(entry, name, module)]
+        if hits:
+            matched_entries.update(hits)
+            marked.append((name, module))
+    unmatched = [wanted[i] for i in range(len(wanted)) if i not in matched_entries]
+    if unmatched:
+        shown = ", ".join(e if isinstance(e, str) else e.__name__ for e in unmatched)
+        raise ValueError(
+            f"set_leaf_modules: no module of {type(model).__name__} matches {shown}; pass module classes, "
+            "class names or qualified names as listed by model.named_modules()"
+        )
+    registry = model.__dict__.get(_REGISTRY_ATTR)
+    if registry is None:
+        registry = LeafRegistry()
+        # A plain (non-module, non-tensor) value: nn.Module.__setattr__ stores it in __dict__.
+        setattr(model, _REGISTRY_ATTR, registry)
+    registry.names.update(name for name, _ in marked)
+    return [module for _, module in marked]
+
+
+def _matches(entry: type[nn.Module] | str, name: str, module: nn.Module) -> bool:
+    if isinstance(entry, str):
+        return entry == name or entry == type(module).__name__
+    return isinstance(module, entry)
+
+
+def find_leaf_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """The leaf modules marked anywhere inside ``model``, outermost only, by qualified name.
+
+    A leaf inside another leaf is covered by the outer one and not returned.
+    """
+    marked: dict[str, nn.Module] = {}
+    for prefix, owner in model.named_modules():
+        registry = owner.__dict__.get(_REGISTRY_ATTR)
+        if registry is None:
+            continue
+        for name, module in owner.named_modules():
+            if name in registry.names:
+                full = f"{prefix}.{name}" if prefix and name else (prefix or name)
+                marked[full] = module
+    outermost: dict[str, nn.Module] = {}
+    for name in sorted(marked, key=lambda n: (n.count("."), n) if n else (-1, n)):
+        if not any(_is_inside(name, outer) for outer in outermost):
+            outermost[name] = marked[name]
+    return outermost
+
+
+def _is_inside(name: str, outer: str) -> bool:
+    return outer == "" or name == outer or name.startswith(outer + ".")

@@ -1,0 +1,104 @@
+"""Per-step statistics of the coordinator: gathers, prefetch hits, peak live elements."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from zero_coord.config import Phase
+
+__all__ = ["StepStats"]
+
+
+@dataclasses.dataclass(frozen=True)
+class StepStats:
+    """What one step (or, summed, every closed step) cost in parameter traffic.
+
+    Counts are per parameter use unless said otherwise.
+
+    Attributes:
+        phase: Phase of the step; ``None`` for running totals and before the first step.
+        steps: Number of steps summed here (1 for a single step).
+        max_live_elements: Peak number of gathered or in-flight parameter elements.
+        gathers: Coalesced all-gather calls issued (one per fetch miss or prefetch batch).
+        prefetch_hits: Parameter uses served by an earlier prefetch (no blocking gather).
+        prefetch_misses: Parameter uses that needed a blocking gather.
+        reuse_hits: Parameter uses served by a parameter kept gathered since an earlier use
+            (``max_reuse_distance``).
+        bytes_gathered: Bytes of full parameters materialised by gathers (payload, not wire
+            bytes: ``zero_comm.CommLedger`` measures those).
+        trace_invalidations: Times a recorded trace was dropped during the step(s).
+    """
+
+    phase: Phase | None = None
+    steps: int = 0
+    max_live_elements: int = 0
+    gathers: int = 0
+    prefetch_hits: int = 0
+    prefetch_misses: int = 0
+    reuse_hits: int = 0
+    bytes_gathered: int = 0
+    trace_invalidations: int = 0
+
+    @property
+    def prefetch_hit_rate(self) -> float:
+        """``prefetch_hits / (prefetch_hits + prefetch_misses)`` (1.0 when nothing was gathered)."""
+        total = self.prefetch_hits + self.prefetch_misses
+        return self.prefetch_hits / total if total else 1.0
+
+    def __add__(self, other: StepStats) -> StepStats:
+        """Running total of two stats (phase dropped, peaks maxed, counts summed)."""
+        return StepStats(
+            phase=None,
+            steps=self.steps + other.steps,
+            max_live_elements=max(self.max_live_elements, other.max_live_elements),
+            gathers=self.gathers + other.gathers,
+            prefetch_hits=self.prefetch_hits + other.prefetch_hits,
+            prefetch_misses=self.prefetch_misses + other.prefetch_misses,
+            reuse_hits=self.reuse_hits + other.reuse_hits,
+            bytes_gathered=self.bytes_gathered + other.bytes_gathered,
+            trace_invalidations=self.trace_invalidations + other.trace_invalidations,
+        )
+
+
+class StatsAccumulator:
+    """Mutable counters of the step in progress; :meth:`close` turns them into a :class:`StepStats`."""
+
+    __slots__ = (
+        "bytes_gathered",
+        "gathers",
+        "max_live_elements",
+        "prefetch_hits",
+        "prefetch_misses",
+        "reuse_hits",
+        "trace_invalidations",
+    )
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Zero every counter."""
+        self.max_live_elements = 0
+        self.gathers = 0
+        self.prefetch_hits = 0
+        self.prefetch_misses = 0
+        self.reuse_hits = 0
+        self.bytes_gathered = 0
+        self.trace_invalidations = 0
+
+    def close(self, phase: Phase | None, live_elements: int) -> StepStats:
+        """Snapshot the counters as one step and start the next one from ``live_elements``."""
+        stats = StepStats(
+            phase=phase,
+            steps=1,
+            max_live_elements=self.max_live_elements,
+            gathers=self.gathers,
+            prefetch_hits=self.prefetch_hits,
+            prefetch_misses=self.prefetch_misses,
+            reuse_hits=self.reuse_hits,
+            bytes_gathered=self.bytes_gathered,
+            trace_invalidations=self.trace_invalidations,
+        )
+        self.reset()
+        self.max_live_elements = live_elements
+        return stats

@@ -1,0 +1,457 @@
+"""The ZeRO-3 data model: one :class:`ShardedParam` per parameter.
+
+How a parameter finds its state
+-------------------------------
+A partitioned ``nn.Parameter`` keeps its identity (optimizers, tied modules and
+``module._parameters`` keep pointing at the same Python object) and carries exactly one
+reference to its state, the attribute ``param._zero`` holding a :class:`ShardedParam`.
+Nothing else is stored on the parameter.
+
+The parameter's *class* tells whether its data is here:
+
+* while the full data is on this rank (``AVAILABLE``: gathered, or persistent) it is a
+  plain ``nn.Parameter`` — plain PyTorch code runs on it with zero overhead;
+* while it is not (``NOT_AVAILABLE`` / ``INFLIGHT``) its class is switched to
+  :class:`PartitionedParameter`, an ``nn.Parameter`` subclass whose ``__torch_function__``
+  lets metadata queries through and turns any other use (``F.linear(x, p)``, ``p.sum()``,
+  ``p.data`` ...) into a :class:`PartitionedParameterError` that names the parameter and
+  says how to gather it, and whose ``repr`` shows the full shape instead of
+  ``torch.Size([0])``.
+
+Why this and not the alternatives: a registry (``WeakKeyDictionary``) needs an owner every
+caller can reach, i.e. a module global or a context threaded through every call; a
+subclass that stays on while the data is available costs a Python ``__torch_function__``
+call on every op of the hot path (measured on this machine, 16x16 ``F.linear``: 13.4 us
+with the subclass kept on vs 6.6-8.0 us for a plain or a gathered parameter, i.e. no
+overhead once the class is switched back). Switching ``__class__`` between two
+layout-identical ``nn.Parameter`` classes keeps identity, needs no global state, and the
+check only exists while it can fire.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from zero_comm import padded_numel, partition_numel, shard_range
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from zero_comm import AllGatherStrategy, ReduceScatterStrategy
+
+__all__ = [
+    "GatheredBuffer",
+    "ParamStatus",
+    "PartitionedParameter",
+    "PartitionedParameterError",
+    "ShardedParam",
+    "full_shape",
+    "is_partitioned",
+    "state_of",
+]
+
+STATE_ATTR = "_zero"
+
+
+class ParamStatus(enum.Enum):
+    """Where a partitioned parameter's full data is."""
+
+    NOT_AVAILABLE = "not_available"
+    """Only this rank's shard is here; the parameter's storage is empty."""
+    INFLIGHT = "inflight"
+    """An all-gather was issued and not waited for yet."""
+    AVAILABLE = "available"
+    """The full data is here (gathered, materialised, or persistent)."""
+
+
+class PartitionedParameterError(RuntimeError):
+    """A partitioned parameter was used where its full data is needed but not gathered."""
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class GatheredBuffer:
+    """The flat buffer one all-gather filled; parameters are views into it.
+
+    The buffer is freed (``flat`` set to ``None``) when the last parameter viewing it is
+    released, not before: releasing some of the parameters gathered together frees nothing.
+
+    Attributes:
+        flat: The 1-D buffer, or ``None`` once every viewer was released.
+        live: Parameters still viewing it.
+    """
+
+    flat: torch.Tensor | None
+    live: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the buffer (0 once freed)."""
+        return 0 if self.flat is None else self.flat.numel() * self.flat.element_size()
+
+    def drop_viewer(self) -> None:
+        """One viewer was released; free the buffer when it was the last."""
+        if self.live <= 0:
+            raise RuntimeError("GatheredBuffer.drop_viewer called more often than it had viewers")
+        self.live -= 1
+        if self.live == 0:
+            self.flat = None
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class ShardedParam:
+    """Everything ZeRO-3 knows about one parameter (``param._zero``).
+
+    The parameter is flattened, zero-padded to :attr:`padded_numel` (a multiple of the
+    group size) and cut into ``group_size`` partitions of :attr:`partition_numel`
+    elements; group rank ``r`` keeps partition ``r`` in :attr:`shard`.
+
+    Attributes:
+        id: Process-unique id (``id`` of the state object; not comparable across ranks —
+            use :attr:`name` for that).
+        name: Qualified parameter name when known (``""`` otherwise).
+        shape: Full shape.
+        dtype: Working dtype (of the shard and of the gathered parameter).
+        device: Device the full parameter lives on when gathered.
+        numel: Full number of elements.
+        group: Process group the parameter is partitioned over.
+        group_ranks: Global ranks of ``group`` in group-rank order.
+        group_size: ``len(group_ranks)``.
+        group_rank: This rank's position in ``group``.
+        shard: This rank's partition (1-D, :attr:`partition_numel` elements, zero padded;
+            may live on a remote device, e.g. CPU).
+        gather_strategy: All-gather strategy over ``group`` used for forward gathers.
+        reduce_strategy: Reduce-scatter strategy over ``group`` used for gradients.
+        persistent: Below the persistence threshold: the parameter stays whole on every
+            rank and is never gathered or released. Its shard is still this rank's
+            partition (the optimizer updates it; :func:`zero_params.commit_shards` refreshes
+            the whole parameter from the shards).
+        status: See :class:`ParamStatus`.
+        handle: The in-flight gather (``INFLIGHT`` only).
+        buffer: The gathered buffer the parameter views (``AVAILABLE`` only).
+        secondary_strategy: hpZ: all-gather strategy over the smaller secondary group.
+        secondary_shard: hpZ: this rank's partition over the secondary group.
+        secondary_valid: Whether :attr:`secondary_shard` matches the current shards.
+        grad_partition: Gradient partition (fp32, or fp64 for fp64 parameters;
+            :attr:`partition_numel` elements) that :func:`zero_params.reduce_scatter_grads`
+            accumulates into. ``None`` until first needed; an optimizer may bind it to a
+            view of its flat buffer with :meth:`bind_grad_partition`.
+    """
+
+    id: int
+    name: str
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    numel: int
+    group: ProcessGroup
+    group_ranks: tuple[int, ...]
+    group_size: int
+    group_rank: int
+    shard: torch.Tensor
+    gather_strategy: AllGatherStrategy
+    reduce_strategy: ReduceScatterStrategy
+    persistent: bool = False
+    status: ParamStatus = ParamStatus.NOT_AVAILABLE
+    handle: Any = None
+    buffer: GatheredBuffer | None = None
+    secondary_strategy: AllGatherStrategy | None = None
+    secondary_shard: torch.Tensor | None = None
+    secondary_valid: bool = False
+    grad_partition: torch.Tensor | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardedParam(name={self.name!r}, shape={tuple(self.shape)}, dtype={_dtype_name(self.dtype)}, "
+            f"status={self.status.name}, persistent={self.persistent}, shard={self.partition_numel} of "
+            f"{self.padded_numel} elements, group_rank={self.group_rank}/{self.group_size})"
+        )
+
+    @property
+    def partition_numel(self) -> int:
+        """Elements of one partition: ``ceil(numel / group_size)``."""
+        return partition_numel(self.numel, self.group_size)
+
+    @property
+    def padded_numel(self) -> int:
+        """``group_size * partition_numel``."""
+        return padded_numel(self.numel, self.group_size)
+
+    @property
+    def shard_range(self) -> tuple[int, int]:
+        """The real (unpadded) elements ``[start, stop)`` of the flattened parameter this rank owns."""
+        return shard_range(self.numel, self.group_size, self.group_rank)
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        """dtype of :attr:`grad_partition`: fp32, or fp64 for fp64 parameters."""
+        return torch.promote_types(self.dtype, torch.float32)
+
+    @property
+    def display_name(self) -> str:
+        """The name, or a description when the name is unknown."""
+        return self.name or f"<unnamed parameter of shape {tuple(self.shape)}>"
+
+    def ensure_grad_partition(self) -> torch.Tensor:
+        """Return :attr:`grad_partition`, allocating a zero-filled one if none is bound."""
+        if self.grad_partition is None:
+            self.grad_partition = torch.zeros(
+                self.partition_numel, dtype=self.grad_dtype, device=self.shard.device
+            )
+        return self.grad_partition
+
+    def bind_grad_partition(self, view: torch.Tensor) -> None:
+        """Make ``view`` (e.g. a slice of an optimizer's flat fp32 buffer) the gradient partition.
+
+        The current accumulated values (if any) are copied into ``view``; later
+        :func:`zero_params.reduce_scatter_grads` calls accumulate into it in place.
+
+        Raises:
+            ValueError: ``view`` is not a contiguous 1-D tensor of :attr:`partition_numel`
+                elements of :attr:`grad_dtype`.
+        """
+        _check_view(view, self.partition_numel, self.grad_dtype, f"grad partition of {self.display_name}")
+        if self.grad_partition is not None and self.grad_partition is not view:
+            view.copy_(self.grad_partition)
+        self.grad_partition = view
+
+    def bind_shard(self, view: torch.Tensor) -> None:
+        """Make ``view`` (e.g. a slice of an optimizer's flat buffer) the storage of :attr:`shard`.
+
+        The current shard values are copied into ``view``. After an in-place update of
+        the shard, call :func:`zero_params.commit_shards`.
+
+        Raises:
+            ValueError: ``view`` is not a contiguous 1-D tensor of :attr:`partition_numel`
+                elements of :attr:`dtype`.
+            PartitionedParameterError: the parameter is being gathered (``INFLIGHT``).
+        """
+        _check_view(view, self.partition_numel, self.dtype, f"shard of {self.display_name}")
+        if self.status is ParamStatus.INFLIGHT:
+            raise PartitionedParameterError(
+                f"cannot rebind the shard of {self.display_name} while it is being gathered: wait() first"
+            )
+        if view is not self.shard:
+            view.copy_(self.shard)
+        self.shard = view
+
+
+def _check_view(view: torch.Tensor, numel: int, dtype: torch.dtype, what: str) -> None:
+    if not isinstance(view, torch.Tensor) or view.dim() != 1 or not view.is_contiguous():
+        shape = tuple(view.shape) if isinstance(view, torch.Tensor) else type(view).__name__
+        raise ValueError(f"{what}: expected a contiguous 1-D tensor, got {shape}")
+    if view.numel() != numel or view.dtype != dtype:
+        raise ValueError(
+            f"{what}: expected {numel} elements of {dtype} (the partition size), "
+            f"got {view.numel()} of {view.dtype}"
+        )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def state_of(param: torch.Tensor) -> ShardedParam:
+    """The :class:`ShardedParam` of a partitioned parameter.
+
+    Raises:
+        TypeError: ``param`` was never partitioned (use :func:`is_partitioned` to test).
+    """
+    state = getattr(param, STATE_ATTR, None)
+    if not isinstance(state, ShardedParam):
+        raise TypeError(
+            f"this {type(param).__name__} of shape {tuple(param.shape)} is not partitioned: "
+            "partition it with zero_params.partition(...) or build it under zero_params.Init(...)"
+        )
+    return state
+
+
+def is_partitioned(param: object) -> bool:
+    """Whether ``param`` is a parameter with a :class:`ShardedParam` (persistent ones included)."""
+    return isinstance(getattr(param, STATE_ATTR, None), ShardedParam)
+
+
+def full_shape(param: torch.Tensor) -> torch.Size:
+    """The real shape of ``param``, also while only its shard is on this rank."""
+    state = getattr(param, STATE_ATTR, None)
+    if isinstance(state, ShardedParam):
+        return state.shape
+    return param.shape
+
+
+# ----------------------------------------------------------------------------------------
+# The NOT_AVAILABLE parameter class
+# ----------------------------------------------------------------------------------------
+
+# Attributes (getters and setters) that never read the parameter's values.
+_META_ATTRS = frozenset(
+    {
+        "requires_grad", "grad", "grad_fn", "is_leaf", "retains_grad", "dtype", "device", "layout",
+        "shape", "ndim", "names", "name", "_base", "_version", "output_nr", "is_cuda", "is_cpu",
+        "is_meta", "is_sparse", "is_quantized", "is_mkldnn", "is_nested", "is_xpu", "is_mps",
+        "itemsize", "nbytes", "_cdata", "_backward_hooks", "_post_accumulate_grad_hooks",
+        "__dict__",
+    }
+)  # fmt: skip
+# Methods that only look at metadata or hooks.
+_META_METHODS = frozenset(
+    {
+        "size", "dim", "ndimension", "numel", "nelement", "stride", "storage_offset",
+        "is_contiguous", "element_size", "is_floating_point", "is_complex", "is_signed",
+        "get_device", "requires_grad_", "retain_grad", "register_hook",
+        "register_post_accumulate_grad_hook", "untyped_storage", "data_ptr", "is_shared",
+        "is_pinned", "_is_view", "__format__", "__setstate__",
+    }
+)  # fmt: skip
+
+
+def _func_label(func: Callable[..., Any]) -> tuple[str, str]:
+    """``(kind, name)``: kind is ``"get"`` / ``"set"`` for attributes, ``"call"`` otherwise."""
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__"):
+        owner = getattr(func, "__self__", None)
+        return ("get" if name == "__get__" else "set"), getattr(owner, "__name__", "?")
+    return "call", name
+
+
+_MODULE_ALIASES = {"torch._C._nn": "torch.nn.functional", "torch._C._VariableFunctions": "torch"}
+
+
+def describe_func(func: Callable[..., Any]) -> str:
+    """A readable name of a torch function for error messages."""
+    kind, name = _func_label(func)
+    if kind == "get":
+        return f"reading Tensor.{name}"
+    if kind == "set":
+        return f"assigning Tensor.{name}"
+    module = getattr(func, "__module__", None) or ""
+    qual = getattr(func, "__qualname__", name)
+    qual = qual.replace("TensorBase.", "Tensor.").replace("_VariableFunctionsClass.", "torch.")
+    if "." in qual:
+        return qual
+    module = _MODULE_ALIASES.get(module, module)
+    return f"{module}.{qual}" if module else qual
+
+
+def is_metadata_func(func: Callable[..., Any]) -> bool:
+    """Whether ``func`` only reads metadata (shape, dtype, hooks, ...) of its tensor argument."""
+    kind, name = _func_label(func)
+    if kind == "call":
+        return name in _META_METHODS
+    if kind == "get":
+        return name in _META_ATTRS
+    return name in ("grad", "requires_grad", "name", "names")
+
+
+def not_available_error(state: ShardedParam, what: str) -> PartitionedParameterError:
+    """The error raised when ``what`` needs the data of a parameter that is not gathered."""
+    head = (
+        f"parameter {state.display_name!r} (shape {tuple(state.shape)}, {_dtype_name(state.dtype)}) "
+        f"is partitioned over {state.group_size} rank(s) and is {state.status.name} on this rank, "
+        f"so {what} cannot use it."
+    )
+    if state.status is ParamStatus.INFLIGHT:
+        return PartitionedParameterError(
+            f"{head} Its all-gather is in flight: call .wait() on the handle zero_params.gather() returned."
+        )
+    return PartitionedParameterError(
+        f"{head} Gather it first: `with zero_params.GatheredParameters(param): ...` "
+        "(add modifier_rank=0 to keep in-place edits), or `zero_params.gather([param]).wait()` and "
+        "zero_params.release([param]) afterwards; in training, run the module through the zero engine, "
+        "whose module hooks gather parameters before forward and backward."
+    )
+
+
+class PartitionedParameter(nn.Parameter):
+    """The class of a partitioned parameter while its data is not on this rank.
+
+    Never instantiate it: :func:`zero_params.partition` switches a parameter's class to it
+    on release and back to ``nn.Parameter`` once the data is gathered (see the module
+    docstring). Metadata queries (``dtype``, ``requires_grad``, hooks, the storage's empty
+    ``shape``) work; any use of the values raises :class:`PartitionedParameterError`.
+    """
+
+    _zero: ShardedParam
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> PartitionedParameter:
+        raise TypeError(
+            "PartitionedParameter is not constructed directly: build an nn.Parameter and "
+            "partition it with zero_params.partition(...) or under zero_params.Init(...)"
+        )
+
+    @classmethod
+    def __torch_function__(
+        cls,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if not is_metadata_func(func):
+            for a in _iter_args(args, kwargs):
+                state = getattr(a, STATE_ATTR, None) if type(a) is PartitionedParameter else None
+                if state is not None and state.status is not ParamStatus.AVAILABLE:
+                    raise not_available_error(state, describe_func(func))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+    def __repr__(self) -> str:
+        state = getattr(self, STATE_ATTR, None)
+        if not isinstance(state, ShardedParam):
+            return "PartitionedParameter(<no state>)"
+        return (
+            f"PartitionedParameter(name={state.name!r}, shape={tuple(state.shape)}, "
+            f"dtype={_dtype_name(state.dtype)}, status={state.status.name}, shard={state.partition_numel} "
+            f"of {state.padded_numel} elements on group rank {state.group_rank}/{state.group_size})"
+        )
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        state = getattr(self, STATE_ATTR, None)
+        name = state.display_name if isinstance(state, ShardedParam) else "?"
+        raise PartitionedParameterError(
+            f"cannot pickle partitioned parameter {name!r}: its data is spread over ranks. Save "
+            "zero_params.state_of(param).shard per rank, or gather it (GatheredParameters) and save a copy."
+        )
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> nn.Parameter:
+        if id(self) in memo:
+            return memo[id(self)]
+        state = getattr(self, STATE_ATTR)
+        with torch._C.DisableTorchFunction():
+            copy = nn.Parameter(torch.empty(0, dtype=state.dtype, device=state.device), self.requires_grad)
+            shard = state.shard.clone()
+        new_state = dataclasses.replace(
+            state,
+            status=ParamStatus.NOT_AVAILABLE,
+            shard=shard,
+            handle=None,
+            buffer=None,
+            secondary_shard=None,
+            secondary_valid=False,
+            grad_partition=None,
+        )
+        new_state.id = id(new_state)
+        setattr(copy, STATE_ATTR, new_state)
+        copy.__class__ = PartitionedParameter
+        memo[id(self)] = copy
+        return copy
+
+
+def _iter_args(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> Any:
+    """Top-level arguments, and the items of list / tuple arguments (e.g. ``torch.cat``)."""
+    for a in args:
+        if isinstance(a, (list, tuple)):
+            yield from a
+        else:
+            yield a
+    if kwargs:
+        for a in kwargs.values():
+            if isinstance(a, (list, tuple)):
+                yield from a
+            else:
+                yield a
