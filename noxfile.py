@@ -48,8 +48,8 @@ nox.options.reuse_existing_virtualenvs = False
 nox.options.error_on_missing_interpreters = True
 
 
-def _internal_deps(dist: str) -> list[str]:
-    """The zero packages ``dist`` depends on (transitively, itself included), in install order."""
+def _internal_deps(dist: str, extras: tuple[str, ...] = ()) -> list[str]:
+    """The zero packages ``dist`` (with ``extras``) depends on, transitively, itself last."""
     seen: list[str] = []
 
     def visit(name: str) -> None:
@@ -57,6 +57,9 @@ def _internal_deps(dist: str) -> list[str]:
             return
         meta = tomllib.loads((ROOT / PACKAGE_DIRS[name] / "pyproject.toml").read_text())["project"]
         reqs = list(meta.get("dependencies", []))
+        if name == dist:
+            for extra in extras:
+                reqs += meta.get("optional-dependencies", {}).get(extra, [])
         for req in reqs:
             dep = re.split(r"[<>=!~\[ ;]", req, maxsplit=1)[0]
             if dep in PACKAGE_DIRS:
@@ -72,7 +75,8 @@ def _install(session: nox.Session, *dists: str, extras: str = "test", editable: 
     session.install("-c", CONSTRAINTS, TORCH)
     closure: list[str] = []
     for dist in dists:
-        closure += [d for d in _internal_deps(dist) if d not in closure]
+        deps = _internal_deps(dist, tuple(e for e in extras.split(",") if e))
+        closure += [d for d in deps if d not in closure]
     args: list[str] = []
     for dist in closure:
         target = (
@@ -96,9 +100,11 @@ UNIT_PACKAGES = [d for d in PACKAGE_DIRS]
 def tests(session: nox.Session, package: str) -> None:
     """Unit tests of one package, installed alone (plus zero-testing for the fixtures)."""
     pkg_dir = ROOT / PACKAGE_DIRS[package]
-    _install(session, package, "zero-testing")
+    # First the package alone (its declared dependencies only): it must import and stand on its own.
+    _install(session, package, extras="")
     import_name = package.replace("-", "_")
     session.run("python", "-c", f"import {import_name}; print({import_name}.__doc__.splitlines()[0])")
+    _install(session, package, "zero-testing")
     if not _has_tests(pkg_dir / "tests"):
         session.log(f"{package}: not implemented yet (no tests); the import check above is all there is")
         return
