@@ -1,1 +1,29 @@
-"""The zero training product: DeepSpeed-compatible config, initialize() -> engine, checkpoints, the `zero` CLI."""
+"""The zero training product: DeepSpeed-style config, initialize() -> engine, checkpoints, the `zero` CLI.
+
+```python
+import zero_full
+
+cfg = zero_full.ZeroConfig.model_validate({"zero_optimization": {"stage": 3}})
+with zero_full.Init(config=cfg):                 # optional: partition while constructing
+    model = build_model()
+engine = zero_full.initialize(model, config=cfg,
+                              optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3))
+loss = engine(batch)
+engine.backward(loss)
+engine.step()
+```
+"""
+
+from zero_full.config import ZeroConfig
+from zero_full.engine import Engine, EngineStats, Init, initialize
+from zero_params import GatheredParameters, register_external_parameter
+
+__all__ = [
+    "Engine",
+    "EngineStats",
+    "GatheredParameters",
+    "Init",
+    "ZeroConfig",
+    "initialize",
+    "register_external_parameter",
+]

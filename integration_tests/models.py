@@ -1,0 +1,315 @@
+"""Models, data and training loops shared by the integration tests.
+
+Every builder seeds torch's RNG itself, so the single-process reference and every rank
+build bit-identical models. Each step's global batch is a pure function of the step and
+micro-step index; rank ``r`` trains on slice ``r`` of it, the reference on all of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zero_coord
+import zero_full
+import zero_params
+
+SEQ = 16
+VOCAB = 257
+
+
+# --------------------------------------------------------------------------- models
+
+
+class OddMLP(nn.Module):
+    """An MLP whose sizes are primes / odd numbers (uneven shards, padding on every rank)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(13, 37)
+        self.hidden = nn.Linear(37, 29)
+        self.norm = nn.LayerNorm(29)
+        self.out = nn.Linear(29, 7)
+        self.scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        h = self.norm(torch.relu(self.hidden(h)))
+        return ((self.out(h) * self.scale - y) ** 2).mean()
+
+
+class TiedLM(nn.Module):
+    """A tiny language model whose output projection is the input embedding (one Parameter)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 24)
+        self.block = nn.Sequential(nn.Linear(24, 41), nn.GELU(), nn.Linear(41, 24))
+        self.norm = nn.LayerNorm(24)
+        self.head = nn.Linear(24, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids[:, :-1])
+        h = self.norm(h + self.block(h))
+        logits = self.head(h)
+        return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+
+
+class ExternalUse(nn.Module):
+    """The root's forward reads its embedding's weight directly (an external parameter use).
+
+    Under ZeRO-3 this needs ``register_external_parameter(model, model.embed.weight)``.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 24)
+        self.norm = nn.LayerNorm(24)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.norm(self.embed(ids[:, :-1]))
+        logits = nn.functional.linear(h, self.embed.weight)
+        return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+
+
+class BranchyMLP(nn.Module):
+    """Takes an extra block only on the steps whose data say so (the same on every rank)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(13, 31)
+        self.extra = nn.Sequential(nn.Linear(31, 31), nn.Tanh(), nn.Linear(31, 31))
+        self.out = nn.Linear(31, 7)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor, use_extra: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        if bool(use_extra):
+            h = h + self.extra(h)
+        return ((self.out(h) - y) ** 2).mean()
+
+
+class MoE(nn.Module):
+    """Two experts; each rank routes its whole micro-batch to one, chosen by its own data.
+
+    Ranks take different experts on some steps: the block must be a zero_coord leaf module.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(31, 31) for _ in range(2))
+
+    def forward(self, h: torch.Tensor, route: torch.Tensor) -> torch.Tensor:
+        return self.experts[int(route.sum() > 0)](h)
+
+
+class MoEMLP(nn.Module):
+    """An MLP around a :class:`MoE` block routed by the sign of the input's first feature."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(13, 31)
+        self.moe = MoE()
+        self.out = nn.Linear(31, 7)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.inp(x))
+        h = h + self.moe(h, x[:, 0])
+        return ((self.out(h) - y) ** 2).mean()
+
+
+class Stack(nn.Module):
+    """``depth`` equal linear layers (for the live-parameter bound)."""
+
+    def __init__(self, width: int = 32, depth: int = 16) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return ((x - y) ** 2).mean()
+
+
+def gpt2() -> nn.Module:
+    """A 2-layer GPT-2 from ``transformers`` (random init, no dropout, tied lm_head)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        vocab_size=VOCAB,
+        n_positions=32,
+        attn_pdrop=0.0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return GPT2LMHeadModel(cfg)
+
+
+class GPT2Loss(nn.Module):
+    """Wraps the HF model so that ``model(ids)`` returns the LM loss."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lm = gpt2()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=ids, labels=ids).loss
+
+
+# --------------------------------------------------------------------------- data
+
+
+def _dense(gen: torch.Generator, n: int) -> tuple[torch.Tensor, ...]:
+    return torch.randn(n, 13, generator=gen), torch.randn(n, 7, generator=gen)
+
+
+def _tokens(gen: torch.Generator, n: int) -> tuple[torch.Tensor, ...]:
+    return (torch.randint(0, VOCAB, (n, SEQ), generator=gen),)
+
+
+def _stack(gen: torch.Generator, n: int) -> tuple[torch.Tensor, ...]:
+    return torch.randn(n, 32, generator=gen), torch.randn(n, 32, generator=gen).tanh()
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """A model builder and the batches it trains on."""
+
+    build: Callable[[], nn.Module]
+    data: Callable[[torch.Generator, int], tuple[torch.Tensor, ...]]
+    per_rank: bool = False  # the reference runs each rank's slice separately (rank-dependent routing)
+
+
+CASES: dict[str, Case] = {
+    "mlp": Case(OddMLP, _dense),
+    "gpt2": Case(GPT2Loss, _tokens),
+    "tied": Case(TiedLM, _tokens),
+    "branchy": Case(BranchyMLP, _dense),
+    "moe": Case(MoEMLP, _dense, per_rank=True),
+    "external": Case(ExternalUse, _tokens),
+    "stack": Case(Stack, _stack),
+}
+
+
+def build(name: str) -> nn.Module:
+    """Build model ``name`` from a fixed seed."""
+    torch.manual_seed(1234)
+    return CASES[name].build()
+
+
+def global_batch(name: str, step: int, size: int) -> tuple[torch.Tensor, ...]:
+    """The whole batch of one micro-step index of ``step`` (same on every process)."""
+    gen = torch.Generator().manual_seed(10_000 + step)
+    batch = CASES[name].data(gen, size)
+    if name == "branchy":
+        batch = (*batch, torch.tensor(step % 3 == 1))
+    return batch
+
+
+def rank_slice(batch: tuple[torch.Tensor, ...], rank: int, world: int) -> tuple[torch.Tensor, ...]:
+    """Rank ``rank``'s equal share of ``batch`` (0-d step-wide flags are passed whole)."""
+    n = batch[0].shape[0] // world
+    return tuple(t[rank * n : (rank + 1) * n] if t.dim() > 0 else t for t in batch)
+
+
+# --------------------------------------------------------------------------- training
+
+
+def make_optimizer(kind: str) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
+    """``"adamw"`` or ``"sgd"`` (momentum), as an optimizer callable."""
+    if kind == "adamw":
+        return lambda ps: torch.optim.AdamW(ps, lr=3e-3, weight_decay=0.01)
+    if kind == "sgd":
+        return lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)
+    raise ValueError(kind)
+
+
+def reference_run(
+    name: str, kind: str, steps: int, batch: int, accumulation: int = 1, world: int = 1
+) -> dict[str, Any]:
+    """Single-process training on the whole global batch: per-step losses and final parameters.
+
+    Gradients start at zero and are zeroed in place, so a parameter without a gradient in
+    a step is stepped with a zero gradient, as the partitioned optimizer does. A model that
+    routes per rank (``Case.per_rank``) averages the losses of the ``world`` rank slices.
+    """
+    model = build(name)
+    opt = make_optimizer(kind)(list(model.parameters()))
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    losses = []
+    for step in range(steps):
+        full = [global_batch(name, step * accumulation + m, batch) for m in range(accumulation)]
+        if CASES[name].per_rank:
+            parts = [model(*rank_slice(b, r, world)) for b in full for r in range(world)]
+            loss = sum(parts) / len(parts)
+        else:
+            loss = model(*(torch.cat(t) if t[0].dim() > 0 else t[0] for t in zip(*full)))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        losses.append(loss.item())
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def mean_over_ranks(value: float) -> float:
+    """The average of a float over all ranks."""
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.item() / dist.get_world_size()
+
+
+def zero_config(**zero: Any) -> dict[str, Any]:
+    """A stage-3 DeepSpeed-style config; ``zero`` adds ``zero_optimization`` keys.
+
+    ``gradient_accumulation_steps`` given here goes to the top level.
+    """
+    accumulation = zero.pop("gradient_accumulation_steps", 1)
+    return {
+        "gradient_accumulation_steps": accumulation,
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero},
+    }
+
+
+def zero_run(
+    rank: Any, name: str, kind: str, steps: int, batch: int, config: dict[str, Any]
+) -> dict[str, Any]:
+    """Train model ``name`` with the zero engine on this rank's slices of the global batches.
+
+    Returns:
+        Per-step losses (averaged over ranks and micro-steps), the final full parameters
+        (gathered) and the names of the persistent parameters.
+    """
+    world = dist.get_world_size()
+    model = build(name)
+    if name == "moe":
+        zero_coord.set_leaf_modules(model, [MoE])  # ranks route differently inside it
+    if name == "external":
+        zero_full.register_external_parameter(model, model.embed.weight)
+    engine = zero_full.initialize(model, config, make_optimizer(kind))
+    accumulation = engine.gradient_accumulation_steps
+    losses = []
+    for step in range(steps):
+        total = 0.0
+        for micro in range(accumulation):
+            full = global_batch(name, step * accumulation + micro, batch)
+            loss = engine(*rank_slice(full, rank.rank, world))
+            engine.backward(loss)
+            engine.step()
+            total += loss.item()
+        losses.append(mean_over_ranks(total / accumulation))
+    persistent = sorted(n for n, p in model.named_parameters() if zero_params.state_of(p).persistent)
+    with zero_params.GatheredParameters(list(model.parameters())):
+        params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine.close()
+    return {"losses": losses, "params": params, "persistent": persistent}

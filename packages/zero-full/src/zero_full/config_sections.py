@@ -1,0 +1,745 @@
+"""Sections of the zero configuration (``fp16``, ``bf16``, ``optimizer``, ``zero_optimization``).
+
+Every section is a frozen pydantic model with ``extra="forbid"``. The key check runs
+before pydantic's own validation: an unknown key is reported with its full DeepSpeed
+path (``zero_optimization.stage3_prefetch_bucket_sz``) and the closest accepted name,
+a value of ``"auto"`` (Hugging Face Trainer configs) is reported by key, and two
+spellings of one knob (``stage3_prefetch_bucket_size`` / ``prefetch_bucket_size``)
+with different values are a conflict. Scalars are checked by the small validators
+below, whose messages name the accepted range.
+
+:class:`zero_full.config.ZeroConfig` assembles these sections; use it rather than the
+sections on their own.
+"""
+
+from __future__ import annotations
+
+import difflib
+import enum
+import functools
+import math
+import pathlib
+import sys
+import typing
+from collections.abc import Iterable, Mapping
+from typing import Annotated, Any, ClassVar
+
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
+if typing.TYPE_CHECKING:  # the lower packages are imported only when a mapping is asked for
+    from zero_coord import CoordinatorConfig
+    from zero_optim.buckets import ReduceConfig
+
+__all__ = [
+    "AdamParams",
+    "BF16Config",
+    "FP16Config",
+    "OffloadDevice",
+    "OffloadOptimizerConfig",
+    "OffloadParamConfig",
+    "OptimizerConfig",
+    "OptimizerType",
+    "SGDParams",
+    "ZeroOptimizationConfig",
+]
+
+
+# --------------------------------------------------------------------------- scalar checks
+
+
+def _describe_range(lo: float | None, hi: float | None, lo_open: bool = False, hi_open: bool = False) -> str:
+    if lo is not None and hi is not None:
+        return f" in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+    if lo is not None:
+        return f" {'>' if lo_open else '>='} {lo:g}"
+    if hi is not None:
+        return f" {'<' if hi_open else '<='} {hi:g}"
+    return ""
+
+
+def _check_int(value: Any, lo: int | None, hi: int | None, none_ok: bool = False) -> int | None:
+    """A whole number: an int, or a float without fraction (DeepSpeed configs write ``5e8``)."""
+    if value is None and none_ok:
+        return None
+    rng = _describe_range(lo, hi)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise PydanticCustomError("whole_number", f"expected a whole number{rng}, got {value!r}")
+    if isinstance(value, float):
+        if not (math.isfinite(value) and value.is_integer()):
+            raise PydanticCustomError("whole_number", f"expected a whole number{rng}, got {value!r}")
+        value = int(value)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise PydanticCustomError("out_of_range", f"expected a whole number{rng}, got {value}")
+    return value
+
+
+def _check_real(value: Any, lo: float | None, hi: float | None, lo_open: bool, hi_open: bool) -> float:
+    rng = _describe_range(lo, hi, lo_open, hi_open)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise PydanticCustomError("number", f"expected a number{rng}, got {value!r}")
+    value = float(value)
+    too_low = lo is not None and (value <= lo if lo_open else value < lo)
+    too_high = hi is not None and (value >= hi if hi_open else value > hi)
+    if too_low or too_high:
+        raise PydanticCustomError("out_of_range", f"expected a number{rng}, got {value:g}")
+    return value
+
+
+def _check_flag(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise PydanticCustomError("boolean", f"expected true or false, got {value!r}")
+    return value
+
+
+def _check_path(value: Any) -> pathlib.Path | None:
+    if value is None:
+        return None
+    if not isinstance(value, str | pathlib.PurePath) or not str(value):
+        raise PydanticCustomError("path", f"expected a non-empty path string, got {value!r}")
+    return pathlib.Path(value)
+
+
+def _int(lo: int | None = None, hi: int | None = None, *, none_ok: bool = False) -> Any:
+    """``int`` annotation accepting whole numbers in ``[lo, hi]`` (and ``None`` if ``none_ok``)."""
+    check = BeforeValidator(functools.partial(_check_int, lo=lo, hi=hi, none_ok=none_ok))
+    return Annotated[int | None, check] if none_ok else Annotated[int, check]
+
+
+def _real(
+    lo: float | None = None, hi: float | None = None, *, lo_open: bool = False, hi_open: bool = False
+) -> Any:
+    """``float`` annotation accepting finite numbers in the given range."""
+    check = functools.partial(_check_real, lo=lo, hi=hi, lo_open=lo_open, hi_open=hi_open)
+    return Annotated[float, BeforeValidator(check)]
+
+
+Flag = Annotated[bool, BeforeValidator(_check_flag)]
+OptionalPath = Annotated[pathlib.Path | None, BeforeValidator(_check_path)]
+
+
+def _choice(enum_cls: type[enum.Enum], value: Any) -> enum.Enum:
+    """Parse an enum member from its value, case-insensitively, naming the accepted values."""
+    if isinstance(value, enum_cls):
+        return value
+    names = [m.value for m in enum_cls]
+    if isinstance(value, str):
+        for member in enum_cls:
+            if member.value.lower() == value.lower():
+                return member
+    accepted = ", ".join(repr(n) for n in names)
+    close = difflib.get_close_matches(str(value), names, n=1) if isinstance(value, str) else []
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise PydanticCustomError("choice", f"expected one of {accepted} (any case), got {value!r}{hint}")
+
+
+class OffloadDevice(str, enum.Enum):
+    """Where offloaded state lives (DeepSpeed's ``offload_*.device``)."""
+
+    NONE = "none"
+    CPU = "cpu"
+    NVME = "nvme"
+
+
+class OptimizerType(str, enum.Enum):
+    """Optimizers the ``optimizer`` section can describe (``type`` is case-insensitive)."""
+
+    ADAM = "Adam"
+    ADAMW = "AdamW"
+    SGD = "SGD"
+
+
+Device = Annotated[OffloadDevice, BeforeValidator(functools.partial(_choice, OffloadDevice))]
+
+
+# --------------------------------------------------------------------------- key checking
+
+
+def _annotation_section(annotation: Any) -> type[_Section] | None:
+    """The :class:`_Section` subclass inside ``annotation`` (``X``, ``X | None``), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, _Section):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _annotation_section(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _is_auto(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.strip().lower() == "auto"
+    if isinstance(value, list | tuple):
+        return any(_is_auto(v) for v in value)
+    return False
+
+
+def _error(kind: str, message: str, loc: tuple[str, ...], value: Any) -> InitErrorDetails:
+    # No context: the message is used literally (braces in user keys stay as they are).
+    return InitErrorDetails(type=PydanticCustomError(kind, message, None), loc=loc, input=value)
+
+
+class _Section(BaseModel):
+    """Base of every config section: frozen, no extra keys, DeepSpeed-style key checks.
+
+    Class attributes of subclasses:
+
+    * ``_PATH``: where the section sits in a DeepSpeed config (used in messages).
+    * ``_ALIASES``: canonical field name -> its other accepted spellings, the DeepSpeed
+      documented one first (e.g. ``prefetch_bucket_size`` -> ``stage3_prefetch_bucket_size``);
+      the list may name the field itself first when that is the documented spelling.
+    * ``_HINTS``: keys that are not accepted but that users bring, with an explanation.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True)
+
+    _PATH: ClassVar[tuple[str, ...]] = ()
+    _ALIASES: ClassVar[dict[str, tuple[str, ...]]] = {}
+    _HINTS: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def accepted_keys(cls) -> list[str]:
+        """Every key this section accepts, aliases included."""
+        keys = list(cls.model_fields)
+        for spellings in cls._ALIASES.values():
+            keys += [s for s in spellings if s not in keys]
+        return keys
+
+    @classmethod
+    def documented_key(cls, field: str) -> str:
+        """The DeepSpeed documented spelling of ``field`` (its first alias, else itself)."""
+        return cls._ALIASES.get(field, (field,))[0]
+
+    @classmethod
+    def _canonical_name(cls, key: str) -> str | None:
+        if key in cls.model_fields:
+            return key
+        return next((c for c, spellings in cls._ALIASES.items() if key in spellings), None)
+
+    @classmethod
+    def _child_section(cls, key: str, data: Mapping[str, Any]) -> type[_Section] | None:
+        """The section class that validates ``data[key]`` (``None`` for a scalar)."""
+        name = cls._canonical_name(key)
+        return None if name is None else _annotation_section(cls.model_fields[name].annotation)
+
+    @classmethod
+    def key_problems(
+        cls, data: Mapping[str, Any], loc: tuple[str, ...] = (), prefix: tuple[str, ...] | None = None
+    ) -> list[InitErrorDetails]:
+        """Unknown keys, ``"auto"`` values and alias conflicts in ``data`` and its sub-sections.
+
+        Args:
+            data: The raw section.
+            loc: Location of ``data`` below the section where the check started.
+            prefix: DeepSpeed path of that starting section (default: this class's path).
+
+        Returns:
+            One pydantic error per problem, located at ``loc`` + key.
+        """
+        prefix = cls._PATH if prefix is None else prefix
+        problems: list[InitErrorDetails] = []
+        accepted = cls.accepted_keys()
+        for key, value in data.items():
+            path = ".".join((*prefix, *loc, str(key)))
+            if not isinstance(key, str) or cls._canonical_name(key) is None:
+                where = ".".join((*prefix, *loc)) or "the top level"
+                message = cls._unknown_message(str(key), path, where, accepted)
+                problems.append(_error("unknown_key", message, (*loc, str(key)), value))
+                continue
+            if _is_auto(value):
+                message = (
+                    f'{path} is {value!r}: "auto" values are filled in by the Hugging Face Trainer '
+                    "integration and zero does not resolve them; replace it with a value"
+                )
+                problems.append(_error("auto_value", message, (*loc, key), value))
+                continue
+            child = cls._child_section(key, data)
+            if child is not None and isinstance(value, Mapping):
+                problems += child.key_problems(value, (*loc, key), prefix)
+        problems += cls._alias_conflicts(data, ".".join((*prefix, *loc)), loc)
+        return problems
+
+    @classmethod
+    def _unknown_message(cls, key: str, path: str, where: str, accepted: list[str]) -> str:
+        if key in cls._HINTS:
+            return f"unknown key {path!r}: {cls._HINTS[key]}"
+        close = difflib.get_close_matches(key, accepted, n=1, cutoff=0.6)
+        if close:
+            return f"unknown key {path!r}; did you mean {close[0]!r}?"
+        return f"unknown key {path!r}; keys accepted in {where}: {', '.join(sorted(accepted))}"
+
+    @classmethod
+    def _alias_conflicts(
+        cls, data: Mapping[str, Any], where: str, loc: tuple[str, ...]
+    ) -> list[InitErrorDetails]:
+        problems = []
+        for canonical, spellings in cls._ALIASES.items():
+            given = [(s, data[s]) for s in dict.fromkeys((*spellings, canonical)) if s in data]
+            first, first_value = given[0] if given else ("", None)
+            for spelling, value in given[1:]:
+                if value != first_value or isinstance(value, bool) != isinstance(first_value, bool):
+                    message = (
+                        f"{where + ': ' if where else ''}{first!r} = {first_value!r} and {spelling!r} = "
+                        f"{value!r} are two spellings of one setting with different values; keep one"
+                    )
+                    problems.append(_error("alias_conflict", message, (*loc, spelling), value))
+        return problems
+
+    @classmethod
+    def _prepare(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """Hook: adjust the (canonical-named) input before field validation."""
+        return data
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _check_keys(cls, data: Any, handler: Any) -> Any:
+        if isinstance(data, Mapping):
+            problems = cls.key_problems(data)
+            if problems:
+                raise ValidationError.from_exception_data(cls.__name__, problems, hide_input=True)
+            canonical = {cls._canonical_name(k): v for k, v in data.items()}
+            data = cls._prepare(canonical)
+        return handler(data)
+
+    def given_keys(self) -> list[str]:
+        """Documented names of the fields set explicitly in the input (aliases resolved)."""
+        return [self.documented_key(f) for f in type(self).model_fields if f in self.model_fields_set]
+
+
+# --------------------------------------------------------------------------- precision
+
+
+class FP16Config(_Section):
+    """``fp16``: half precision with loss scaling (DeepSpeed's names and defaults).
+
+    ``loss_scale`` 0 means dynamic loss scaling (DeepSpeed's rule): start at
+    ``2**initial_scale_power``; a step whose gradients overflow is skipped, and once
+    ``hysteresis`` overflows have been absorbed the scale halves (never below
+    ``min_loss_scale``); every ``loss_scale_window`` overflow-free steps the scale doubles
+    and the hysteresis budget refills (with ``consecutive_hysteresis``, every overflow-free
+    step refills it). A positive ``loss_scale`` is a static scale.
+    """
+
+    _PATH = ("fp16",)
+
+    enabled: Flag = False
+    auto_cast: Flag = False
+    """DeepSpeed's cast of floating-point inputs to fp16; ``true`` is not supported yet."""
+    loss_scale: _real(0) = 0.0
+    initial_scale_power: _int(0, 127) = 16
+    loss_scale_window: _int(1) = 1000
+    hysteresis: _int(1) = 2
+    consecutive_hysteresis: Flag = False
+    min_loss_scale: _real(0, lo_open=True) = 1.0
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        """Whether the loss scale is dynamic (``loss_scale`` == 0)."""
+        return self.loss_scale == 0
+
+    @property
+    def initial_scale(self) -> float:
+        """The first loss scale: ``2**initial_scale_power`` if dynamic, else ``loss_scale``."""
+        return float(2**self.initial_scale_power) if self.dynamic_loss_scale else self.loss_scale
+
+
+class BF16Config(_Section):
+    """``bf16`` (older DeepSpeed spelling: ``bfloat16``): bfloat16 training, no loss scaling."""
+
+    _PATH = ("bf16",)
+
+    enabled: Flag = False
+
+
+# --------------------------------------------------------------------------- optimizer
+
+
+def _check_betas(value: Any) -> tuple[float, float]:
+    if not isinstance(value, list | tuple) or len(value) != 2:
+        raise PydanticCustomError("betas", f"expected two numbers [beta1, beta2] in [0, 1), got {value!r}")
+    return tuple(_check_real(v, 0.0, 1.0, False, True) for v in value)  # type: ignore[return-value]
+
+
+Betas = Annotated[tuple[float, float], BeforeValidator(_check_betas)]
+
+_NO_MAX_GRAD_NORM = "gradient clipping is the top-level 'gradient_clipping' key (as in DeepSpeed)"
+
+
+class AdamParams(_Section):
+    """``optimizer.params`` of ``Adam`` / ``AdamW`` with DeepSpeed's defaults.
+
+    DeepSpeed builds its Adam(W) with ``weight_decay=0.0`` unless told otherwise (torch's
+    ``AdamW`` defaults to 0.01): this config follows DeepSpeed, since its users bring
+    DeepSpeed configs. Likewise DeepSpeed's ``Adam`` applies *decoupled* weight decay
+    (AdamW) unless ``adam_w_mode`` is ``false``; ``AdamW`` always does.
+    """
+
+    _PATH = ("optimizer", "params")
+    _HINTS: ClassVar[dict[str, str]] = {"max_grad_norm": _NO_MAX_GRAD_NORM}
+
+    lr: _real(0) = 1e-3
+    betas: Betas = (0.9, 0.999)
+    eps: _real(0) = 1e-8
+    weight_decay: _real(0) = 0.0
+    amsgrad: Flag = False
+    adam_w_mode: Flag = True
+    """Decoupled weight decay for type ``Adam`` (DeepSpeed's default: true). No effect on ``AdamW``."""
+    bias_correction: Flag = True
+    """``false`` (no bias correction) is not supported: torch's Adam always corrects."""
+    torch_adam: Flag = False
+    """DeepSpeed's choice between torch's and its fused kernel; zero always uses torch's update.
+
+    (DeepSpeed with ``torch_adam: true`` hands ``params`` to torch unchanged, so there a
+    missing ``weight_decay`` means torch's 0.01; zero keeps 0.0: give it explicitly.)
+    """
+
+
+class SGDParams(_Section):
+    """``optimizer.params`` of ``SGD`` (torch's names and defaults)."""
+
+    _PATH = ("optimizer", "params")
+    _HINTS: ClassVar[dict[str, str]] = {"max_grad_norm": _NO_MAX_GRAD_NORM}
+
+    lr: _real(0) = 1e-3
+    momentum: _real(0) = 0.0
+    dampening: _real(0) = 0.0
+    weight_decay: _real(0) = 0.0
+    nesterov: Flag = False
+
+    @model_validator(mode="after")
+    def _nesterov_needs_momentum(self) -> SGDParams:
+        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
+            raise ValueError(
+                "optimizer.params.nesterov = true needs momentum > 0 and dampening = 0, got "
+                f"momentum={self.momentum:g}, dampening={self.dampening:g}"
+            )
+        return self
+
+
+_PARAMS_BY_TYPE: dict[OptimizerType, type[_Section]] = {
+    OptimizerType.ADAM: AdamParams,
+    OptimizerType.ADAMW: AdamParams,
+    OptimizerType.SGD: SGDParams,
+}
+
+
+def _optimizer_type(value: Any) -> OptimizerType:
+    return _choice(OptimizerType, value)  # type: ignore[return-value]
+
+
+class OptimizerConfig(_Section):
+    """``optimizer``: ``{"type": "AdamW", "params": {...}}``; ``params`` is checked per type.
+
+    ``type`` is case-insensitive (``adamw`` = ``AdamW``). :meth:`build` creates the torch
+    optimizer the section describes.
+    """
+
+    _PATH = ("optimizer",)
+
+    type: Annotated[OptimizerType, BeforeValidator(_optimizer_type)]
+    params: AdamParams | SGDParams
+
+    @classmethod
+    def _child_section(cls, key: str, data: Mapping[str, Any]) -> type[_Section] | None:
+        if key != "params":
+            return super()._child_section(key, data)
+        try:
+            return _PARAMS_BY_TYPE[_optimizer_type(data.get("type"))]
+        except PydanticCustomError:
+            return None  # the bad type is reported by field validation
+
+    @classmethod
+    def _prepare(cls, data: dict[str, Any]) -> dict[str, Any]:
+        if data.get("params") is None:
+            data["params"] = {}  # every default of the type
+        return data
+
+    @field_validator("params", mode="wrap")
+    @classmethod
+    def _params_of_type(cls, value: Any, handler: Any, info: ValidationInfo) -> Any:
+        kind = info.data.get("type")
+        if kind is None:
+            return None  # ``type`` itself is invalid and reported; its params cannot be checked
+        params_cls = _PARAMS_BY_TYPE[kind]
+        if isinstance(value, params_cls):
+            return value
+        if isinstance(value, _Section):
+            raise PydanticCustomError(
+                "params_type",
+                f"optimizer type {kind.value} takes {params_cls.__name__}, got {type(value).__name__}",
+            )
+        return params_cls.model_validate(value)
+
+    @property
+    def decoupled_weight_decay(self) -> bool:
+        """Whether weight decay is decoupled (AdamW); DeepSpeed's rule for ``Adam`` is ``adam_w_mode``."""
+        if self.type is OptimizerType.ADAMW:
+            return True
+        return (
+            self.type is OptimizerType.ADAM
+            and isinstance(self.params, AdamParams)
+            and self.params.adam_w_mode
+        )
+
+    def torch_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of the torch optimizer :meth:`build` creates (``params`` excluded)."""
+        p = self.params
+        if isinstance(p, SGDParams):
+            return {
+                "lr": p.lr,
+                "momentum": p.momentum,
+                "dampening": p.dampening,
+                "weight_decay": p.weight_decay,
+                "nesterov": p.nesterov,
+            }
+        if not isinstance(p, AdamParams):
+            raise TypeError(f"optimizer.params of type {self.type.value} is a {type(p).__name__}")
+        return {
+            "lr": p.lr,
+            "betas": p.betas,
+            "eps": p.eps,
+            "weight_decay": p.weight_decay,
+            "amsgrad": p.amsgrad,
+        }
+
+    def build(self, params: Iterable[Any]) -> Any:
+        """Create the torch optimizer: ``torch.optim.AdamW``, ``Adam`` or ``SGD``.
+
+        Args:
+            params: Parameters or parameter groups, as for any torch optimizer.
+
+        Returns:
+            A ``torch.optim.Optimizer``. ``Adam`` with ``adam_w_mode`` (DeepSpeed's default)
+            becomes ``torch.optim.AdamW``, as in DeepSpeed.
+
+        Raises:
+            ValueError: ``bias_correction = false``, which torch's Adam cannot do.
+        """
+        import torch  # lazily: the config itself needs only pydantic
+
+        if isinstance(self.params, AdamParams) and not self.params.bias_correction:
+            raise ValueError(
+                "optimizer.params.bias_correction = false is not supported (torch's Adam always "
+                "applies bias correction); remove the key"
+            )
+        if self.type is OptimizerType.SGD:
+            cls = torch.optim.SGD
+        else:
+            cls = torch.optim.AdamW if self.decoupled_weight_decay else torch.optim.Adam
+        return cls(params, **self.torch_kwargs())
+
+
+# --------------------------------------------------------------------------- zero_optimization
+
+
+class OffloadParamConfig(_Section):
+    """``zero_optimization.offload_param`` (stage 3 only), DeepSpeed's defaults."""
+
+    _PATH = ("zero_optimization", "offload_param")
+
+    device: Device = OffloadDevice.NONE
+    nvme_path: OptionalPath = None
+    buffer_count: _int(0) = 5
+    buffer_size: _int(0) = 100_000_000
+    max_in_cpu: _int(0) = 1_000_000_000
+    pin_memory: Flag = False
+
+    @model_validator(mode="after")
+    def _nvme_needs_path(self) -> OffloadParamConfig:
+        _require_nvme_path(self.device, self.nvme_path, "offload_param")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        """Whether parameters are offloaded (``device`` is not ``none``)."""
+        return self.device is not OffloadDevice.NONE
+
+
+class OffloadOptimizerConfig(_Section):
+    """``zero_optimization.offload_optimizer`` (stages 1-3), DeepSpeed's defaults.
+
+    ``ratio`` < 1 (partial offload) is valid with stage 3 only, as in DeepSpeed.
+    """
+
+    _PATH = ("zero_optimization", "offload_optimizer")
+
+    device: Device = OffloadDevice.NONE
+    nvme_path: OptionalPath = None
+    buffer_count: _int(0) = 4
+    pin_memory: Flag = False
+    pipeline_read: Flag = False
+    pipeline_write: Flag = False
+    fast_init: Flag = False
+    ratio: _real(0, 1) = 1.0
+
+    @model_validator(mode="after")
+    def _nvme_needs_path(self) -> OffloadOptimizerConfig:
+        _require_nvme_path(self.device, self.nvme_path, "offload_optimizer")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        """Whether optimizer state is offloaded (``device`` is not ``none``)."""
+        return self.device is not OffloadDevice.NONE
+
+
+def _require_nvme_path(device: OffloadDevice, path: pathlib.Path | None, section: str) -> None:
+    if device is OffloadDevice.NVME and path is None:
+        raise ValueError(
+            f"zero_optimization.{section}.device is 'nvme' but no nvme_path is given: add "
+            f'"nvme_path": "/path/on/nvme" to zero_optimization.{section}'
+        )
+
+
+_DEPRECATED_OFFLOAD = 'a deprecated DeepSpeed key; use {{"{new}": {{"device": "cpu"}}}} instead'
+
+# zero_optimization knobs -> the stages that use them (the others ignore them, as DeepSpeed does)
+_STAGE3 = frozenset({3})
+_STAGE12 = frozenset({1, 2})
+KNOB_STAGES: dict[str, frozenset[int]] = {
+    "prefetch_bucket_size": _STAGE3,
+    "param_persistence_threshold": _STAGE3,
+    "model_persistence_threshold": _STAGE3,
+    "max_live_parameters": _STAGE3,
+    "max_reuse_distance": _STAGE3,
+    "gather_16bit_weights_on_model_save": _STAGE3,
+    "sub_group_size": _STAGE3,
+    "offload_param": _STAGE3,
+    "zero_hpz_partition_size": _STAGE3,
+    "zero_quantized_weights": _STAGE3,
+    "zero_quantized_nontrainable_weights": _STAGE3,
+    "zero_quantized_gradients": _STAGE3,
+    "mics_shard_size": _STAGE3,
+    "mics_hierarchical_params_gather": _STAGE3,
+    "round_robin_gradients": _STAGE12,
+    "allgather_partitions": _STAGE12,
+    "allgather_bucket_size": _STAGE12,
+    "offload_optimizer": frozenset({1, 2, 3}),
+}
+
+
+class ZeroOptimizationConfig(_Section):
+    """``zero_optimization``: DeepSpeed's ZeRO keys, names and defaults.
+
+    Every stage-3 knob is accepted with and without its ``stage3_`` prefix
+    (``stage3_prefetch_bucket_size`` / ``prefetch_bucket_size``); the attribute is the
+    short name. ``stage3_gather_fp16_weights_on_model_save`` (DeepSpeed's older name) is
+    one more spelling of ``gather_16bit_weights_on_model_save``. Sizes are element
+    counts; whole floats such as ``5e8`` are accepted. ``overlap_comm`` defaults to true
+    for stage 3 and false otherwise, as in DeepSpeed.
+
+    ``overlap_comm``, ``contiguous_gradients``, ``reduce_scatter`` and the bucket sizes
+    are performance settings: they never change the numbers a step computes.
+    """
+
+    _PATH = ("zero_optimization",)
+    _ALIASES: ClassVar[dict[str, tuple[str, ...]]] = {
+        "prefetch_bucket_size": ("stage3_prefetch_bucket_size",),
+        "param_persistence_threshold": ("stage3_param_persistence_threshold",),
+        "model_persistence_threshold": ("stage3_model_persistence_threshold",),
+        "max_live_parameters": ("stage3_max_live_parameters",),
+        "max_reuse_distance": ("stage3_max_reuse_distance",),
+        "gather_16bit_weights_on_model_save": (
+            "stage3_gather_16bit_weights_on_model_save",
+            "stage3_gather_fp16_weights_on_model_save",
+        ),
+    }
+    _HINTS: ClassVar[dict[str, str]] = {
+        "cpu_offload": _DEPRECATED_OFFLOAD.format(new="offload_optimizer"),
+        "cpu_offload_param": _DEPRECATED_OFFLOAD.format(new="offload_param"),
+        "cpu_offload_use_pin_memory": "a deprecated DeepSpeed key; use offload_optimizer.pin_memory / "
+        "offload_param.pin_memory instead",
+    }
+
+    stage: _int(0, 3) = 0
+    overlap_comm: Flag = False
+    contiguous_gradients: Flag = True
+    reduce_scatter: Flag = True
+    reduce_bucket_size: _int(1) = 500_000_000
+    allgather_partitions: Flag = True
+    allgather_bucket_size: _int(1) = 500_000_000
+    round_robin_gradients: Flag = False
+    sub_group_size: _int(1) = 1_000_000_000
+    load_from_fp32_weights: Flag = True
+    """``false`` (initialise fp32 master weights from the 16-bit ones) is not supported yet."""
+    ignore_unused_parameters: Flag = True
+    """``false`` (fail when a parameter receives no gradient) is not supported yet."""
+    prefetch_bucket_size: _int(0) = 50_000_000
+    param_persistence_threshold: _int(0) = 100_000
+    model_persistence_threshold: _int(0) = sys.maxsize
+    max_live_parameters: _int(0) = 1_000_000_000
+    max_reuse_distance: _int(0) = 1_000_000_000
+    gather_16bit_weights_on_model_save: Flag = False
+    zero_hpz_partition_size: _int(1) = 1
+    zero_quantized_weights: Flag = False
+    zero_quantized_nontrainable_weights: Flag = False
+    zero_quantized_gradients: Flag = False
+    mics_shard_size: _int(-1) = -1
+    """Ranks per MiCS partition group; -1 (or 0) turns MiCS off."""
+    mics_hierarchical_params_gather: Flag = False
+    offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig)
+    offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig)
+
+    @classmethod
+    def _prepare(cls, data: dict[str, Any]) -> dict[str, Any]:
+        # DeepSpeed: overlap_comm defaults to true for stage 3, false otherwise.
+        if "overlap_comm" not in data and isinstance(data.get("stage"), int | float):
+            data["overlap_comm"] = data["stage"] == 3
+        # DeepSpeed accepts "offload_param": null for "no offload".
+        for key in ("offload_param", "offload_optimizer"):
+            if key in data and data[key] is None:
+                del data[key]
+        return data
+
+    @model_validator(mode="after")
+    def _partial_offload_needs_stage3(self) -> ZeroOptimizationConfig:
+        if self.offload_optimizer.ratio < 1.0 and self.stage != 3:
+            raise ValueError(
+                f"zero_optimization.offload_optimizer.ratio = {self.offload_optimizer.ratio:g} (partial "
+                f"offload) needs stage 3, got stage {self.stage}; set ratio to 1.0 or use stage 3"
+            )
+        return self
+
+    @property
+    def mics_enabled(self) -> bool:
+        """Whether MiCS is requested (``mics_shard_size`` > 0)."""
+        return self.mics_shard_size > 0
+
+    def to_coordinator_config(self) -> CoordinatorConfig:
+        """The ZeRO-3 fetch / prefetch / release policy as a ``zero_coord.CoordinatorConfig``."""
+        from zero_coord import CoordinatorConfig
+
+        return CoordinatorConfig(
+            prefetch_bucket_size=self.prefetch_bucket_size,
+            max_live_parameters=self.max_live_parameters,
+            max_reuse_distance=self.max_reuse_distance,
+        )
+
+    def to_reduce_config(self) -> ReduceConfig:
+        """The gradient bucketing policy as a ``zero_optim`` ``ReduceConfig``."""
+        from zero_optim.buckets import ReduceConfig
+
+        return ReduceConfig(reduce_bucket_size=self.reduce_bucket_size, overlap_comm=self.overlap_comm)
+
+    def ignored_keys(self) -> list[str]:
+        """Full paths of the keys given that the chosen stage (or device) does not use."""
+        ignored = [
+            f"zero_optimization.{self.documented_key(name)}"
+            for name, stages in KNOB_STAGES.items()
+            if name in self.model_fields_set and self.stage not in stages
+        ]
+        for name in ("offload_param", "offload_optimizer"):
+            section = getattr(self, name)
+            if name in self.model_fields_set and self.stage in KNOB_STAGES[name]:
+                if "nvme_path" in section.model_fields_set and section.device is not OffloadDevice.NVME:
+                    ignored.append(f"zero_optimization.{name}.nvme_path")
+        return ignored

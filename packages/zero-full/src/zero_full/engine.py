@@ -1,0 +1,336 @@
+"""``initialize(model, config, optimizer) -> Engine``: the training loop's one object.
+
+The engine wires the layers for ZeRO stage 3 over the whole process group:
+
+* ``zero_params.partition`` (after broadcasting rank 0's values, so every rank shards the
+  same model) unless the model was built under :class:`Init`;
+* ``zero_optim.stage3_optimizer``: the flat fp32 partitioned optimizer and its bucketed
+  gradient sink;
+* ``zero_coord.Coordinator``: module hooks that gather, prefetch and release parameters and
+  hand each gradient to the sink.
+
+A training step is ``loss = engine(batch)``, ``engine.backward(loss)``, ``engine.step()``.
+``backward`` scales the loss by ``1 / gradient_accumulation_steps`` (like DeepSpeed) and
+``step`` runs the optimizer only at the accumulation boundary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.profiler import record_function
+
+import zero_params
+from zero_comm import CommLedger, CommTotals, Topology, broadcast
+from zero_coord import Coordinator, StepStats
+from zero_full.config import Precision, ZeroConfig
+from zero_optim import BucketedReducer, OptimizerSpec, PartitionedOptimizer, stage3_optimizer
+
+__all__ = ["Engine", "EngineStats", "Init", "initialize"]
+
+logger = logging.getLogger("zero.engine")
+
+ConfigLike = ZeroConfig | Mapping[str, Any] | str | os.PathLike[str] | None
+
+_BROADCAST_CHUNK = 1 << 24  # elements per broadcast when syncing a model that was built whole
+
+
+class Init(zero_params.Init):
+    """``zero_params.Init`` configured from a :class:`ZeroConfig`: partition while constructing.
+
+    ``with zero_full.Init(config=cfg): model = build()`` partitions every parameter as it
+    is created, with the config's ``stage3_param_persistence_threshold``; it is active only
+    when the config selects stage 3 (other stages keep whole parameters).
+
+    Args:
+        config: A :class:`ZeroConfig`, a DeepSpeed-style dict or a JSON path; ``None`` takes
+            every ``zero_params.Init`` default.
+        **kwargs: Passed to ``zero_params.Init`` (explicit values win over the config's).
+    """
+
+    def __init__(self, config: ConfigLike = None, **kwargs: Any) -> None:
+        if config is not None:
+            cfg = ZeroConfig.coerce(config)
+            kwargs.setdefault(
+                "param_persistence_threshold", cfg.zero_optimization.param_persistence_threshold
+            )
+            kwargs.setdefault("enabled", cfg.stage == 3)
+        super().__init__(**kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """What the last optimizer step cost.
+
+    Attributes:
+        global_steps: Optimizer steps taken so far.
+        params: The coordinator's statistics of its last finished step (a training or an
+            evaluation forward): peak live gathered elements, gathers, prefetch hits/misses,
+            bytes gathered.
+        comm: Every zero-comm collective the engine's calls issued between the previous
+            optimizer step and the last one (forwards, backwards and the step itself):
+            calls, payload bytes and ring-ideal wire bytes.
+    """
+
+    global_steps: int
+    params: StepStats
+    comm: CommTotals
+
+
+class Engine:
+    """A model trained with ZeRO stage 3 over the default process group.
+
+    Build it with :func:`initialize`.
+
+    Attributes:
+        module: The model (its parameters partitioned, its modules hooked).
+        config: The validated configuration.
+        optimizer: The partitioned optimizer (``optimizer.param_groups`` are the torch
+            optimizer's groups: adjust ``lr`` there or through an LR scheduler built on
+            ``optimizer.torch_optimizer``).
+        coordinator: The parameter coordinator (traces, statistics).
+        gradient_accumulation_steps: Micro-steps per optimizer step.
+        micro_steps: ``step()`` calls so far.
+        global_steps: Optimizer steps taken so far.
+    """
+
+    def __init__(self, model: nn.Module, config: ZeroConfig, optimizer: OptimizerSpec) -> None:
+        _check_supported(config)
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"initialize(model=...) needs an nn.Module, got {type(model).__name__}")
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "zero_full.initialize needs torch.distributed: call torch.distributed.init_process_group "
+                "first (e.g. init_process_group('gloo') under torchrun)"
+            )
+        z = config.zero_optimization
+        self.config = config
+        self.module = model
+        self.gradient_accumulation_steps = _accumulation_steps(config, dist.get_world_size())
+        self.micro_steps = 0
+        self.global_steps = 0
+        self._ledger = CommLedger(Topology())
+        with self._ledger, record_function("zero.engine.initialize"):
+            _sync_whole_tensors(model)
+            zero_params.partition(model, persistence_threshold=z.param_persistence_threshold)
+            self.optimizer: PartitionedOptimizer
+            self._sink: BucketedReducer
+            self.optimizer, self._sink = stage3_optimizer(
+                model, _optimizer_spec(config, optimizer), z.to_reduce_config()
+            )
+            self.coordinator = Coordinator(model, z.to_coordinator_config(), self._sink)
+            self.coordinator.install()
+        self._comm = CommTotals()
+        self._ledger.records.clear()
+        ignored = config.ignored_keys()
+        if ignored and dist.get_rank() == 0:
+            logger.info(
+                "zero: these config keys have no effect with this configuration: %s", ", ".join(ignored)
+            )
+
+    def __repr__(self) -> str:
+        return (
+            f"Engine(stage=3, model={type(self.module).__name__}, world_size={dist.get_world_size()}, "
+            f"gradient_accumulation_steps={self.gradient_accumulation_steps}, "
+            f"global_steps={self.global_steps})"
+        )
+
+    # ------------------------------------------------------------------ training step
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the model's forward (``engine.module(*args, **kwargs)``, counted in :attr:`stats`).
+
+        Raises:
+            zero_params.PartitionedParameterError: the forward used a parameter that was not
+                gathered (a module reading another module's parameter without
+                ``register_external_parameter``); the message names the parameter, the module
+                and the fix.
+        """
+        with self._ledger, record_function("zero.engine.forward"):
+            return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> torch.Tensor:
+        """Backward of ``loss / gradient_accumulation_steps``; gradients are reduced into the partitions.
+
+        Args:
+            loss: The scalar loss of this micro-step (as returned by the forward).
+
+        Returns:
+            ``loss`` unchanged.
+
+        Raises:
+            ValueError: ``loss`` is not a scalar tensor that requires grad.
+        """
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+            if isinstance(loss, torch.Tensor):
+                what = f"a tensor of shape {tuple(loss.shape)} (requires_grad={loss.requires_grad})"
+            else:
+                what = f"a {type(loss).__name__}"
+            raise ValueError(
+                f"engine.backward(loss) needs a scalar loss that requires grad, got {what}; "
+                "pass the loss computed by engine(...) with grad enabled"
+            )
+        with self._ledger, record_function("zero.engine.backward"):
+            scaled = loss / self.gradient_accumulation_steps if self.gradient_accumulation_steps > 1 else loss
+            scaled.backward()
+        return loss
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the next :meth:`step` call runs the optimizer."""
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
+
+    def step(self) -> None:
+        """End a micro-step; at the accumulation boundary, step the optimizer and zero the gradients."""
+        boundary = self.is_gradient_accumulation_boundary()
+        self.micro_steps += 1
+        if not boundary:
+            return
+        with self._ledger, record_function("zero.engine.step"):
+            self.optimizer.step()
+            self.optimizer.zero_grad()
+        self.global_steps += 1
+        self._comm = self._ledger.totals()
+        self._ledger.records.clear()
+
+    def train(self, mode: bool = True) -> Engine:
+        """``module.train(mode)``; returns the engine."""
+        self.module.train(mode)
+        return self
+
+    def eval(self) -> Engine:
+        """``module.eval()``; returns the engine."""
+        self.module.eval()
+        return self
+
+    def close(self) -> None:
+        """Release every gathered parameter and remove the coordinator's hooks."""
+        self.coordinator.remove()
+
+    # ------------------------------------------------------------------ measurements
+
+    @property
+    def stats(self) -> EngineStats:
+        """Statistics of the last step (see :class:`EngineStats`)."""
+        return EngineStats(self.global_steps, self.coordinator.last_step_stats, self._comm)
+
+    def model_state_bytes(self) -> int:
+        """Bytes of this rank's model states: parameters, gradients and optimizer state.
+
+        Counted from tensor storages, each storage once: parameter storages (empty for
+        partitioned parameters that are not gathered, whole for persistent ones), the flat
+        fp32 master (which holds the shards), the flat gradient partitions, any ``.grad``
+        still attached and the optimizer state.
+        """
+        tensors: list[torch.Tensor] = []
+        for p in self.module.parameters():
+            tensors.append(p)
+            if p.grad is not None:
+                tensors.append(p.grad)
+            if zero_params.is_partitioned(p):
+                state = zero_params.state_of(p)
+                tensors.append(state.shard)
+                if state.grad_partition is not None:
+                    tensors.append(state.grad_partition)
+        tensors.extend(self.optimizer.state_tensors())
+        storages: dict[int, int] = {}
+        for t in tensors:
+            storage = t.untyped_storage()
+            if storage.nbytes():
+                storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
+
+
+def initialize(model: nn.Module, config: ConfigLike = None, optimizer: OptimizerSpec = None) -> Engine:
+    """Wrap ``model`` for ZeRO training over the default process group.
+
+    Args:
+        model: The model, built whole on every rank (same values: rank 0's are broadcast) or
+            under :class:`Init`.
+        config: A :class:`ZeroConfig`, a DeepSpeed-style dict or a path to a JSON file.
+        optimizer: A callable ``params -> torch optimizer`` (e.g.
+            ``lambda params: torch.optim.AdamW(params, lr=1e-3)``; per-group options are
+            kept), a torch optimizer without state built over ``model.parameters()``, or
+            ``None`` to use the config's ``optimizer`` section (else ``torch.optim.AdamW``).
+
+    Returns:
+        The :class:`Engine`.
+
+    Raises:
+        NotImplementedError: a stage other than 3, fp16/bf16, gradient clipping, or any
+            feature listed by ``ZeroConfig.unsupported_features()`` (all named at once).
+        ValueError: both ``optimizer`` and a config ``optimizer`` section; inconsistent batch sizes.
+        RuntimeError: ``torch.distributed`` is not initialised.
+    """
+    return Engine(model, ZeroConfig.coerce(config), optimizer)
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _check_supported(config: ZeroConfig) -> None:
+    """Refuse, naming each one, the features this engine does not implement yet."""
+    missing = list(config.unsupported_features())
+    if config.stage != 3:
+        missing.insert(0, f"zero_optimization.stage = {config.stage} (only stage 3 is implemented yet)")
+    if config.precision is not Precision.FP32:
+        missing.append(f"{config.precision.value}.enabled = true (mixed precision is not implemented yet)")
+    if config.gradient_clipping > 0:
+        missing.append(f"gradient_clipping = {config.gradient_clipping:g} (not implemented yet)")
+    if missing:
+        lines = "\n  - ".join(missing)
+        raise NotImplementedError(
+            f"this zero version cannot run the given config; not implemented yet:\n  - {lines}\n"
+            "Remove or change these keys."
+        )
+
+
+def _accumulation_steps(config: ZeroConfig, world_size: int) -> int:
+    if config.train_batch_size is None and config.train_micro_batch_size_per_gpu is None:
+        return config.gradient_accumulation_steps or 1
+    return config.resolve_batch(world_size).gradient_accumulation_steps
+
+
+def _optimizer_spec(config: ZeroConfig, optimizer: OptimizerSpec) -> OptimizerSpec:
+    if config.optimizer is None:
+        return optimizer
+    if optimizer is not None:
+        raise ValueError(
+            "an optimizer was passed to initialize() and the config has an 'optimizer' section: "
+            "keep one of them"
+        )
+    return config.optimizer.build
+
+
+def _sync_whole_tensors(model: nn.Module) -> None:
+    """Broadcast rank 0's values of every parameter and buffer not partitioned yet.
+
+    ``zero_params.partition`` does not communicate: each rank keeps its shard of its own
+    values, so ranks that built the model with different seeds would silently train a mix.
+    One broadcast per dtype and device and per chunk of ``_BROADCAST_CHUNK`` elements, in the
+    same order on every rank.
+    """
+    if dist.get_world_size() == 1:
+        return
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in dict.fromkeys([*model.parameters(), *model.buffers()]):
+        if t.numel() and not zero_params.is_partitioned(t):
+            groups.setdefault((t.dtype, t.device), []).append(t.detach())
+    with torch.no_grad():
+        for tensors in groups.values():
+            chunk: list[torch.Tensor] = []
+            numel = 0
+            for i, t in enumerate(tensors):
+                chunk.append(t)
+                numel += t.numel()
+                if i + 1 == len(tensors) or numel + tensors[i + 1].numel() > _BROADCAST_CHUNK:
+                    flat = broadcast(torch.cat([c.reshape(-1) for c in chunk]), src=0).wait()
+                    for c, part in zip(chunk, flat.split([c.numel() for c in chunk])):
+                        c.copy_(part.view_as(c))
+                    chunk, numel = [], 0

@@ -1,0 +1,190 @@
+"""Model-state memory per rank for each ZeRO stage, from the ZeRO paper's formulas.
+
+For ``Ψ`` parameters trained with Adam on ``N`` data-parallel ranks:
+
+=========  ====================  ====================
+stage      mixed precision       fp32
+=========  ====================  ====================
+0 (DDP)    16Ψ                   16Ψ
+1          4Ψ + 12Ψ/N            8Ψ + 8Ψ/N
+2          2Ψ + 14Ψ/N            4Ψ + 12Ψ/N
+3          16Ψ/N                 16Ψ/N
+=========  ====================  ====================
+
+Mixed precision keeps 16-bit parameters and gradients (2 bytes each) and K = 12 bytes of
+optimizer state per parameter (fp32 master weights, momentum, variance); fp32 training
+keeps 4-byte parameters and gradients and 8 bytes of Adam moments (one fp32 copy of the
+parameters). Stage 1 partitions the optimizer state, stage 2 also the gradients, stage 3
+also the parameters. Values are the formula's: the padding of partitions (at most
+``N - 1`` elements per tensor) and activations, buffers and fragmentation are not counted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import decimal
+import enum
+import re
+from fractions import Fraction
+
+__all__ = [
+    "EstimatePrecision",
+    "MemoryEstimate",
+    "StageMemory",
+    "estimate_model_states",
+    "format_bytes",
+    "parse_count",
+]
+
+STAGE_NAMES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
+
+
+class EstimatePrecision(str, enum.Enum):
+    """Training precision of the estimate: bytes per parameter of each model state."""
+
+    MIXED = "mixed"
+    FP32 = "fp32"
+
+    @property
+    def bytes_per_param(self) -> tuple[int, int, int]:
+        """Bytes per parameter of (parameters, gradients, optimizer state)."""
+        return (2, 2, 12) if self is EstimatePrecision.MIXED else (4, 4, 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class StageMemory:
+    """Model-state bytes one rank holds at one stage (formula values, may be fractional).
+
+    Attributes:
+        stage: 0 (plain data parallelism, DDP) to 3.
+        params_bytes: Parameters (working precision).
+        gradients_bytes: Gradients.
+        optimizer_bytes: Optimizer state (with the fp32 master weights in mixed precision).
+    """
+
+    stage: int
+    params_bytes: float
+    gradients_bytes: float
+    optimizer_bytes: float
+
+    @property
+    def name(self) -> str:
+        """``DDP``, ``ZeRO-1``, ``ZeRO-2`` or ``ZeRO-3``."""
+        return STAGE_NAMES[self.stage]
+
+    @property
+    def total_bytes(self) -> float:
+        """Parameters + gradients + optimizer state."""
+        return self.params_bytes + self.gradients_bytes + self.optimizer_bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryEstimate:
+    """Result of :func:`estimate_model_states`.
+
+    Attributes:
+        num_params: Ψ, the number of parameters.
+        world_size: N, the number of data-parallel ranks.
+        precision: Mixed precision or fp32.
+        stages: One entry per requested stage, in increasing stage order.
+    """
+
+    num_params: int
+    world_size: int
+    precision: EstimatePrecision
+    stages: tuple[StageMemory, ...]
+
+    def to_dict(self) -> dict[str, object]:
+        """A JSON-ready dict (bytes, and totals in GB = 1e9 bytes)."""
+        return {
+            "num_params": self.num_params,
+            "world_size": self.world_size,
+            "precision": self.precision.value,
+            "bytes_per_param": dict(
+                zip(("params", "gradients", "optimizer"), self.precision.bytes_per_param)
+            ),
+            "stages": [
+                {
+                    "stage": s.stage,
+                    "name": s.name,
+                    "params_bytes": s.params_bytes,
+                    "gradients_bytes": s.gradients_bytes,
+                    "optimizer_bytes": s.optimizer_bytes,
+                    "total_bytes": s.total_bytes,
+                    "total_gb": s.total_bytes / 1e9,
+                }
+                for s in self.stages
+            ],
+        }
+
+
+def estimate_model_states(
+    num_params: int,
+    world_size: int,
+    precision: EstimatePrecision | str = EstimatePrecision.MIXED,
+    stages: tuple[int, ...] = (0, 1, 2, 3),
+) -> MemoryEstimate:
+    """Model-state bytes per rank at each stage (ZeRO paper, Adam).
+
+    Args:
+        num_params: Ψ, ``>= 1``.
+        world_size: N, ``>= 1``.
+        precision: ``"mixed"`` (16-bit params/grads, K = 12) or ``"fp32"``.
+        stages: Stages to report, each 0 (DDP) to 3.
+
+    Returns:
+        The per-stage breakdown.
+
+    Raises:
+        ValueError: a count below 1, an unknown precision or stage.
+    """
+    for what, value in (("num_params", num_params), ("world_size", world_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{what} must be an integer >= 1, got {value!r}")
+    try:
+        prec = EstimatePrecision(precision)
+    except ValueError:
+        raise ValueError(f"precision must be 'mixed' or 'fp32', got {precision!r}") from None
+    bad = [s for s in stages if s not in STAGE_NAMES]
+    if bad or not stages:
+        raise ValueError(f"stages must be a non-empty selection of 0, 1, 2, 3, got {stages!r}")
+    p_bytes, g_bytes, o_bytes = prec.bytes_per_param
+    psi, share = Fraction(num_params), Fraction(num_params, world_size)
+    result = []
+    for stage in sorted(set(stages)):
+        params = p_bytes * (share if stage >= 3 else psi)
+        grads = g_bytes * (share if stage >= 2 else psi)
+        optim = o_bytes * (share if stage >= 1 else psi)
+        result.append(StageMemory(stage, float(params), float(grads), float(optim)))
+    return MemoryEstimate(num_params, world_size, prec, tuple(result))
+
+
+_SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+_COUNT = re.compile(r"^\s*([0-9][0-9_]*(?:\.[0-9_]*)?(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]?)\s*$")
+
+
+def parse_count(text: str) -> int:
+    """Parse a parameter count: ``7.5B``, ``125M``, ``350k``, ``1T``, ``1e9``, ``1_000_000``.
+
+    Suffixes (case-insensitive): k = 1e3, M = 1e6, B or G = 1e9, T = 1e12.
+
+    Raises:
+        ValueError: not a number, an unknown suffix, or not a whole number >= 1.
+    """
+    match = _COUNT.match(text)
+    if not match or match.group(2).lower() not in _SUFFIXES:
+        raise ValueError(f"cannot read {text!r} as a count: write e.g. 7.5B, 125M, 350k or 1e9")
+    value = decimal.Decimal(match.group(1).replace("_", "")) * _SUFFIXES[match.group(2).lower()]
+    if value != value.to_integral_value() or value < 1:
+        raise ValueError(f"{text!r} is {value:f}, not a whole number >= 1")
+    return int(value)
+
+
+def format_bytes(nbytes: float) -> str:
+    """``nbytes`` with one decimal in decimal units (kB = 1e3 ... TB = 1e12), e.g. ``31.4 GB``."""
+    if round(nbytes) < 1000:
+        return f"{nbytes:.0f} B"
+    for unit, scale in (("kB", 1e3), ("MB", 1e6), ("GB", 1e9)):
+        if round(nbytes / scale, 1) < 1000:  # the smallest unit that prints below 1000
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes / 1e12:.1f} TB"

@@ -1,0 +1,270 @@
+"""Environment and backend check behind ``zero report``.
+
+:func:`collect_report` gathers versions (Python, torch, Triton, every zero package),
+the machine, the ``torch.distributed`` backends and the accelerator, and runs
+:func:`gloo_smoke_check`: two local processes (``multiprocessing`` spawn) meet through a
+file store in a temporary directory and do one ``all_reduce`` over gloo. The check is
+bounded by its timeout (the processes are killed when it expires), so it never hangs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import importlib.metadata
+import importlib.util
+import multiprocessing as mp
+import os
+import platform
+import sys
+import tempfile
+import time
+import traceback
+from multiprocessing.connection import Connection, wait
+
+__all__ = ["EnvironmentReport", "SmokeResult", "collect_report", "gloo_smoke_check", "ZERO_DISTRIBUTIONS"]
+
+ZERO_DISTRIBUTIONS = (
+    "zero-kernels",
+    "zero-comm",
+    "zero-offload",
+    "zero-params",
+    "zero-coord",
+    "zero-optim",
+    "zero-full",
+)
+
+_SMOKE_WORLD = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class SmokeResult:
+    """Outcome of :func:`gloo_smoke_check`.
+
+    Attributes:
+        ok: Every rank got the expected all-reduce result.
+        detail: What was checked, or the error (with the failing rank).
+        seconds: Wall time of the whole check, process start-up included.
+    """
+
+    ok: bool
+    detail: str
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvironmentReport:
+    """What ``zero report`` prints; every field is plain data.
+
+    Attributes:
+        python: Python version and implementation.
+        executable: The interpreter's path.
+        platform: Operating system and machine.
+        cpu_count: Logical CPUs (``os.cpu_count()``).
+        torch: torch version.
+        distributed: Whether ``torch.distributed`` is available.
+        backends: Backend name -> available (gloo, nccl, mpi, ucc, xccl).
+        accelerator: ``torch.accelerator`` device type, or ``None`` (CPU only).
+        accelerator_count: Number of accelerator devices.
+        cuda: CUDA runtime version torch was built with, or ``None``.
+        triton: Triton version, ``None`` when not importable.
+        packages: Distribution name -> installed version, or ``None`` when not installed.
+        smoke: The gloo smoke check, or ``None`` when skipped.
+    """
+
+    python: str
+    executable: str
+    platform: str
+    cpu_count: int | None
+    torch: str
+    distributed: bool
+    backends: dict[str, bool]
+    accelerator: str | None
+    accelerator_count: int
+    cuda: str | None
+    triton: str | None
+    packages: dict[str, str | None]
+    smoke: SmokeResult | None
+
+    def to_dict(self) -> dict[str, object]:
+        """A JSON-ready dict."""
+        return dataclasses.asdict(self)
+
+
+def _backends(dist: object) -> dict[str, bool]:
+    names = ("gloo", "nccl", "mpi", "ucc", "xccl")
+    found = {}
+    for name in names:
+        probe = getattr(dist, f"is_{name}_available", None)
+        found[name] = bool(probe()) if callable(probe) else False
+    return found
+
+
+def _triton_version() -> str | None:
+    if importlib.util.find_spec("triton") is None:
+        return None
+    try:
+        return importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:
+        import triton
+
+        return str(getattr(triton, "__version__", "unknown"))
+
+
+def _package_versions() -> dict[str, str | None]:
+    versions: dict[str, str | None] = {}
+    for name in ZERO_DISTRIBUTIONS:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return versions
+
+
+def collect_report(smoke: bool = True, smoke_timeout: float = 30.0) -> EnvironmentReport:
+    """Gather the environment report.
+
+    Args:
+        smoke: Run the 2-process gloo smoke check.
+        smoke_timeout: Its time limit in seconds.
+
+    Returns:
+        The report.
+    """
+    import torch
+    import torch.distributed as dist
+
+    available = dist.is_available()
+    accel = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return EnvironmentReport(
+        python=f"{platform.python_implementation()} {platform.python_version()}",
+        executable=sys.executable,
+        platform=platform.platform(),
+        cpu_count=os.cpu_count(),
+        torch=torch.__version__,
+        distributed=available,
+        backends=_backends(dist) if available else {},
+        accelerator=accel.type if accel is not None else None,
+        accelerator_count=torch.accelerator.device_count() if accel is not None else 0,
+        cuda=torch.version.cuda,
+        triton=_triton_version(),
+        packages=_package_versions(),
+        smoke=gloo_smoke_check(smoke_timeout) if smoke and available else None,
+    )
+
+
+def _smoke_rank(rank: int, world: int, store_path: str, timeout: float, conn: Connection) -> None:
+    """One rank of the smoke check: all-reduce ``rank + 1`` and send the result back."""
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{store_path}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        try:
+            value = torch.tensor([float(rank + 1)])
+            dist.all_reduce(value)
+            conn.send(("ok", value.item()))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # every failure goes back to the parent
+        lines = traceback.format_exc().strip().splitlines()
+        try:
+            conn.send(("error", lines[-1] if lines else "unknown error"))
+        except OSError:
+            pass  # the parent gave up waiting and closed the pipe
+    finally:
+        conn.close()
+
+
+def gloo_smoke_check(timeout: float = 30.0) -> SmokeResult:
+    """All-reduce over gloo between 2 spawned local processes.
+
+    Args:
+        timeout: Seconds for the whole check (start-up included) and for the process group.
+
+    Returns:
+        ``ok`` when both ranks got ``1 + 2 = 3``; otherwise the first error, or which ranks
+        did not answer in time (they are then killed).
+    """
+    start = time.monotonic()
+    expected = float(sum(range(1, _SMOKE_WORLD + 1)))
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="zero-report-") as tmp:
+        store = os.path.join(tmp, "store")
+        procs, conns = [], {}
+        for rank in range(_SMOKE_WORLD):
+            parent, child = ctx.Pipe(duplex=False)
+            proc = ctx.Process(
+                target=_smoke_rank,
+                args=(rank, _SMOKE_WORLD, store, timeout, child),
+                name=f"zero-report-rank{rank}",
+                daemon=True,
+            )
+            proc.start()
+            child.close()
+            procs.append(proc)
+            conns[rank] = parent
+        results, errors = _collect(conns, procs, start + timeout)
+        for rank, proc in enumerate(procs):
+            # A rank that answered only has to exit; one that did not is stuck: stop it now.
+            _stop(proc, grace=2.0 if rank in results or rank in errors else 0.0)
+    seconds = time.monotonic() - start
+    if errors:
+        rank = min(errors)
+        return SmokeResult(False, f"rank {rank} failed: {errors[rank]}", seconds)
+    missing = [r for r in range(_SMOKE_WORLD) if r not in results]
+    if missing:
+        return SmokeResult(False, f"rank(s) {missing} did not finish within {timeout:g} s (killed)", seconds)
+    wrong = {r: v for r, v in results.items() if v != expected}
+    if wrong:
+        return SmokeResult(False, f"all_reduce gave {wrong}, expected {expected:g} on every rank", seconds)
+    detail = f"all_reduce over gloo on {_SMOKE_WORLD} spawned processes: {expected:g} on every rank"
+    return SmokeResult(True, detail, seconds)
+
+
+def _collect(
+    conns: dict[int, Connection], procs: list[mp.process.BaseProcess], deadline: float
+) -> tuple[dict[int, float], dict[int, str]]:
+    results: dict[int, float] = {}
+    errors: dict[int, str] = {}
+    pending = dict(conns)
+    while pending:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        for conn in wait(list(pending.values()), timeout=remaining):
+            rank = next(r for r, c in pending.items() if c is conn)
+            del pending[rank]
+            try:
+                status, payload = conn.recv()
+            except EOFError:
+                procs[rank].join(1.0)
+                status, payload = (
+                    "error",
+                    f"process exited without an answer (exit code {procs[rank].exitcode})",
+                )
+            if status == "ok":
+                results[rank] = payload
+            else:
+                errors[rank] = payload
+                deadline = min(deadline, time.monotonic() + 2.0)  # the other rank may now be stuck
+    for conn in conns.values():
+        conn.close()
+    return results, errors
+
+
+def _stop(proc: mp.process.BaseProcess, grace: float) -> None:
+    proc.join(grace)
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(2.0)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()

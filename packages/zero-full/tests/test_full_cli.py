@@ -1,0 +1,226 @@
+"""The ``zero`` CLI: ``zero estimate`` against the ZeRO formulas, ``zero report`` with its gloo check."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+
+from zero_full.cli import main
+from zero_full.estimate import estimate_model_states, format_bytes, parse_count
+from zero_full.report import gloo_smoke_check
+
+
+def formula_bytes(psi: int, n: int, precision: str) -> dict[int, float]:
+    """The ZeRO paper's per-rank model-state bytes (REFERENCES.md), written out independently."""
+    if precision == "mixed":
+        return {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}
+    return {0: 16 * psi, 1: 8 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n, 3: 16 * psi / n}
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    code = main(list(argv))
+    return code, capsys.readouterr().out
+
+
+def table_rows(text: str) -> dict[str, list[str]]:
+    """``{stage name: cells}`` of the estimate table (cells split on runs of 2+ spaces)."""
+    import re
+
+    rows = {}
+    for line in text.splitlines():
+        cells = re.split(r"\s{2,}", line.strip())
+        if cells[0] in ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"):
+            rows[cells[0]] = cells
+    return rows
+
+
+# ----------------------------------------------------------------------------- estimate
+
+
+def test_estimate_without_arguments_prints_the_paper_example(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = run(capsys, "estimate")
+    assert code == 0
+    rows = table_rows(out)
+    totals = {name: cells[-1] for name, cells in rows.items()}
+    assert totals == {"DDP": "120.0 GB", "ZeRO-1": "31.4 GB", "ZeRO-2": "16.6 GB", "ZeRO-3": "1.9 GB"}
+    assert "7.5B (7,500,000,000)" in out and "ranks (N)       64" in out
+    # columns are aligned: every table line has the same width up to the total column
+    lines = [
+        line
+        for line in out.splitlines()
+        if line.split(" ")[0] in ("stage", "DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3")
+    ]
+    assert len({len(line) for line in lines}) == 1
+
+
+def test_estimate_one_stage_fp32(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = run(
+        capsys, "estimate", "--params", "125M", "--world", "8", "--stage", "2", "--precision", "fp32"
+    )
+    assert code == 0
+    rows = table_rows(out)
+    assert list(rows) == ["ZeRO-2"]
+    # fp32 stage 2: params 4P, grads 4P/N, Adam moments 8P/N = 500 MB + 62.5 MB + 125 MB
+    assert rows["ZeRO-2"][1:] == ["4P + 12P/N", "500.0 MB", "62.5 MB", "125.0 MB", "687.5 MB"]
+
+
+@pytest.mark.parametrize(
+    ("params", "psi"),
+    [
+        ("1", 1),
+        ("7", 7),
+        ("1023", 1023),
+        ("125M", 125_000_000),
+        ("1.3B", 1_300_000_000),
+        ("7.5b", 7_500_000_000),
+    ],
+)
+@pytest.mark.parametrize("world", [1, 2, 4, 7, 64])
+@pytest.mark.parametrize("precision", ["mixed", "fp32"])
+def test_estimate_json_matches_formulas(
+    capsys: pytest.CaptureFixture[str], params: str, psi: int, world: int, precision: str
+) -> None:
+    code, out = run(
+        capsys, "estimate", "--params", params, "--world", str(world), "--precision", precision, "--json"
+    )
+    assert code == 0
+    data = json.loads(out)
+    assert (data["num_params"], data["world_size"], data["precision"]) == (psi, world, precision)
+    expected = formula_bytes(psi, world, precision)
+    assert [s["stage"] for s in data["stages"]] == [0, 1, 2, 3]
+    for s in data["stages"]:
+        assert s["total_bytes"] == pytest.approx(expected[s["stage"]], rel=1e-12)
+        assert s["params_bytes"] + s["gradients_bytes"] + s["optimizer_bytes"] == pytest.approx(
+            s["total_bytes"]
+        )
+        assert s["total_gb"] == pytest.approx(expected[s["stage"]] / 1e9, rel=1e-12)
+
+
+def test_world_of_one_makes_every_stage_equal_to_ddp() -> None:
+    est = estimate_model_states(1023, 1)
+    assert {s.total_bytes for s in est.stages} == {16 * 1023}
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [
+        ("7.5B", 7_500_000_000),
+        ("125M", 125_000_000),
+        ("125m", 125_000_000),
+        ("350k", 350_000),
+        ("1e9", 1_000_000_000),
+        ("2.5e3", 2500),
+        ("1T", 10**12),
+        ("1.3G", 1_300_000_000),
+        ("1_000_003", 1_000_003),
+        (" 42 ", 42),
+    ],
+)
+def test_parse_count(text: str, value: int) -> None:
+    assert parse_count(text) == value
+
+
+@pytest.mark.parametrize("text", ["abc", "7.5X", "1.5", "0", "-3", "1e-3", "", "B"])
+def test_parse_count_rejects(text: str) -> None:
+    with pytest.raises(ValueError):
+        parse_count(text)
+
+
+def test_bad_arguments_exit_with_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (
+        ["estimate", "--params", "lots"],
+        ["estimate", "--world", "0"],
+        ["estimate", "--stage", "4"],
+        [],
+    ):
+        with pytest.raises(SystemExit) as info:
+            main(argv)
+        assert info.value.code == 2
+    assert "cannot read 'lots' as a count" in capsys.readouterr().err
+
+
+def test_help_lists_the_subcommands(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "estimate" in out and "report" in out
+
+
+@pytest.mark.parametrize(
+    ("nbytes", "text"),
+    [
+        (0, "0 B"),
+        (999, "999 B"),
+        (999.7, "1.0 kB"),
+        (1500, "1.5 kB"),
+        (999_960_000, "1.0 GB"),
+        (1.875e9, "1.9 GB"),
+        (31.40625e9, "31.4 GB"),
+        (2.5e15, "2500.0 TB"),
+    ],
+)
+def test_format_bytes(nbytes: float, text: str) -> None:
+    assert format_bytes(nbytes) == text
+
+
+def _installed_script() -> pathlib.Path:
+    """The ``zero`` console script of the running interpreter's environment."""
+    name = "zero.exe" if sys.platform == "win32" else "zero"
+    for folder in (pathlib.Path(sys.executable).parent, pathlib.Path(sysconfig.get_path("scripts"))):
+        if (folder / name).exists():
+            return folder / name
+    raise AssertionError(f"the `zero` entry point is not installed next to {sys.executable}")
+
+
+def test_installed_zero_entry_point_runs() -> None:
+    proc = subprocess.run(
+        [str(_installed_script()), "estimate"], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert proc.returncode == 0, proc.stderr
+    totals = {name: cells[-1] for name, cells in table_rows(proc.stdout).items()}
+    assert totals == {"DDP": "120.0 GB", "ZeRO-1": "31.4 GB", "ZeRO-2": "16.6 GB", "ZeRO-3": "1.9 GB"}
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def test_report_runs_and_gloo_smoke_check_passes(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    code, out = run(capsys, "report")
+    assert code == 0, out
+    lines = {line.split("  ")[1].strip(): line for line in out.splitlines()[1:]}
+    assert torch.__version__ in lines["torch"]
+    assert "gloo yes" in lines["backends"]
+    assert "not installed" not in lines["zero-full"]
+    smoke = next(line for line in out.splitlines() if "gloo smoke check" in line)
+    assert "  OK in " in smoke and "3 on every rank" in smoke
+
+
+def test_report_json_without_smoke(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = run(capsys, "report", "--json", "--no-smoke")
+    assert code == 0
+    data = json.loads(out)
+    assert data["smoke"] is None and data["backends"]["gloo"] is True
+    assert set(data["packages"]) == {
+        "zero-kernels",
+        "zero-comm",
+        "zero-offload",
+        "zero-params",
+        "zero-coord",
+        "zero-optim",
+        "zero-full",
+    }
+    assert data["accelerator"] in (None, "cuda", "xpu", "mps", "hpu", "mtia")
+
+
+def test_smoke_check_reports_a_timeout_instead_of_hanging() -> None:
+    result = gloo_smoke_check(timeout=0.01)  # far too short to even start the processes
+    assert not result.ok
+    assert "did not finish within 0.01 s (killed)" in result.detail

@@ -1,0 +1,210 @@
+"""The stage-3 engine: what it refuses, accumulation and loss scaling, memory, stats, Init, sync."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import zero_full
+import zero_params
+from zero_comm import partition_numel
+
+BATCH = 8
+
+
+class Net(nn.Module):
+    def __init__(self, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.a = nn.Linear(11, 13)
+        self.b = nn.Linear(13, 3)
+
+    def forward(self, x, y):
+        return ((self.b(torch.tanh(self.a(x))) - y) ** 2).mean()
+
+
+def _data(step):
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(BATCH, 11, generator=g), torch.randn(BATCH, 3, generator=g)
+
+
+def _stage3(**zero):
+    extra = {k: zero.pop(k) for k in list(zero) if k in ("gradient_accumulation_steps", "optimizer")}
+    return {**extra, "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, **zero}}
+
+
+def _full(model):
+    with zero_full.GatheredParameters(list(model.parameters())):
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+@pytest.mark.parametrize(
+    "config,fragment",
+    [
+        ({"zero_optimization": {"stage": 2}}, "stage = 2 (only stage 3 is implemented yet)"),
+        ({}, "stage = 0"),
+        ({"zero_optimization": {"stage": 3}, "bf16": {"enabled": True}}, "bf16.enabled = true"),
+        ({"zero_optimization": {"stage": 3}, "fp16": {"enabled": True}}, "fp16.enabled = true"),
+        ({"zero_optimization": {"stage": 3}, "gradient_clipping": 1.0}, "gradient_clipping = 1"),
+        (
+            {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}},
+            "offload_param.device = 'cpu'",
+        ),
+    ],
+)
+def test_what_is_not_implemented_yet_is_refused_by_name(config, fragment):
+    with pytest.raises(NotImplementedError, match="not implemented yet") as info:
+        zero_full.initialize(Net(), config)
+    assert fragment in str(info.value)
+
+
+def test_every_unsupported_feature_is_named_at_once():
+    config = {"zero_optimization": {"stage": 3, "zero_quantized_weights": True, "mics_shard_size": 2}}
+    with pytest.raises(NotImplementedError) as info:
+        zero_full.initialize(Net(), config)
+    assert "zero_quantized_weights" in str(info.value) and "mics_shard_size" in str(info.value)
+
+
+def _two_optimizers():
+    config = _stage3(optimizer={"type": "SGD", "params": {"lr": 0.1}})
+    with pytest.raises(ValueError, match="keep one of them"):
+        zero_full.initialize(Net(), config, lambda ps: torch.optim.SGD(ps, lr=0.1))
+    engine = zero_full.initialize(Net(), config)
+    opt = engine.optimizer.torch_optimizer
+    with pytest.raises(ValueError, match="needs a scalar loss"):
+        engine.backward(torch.ones(2, requires_grad=True))
+    return type(opt).__name__, opt.param_groups[0]["lr"]
+
+
+def test_the_config_optimizer_is_used_and_two_optimizers_are_refused(dist):
+    assert dist.run(1, _two_optimizers) == [("SGD", 0.1)]
+
+
+# --------------------------------------------------------------------------- accumulation
+
+
+def _accumulate(rank, accumulation):
+    model = Net()
+    config = _stage3(gradient_accumulation_steps=accumulation)
+    engine = zero_full.initialize(model, config, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+    world, r = rank.world_size, rank.rank
+    trace = []
+    for micro in range(2 * accumulation):
+        x, y = _data(micro)
+        n = BATCH // world
+        engine.backward(engine(x[r * n : (r + 1) * n], y[r * n : (r + 1) * n]))
+        boundary = engine.is_gradient_accumulation_boundary()
+        engine.step()
+        trace.append((boundary, engine.global_steps))
+    return trace, _full(model)
+
+
+def _reference(accumulation):
+    model = Net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(2):
+        parts = [_data(step * accumulation + m) for m in range(accumulation)]
+        x, y = (torch.cat(t) for t in zip(*parts))
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("world,accumulation", [(1, 3), (2, 2)])
+def test_steps_only_at_the_boundary_and_scales_the_loss(dist, world, accumulation):
+    results = dist.run(world, _accumulate, accumulation)
+    ref = _reference(accumulation)
+    for trace, params in results:
+        expected = [((m + 1) % accumulation == 0, (m + 1) // accumulation) for m in range(2 * accumulation)]
+        assert trace == expected
+        for name, value in params.items():
+            torch.testing.assert_close(value, ref[name], rtol=1e-6, atol=1e-7)
+
+
+def _derived_accumulation(rank):
+    config = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, **_stage3()}
+    return zero_full.initialize(Net(), config).gradient_accumulation_steps
+
+
+def test_accumulation_steps_are_derived_from_the_batch_sizes(dist):
+    assert dist.run(2, _derived_accumulation) == [2, 2]
+
+
+# --------------------------------------------------------------------------- memory and stats
+
+
+def _memory_and_stats(rank):
+    model = Net()
+    numels = [p.numel() for p in model.parameters()]
+    engine = zero_full.initialize(model, _stage3(), lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    before = engine.model_state_bytes()
+    x, y = _data(0)
+    engine.backward(engine(x, y))
+    engine.step()
+    after = engine.model_state_bytes()
+    padded = sum(partition_numel(n, rank.world_size) for n in numels)
+    return before, after, padded, engine.stats
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_model_state_bytes_count_shards_gradients_and_optimizer_state_once(dist, world):
+    for before, after, padded, stats in dist.run(world, _memory_and_stats):
+        assert before == 8 * padded  # fp32 master (= the shards) + fp32 gradient partition
+        assert after == 16 * padded + 4  # + AdamW exp_avg and exp_avg_sq, and its 4-byte step counter
+        assert stats.global_steps == 1
+        assert stats.params.gathers > 0 and stats.params.max_live_elements > 0
+        if world > 1:
+            # 2 modules gathered in forward and again in backward, one gradient reduce-scatter.
+            assert stats.params.gathers == 4
+            assert stats.comm.calls == stats.params.gathers + 1
+            assert stats.comm.payload_bytes > 0
+        else:
+            assert stats.comm.wire_bytes == 0
+
+
+# --------------------------------------------------------------------------- Init, sync, close
+
+
+def _init_and_sync(rank):
+    cfg = zero_full.ZeroConfig.model_validate(_stage3(stage3_param_persistence_threshold=13))
+    with zero_full.Init(config=cfg):
+        built = Net(seed=rank.rank)  # different seeds: Init keeps each rank's shard of its own values
+    persistent = sorted(n for n, p in built.named_parameters() if zero_params.state_of(p).persistent)
+    with zero_full.Init(config={"zero_optimization": {"stage": 2}}):
+        whole = Net()
+    whole_is_plain = not any(zero_params.is_partitioned(p) for p in whole.parameters())
+    model = Net(seed=rank.rank)  # built whole with different seeds: initialize broadcasts rank 0's
+    engine = zero_full.initialize(model, _stage3(), None)
+    synced = _full(model)
+    engine.close()
+    x, y = _data(0)
+    with pytest.raises(zero_params.PartitionedParameterError):
+        engine(x, y)  # hooks removed: nothing gathers the parameters any more
+    return persistent, whole_is_plain, synced
+
+
+def test_init_from_config_and_initialize_syncs_rank_zero_values(dist):
+    results = dist.run(2, _init_and_sync)
+    rank0 = {n: p.detach() for n, p in Net(seed=0).named_parameters()}
+    for persistent, whole_is_plain, synced in results:
+        assert persistent == ["a.bias", "b.bias"]
+        assert whole_is_plain
+        for name, value in synced.items():
+            assert torch.equal(value, rank0[name])
+
+
+def _from_json(rank, path):
+    return zero_full.initialize(Net(), path, None).coordinator.config.max_live_parameters
+
+
+def test_config_from_a_json_file(dist, tmp_path):
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(_stage3(stage3_max_live_parameters=1234)))
+    assert dist.run(1, _from_json, str(path)) == [1234]

@@ -1,0 +1,207 @@
+"""Bucketed gradient reduction during backward: the :class:`GradientSink` of the partitioned optimizers.
+
+Buckets are planned once, from the parameter order alone: reverse registration order
+(roughly the order backward produces gradients), cut every ``reduce_bucket_size``
+elements. A bucket is reduced as soon as all of its parameters reported a gradient and
+every earlier bucket was reduced; whatever is left is reduced at the end of the backward,
+parameters that got no gradient contributing zeros.
+
+Every rank must issue the same collectives in the same order, and the gradient
+reductions share the process group with the coordinator's all-gathers, so a reduction
+must also be issued at the same point *between* the gathers on every rank. Hence:
+
+* parameters whose gradients every rank produces at the same point of backward (all
+  parameters of hooked modules that run identically on all ranks) go into ordered buckets,
+  reduced as they complete — overlapping with the rest of backward. A branch skipped on
+  every rank only delays its buckets (and the later ones) to the end of backward;
+* parameters that may get a gradient on some ranks and not on others — those inside
+  ``zero_coord`` leaf modules, where ranks may route data differently (mixture of experts)
+  — go into *deferred* buckets, reduced at the end of every backward, after all gathers.
+  An unused parameter contributes zeros, so the average stays correct.
+
+Guarantee: for models whose rank-dependent control flow is confined to leaf modules, the
+sequence of collectives is the same on every rank and the gradients are exact averages.
+Rank-dependent gradient presence *outside* leaf modules (e.g. a hooked module that uses its
+bias on some ranks only) is not supported — mark such blocks with
+``zero_coord.set_leaf_modules``.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Collection, Sequence
+from typing import Protocol
+
+from torch import nn
+from torch.profiler import record_function
+
+__all__ = ["BucketPlan", "BucketedReducer", "ReduceConfig", "ReduceHandle"]
+
+
+class ReduceHandle(Protocol):
+    """What a reduce function returns: ``wait()`` completes the accumulation."""
+
+    def wait(self) -> None: ...
+
+
+ReduceFn = Callable[..., ReduceHandle]
+"""``reduce_fn(params, async_op=bool)``: reduce the ``.grad`` of ``params`` into their partitions."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ReduceConfig:
+    """Gradient bucketing policy (DeepSpeed's ``reduce_bucket_size`` and ``overlap_comm``).
+
+    Attributes:
+        reduce_bucket_size: Gradient elements per reduce-scatter bucket (a parameter larger
+            than this gets a bucket of its own).
+        overlap_comm: Issue bucket reductions asynchronously while backward continues (at
+            most :attr:`max_inflight` buckets in flight); otherwise each reduction completes
+            before backward resumes.
+        max_inflight: Buckets allowed in flight with ``overlap_comm`` before the oldest is
+            waited for (bounds the memory of full gradients awaiting reduction).
+    """
+
+    reduce_bucket_size: int = 500_000_000
+    overlap_comm: bool = False
+    max_inflight: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("reduce_bucket_size", "max_inflight"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ReduceConfig.{name} must be an integer >= 1, got {value!r}")
+
+
+class BucketPlan:
+    """Static buckets over a fixed parameter order.
+
+    Args:
+        params: Parameters in the order their gradients are expected (every rank passes the
+            same order).
+        names: Their qualified names (for messages).
+        numels: Full number of elements of each parameter.
+        bucket_size: Elements per bucket; a bucket closes before it would exceed this size.
+        deferred: Parameters whose gradient presence may differ between ranks (inside
+            leaf modules); they get buckets of their own, reduced at the end of backward.
+
+    Attributes:
+        buckets: Tuples of parameters, in reduction order: the ordered buckets first.
+        ordered: Number of ordered buckets (the others are deferred).
+        index: ``id(param) -> bucket number``.
+        names: ``id(param) -> qualified name``.
+    """
+
+    __slots__ = ("buckets", "index", "names", "ordered")
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        names: Sequence[str],
+        numels: Sequence[int],
+        bucket_size: int,
+        deferred: Collection[nn.Parameter] = (),
+    ) -> None:
+        late = {id(p) for p in deferred}
+        items = list(zip(params, numels, strict=True))
+        ordered = _cut([(p, n) for p, n in items if id(p) not in late], bucket_size)
+        self.buckets: tuple[tuple[nn.Parameter, ...], ...] = (
+            *ordered,
+            *_cut([(p, n) for p, n in items if id(p) in late], bucket_size),
+        )
+        self.ordered = len(ordered)
+        self.index: dict[int, int] = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket}
+        self.names: dict[int, str] = {id(p): n for p, n in zip(params, names, strict=True)}
+
+    def __len__(self) -> int:
+        return len(self.buckets)
+
+
+def _cut(items: Sequence[tuple[nn.Parameter, int]], bucket_size: int) -> list[tuple[nn.Parameter, ...]]:
+    buckets: list[tuple[nn.Parameter, ...]] = []
+    current: list[nn.Parameter] = []
+    size = 0
+    for param, numel in items:
+        if current and size + numel > bucket_size:
+            buckets.append(tuple(current))
+            current, size = [], 0
+        current.append(param)
+        size += numel
+    if current:
+        buckets.append(tuple(current))
+    return buckets
+
+
+class BucketedReducer:
+    """Reduces gradients bucket by bucket as backward produces them (a ``zero_coord.GradientSink``).
+
+    Gradients accumulate into the partitions across backward passes (micro-steps) until
+    the optimizer zeroes its gradient buffer; each backward's gradient is averaged over the
+    data-parallel group exactly once (by ``reduce_fn``).
+
+    Args:
+        plan: The static buckets.
+        reduce_fn: ``reduce_fn(params, async_op=...)`` reduces the full ``.grad`` of
+            ``params`` (``None`` counting as zeros), accumulates this rank's partition and
+            frees ``.grad``; e.g. ``zero_params.reduce_scatter_grads``.
+        config: Bucketing policy.
+    """
+
+    __slots__ = ("_config", "_inflight", "_next", "_plan", "_ready", "_reduce")
+
+    def __init__(self, plan: BucketPlan, reduce_fn: ReduceFn, config: ReduceConfig) -> None:
+        self._plan = plan
+        self._reduce = reduce_fn
+        self._config = config
+        self._ready = [0] * len(plan)
+        self._next = 0
+        self._inflight: collections.deque[ReduceHandle] = collections.deque()
+
+    @property
+    def plan(self) -> BucketPlan:
+        """The static buckets."""
+        return self._plan
+
+    def on_grad_ready(self, param: nn.Parameter) -> None:
+        """``param.grad`` holds its full gradient of this backward: count it, reduce complete buckets.
+
+        A parameter this optimizer does not train (left out of every param group) has its
+        gradient dropped.
+
+        Raises:
+            RuntimeError: the same parameter was reported twice in one backward.
+        """
+        plan = self._plan
+        b = plan.index.get(id(param))
+        if b is None:
+            param.grad = None
+            return
+        if b < self._next or self._ready[b] >= len(plan.buckets[b]):
+            raise RuntimeError(
+                f"the gradient of parameter {plan.names.get(id(param), '?')!r} was reported twice in one "
+                "backward; a GradientSink expects one on_grad_ready per parameter per backward"
+            )
+        self._ready[b] += 1
+        while self._next < plan.ordered and self._ready[self._next] >= len(plan.buckets[self._next]):
+            self._issue(plan.buckets[self._next])
+            self._next += 1
+
+    def on_backward_end(self) -> None:
+        """Reduce every bucket not reduced yet (missing gradients count as zeros), then wait for all."""
+        with record_function("zero.optim.reduce_flush"):
+            for bucket in self._plan.buckets[self._next :]:
+                self._issue(bucket)
+            while self._inflight:
+                self._inflight.popleft().wait()
+        self._ready = [0] * len(self._plan)
+        self._next = 0
+
+    def _issue(self, params: tuple[nn.Parameter, ...]) -> None:
+        with record_function("zero.optim.reduce_bucket"):
+            if not self._config.overlap_comm:
+                self._reduce(list(params), async_op=False)
+                return
+            while len(self._inflight) >= self._config.max_inflight:
+                self._inflight.popleft().wait()
+            self._inflight.append(self._reduce(list(params), async_op=True))

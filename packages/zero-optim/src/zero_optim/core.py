@@ -1,0 +1,193 @@
+"""The partitioned-optimizer core shared by every ZeRO stage.
+
+:class:`PartitionedOptimizer` owns, per optimizer parameter group, one :class:`FlatGroup`
+(fp32 master partition, fp32 gradient partition, working copy) and the user's torch
+optimizer re-mapped onto the flat masters, so a step is one optimizer call over one tensor
+per group. What differs between stages is a small :class:`Partitioning` component:
+
+* which elements of a parameter this rank owns (:meth:`Partitioning.local_numel`,
+  :meth:`Partitioning.load`),
+* how the parameter's own tensors become views of the flat buffers
+  (:meth:`Partitioning.bind`: for ZeRO-3 the shard and the gradient-partition slot),
+* what happens after the step (:meth:`Partitioning.after_step`: for ZeRO-3, whose shards
+  *are* views of the working buffer, only whole persistent parameters are refreshed; for
+  stages 1 and 2 an all-gather of the updated partitions into the full parameters).
+
+Gradient reduction is a separate component (e.g. :class:`zero_optim.buckets.BucketedReducer`)
+that writes into the same flat gradient buffers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.profiler import record_function
+
+from zero_optim.flat import FlatGroup, Segment
+from zero_optim.spec import OptimizerSpec, build_torch_optimizer, remap_onto_flat, trainable_groups
+
+__all__ = ["PartitionedOptimizer", "Partitioning"]
+
+
+class Partitioning(Protocol):
+    """The stage-specific mapping between parameters and this rank's flat partitions."""
+
+    def local_numel(self, param: nn.Parameter) -> int:
+        """Elements of ``param`` this rank holds in the flat buffers (padding included)."""
+        ...
+
+    def load(self, param: nn.Parameter, master: torch.Tensor) -> None:
+        """Copy this rank's current values of ``param`` into its 1-D fp32 ``master`` view."""
+        ...
+
+    def bind(self, param: nn.Parameter, working: torch.Tensor, grad: torch.Tensor) -> None:
+        """Make ``param``'s partition storage the ``working`` view and its gradient slot ``grad``."""
+        ...
+
+    def after_step(self, groups: Sequence[FlatGroup]) -> None:
+        """Make the updated partitions visible to the next forward."""
+        ...
+
+
+class PartitionedOptimizer:
+    """A torch optimizer stepping flat fp32 partitions of a model's parameters.
+
+    Construction builds the user's torch optimizer over the model's parameters (keeping
+    every group's options), lays out each group's trainable parameters into a
+    :class:`FlatGroup`, copies the current values into the masters, binds the parameters'
+    partition tensors to views of the flat buffers and re-maps the optimizer's groups onto
+    the flat masters.
+
+    Args:
+        model: The model whose parameters are optimized.
+        optimizer: A callable ``params -> torch optimizer``, a torch optimizer without state
+            built over ``model``'s parameters, or ``None`` (``torch.optim.AdamW``).
+        partitioning: The stage-specific component (see :class:`Partitioning`).
+        device: Where the flat buffers live (default: the CPU, or the current accelerator
+            when one is available).
+        working_dtype: dtype of the values the model computes with. ``torch.float32``: the
+            master is the working copy (one fp32 copy of the parameters); a 16-bit dtype
+            gets its own flat working buffer, refreshed from the fp32 master after each step.
+
+    Attributes:
+        torch_optimizer: The user's optimizer, now over one flat master per group.
+        groups: One :class:`FlatGroup` per optimizer parameter group.
+    """
+
+    __slots__ = ("groups", "partitioning", "torch_optimizer")
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: OptimizerSpec,
+        partitioning: Partitioning,
+        *,
+        device: torch.device | None = None,
+        working_dtype: torch.dtype = torch.float32,
+    ) -> None:
+        names = {p: n for n, p in model.named_parameters()}
+        opt = build_torch_optimizer(optimizer, list(names))
+        device = device if device is not None else _default_device()
+        self.partitioning = partitioning
+        self.groups: tuple[FlatGroup, ...] = tuple(
+            FlatGroup(
+                ps, [names[p] for p in ps], [partitioning.local_numel(p) for p in ps], device, working_dtype
+            )
+            for ps in trainable_groups(opt, names)
+        )
+        with torch.no_grad():
+            for group in self.groups:
+                for seg in group.segments:
+                    partitioning.load(seg.param, group.master_view(seg))
+                group.publish()
+                for seg in group.segments:
+                    partitioning.bind(seg.param, group.working_view(seg), group.grad_view(seg))
+        remap_onto_flat(opt, [g.master for g in self.groups])
+        self.torch_optimizer = opt
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The torch optimizer's group dicts (change ``lr`` here, or through an LR scheduler)."""
+        return self.torch_optimizer.param_groups
+
+    def segments(self) -> Iterator[tuple[FlatGroup, Segment]]:
+        """Every trainable parameter's segment with its group, in group then parameter order."""
+        for group in self.groups:
+            for seg in group.segments:
+                yield group, seg
+
+    def step(self) -> None:
+        """One optimizer step over the flat partitions, then publish the updated values."""
+        with record_function("zero.optim.step"), torch.no_grad():
+            self.torch_optimizer.step()
+            for group in self.groups:
+                group.publish()
+            self.partitioning.after_step(self.groups)
+
+    def zero_grad(self) -> None:
+        """Zero the flat gradient partitions in place (views into them stay valid)."""
+        with record_function("zero.optim.zero_grad"):
+            for group in self.groups:
+                group.grad.zero_()
+
+    def state_tensors(self) -> Iterator[torch.Tensor]:
+        """Every tensor this optimizer owns: flat masters, gradients, working copies, optimizer state."""
+        for group in self.groups:
+            yield group.master
+            yield group.grad
+            yield group.working
+        for state in self.torch_optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    yield value
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's optimizer state: layout, flat masters and the torch optimizer's state.
+
+        The tensors are the live buffers (not copies); save or clone them before stepping again.
+        """
+        return {
+            "layout": [[(s.name, s.numel) for s in g.segments] for g in self.groups],
+            "master": [g.master for g in self.groups],
+            "torch_optimizer": self.torch_optimizer.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` of the same layout (masters are copied in place).
+
+        Ends with :meth:`Partitioning.after_step`, which may communicate: call it on every rank.
+
+        Raises:
+            ValueError: the saved layout (group count, parameter names or partition sizes)
+                differs from this optimizer's; the message names the first difference.
+        """
+        mine = [[(s.name, s.numel) for s in g.segments] for g in self.groups]
+        saved = [[tuple(x) for x in g] for g in state["layout"]]
+        if saved != mine:
+            raise ValueError(f"optimizer state layout differs: {_first_difference(saved, mine)}")
+        with torch.no_grad():
+            for group, master in zip(self.groups, state["master"]):
+                group.master.copy_(master)
+                group.publish()
+            self.torch_optimizer.load_state_dict(state["torch_optimizer"])
+            self.partitioning.after_step(self.groups)
+
+
+def _first_difference(saved: list[list[tuple[Any, ...]]], mine: list[list[tuple[Any, ...]]]) -> str:
+    if len(saved) != len(mine):
+        return f"{len(saved)} saved param groups, this optimizer has {len(mine)}"
+    for gi, (a, b) in enumerate(zip(saved, mine)):
+        for i in range(max(len(a), len(b))):
+            x = a[i] if i < len(a) else None
+            y = b[i] if i < len(b) else None
+            if x != y:
+                return f"group {gi}, entry {i}: saved (name, numel) {x}, here {y}"
+    return "unknown"
+
+
+def _default_device() -> torch.device:
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return acc if acc is not None else torch.device("cpu")

@@ -1,0 +1,130 @@
+"""The user's optimizer, as a callable or a torch optimizer, turned into parameter groups.
+
+A user hands over either ``optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3)``
+(called once with the model's parameters) or an already built torch optimizer without
+state. Either way the torch optimizer is built over the *model's* parameters, which keeps
+every per-group option the user set (learning rate, weight decay, betas, ...). The
+partitioned optimizer then re-maps each of its ``param_groups`` onto that group's flat
+master tensor (:func:`remap_onto_flat`), so the same optimizer object, with the same group
+dicts (an LR scheduler built on it keeps working), steps one tensor per group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+
+__all__ = [
+    "OptimizerSpec",
+    "build_torch_optimizer",
+    "default_optimizer",
+    "remap_onto_flat",
+    "trainable_groups",
+]
+
+OptimizerSpec = Callable[[list[nn.Parameter]], torch.optim.Optimizer] | torch.optim.Optimizer | None
+"""What ``initialize(optimizer=...)`` accepts: a callable, a torch optimizer, or ``None`` (AdamW)."""
+
+
+def default_optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """The optimizer used when none is given: ``torch.optim.AdamW`` with torch's defaults."""
+    return torch.optim.AdamW(params)
+
+
+def build_torch_optimizer(spec: OptimizerSpec, params: Sequence[nn.Parameter]) -> torch.optim.Optimizer:
+    """Build (or validate) the torch optimizer over the model's parameters.
+
+    Args:
+        spec: A callable taking the list of model parameters and returning a torch
+            optimizer, a torch optimizer instance (built over the model's parameters, no
+            step taken yet), or ``None`` for :func:`default_optimizer`.
+        params: The model's parameters (passed to a callable ``spec``).
+
+    Returns:
+        The torch optimizer; its ``param_groups`` still hold model parameters.
+
+    Raises:
+        TypeError: ``spec`` is neither, or the callable did not return a torch optimizer.
+        ValueError: the optimizer already has state, or it is ``torch.optim.LBFGS`` (its
+            step needs a closure and it caches its parameter list).
+    """
+    if spec is None:
+        spec = default_optimizer
+    if isinstance(spec, torch.optim.Optimizer):
+        opt = spec
+    elif callable(spec):
+        opt = spec(list(params))
+        if not isinstance(opt, torch.optim.Optimizer):
+            raise TypeError(
+                f"the optimizer callable returned a {type(opt).__name__}, not a torch.optim.Optimizer; "
+                "pass e.g. optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3)"
+            )
+    else:
+        raise TypeError(
+            f"optimizer must be a callable, a torch.optim.Optimizer or None, got {type(spec).__name__}; "
+            "pass e.g. optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3)"
+        )
+    if isinstance(opt, torch.optim.LBFGS):
+        raise ValueError(
+            "torch.optim.LBFGS cannot drive a partitioned optimizer (its step re-evaluates a closure "
+            "over full parameters); use a first-order optimizer such as AdamW or SGD"
+        )
+    if len(opt.state) > 0:
+        raise ValueError(
+            f"the {type(opt).__name__} passed as optimizer already has state for {len(opt.state)} "
+            "tensor(s); pass a fresh optimizer (or a callable that builds one), state cannot be re-mapped"
+        )
+    return opt
+
+
+def trainable_groups(
+    opt: torch.optim.Optimizer, model_params: Iterable[nn.Parameter]
+) -> list[list[nn.Parameter]]:
+    """The trainable parameters of each of ``opt``'s groups, checked against the model.
+
+    Parameters with ``requires_grad=False`` are left out (they never get a gradient and
+    torch would never step them).
+
+    Args:
+        opt: The optimizer from :func:`build_torch_optimizer`.
+        model_params: Every parameter of the model.
+
+    Returns:
+        One list per ``opt.param_groups`` entry, in the group's order.
+
+    Raises:
+        ValueError: a group holds a tensor that is not a parameter of the model (torch
+            itself refuses a parameter listed twice).
+    """
+    known = {id(p) for p in model_params}
+    groups: list[list[nn.Parameter]] = []
+    for gi, group in enumerate(opt.param_groups):
+        kept: list[nn.Parameter] = []
+        for p in group["params"]:
+            if id(p) not in known:
+                raise ValueError(
+                    f"param_groups[{gi}] holds a tensor of shape {tuple(p.shape)} that is not a parameter "
+                    "of the model; build the optimizer over the model's parameters"
+                )
+            if p.requires_grad:
+                kept.append(p)
+        groups.append(kept)
+    return groups
+
+
+def remap_onto_flat(opt: torch.optim.Optimizer, masters: Sequence[torch.Tensor]) -> None:
+    """Point each of ``opt``'s groups at its one flat master tensor (options untouched).
+
+    Args:
+        opt: A torch optimizer without state.
+        masters: One flat tensor per group, in group order.
+
+    Raises:
+        ValueError: the number of masters differs from the number of groups.
+    """
+    if len(masters) != len(opt.param_groups):
+        raise ValueError(f"{len(masters)} flat tensors for {len(opt.param_groups)} param groups")
+    for group, master in zip(opt.param_groups, masters):
+        group["params"] = [master]

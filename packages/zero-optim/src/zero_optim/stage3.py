@@ -1,0 +1,137 @@
+"""ZeRO stage 3: the partitioned optimizer over ``zero_params`` shards.
+
+State ownership (fp32 training):
+
+* the optimizer's flat fp32 master of each group *is* the storage of every parameter's
+  shard (``ShardedParam.shard`` is bound to a view of it): one fp32 copy of the
+  parameters per rank, and the next all-gather serves the updated values directly;
+* the flat fp32 gradient buffer holds every ``ShardedParam.grad_partition`` (bound views),
+  which ``zero_params.reduce_scatter_grads`` accumulates into;
+* the torch optimizer's state (e.g. AdamW's ``exp_avg`` / ``exp_avg_sq``) is one flat
+  tensor per group, allocated by torch at the first step.
+
+Persistent parameters (``stage3_param_persistence_threshold``) follow ``zero_params``'
+semantics: whole on every rank, their gradients averaged by the same reduce-scatter, their
+optimizer state partitioned like every other parameter's, and their whole value refreshed
+from the updated shards after each step by ``zero_params.commit_shards``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+import zero_coord
+import zero_params
+from zero_optim.buckets import BucketedReducer, BucketPlan, ReduceConfig
+from zero_optim.core import PartitionedOptimizer
+from zero_optim.flat import FlatGroup
+from zero_optim.spec import OptimizerSpec
+
+__all__ = ["Stage3Partitioning", "stage3_optimizer"]
+
+
+class Stage3Partitioning:
+    """Binds ``zero_params`` shards and gradient partitions to the flat buffers (a :class:`Partitioning`).
+
+    Args:
+        working_dtype: The parameters' dtype, which the flat working buffer has.
+
+    Raises:
+        TypeError: from :meth:`local_numel`, for a parameter that is not partitioned.
+        ValueError: from :meth:`local_numel`, for a parameter of another dtype than ``working_dtype``.
+    """
+
+    __slots__ = ("working_dtype",)
+
+    def __init__(self, working_dtype: torch.dtype = torch.float32) -> None:
+        self.working_dtype = working_dtype
+
+    def local_numel(self, param: nn.Parameter) -> int:
+        """The shard size (``ShardedParam.partition_numel``, padding included)."""
+        state = zero_params.state_of(param)
+        if state.dtype != self.working_dtype:
+            raise ValueError(
+                f"parameter {state.display_name!r} is {state.dtype}, but training runs in "
+                f"{self.working_dtype}: cast the model (e.g. model.float()) before partitioning"
+            )
+        return state.partition_numel
+
+    def load(self, param: nn.Parameter, master: torch.Tensor) -> None:
+        """Copy the current shard into the master view."""
+        master.copy_(zero_params.state_of(param).shard)
+
+    def bind(self, param: nn.Parameter, working: torch.Tensor, grad: torch.Tensor) -> None:
+        """Make the shard a view of the working buffer and the gradient partition a view of ``grad``."""
+        state = zero_params.state_of(param)
+        state.bind_shard(working)
+        state.bind_grad_partition(grad)
+
+    def after_step(self, groups: Sequence[FlatGroup]) -> None:
+        """Refresh whole (persistent) parameters from their updated shards; gathers read the shards."""
+        zero_params.commit_shards([seg.param for group in groups for seg in group.segments])
+
+
+def stage3_optimizer(
+    model: nn.Module,
+    optimizer: OptimizerSpec,
+    config: ReduceConfig = ReduceConfig(),  # noqa: B008 - frozen
+    *,
+    working_dtype: torch.dtype = torch.float32,
+) -> tuple[PartitionedOptimizer, BucketedReducer]:
+    """Build the ZeRO-3 optimizer of a partitioned model and its gradient sink.
+
+    Args:
+        model: A model whose trainable parameters are partitioned (``zero_params.partition``
+            or ``zero_params.Init``).
+        optimizer: A callable ``params -> torch optimizer``, a torch optimizer without state,
+            or ``None`` (``torch.optim.AdamW``).
+        config: Gradient bucketing policy.
+        working_dtype: The parameters' dtype. ``torch.float32``: the shards are views of the
+            fp32 master; a 16-bit dtype: views of a 16-bit working buffer refreshed from the
+            fp32 master after each step.
+
+    Gradients of parameters inside ``zero_coord`` leaf modules (mark them before calling
+    this) are reduced at the end of each backward, so ranks may route data differently
+    inside a leaf (see :mod:`zero_optim.buckets`).
+
+    Returns:
+        ``(optimizer, sink)``: step and zero the first; hand the second to the
+        ``zero_coord.Coordinator`` as its ``grad_sink``.
+
+    Raises:
+        TypeError: a trainable parameter is not partitioned.
+        ValueError: a trainable parameter is not of ``working_dtype``, or the shards live on
+            different devices.
+    """
+    devices = {
+        zero_params.state_of(p).shard.device for p in model.parameters() if zero_params.is_partitioned(p)
+    }
+    if len(devices) > 1:
+        raise ValueError(f"the model's shards live on several devices {sorted(map(str, devices))}; use one")
+    device = devices.pop() if devices else torch.device("cpu")
+    opt = PartitionedOptimizer(
+        model, optimizer, Stage3Partitioning(working_dtype), device=device, working_dtype=working_dtype
+    )
+    owned = {id(seg.param) for _, seg in opt.segments()}
+    order = [(n, p) for n, p in reversed(list(model.named_parameters())) if id(p) in owned]
+    plan = BucketPlan(
+        [p for _, p in order],
+        [n for n, _ in order],
+        [zero_params.state_of(p).numel for _, p in order],
+        config.reduce_bucket_size,
+        deferred=_leaf_params(model),
+    )
+    return opt, BucketedReducer(plan, zero_params.reduce_scatter_grads, config)
+
+
+def _leaf_params(model: nn.Module) -> list[nn.Parameter]:
+    """Parameters used inside ``zero_coord`` leaf modules (own and external ones)."""
+    found: list[nn.Parameter] = []
+    for leaf in zero_coord.find_leaf_modules(model).values():
+        for module in leaf.modules():
+            found.extend(p for p in module.parameters(recurse=False))
+            found.extend(zero_params.external_parameters(module))
+    return found
