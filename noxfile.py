@@ -119,7 +119,8 @@ def kernels(session: nox.Session) -> None:
     _install(session, "zero-kernels", extras="test,triton")
     env = dict(TEST_ENV, TRITON_INTERPRET="1")
     # The Triton tests skip when triton is missing; here that would hide them, so fail loudly first.
-    session.run("python", "-c", "import triton, triton.language; print('triton', triton.__version__)", env=env)
+    check = "import triton, triton.language; print('triton', triton.__version__)"
+    session.run("python", "-c", check, env=env)
     session.run(
         "python", "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "kernels/tests"), env=env
     )

@@ -14,11 +14,13 @@ engine.step()
 ```
 """
 
+from zero_full.checkpoint import CheckpointError
 from zero_full.config import ZeroConfig
 from zero_full.engine import Engine, EngineStats, Init, initialize
 from zero_params import GatheredParameters, register_external_parameter
 
 __all__ = [
+    "CheckpointError",
     "Engine",
     "EngineStats",
     "GatheredParameters",

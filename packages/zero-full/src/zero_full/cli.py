@@ -1,4 +1,4 @@
-"""The ``zero`` command line: ``zero estimate``, ``zero report``.
+"""The ``zero`` command line: ``zero estimate``, ``zero report``, ``zero train``, ``zero consolidate``.
 
 The commands only parse arguments and format results; the work is done by
 :mod:`zero_full.estimate` and :mod:`zero_full.report`.
@@ -11,6 +11,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from zero_full.demo import add_train_parser
 from zero_full.estimate import (
     EstimatePrecision,
     MemoryEstimate,
@@ -19,6 +20,7 @@ from zero_full.estimate import (
     parse_count,
 )
 from zero_full.report import EnvironmentReport, collect_report
+from zero_full.safetensors_io import add_consolidate_parser
 
 __all__ = ["build_parser", "main"]
 
@@ -97,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="gloo check time limit in seconds (default 30)",
     )
     rep.set_defaults(handler=_cmd_report)
+    add_train_parser(sub)
+    add_consolidate_parser(sub)
     return parser
 
 

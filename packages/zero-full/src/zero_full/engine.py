@@ -1,17 +1,20 @@
 """``initialize(model, config, optimizer) -> Engine``: the training loop's one object.
 
-The engine wires the layers for ZeRO stage 3 over the whole process group:
+The engine wires the layers for ZeRO stage 0, 1, 2 or 3 over the whole process group
+(after broadcasting rank 0's values, so every rank starts from the same model; the stage
+pieces are built by :func:`zero_full.stages.build_stage`):
 
-* ``zero_params.partition`` (after broadcasting rank 0's values, so every rank shards the
-  same model) unless the model was built under :class:`Init`;
-* ``zero_optim.stage3_optimizer``: the flat fp32 partitioned optimizer and its bucketed
-  gradient sink;
-* ``zero_coord.Coordinator``: module hooks that gather, prefetch and release parameters and
-  hand each gradient to the sink.
+* stage 3: ``zero_params.partition`` (unless the model was built under :class:`Init`),
+  ``zero_optim.stage3_optimizer`` and a ``zero_coord.Coordinator`` whose hooks gather,
+  prefetch and release parameters and hand each gradient to the bucketed sink;
+* stages 0, 1, 2: ``zero_optim.replicated_optimizer`` (whole parameters; see
+  :mod:`zero_optim.stage12`).
 
 A training step is ``loss = engine(batch)``, ``engine.backward(loss)``, ``engine.step()``.
-``backward`` scales the loss by ``1 / gradient_accumulation_steps`` (like DeepSpeed) and
-``step`` runs the optimizer only at the accumulation boundary.
+``backward`` scales the loss by ``loss_scale / gradient_accumulation_steps`` (like
+DeepSpeed; the scale is 1 unless fp16) and ``step`` runs, only at the accumulation boundary,
+the :class:`zero_full.stages.StepPipeline`: overflow check (fp16: skipped on every rank),
+unscaling, ``gradient_clipping``, the optimizer step.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import dataclasses
 import logging
 import os
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,8 +34,10 @@ from torch.profiler import record_function
 import zero_params
 from zero_comm import CommLedger, CommTotals, Topology, broadcast
 from zero_coord import Coordinator, StepStats
+from zero_full import checkpoint as _checkpoint
 from zero_full.config import Precision, ZeroConfig
-from zero_optim import BucketedReducer, OptimizerSpec, PartitionedOptimizer, stage3_optimizer
+from zero_full.stages import StepPipeline, build_stage, working_dtype
+from zero_optim import LossScaler, OptimizerSpec, PartitionedOptimizer
 
 __all__ = ["Engine", "EngineStats", "Init", "initialize"]
 
@@ -46,8 +52,9 @@ class Init(zero_params.Init):
     """``zero_params.Init`` configured from a :class:`ZeroConfig`: partition while constructing.
 
     ``with zero_full.Init(config=cfg): model = build()`` partitions every parameter as it
-    is created, with the config's ``stage3_param_persistence_threshold``; it is active only
-    when the config selects stage 3 (other stages keep whole parameters).
+    is created, with the config's ``stage3_param_persistence_threshold`` (and in the bf16 /
+    fp16 working dtype when that section is enabled); it is active only when the config
+    selects stage 3 (other stages keep whole parameters).
 
     Args:
         config: A :class:`ZeroConfig`, a DeepSpeed-style dict or a JSON path; ``None`` takes
@@ -62,6 +69,8 @@ class Init(zero_params.Init):
                 "param_persistence_threshold", cfg.zero_optimization.param_persistence_threshold
             )
             kwargs.setdefault("enabled", cfg.stage == 3)
+            if cfg.precision is not Precision.FP32:
+                kwargs.setdefault("dtype", working_dtype(cfg))  # partition in the bf16 / fp16 working dtype
         super().__init__(**kwargs)
 
 
@@ -77,15 +86,20 @@ class EngineStats:
         comm: Every zero-comm collective the engine's calls issued between the previous
             optimizer step and the last one (forwards, backwards and the step itself):
             calls, payload bytes and ring-ideal wire bytes.
+        skipped_steps: fp16 optimizer steps skipped so far because some rank's gradients
+            held an inf / nan (every rank skipped them).
+        loss_scale: The current fp16 loss scale (1 in fp32 / bf16).
     """
 
     global_steps: int
     params: StepStats
     comm: CommTotals
+    skipped_steps: int = 0
+    loss_scale: float = 1.0
 
 
 class Engine:
-    """A model trained with ZeRO stage 3 over the default process group.
+    """A model trained with ZeRO (stage 0, 1, 2 or 3) over the default process group.
 
     Build it with :func:`initialize`.
 
@@ -95,7 +109,7 @@ class Engine:
         optimizer: The partitioned optimizer (``optimizer.param_groups`` are the torch
             optimizer's groups: adjust ``lr`` there or through an LR scheduler built on
             ``optimizer.torch_optimizer``).
-        coordinator: The parameter coordinator (traces, statistics).
+        coordinator: The parameter coordinator (traces, statistics); ``None`` below stage 3.
         gradient_accumulation_steps: Micro-steps per optimizer step.
         micro_steps: ``step()`` calls so far.
         global_steps: Optimizer steps taken so far.
@@ -110,7 +124,6 @@ class Engine:
                 "zero_full.initialize needs torch.distributed: call torch.distributed.init_process_group "
                 "first (e.g. init_process_group('gloo') under torchrun)"
             )
-        z = config.zero_optimization
         self.config = config
         self.module = model
         self.gradient_accumulation_steps = _accumulation_steps(config, dist.get_world_size())
@@ -119,14 +132,10 @@ class Engine:
         self._ledger = CommLedger(Topology())
         with self._ledger, record_function("zero.engine.initialize"):
             _sync_whole_tensors(model)
-            zero_params.partition(model, persistence_threshold=z.param_persistence_threshold)
-            self.optimizer: PartitionedOptimizer
-            self._sink: BucketedReducer
-            self.optimizer, self._sink = stage3_optimizer(
-                model, _optimizer_spec(config, optimizer), z.to_reduce_config()
-            )
-            self.coordinator = Coordinator(model, z.to_coordinator_config(), self._sink)
-            self.coordinator.install()
+            pieces = build_stage(model, config, _optimizer_spec(config, optimizer))
+            self.optimizer: PartitionedOptimizer = pieces.optimizer
+            self.coordinator: Coordinator | None = pieces.coordinator
+            self._pipeline = StepPipeline(pieces, config)
         self._comm = CommTotals()
         self._ledger.records.clear()
         ignored = config.ignored_keys()
@@ -137,7 +146,8 @@ class Engine:
 
     def __repr__(self) -> str:
         return (
-            f"Engine(stage=3, model={type(self.module).__name__}, world_size={dist.get_world_size()}, "
+            f"Engine(stage={self.config.stage}, model={type(self.module).__name__}, "
+            f"world_size={dist.get_world_size()}, "
             f"gradient_accumulation_steps={self.gradient_accumulation_steps}, "
             f"global_steps={self.global_steps})"
         )
@@ -157,7 +167,7 @@ class Engine:
             return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
-        """Backward of ``loss / gradient_accumulation_steps``; gradients are reduced into the partitions.
+        """Backward of ``loss * loss_scale / gradient_accumulation_steps`` (gradients reach the partitions).
 
         Args:
             loss: The scalar loss of this micro-step (as returned by the forward).
@@ -178,9 +188,15 @@ class Engine:
                 "pass the loss computed by engine(...) with grad enabled"
             )
         with self._ledger, record_function("zero.engine.backward"):
-            scaled = loss / self.gradient_accumulation_steps if self.gradient_accumulation_steps > 1 else loss
+            factor = self._pipeline.loss_scale / self.gradient_accumulation_steps
+            scaled = loss.float() * factor if factor != 1.0 else loss  # fp32: a 16-bit loss x scale overflows
             scaled.backward()
         return loss
+
+    @property
+    def loss_scaler(self) -> LossScaler | None:
+        """The fp16 loss scaler (``state_dict`` / ``load_state_dict``); ``None`` in fp32 / bf16."""
+        return self._pipeline.scaler
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the next :meth:`step` call runs the optimizer."""
@@ -193,8 +209,7 @@ class Engine:
         if not boundary:
             return
         with self._ledger, record_function("zero.engine.step"):
-            self.optimizer.step()
-            self.optimizer.zero_grad()
+            self._pipeline.run()
         self.global_steps += 1
         self._comm = self._ledger.totals()
         self._ledger.records.clear()
@@ -211,14 +226,44 @@ class Engine:
 
     def close(self) -> None:
         """Release every gathered parameter and remove the coordinator's hooks."""
-        self.coordinator.remove()
+        if self.coordinator is not None:
+            self.coordinator.remove()
+        if self._pipeline.pieces.reduction is not None:
+            self._pipeline.pieces.reduction.remove()
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def save_checkpoint(self, directory: str | os.PathLike[str], tag: str | None = None) -> Path:
+        """Write a sharded, atomic checkpoint to ``directory/tag`` (default tag ``global_step{N}``).
+
+        Collective: call on every rank. See :func:`zero_full.checkpoint.save_checkpoint`.
+        """
+        return _checkpoint.save_checkpoint(self, directory, tag)
+
+    def load_checkpoint(self, directory: str | os.PathLike[str], tag: str | None = None) -> Path:
+        """Restore from ``directory/tag`` (``None``: ``directory/latest``), at any world size and stage.
+
+        Collective: call on every rank. See :func:`zero_full.checkpoint.load_checkpoint`.
+        """
+        return _checkpoint.load_checkpoint(self, directory, tag)
+
+    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full fp32 weights keyed like ``module.state_dict()`` on rank 0 (``{}`` on other ranks).
+
+        Collective: call on every rank; gathers one parameter at a time. See
+        :func:`zero_full.checkpoint.consolidated_state_dict`.
+        """
+        return _checkpoint.consolidated_state_dict(self)
 
     # ------------------------------------------------------------------ measurements
 
     @property
     def stats(self) -> EngineStats:
         """Statistics of the last step (see :class:`EngineStats`)."""
-        return EngineStats(self.global_steps, self.coordinator.last_step_stats, self._comm)
+        params = self.coordinator.last_step_stats if self.coordinator is not None else StepStats()
+        return EngineStats(
+            self.global_steps, params, self._comm, self._pipeline.skipped_steps, self._pipeline.loss_scale
+        )
 
     def model_state_bytes(self) -> int:
         """Bytes of this rank's model states: parameters, gradients and optimizer state.
@@ -263,8 +308,8 @@ def initialize(model: nn.Module, config: ConfigLike = None, optimizer: Optimizer
         The :class:`Engine`.
 
     Raises:
-        NotImplementedError: a stage other than 3, fp16/bf16, gradient clipping, or any
-            feature listed by ``ZeroConfig.unsupported_features()`` (all named at once).
+        NotImplementedError: any feature listed by ``ZeroConfig.unsupported_features()``
+            (all named at once).
         ValueError: both ``optimizer`` and a config ``optimizer`` section; inconsistent batch sizes.
         RuntimeError: ``torch.distributed`` is not initialised.
     """
@@ -277,12 +322,6 @@ def initialize(model: nn.Module, config: ConfigLike = None, optimizer: Optimizer
 def _check_supported(config: ZeroConfig) -> None:
     """Refuse, naming each one, the features this engine does not implement yet."""
     missing = list(config.unsupported_features())
-    if config.stage != 3:
-        missing.insert(0, f"zero_optimization.stage = {config.stage} (only stage 3 is implemented yet)")
-    if config.precision is not Precision.FP32:
-        missing.append(f"{config.precision.value}.enabled = true (mixed precision is not implemented yet)")
-    if config.gradient_clipping > 0:
-        missing.append(f"gradient_clipping = {config.gradient_clipping:g} (not implemented yet)")
     if missing:
         lines = "\n  - ".join(missing)
         raise NotImplementedError(

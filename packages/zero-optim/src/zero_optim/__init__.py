@@ -9,23 +9,50 @@
 * :class:`BucketedReducer`: the ``zero_coord.GradientSink`` that reduces gradients in
   static buckets during backward (``reduce_bucket_size``, ``overlap_comm``).
 * :func:`stage3_optimizer`: both, wired for a partitioned model.
+* :func:`replicated_optimizer`: stages 0, 1 and 2 on the same core (whole parameters,
+  :class:`ReplicaPartitioning`, a :class:`GradientReduction`).
+* :class:`LossScaler` / :func:`found_overflow`: fp16 loss scaling and the cross-rank
+  overflow check; :func:`clip_grad_norm_`: global-norm clipping over partitions.
 """
 
 from zero_optim.buckets import BucketedReducer, BucketPlan, ReduceConfig
+from zero_optim.clip import clip_grad_norm_, global_grad_norm
 from zero_optim.core import PartitionedOptimizer, Partitioning
 from zero_optim.flat import FlatGroup, Segment
+from zero_optim.scaler import LossScaler, LossScalerConfig, found_overflow
 from zero_optim.spec import OptimizerSpec
 from zero_optim.stage3 import Stage3Partitioning, stage3_optimizer
+from zero_optim.stage12 import (
+    AllReduceInto,
+    BoundaryReduction,
+    GradientReduction,
+    HookedReduction,
+    ReduceScatterInto,
+    ReplicaPartitioning,
+    replicated_optimizer,
+)
 
 __all__ = [
+    "AllReduceInto",
+    "BoundaryReduction",
     "BucketPlan",
     "BucketedReducer",
     "FlatGroup",
+    "GradientReduction",
+    "HookedReduction",
+    "LossScaler",
+    "LossScalerConfig",
     "OptimizerSpec",
     "PartitionedOptimizer",
     "Partitioning",
     "ReduceConfig",
+    "ReduceScatterInto",
+    "ReplicaPartitioning",
     "Segment",
     "Stage3Partitioning",
+    "clip_grad_norm_",
+    "found_overflow",
+    "global_grad_norm",
+    "replicated_optimizer",
     "stage3_optimizer",
 ]

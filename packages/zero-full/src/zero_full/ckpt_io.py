@@ -1,0 +1,236 @@
+"""Files of a sharded checkpoint: manifest, shard files, hashes, atomic writes.
+
+On-disk layout of one checkpoint ``DIR/TAG/``::
+
+    manifest.json        written by rank 0 last: format, config, world size, stage, counters,
+                         parameters and their partitioning, optimizer hyperparameters and
+                         scalar state, loss-scaler state, and every file with size + sha256
+    rank00000.pt ...     one per rank (``torch.save``): the rank's pieces of every parameter
+                         it writes (fp32 master + per-element optimizer state, or the frozen
+                         value) keyed by parameter name with the element range they cover,
+                         and the rank's RNG states
+    buffers.pt           written by rank 0: the model's buffers (whole)
+
+``DIR/latest`` holds the newest complete tag. This module has no process-group logic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "CheckpointError",
+    "FileEntry",
+    "file_digest",
+    "open_shard",
+    "read_manifest",
+    "resolve_tag",
+    "verify_file",
+    "write_text_atomic",
+]
+
+FORMAT_NAME = "zero-checkpoint"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+LATEST = "latest"
+BUFFERS_FILE = "buffers.pt"
+_HASH_CHUNK = 1 << 22
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read (the message names the file or parameter)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FileEntry:
+    """One file of a checkpoint as the manifest lists it.
+
+    Attributes:
+        name: File name inside the tag directory.
+        size: Bytes.
+        sha256: Hex digest of the whole file.
+        rank: The rank that wrote it.
+        pieces: ``(param name, start, stop)`` element ranges of the pieces it holds.
+    """
+
+    name: str
+    size: int
+    sha256: str
+    rank: int
+    pieces: tuple[tuple[str, int, int], ...]
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest's JSON form."""
+        return {
+            "name": self.name,
+            "size": self.size,
+            "sha256": self.sha256,
+            "rank": self.rank,
+            "pieces": [list(p) for p in self.pieces],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> FileEntry:
+        """Parse the manifest's JSON form."""
+        return cls(
+            str(data["name"]),
+            int(data["size"]),
+            str(data["sha256"]),
+            int(data["rank"]),
+            tuple((str(n), int(a), int(b)) for n, a, b in data["pieces"]),
+        )
+
+
+def shard_file_name(rank: int) -> str:
+    """The shard file of ``rank``."""
+    return f"rank{rank:05d}.pt"
+
+
+def file_digest(path: Path) -> tuple[int, str]:
+    """``(size, sha256 hex)`` of a file, read in chunks (constant memory)."""
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
+def verify_file(path: Path, entry: FileEntry) -> None:
+    """Check a file's size and sha256 against its manifest entry.
+
+    Raises:
+        CheckpointError: the file is missing, truncated or corrupt (names the file).
+    """
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint file {path} is missing (listed in the manifest)")
+    size, digest = file_digest(path)
+    if size != entry.size:
+        raise CheckpointError(
+            f"checkpoint file {path} is {size} bytes, the manifest says {entry.size}: truncated or "
+            "replaced; re-save the checkpoint or use another tag"
+        )
+    if digest != entry.sha256:
+        raise CheckpointError(
+            f"checkpoint file {path} is corrupt: sha256 {digest} differs from the manifest's "
+            f"{entry.sha256}; re-save the checkpoint or use another tag"
+        )
+
+
+def write_torch(obj: Any, path: Path) -> None:
+    """``torch.save`` to ``path`` and flush it to disk."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def open_shard(path: Path) -> dict[str, Any]:
+    """Load a shard file memory-mapped: tensors are read from disk only where they are sliced."""
+    return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file and ``os.replace`` (never half written)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    """Flush a directory entry (renames) to disk where the OS allows it."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def resolve_tag(directory: Path, tag: str | None) -> str:
+    """The tag to load: ``tag`` itself, or the content of ``directory/latest`` when ``None``.
+
+    Raises:
+        CheckpointError: no ``latest`` file, or the tag directory does not exist.
+    """
+    if tag is None:
+        latest = directory / LATEST
+        if not latest.is_file():
+            raise CheckpointError(
+                f"no checkpoint to load in {directory}: {latest} does not exist; pass tag=... "
+                "or save a checkpoint first"
+            )
+        tag = latest.read_text(encoding="utf-8").strip()
+    if not (directory / tag).is_dir():
+        found = (
+            sorted(p.name for p in directory.iterdir() if (p / MANIFEST).is_file())
+            if directory.is_dir()
+            else []
+        )
+        raise CheckpointError(
+            f"checkpoint tag {tag!r} not found in {directory} (complete tags there: {found or 'none'})"
+        )
+    return tag
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """Read and check ``path/manifest.json``.
+
+    Raises:
+        CheckpointError: missing, not JSON, another format or a newer format version.
+    """
+    file = path / MANIFEST
+    if not file.is_file():
+        raise CheckpointError(f"{path} is not a zero checkpoint: {file} is missing")
+    try:
+        manifest = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{file} is corrupt: {exc}") from None
+    if manifest.get("format") != FORMAT_NAME:
+        raise CheckpointError(f"{file} is not a zero checkpoint manifest (format {manifest.get('format')!r})")
+    if manifest.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{file} has format version {manifest.get('format_version')}; this zero reads version "
+            f"{FORMAT_VERSION}"
+        )
+    return manifest
+
+
+def manifest_files(manifest: dict[str, Any]) -> list[FileEntry]:
+    """The manifest's file entries."""
+    return [FileEntry.from_json(f) for f in manifest["files"]]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` -> ``"float32"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """``"float32"`` -> ``torch.float32``.
+
+    Raises:
+        CheckpointError: not a torch dtype.
+    """
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise CheckpointError(f"unknown dtype {name!r} in the checkpoint manifest")
+    return dtype

@@ -1,0 +1,274 @@
+"""Offline consolidation: a sharded checkpoint -> one ``.safetensors`` file, streamed.
+
+The safetensors format is written here directly (no dependency): an 8-byte little-endian
+header length, a JSON header mapping each tensor name to its dtype, shape and
+``data_offsets`` (relative to the end of the header), padded with spaces to a multiple of
+8 bytes, then the raw little-endian tensor bytes in header order. Because every shape is
+known from the manifest, the header is written first and each tensor is then assembled
+from the shard pieces and written on its own: peak memory is one full parameter (the
+shard files are memory-mapped; only the pieces being copied are read).
+
+No process group is needed: :func:`consolidate_checkpoint` backs ``zero consolidate``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import struct
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+from zero_full import ckpt_io
+from zero_full.ckpt_io import CheckpointError
+
+__all__ = ["ConsolidateResult", "SafetensorsWriter", "add_consolidate_parser", "consolidate_checkpoint"]
+
+_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * torch.empty((), dtype=self.dtype).element_size()
+
+
+class SafetensorsWriter:
+    """Writes a safetensors file tensor by tensor, in the order declared up front.
+
+    Args:
+        f: A binary file open for writing, positioned at its start.
+        entries: ``(name, dtype, shape)`` of every tensor, in write order.
+        metadata: String-to-string ``__metadata__``.
+
+    Raises:
+        ValueError: a dtype safetensors cannot hold, a duplicate name, or a big-endian host.
+    """
+
+    __slots__ = ("_entries", "_f", "_next")
+
+    def __init__(
+        self,
+        f: BinaryIO,
+        entries: Sequence[tuple[str, torch.dtype, Sequence[int]]],
+        metadata: dict[str, str] | None = None,
+    ) -> None:
+        if sys.byteorder != "little":
+            raise ValueError("writing safetensors needs a little-endian host")
+        self._entries = [_Entry(n, d, tuple(int(x) for x in s)) for n, d, s in entries]
+        header: dict[str, Any] = {"__metadata__": dict(metadata or {})}
+        offset = 0
+        for e in self._entries:
+            if e.dtype not in _DTYPES:
+                raise ValueError(f"tensor {e.name!r}: safetensors cannot store dtype {e.dtype}")
+            if e.name in header:
+                raise ValueError(f"tensor name {e.name!r} appears twice")
+            header[e.name] = {
+                "dtype": _DTYPES[e.dtype],
+                "shape": list(e.shape),
+                "data_offsets": [offset, offset + e.nbytes],
+            }
+            offset += e.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
+        raw += b" " * (-len(raw) % 8)
+        f.write(struct.pack("<Q", len(raw)))
+        f.write(raw)
+        self._f = f
+        self._next = 0
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Write the next tensor (must be the next declared one, with its dtype and shape).
+
+        Raises:
+            ValueError: out of order, or another dtype / shape than declared.
+        """
+        if self._next >= len(self._entries):
+            raise ValueError(f"tensor {name!r} was not declared")
+        e = self._entries[self._next]
+        if name != e.name or tensor.dtype != e.dtype or tuple(tensor.shape) != e.shape:
+            raise ValueError(
+                f"expected tensor {e.name!r} {e.dtype} {list(e.shape)} next, got {name!r} "
+                f"{tensor.dtype} {list(tensor.shape)}"
+            )
+        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        self._f.write(data.numpy().tobytes())
+        self._next += 1
+
+    def finish(self) -> None:
+        """Check that every declared tensor was written.
+
+        Raises:
+            ValueError: some were not.
+        """
+        if self._next != len(self._entries):
+            missing = [e.name for e in self._entries[self._next :]]
+            raise ValueError(f"{len(missing)} declared tensor(s) not written: {missing[:5]}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ConsolidateResult:
+    """What :func:`consolidate_checkpoint` wrote.
+
+    Attributes:
+        path: The safetensors file.
+        tag: The checkpoint tag read.
+        tensors: Number of tensors written.
+        nbytes: Tensor bytes written.
+        max_tensor_bytes: The largest single tensor (the peak working memory).
+    """
+
+    path: Path
+    tag: str
+    tensors: int
+    nbytes: int
+    max_tensor_bytes: int
+
+
+def consolidate_checkpoint(
+    directory: str | Path, out: str | Path, tag: str | None = None, *, verify: bool = True
+) -> ConsolidateResult:
+    """Write a checkpoint's full fp32 weights (and buffers) to one safetensors file.
+
+    Keys are ``model.state_dict()``'s (tied parameters appear under each key). The output
+    is written to a temporary name and renamed when complete.
+
+    Args:
+        directory: The checkpoint root (the one passed to ``save_checkpoint``).
+        out: The ``.safetensors`` file to write.
+        tag: The tag; ``None`` reads ``directory/latest``.
+        verify: Check every file's sha256 against the manifest first.
+
+    Raises:
+        CheckpointError: no such checkpoint, a missing or corrupt file, or a parameter whose
+            pieces do not cover it.
+    """
+    directory, out = Path(directory), Path(out)
+    tag = ckpt_io.resolve_tag(directory, tag)
+    path = directory / tag
+    manifest = ckpt_io.read_manifest(path)
+    files = ckpt_io.manifest_files(manifest)
+    if verify:
+        for f in files:
+            ckpt_io.verify_file(path / f.name, f)
+    params = {p["name"]: p for p in manifest["params"]}
+    buffers = {b["name"]: b for b in manifest["buffers"]}
+    where: dict[str, list[tuple[str, int, int]]] = {}
+    for f in files:
+        for name, a, b in f.pieces:
+            where.setdefault(name, []).append((f.name, a, b))
+    entries = []
+    for e in manifest["state_dict_keys"]:
+        src = params[e["source"]] if e["kind"] == "param" else buffers[e["source"]]
+        dtype = ckpt_io.dtype_from_name(src["dtype"])
+        if e["kind"] == "param" and dtype.is_floating_point:
+            dtype = torch.float32
+        entries.append((e["key"], dtype, src["shape"]))
+    shards: dict[str, dict[str, Any]] = {}
+
+    def shard(fname: str) -> dict[str, Any]:
+        if fname not in shards:
+            shards[fname] = ckpt_io.open_shard(path / fname)
+        return shards[fname]
+
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    total = biggest = 0
+    try:
+        with open(tmp, "wb") as f:
+            writer = SafetensorsWriter(f, entries, {"format": "pt", "zero_checkpoint_tag": tag})
+            for (key, dtype, shape), e in zip(entries, manifest["state_dict_keys"], strict=True):
+                if e["kind"] == "param":
+                    tensor = _assemble(
+                        e["source"], params[e["source"]], where.get(e["source"], []), shard, dtype
+                    )
+                else:
+                    tensor = shard(ckpt_io.BUFFERS_FILE)["buffers"][e["source"]]
+                writer.write(key, tensor.reshape(shape))
+                nbytes = tensor.numel() * tensor.element_size()
+                total += nbytes
+                biggest = max(biggest, nbytes)
+                del tensor
+            writer.finish()
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return ConsolidateResult(out, tag, len(entries), total, biggest)
+
+
+def _assemble(
+    name: str, meta: dict[str, Any], pieces: list[tuple[str, int, int]], shard: Any, dtype: torch.dtype
+) -> torch.Tensor:
+    """One full flattened parameter from its saved pieces."""
+    numel = int(meta["numel"])
+    pos = 0
+    for _, a, b in sorted(pieces, key=lambda x: x[1]):
+        if a > pos:
+            break
+        pos = max(pos, b)
+    if pos < numel:
+        raise CheckpointError(
+            f"the checkpoint's pieces of parameter {name!r} cover only [0, {pos}) of {numel}"
+        )
+    full = torch.empty(numel, dtype=dtype)
+    for fname, a, b in pieces:
+        if b > a:
+            full[a:b].copy_(shard(fname)["params"][name]["value"])
+    return full
+
+
+def add_consolidate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``zero consolidate CKPT_DIR OUT.safetensors [--tag T]`` on the ``zero`` parser."""
+    p = sub.add_parser(
+        "consolidate",
+        help="sharded checkpoint -> one safetensors file (offline, parameter by parameter)",
+        description="Read a checkpoint written by engine.save_checkpoint (manifest + shard files, "
+        "any world size or stage) and write the full fp32 weights and buffers, keyed like "
+        "model.state_dict(), to one safetensors file. No process group is needed; peak memory is "
+        "one parameter.",
+    )
+    p.add_argument(
+        "checkpoint", type=Path, metavar="CKPT_DIR", help="the directory passed to save_checkpoint"
+    )
+    p.add_argument("out", type=Path, metavar="OUT", help="the .safetensors file to write")
+    p.add_argument("--tag", default=None, help="checkpoint tag (default: the one CKPT_DIR/latest names)")
+    p.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the shard files")
+    p.set_defaults(handler=_cmd_consolidate)
+
+
+def _cmd_consolidate(args: argparse.Namespace) -> int:
+    try:
+        res = consolidate_checkpoint(args.checkpoint, args.out, args.tag, verify=not args.no_verify)
+    except (CheckpointError, OSError) as exc:
+        print(f"zero consolidate: {exc}", file=sys.stderr)
+        return 1
+    print(
+        f"wrote {res.path}: {res.tensors} tensors, {res.nbytes / 2**20:.2f} MiB from checkpoint tag "
+        f"{res.tag!r} (largest tensor {res.max_tensor_bytes / 2**20:.2f} MiB)"
+    )
+    return 0

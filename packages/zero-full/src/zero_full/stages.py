@@ -1,0 +1,176 @@
+"""Stage construction and the optimizer-step pipeline shared by every stage.
+
+:func:`build_stage` turns a validated config into the pieces the engine drives:
+
+* stage 3: ``zero_params.partition`` + ``zero_optim.stage3_optimizer`` + a
+  ``zero_coord.Coordinator`` (gradients reduced by the coordinator's hooks);
+* stages 0, 1, 2: ``zero_optim.replicated_optimizer`` (whole parameters; stage 0 a full
+  optimizer on every rank with all-reduced gradients, stage 1 partitioned optimizer state
+  with a reduce-scatter at the accumulation boundary, stage 2 partitioned gradients
+  reduce-scattered during backward).
+
+:class:`StepPipeline` is what happens at the accumulation boundary, the same for every
+stage: pending gradient reduction, fp16 overflow check (one all-reduce of a flag; an
+overflow skips the step on every rank), unscaling, global-norm clipping (one all-reduce),
+the optimizer step, zeroing the gradient partitions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.profiler import record_function
+
+import zero_optim
+import zero_params
+from zero_coord import Coordinator
+from zero_full.config import Precision, ZeroConfig
+from zero_optim import (
+    GradientReduction,
+    LossScaler,
+    LossScalerConfig,
+    OptimizerSpec,
+    PartitionedOptimizer,
+    clip_grad_norm_,
+    found_overflow,
+)
+
+__all__ = ["StagePieces", "StepPipeline", "build_stage", "working_dtype"]
+
+logger = logging.getLogger("zero.engine")
+
+_DTYPES = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
+
+
+def working_dtype(config: ZeroConfig) -> torch.dtype:
+    """The dtype the model computes in: fp32, or bf16 / fp16 when that section is enabled."""
+    return _DTYPES[config.precision]
+
+
+@dataclasses.dataclass
+class StagePieces:
+    """What :func:`build_stage` wires: the optimizer and either a coordinator or a reduction."""
+
+    optimizer: PartitionedOptimizer
+    coordinator: Coordinator | None
+    reduction: GradientReduction | None
+
+
+def build_stage(model: nn.Module, config: ZeroConfig, optimizer: OptimizerSpec) -> StagePieces:
+    """Cast the model to the working dtype and build the stage's optimizer and gradient path.
+
+    The model's values must already be identical on every rank.
+    """
+    z = config.zero_optimization
+    dtype = working_dtype(config)
+    if dtype != torch.float32:
+        _cast_whole(model, dtype)
+    if config.stage == 3:
+        zero_params.partition(model, persistence_threshold=z.param_persistence_threshold)
+        opt, sink = zero_optim.stage3_optimizer(model, optimizer, z.to_reduce_config(), working_dtype=dtype)
+        coordinator = Coordinator(model, z.to_coordinator_config(), sink)
+        coordinator.install()
+        return StagePieces(opt, coordinator, None)
+    opt, reduction = zero_optim.replicated_optimizer(
+        model,
+        optimizer,
+        config.stage,
+        z.to_reduce_config(),
+        allgather_bucket_size=z.allgather_bucket_size,
+        working_dtype=dtype,
+    )
+    return StagePieces(opt, None, reduction)
+
+
+def _cast_whole(model: nn.Module, dtype: torch.dtype) -> None:
+    """Cast floating-point parameters and buffers that are not partitioned to ``dtype``.
+
+    Parameters partitioned under ``Init`` keep their dtype (``zero_full.Init`` partitions in
+    the config's working dtype); a mismatch is refused by ``stage3_optimizer`` by name.
+    """
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.is_floating_point() and p.dtype != dtype and not zero_params.is_partitioned(p):
+                p.data = p.data.to(dtype)
+        for module in model.modules():
+            for name, buf in module.named_buffers(recurse=False):
+                if buf.is_floating_point() and buf.dtype != dtype:
+                    setattr(module, name, buf.to(dtype))
+
+
+class StepPipeline:
+    """The boundary work of every stage: reduce, overflow check, unscale, clip, step, zero.
+
+    Args:
+        pieces: The stage's optimizer and gradient path.
+        config: The validated configuration (``fp16``, ``gradient_clipping``, stage).
+
+    Attributes:
+        scaler: The fp16 :class:`zero_optim.LossScaler` (``None`` in fp32 / bf16).
+        last_grad_norm: Global gradient norm of the last applied step (``None`` without clipping).
+    """
+
+    __slots__ = ("_clip", "_partitioned", "last_grad_norm", "pieces", "scaler")
+
+    def __init__(self, pieces: StagePieces, config: ZeroConfig) -> None:
+        self.pieces = pieces
+        self._clip = float(config.gradient_clipping)
+        self._partitioned = config.stage != 0
+        self.last_grad_norm: float | None = None
+        self.scaler: LossScaler | None = None
+        if config.precision is Precision.FP16:
+            f = config.fp16
+            self.scaler = LossScaler(
+                LossScalerConfig(
+                    loss_scale=f.loss_scale,
+                    initial_scale_power=f.initial_scale_power,
+                    loss_scale_window=f.loss_scale_window,
+                    hysteresis=f.hysteresis,
+                    consecutive_hysteresis=f.consecutive_hysteresis,
+                    min_loss_scale=f.min_loss_scale,
+                )
+            )
+
+    @property
+    def loss_scale(self) -> float:
+        """The factor ``engine.backward`` multiplies the loss by (1 without fp16)."""
+        return self.scaler.scale if self.scaler is not None else 1.0
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped because some rank's gradients overflowed."""
+        return self.scaler.skipped_steps if self.scaler is not None else 0
+
+    def run(self) -> bool:
+        """The boundary step on every rank; returns whether the optimizer step was applied."""
+        opt = self.pieces.optimizer
+        if self.pieces.reduction is not None:
+            self.pieces.reduction.at_boundary()
+        applied = True
+        if self.scaler is not None:
+            overflow = found_overflow(opt.groups)
+            scale = self.scaler.scale
+            self.scaler.update(overflow)
+            if overflow:
+                applied = False
+                if not dist.is_initialized() or dist.get_rank() == 0:
+                    logger.info(
+                        "zero: gradient overflow (inf/nan) on some rank: step skipped on every rank, "
+                        "loss scale %g -> %g",
+                        scale,
+                        self.scaler.scale,
+                    )
+            else:
+                with record_function("zero.optim.unscale"), torch.no_grad():
+                    for g in opt.groups:
+                        g.grad.mul_(1.0 / scale)
+        if applied:
+            if self._clip > 0:
+                self.last_grad_norm = clip_grad_norm_(opt.groups, self._clip, partitioned=self._partitioned)
+            opt.step()
+        opt.zero_grad()
+        return applied

@@ -1,0 +1,83 @@
+"""Global gradient-norm clipping over partitioned gradients (``gradient_clipping``).
+
+Each element of every trained parameter's gradient lives in exactly one rank's fp32
+gradient partition (padding is zero), so the squared norm of the whole model's gradient
+is the sum over ranks of the local squared norms: one all-reduce. When the partitions are
+replicas (stage 0: every rank owns every element) the local sum already is the global one
+and no communication is needed. The clip coefficient is torch's:
+``max_norm / (total_norm + 1e-6)``, applied when below 1, as
+``torch.nn.utils.clip_grad_norm_`` does on the full model.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+from torch.profiler import record_function
+
+import zero_comm
+from zero_optim.flat import FlatGroup
+
+__all__ = ["clip_grad_norm_", "global_grad_norm"]
+
+
+def global_grad_norm(
+    groups: Sequence[FlatGroup], group: ProcessGroup | None = None, *, partitioned: bool = True
+) -> float:
+    """The L2 norm of the whole model's gradient from the flat gradient partitions.
+
+    Args:
+        groups: This rank's flat groups.
+        group: The ranks the partitions are spread over (``None``: the world).
+        partitioned: ``True``: each element lives on one rank (stages 1-3), the squared sums
+            are all-reduced once; ``False``: every rank holds all of them (stage 0), no
+            communication.
+
+    Returns:
+        The norm (``inf`` / ``nan`` if a gradient is).
+    """
+    with record_function("zero.optim.grad_norm"):
+        device = groups[0].grad.device if groups else torch.device("cpu")
+        sq = torch.zeros(1, dtype=torch.float64, device=device)
+        for g in groups:
+            if g.grad.numel():
+                sq += g.grad.double().pow(2).sum()
+        if partitioned and dist.is_available() and dist.is_initialized():
+            zero_comm.all_reduce(sq, group, op="sum").wait()
+        return math.sqrt(sq.item()) if sq.item() >= 0 else float("nan")
+
+
+def clip_grad_norm_(
+    groups: Sequence[FlatGroup],
+    max_norm: float,
+    group: ProcessGroup | None = None,
+    *,
+    partitioned: bool = True,
+) -> float:
+    """Scale the gradient partitions so the global norm is at most ``max_norm``.
+
+    Args:
+        groups: This rank's flat groups.
+        max_norm: The largest allowed global norm (> 0).
+        group: See :func:`global_grad_norm`.
+        partitioned: See :func:`global_grad_norm`.
+
+    Returns:
+        The global norm before clipping.
+
+    Raises:
+        ValueError: ``max_norm`` is not positive.
+    """
+    if not max_norm > 0:
+        raise ValueError(f"clip_grad_norm_: max_norm must be > 0, got {max_norm}")
+    norm = global_grad_norm(groups, group, partitioned=partitioned)
+    with record_function("zero.optim.clip"), torch.no_grad():
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            for g in groups:
+                g.grad.mul_(coef)
+    return norm

@@ -1,0 +1,393 @@
+"""ZeRO stages 0, 1 and 2 on the partitioned-optimizer core: whole parameters, partitioned state.
+
+Parameters stay whole (``param.data`` untouched) on every rank. Each trainable parameter
+is flattened and padded to a multiple of the partition world size; this rank owns
+partition ``r`` of it — exactly the :class:`~zero_optim.flat.Segment` layout of stage 3,
+so the optimizer state, :meth:`PartitionedOptimizer.state_dict` and checkpoints have
+the same layout for every stage at a given world size.
+
+The stages differ by two small components:
+
+* :class:`ReplicaPartitioning` (a :class:`~zero_optim.core.Partitioning`): which partition
+  this rank owns and, after each step, an all-gather of the updated partitions back into
+  the whole parameters (coalesced, ``allgather_bucket_size`` elements per collective).
+  Stage 0 is the same component over a one-rank partition world: each rank owns every
+  element, the full optimizer runs on every rank, and "gathering" is a local copy.
+* a gradient reduction (a :class:`GradientReduction`):
+
+  - stage 0: :class:`BoundaryReduction` with :class:`AllReduceInto` — the whole gradients,
+    accumulated by autograd over the micro-steps, are averaged by coalesced all-reduces
+    (``reduce_bucket_size`` buckets) at the accumulation boundary: DDP;
+  - stage 1: :class:`BoundaryReduction` with :class:`ReduceScatterInto` — the same at the
+    boundary, but reduce-scattered so each rank keeps only its fp32 partition;
+  - stage 2: :class:`HookedReduction` — post-accumulate-grad hooks hand each gradient to a
+    :class:`~zero_optim.buckets.BucketedReducer` that reduce-scatters full buckets during
+    backward (asynchronously with ``overlap_comm``) and frees the full gradients. As in
+    DeepSpeed stage 2, with ``gradient_accumulation_steps > 1`` every micro-step is
+    reduced into the fp32 partition (which accumulates), so no full gradient outlives its
+    bucket; the cost is one reduce-scatter per micro-step instead of one per step.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd import Variable
+from torch.distributed import ProcessGroup
+from torch.profiler import record_function
+from torch.utils.hooks import RemovableHandle
+
+import zero_comm
+from zero_optim.buckets import BucketedReducer, BucketPlan, ReduceConfig, ReduceHandle
+from zero_optim.core import PartitionedOptimizer
+from zero_optim.flat import FlatGroup
+from zero_optim.spec import OptimizerSpec
+
+__all__ = [
+    "AllReduceInto",
+    "BoundaryReduction",
+    "GradientReduction",
+    "HookedReduction",
+    "ReduceScatterInto",
+    "ReplicaPartitioning",
+    "replicated_optimizer",
+]
+
+
+def _world_and_rank(group: ProcessGroup | None) -> tuple[int, int]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+class ReplicaPartitioning:
+    """Whole parameters on every rank, this rank owning partition ``rank`` of each (a ``Partitioning``).
+
+    Args:
+        world: Ranks the optimizer state is partitioned over (1 for stage 0).
+        rank: This rank's index among them.
+        group: Process group of those ranks (``None``: the world; unused when ``world`` is 1).
+        allgather_bucket_size: Full (padded) parameter elements per all-gather after a step.
+
+    Raises:
+        ValueError: ``rank`` outside ``[0, world)`` or a bucket size below 1.
+    """
+
+    __slots__ = ("_bound", "allgather_bucket_size", "group", "rank", "world")
+
+    def __init__(
+        self,
+        world: int,
+        rank: int,
+        group: ProcessGroup | None = None,
+        *,
+        allgather_bucket_size: int = 500_000_000,
+    ) -> None:
+        if world < 1 or not 0 <= rank < world:
+            raise ValueError(f"ReplicaPartitioning: rank {rank} is not in [0, {world})")
+        if allgather_bucket_size < 1:
+            raise ValueError(f"allgather_bucket_size must be >= 1, got {allgather_bucket_size}")
+        self.world = world
+        self.rank = rank
+        self.group = group
+        self.allgather_bucket_size = allgather_bucket_size
+        self._bound: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def local_numel(self, param: nn.Parameter) -> int:
+        """``ceil(numel / world)``: this rank's partition, padding included."""
+        return zero_comm.partition_numel(param.numel(), self.world)
+
+    def load(self, param: nn.Parameter, master: torch.Tensor) -> None:
+        """Copy elements ``[rank * P, (rank + 1) * P)`` of the flattened parameter (zero padding)."""
+        flat = param.detach().reshape(-1)
+        start = min(self.rank * master.numel(), flat.numel())
+        n = min(master.numel(), flat.numel() - start)
+        master.zero_()
+        master[:n].copy_(flat[start : start + n])
+
+    def bind(self, param: nn.Parameter, working: torch.Tensor, grad: torch.Tensor) -> None:
+        """Remember the parameter's working and gradient-partition views (the parameter stays whole).
+
+        In a one-rank partition world (stage 0) the partition is the whole parameter: the
+        parameter's storage becomes the working view itself (in fp32 the master: one fp32
+        copy of the parameters, as in DDP), so a step needs no copy back.
+        """
+        self._bound[id(param)] = (working, grad)
+        if self.world == 1:
+            param.data = working.view(param.shape)
+
+    def owns(self, param: nn.Parameter) -> bool:
+        """Whether ``param`` is trained by the optimizer this partitioning was bound by."""
+        return id(param) in self._bound
+
+    def grad_partition(self, param: nn.Parameter) -> torch.Tensor:
+        """The fp32 gradient-partition view bound to ``param``.
+
+        Raises:
+            KeyError: ``param`` is not trained by this optimizer.
+        """
+        return self._bound[id(param)][1]
+
+    def after_step(self, groups: Sequence[FlatGroup]) -> None:
+        """All-gather the updated working partitions into the whole parameters, bucket by bucket."""
+        with record_function("zero.optim.allgather_params"), torch.no_grad():
+            bucket: list[tuple[nn.Parameter, torch.Tensor]] = []
+            size = 0
+            for group in groups:
+                for seg in group.segments:
+                    full = seg.numel * self.world
+                    if bucket and size + full > self.allgather_bucket_size:
+                        self._gather(bucket)
+                        bucket, size = [], 0
+                    bucket.append((seg.param, group.working_view(seg)))
+                    size += full
+            if bucket:
+                self._gather(bucket)
+
+    def _gather(self, bucket: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+        if self.world == 1:
+            for param, shard in bucket:
+                if param.data_ptr() != shard.data_ptr():  # bound views need no copy
+                    param.data.view(-1).copy_(shard[: param.numel()])
+            return
+        fulls = zero_comm.all_gather_coalesced([s for _, s in bucket], self.group).wait()
+        for (param, _), full in zip(bucket, fulls, strict=True):
+            param.data.view(-1).copy_(full[: param.numel()])
+
+
+class _AccumulateHandle:
+    """Waits for a collective, then adds its per-parameter results into the gradient partitions."""
+
+    __slots__ = ("_finish",)
+
+    def __init__(self, finish: Callable[[], None]) -> None:
+        self._finish: Callable[[], None] | None = finish
+
+    def wait(self) -> None:
+        if self._finish is not None:
+            finish, self._finish = self._finish, None
+            with torch.no_grad():
+                finish()
+
+
+def _take_grads(params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
+    """The full gradients (zeros for unused parameters), detached from the parameters."""
+    grads = []
+    for p in params:
+        g = p.grad
+        grads.append(torch.zeros_like(p) if g is None else g.contiguous())
+        p.grad = None
+    return grads
+
+
+@dataclasses.dataclass(frozen=True)
+class ReduceScatterInto:
+    """``reduce_fn`` of stages 1 and 2: average full gradients, add this rank's partition (coalesced).
+
+    Attributes:
+        partitioning: Where each parameter's fp32 gradient partition lives.
+    """
+
+    partitioning: ReplicaPartitioning
+
+    def __call__(self, params: Sequence[nn.Parameter], *, async_op: bool = False) -> ReduceHandle:
+        """Reduce-scatter the ``.grad`` of ``params`` (``None`` = zeros) and free them."""
+        with record_function("zero.optim.reduce_scatter_grads"):
+            grads = _take_grads(params)
+            handle = zero_comm.reduce_scatter_coalesced(
+                grads, self.partitioning.group, op="avg", async_op=async_op
+            )
+            targets = [self.partitioning.grad_partition(p) for p in params]
+
+            def finish() -> None:
+                for target, part in zip(targets, handle.wait(), strict=True):
+                    target.add_(part)
+
+            out = _AccumulateHandle(finish)
+            if not async_op:
+                out.wait()
+            return out
+
+
+@dataclasses.dataclass(frozen=True)
+class AllReduceInto:
+    """``reduce_fn`` of stage 0: average full gradients with one all-reduce per bucket, add them whole.
+
+    Attributes:
+        partitioning: A one-rank-world partitioning (each gradient partition is the whole gradient).
+        group: The data-parallel group to average over (``None``: the world).
+    """
+
+    partitioning: ReplicaPartitioning
+    group: ProcessGroup | None = None
+
+    def __call__(self, params: Sequence[nn.Parameter], *, async_op: bool = False) -> ReduceHandle:
+        """All-reduce (average) the ``.grad`` of ``params`` (``None`` = zeros) and free them."""
+        with record_function("zero.optim.all_reduce_grads"):
+            grads = _take_grads(params)
+            flat = torch.cat([g.reshape(-1) for g in grads]) if grads else torch.zeros(0)
+            handle = zero_comm.all_reduce(flat, self.group, op="avg", async_op=async_op)
+            targets = [self.partitioning.grad_partition(p) for p in params]
+
+            def finish() -> None:
+                done = handle.wait()
+                for target, part in zip(targets, done.split([t.numel() for t in targets]), strict=True):
+                    target.add_(part)
+
+            out = _AccumulateHandle(finish)
+            if not async_op:
+                out.wait()
+            return out
+
+
+class GradientReduction(Protocol):
+    """How full gradients reach the fp32 gradient partitions, for the engine to drive."""
+
+    def at_boundary(self) -> None:
+        """Reduce whatever is still pending before the optimizer step (every rank calls it)."""
+        ...
+
+    def remove(self) -> None:
+        """Remove any hooks installed on the model."""
+        ...
+
+
+class BoundaryReduction:
+    """Stages 0 and 1: autograd accumulates whole gradients; one bucketed reduction at the boundary.
+
+    Args:
+        plan: The static buckets (``reduce_bucket_size``), the same order on every rank.
+        reduce_fn: :class:`AllReduceInto` (stage 0) or :class:`ReduceScatterInto` (stage 1).
+        max_inflight: Buckets in flight at once (bounds the staging memory).
+    """
+
+    __slots__ = ("max_inflight", "plan", "reduce_fn")
+
+    def __init__(
+        self, plan: BucketPlan, reduce_fn: Callable[..., ReduceHandle], max_inflight: int = 2
+    ) -> None:
+        self.plan = plan
+        self.reduce_fn = reduce_fn
+        self.max_inflight = max_inflight
+
+    def at_boundary(self) -> None:
+        """Reduce every bucket, at most ``max_inflight`` in flight at once."""
+        with record_function("zero.optim.reduce_at_boundary"):
+            inflight: collections.deque[ReduceHandle] = collections.deque()
+            for bucket in self.plan.buckets:
+                if len(inflight) >= self.max_inflight:
+                    inflight.popleft().wait()
+                inflight.append(self.reduce_fn(list(bucket), async_op=True))
+            while inflight:
+                inflight.popleft().wait()
+
+    def remove(self) -> None:
+        """Nothing installed."""
+
+
+class HookedReduction:
+    """Stage 2: a post-accumulate-grad hook per parameter feeds a :class:`BucketedReducer`.
+
+    The hooks are installed here, in one place, with removable handles; the end of each
+    backward (an autograd final callback queued by the first hook) flushes the reducer, so
+    plain ``loss.backward()`` works too.
+
+    Args:
+        params: The trained parameters.
+        reducer: The bucketed reducer (its ``reduce_fn`` a :class:`ReduceScatterInto`).
+    """
+
+    __slots__ = ("_handles", "_queued", "reducer")
+
+    def __init__(self, params: Sequence[nn.Parameter], reducer: BucketedReducer) -> None:
+        self.reducer = reducer
+        self._queued = False
+        self._handles: list[RemovableHandle] = [
+            p.register_post_accumulate_grad_hook(self._on_grad) for p in params
+        ]
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if not self._queued:
+            self._queued = True
+            Variable._execution_engine.queue_callback(self._on_backward_end)
+        self.reducer.on_grad_ready(param)  # type: ignore[arg-type]
+
+    def _on_backward_end(self) -> None:
+        self._queued = False
+        self.reducer.on_backward_end()
+
+    def at_boundary(self) -> None:
+        """Nothing pending: every backward was reduced when it ended."""
+
+    def remove(self) -> None:
+        """Remove the hooks."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+def replicated_optimizer(
+    model: nn.Module,
+    optimizer: OptimizerSpec,
+    stage: int,
+    config: ReduceConfig = ReduceConfig(),  # noqa: B008 - frozen
+    *,
+    allgather_bucket_size: int = 500_000_000,
+    working_dtype: torch.dtype = torch.float32,
+    group: ProcessGroup | None = None,
+) -> tuple[PartitionedOptimizer, GradientReduction]:
+    """Build the optimizer and gradient reduction of ZeRO stage 0, 1 or 2 for a whole model.
+
+    Args:
+        model: The model, its parameters whole and of ``working_dtype``, the same values on
+            every rank.
+        optimizer: A callable ``params -> torch optimizer``, a torch optimizer without state,
+            or ``None`` (``torch.optim.AdamW``).
+        stage: 0 (DDP: full optimizer on every rank), 1 (optimizer state partitioned) or 2
+            (gradients partitioned too, reduced during backward).
+        config: Gradient bucketing (``reduce_bucket_size``; ``overlap_comm`` for stage 2).
+        allgather_bucket_size: Elements per all-gather of the updated parameters.
+        working_dtype: The parameters' dtype (fp32 masters are kept in any case).
+        group: The data-parallel group (``None``: the world).
+
+    Returns:
+        ``(optimizer, reduction)``: call ``reduction.at_boundary()`` before
+        ``optimizer.step()``.
+
+    Raises:
+        ValueError: an unknown stage or a trainable parameter not of ``working_dtype``.
+    """
+    if stage not in (0, 1, 2):
+        raise ValueError(
+            f"replicated_optimizer builds stages 0, 1 and 2, got stage {stage}; use stage3_optimizer"
+        )
+    for n, p in model.named_parameters():
+        if p.requires_grad and p.dtype != working_dtype:
+            raise ValueError(
+                f"parameter {n!r} is {p.dtype}, but training runs in {working_dtype}: cast the model first"
+            )
+    world, rank = _world_and_rank(group)
+    part = (
+        ReplicaPartitioning(1, 0, allgather_bucket_size=allgather_bucket_size)
+        if stage == 0
+        else ReplicaPartitioning(world, rank, group, allgather_bucket_size=allgather_bucket_size)
+    )
+    devices = {p.device for p in model.parameters()}
+    device = devices.pop() if len(devices) == 1 else None
+    opt = PartitionedOptimizer(model, optimizer, part, device=device, working_dtype=working_dtype)
+    order = [(n, p) for n, p in reversed(list(model.named_parameters())) if part.owns(p)]
+    plan = BucketPlan(
+        [p for _, p in order], [n for n, _ in order], [p.numel() for _, p in order], config.reduce_bucket_size
+    )
+    params = [p for _, p in order]
+    if stage == 0:
+        return opt, BoundaryReduction(plan, AllReduceInto(part, group), config.max_inflight)
+    if stage == 1:
+        return opt, BoundaryReduction(plan, ReduceScatterInto(part), config.max_inflight)
+    return opt, HookedReduction(params, BucketedReducer(plan, ReduceScatterInto(part), config))
