@@ -181,3 +181,4 @@ def bench(session: nox.Session) -> None:
     out = str(ROOT / "benchmarks/results")
     session.run("python", str(ROOT / "benchmarks/comm.py"), "--world", "2", "--out", out, env=TEST_ENV)
     session.run("python", str(ROOT / "benchmarks/quantize_kernels.py"), "--out", out, env=TEST_ENV)
+    session.run("python", str(ROOT / "benchmarks/quantized.py"), "--out", out, env=TEST_ENV)

@@ -12,7 +12,15 @@ Topology, process groups and byte accounting for the zero stack:
   :class:`ReduceScatterStrategy` protocols.
 * :class:`CommLedger`: per-step record of every collective's payload and ring-ideal
   wire bytes, by link kind.
+* Quantized collectives (ZeRO++ qwZ / qgZ, module :mod:`zero_comm.quantized`, optional extra
+  ``pip install zero-comm[quantized]``): :class:`QuantizedAllGather`,
+  :func:`quantized_all_gather_coalesced`, :class:`QuantizedReduceScatter`,
+  :func:`all_to_all_quant_reduce`. Exported lazily: ``import zero_comm`` never imports
+  zero-kernels; the first use of one of these names does (ImportError naming the extra if it
+  is missing).
 """
+
+import importlib
 
 from zero_comm.coalesced import all_gather_coalesced, reduce_scatter_coalesced
 from zero_comm.handles import AllGatherHandle, CollectiveHandle, ReduceScatterHandle, TensorHandle
@@ -61,3 +69,19 @@ __all__ = [
     "ring_wire_bytes",
     "shard_range",
 ]
+
+_QUANTIZED = frozenset(
+    {
+        "QuantizedAllGather",
+        "QuantizedReduceScatter",
+        "all_to_all_quant_reduce",
+        "quantized_all_gather_coalesced",
+    }
+)
+
+
+def __getattr__(name: str) -> object:
+    """Lazy exports of :mod:`zero_comm.quantized`, which needs the optional zero-kernels package."""
+    if name in _QUANTIZED:
+        return getattr(importlib.import_module("zero_comm.quantized"), name)
+    raise AttributeError(f"module 'zero_comm' has no attribute {name!r}")
