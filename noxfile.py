@@ -49,24 +49,26 @@ nox.options.error_on_missing_interpreters = True
 
 
 def _internal_deps(dist: str, extras: tuple[str, ...] = ()) -> list[str]:
-    """The zero packages ``dist`` (with ``extras``) depends on, transitively, itself last."""
+    """The zero packages ``dist`` (with ``extras``) depends on, transitively, itself last.
+
+    Requirements such as ``zero-comm[quantized]`` pull in that extra's zero packages too.
+    """
     seen: list[str] = []
 
-    def visit(name: str) -> None:
-        if name in seen:
-            return
+    def visit(name: str, wanted: tuple[str, ...]) -> None:
         meta = tomllib.loads((ROOT / PACKAGE_DIRS[name] / "pyproject.toml").read_text())["project"]
         reqs = list(meta.get("dependencies", []))
-        if name == dist:
-            for extra in extras:
-                reqs += meta.get("optional-dependencies", {}).get(extra, [])
+        for extra in wanted:
+            reqs += meta.get("optional-dependencies", {}).get(extra, [])
         for req in reqs:
-            dep = re.split(r"[<>=!~\[ ;]", req, maxsplit=1)[0]
-            if dep in PACKAGE_DIRS:
-                visit(dep)
-        seen.append(name)
+            match = re.match(r"([A-Za-z0-9_.-]+)(?:\[([^\]]*)\])?", req)
+            dep, dep_extras = match.group(1), tuple(filter(None, (match.group(2) or "").split(",")))
+            if dep in PACKAGE_DIRS and (dep not in seen or dep_extras):
+                visit(dep, dep_extras)
+        if name not in seen:
+            seen.append(name)
 
-    visit(dist)
+    visit(dist, extras)
     return seen
 
 
