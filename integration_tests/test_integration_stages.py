@@ -250,3 +250,31 @@ def test_init_partitions_in_the_bf16_working_dtype(dist):
         assert dtypes == {torch.bfloat16}
         rel = max(abs(a - b) / abs(b) for a, b in zip(losses, ref["losses"]))
         assert rel < BF16_LOSS_REL, rel
+
+
+def _collectives_per_micro_step(rank, stage: int) -> list[int]:
+    """Collectives each backward issues with 4 accumulation micro-steps (stages 1 and 2)."""
+    from zero_comm import CommLedger, Topology
+
+    world = dist.get_world_size()
+    config = dict(_config(stage), gradient_accumulation_steps=4)
+    model = build("mlp")
+    engine = zero_full.initialize(model, config, make_optimizer("sgd"))
+    counts = []
+    for micro in range(4):
+        full = global_batch("mlp", micro, BATCH)
+        loss = engine(*rank_slice(full, rank.rank, world))
+        with CommLedger(Topology()) as ledger:
+            engine.backward(loss)
+        counts.append(ledger.count())
+        engine.step()
+    engine.close()
+    return counts
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_accumulation_communicates_only_at_the_boundary(dist, stage):
+    """Stage 1 reduces in step(); stage 2 reduces inside the boundary micro-step's backward only."""
+    for counts in dist.run(2, _collectives_per_micro_step, stage):
+        assert counts[:3] == [0, 0, 0], counts
+        assert counts[3] == (0 if stage == 1 else counts[3]) and (stage == 1 or counts[3] > 0), counts

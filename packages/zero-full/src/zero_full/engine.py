@@ -188,6 +188,8 @@ class Engine:
                 "pass the loss computed by engine(...) with grad enabled"
             )
         with self._ledger, record_function("zero.engine.backward"):
+            if self._pipeline.pieces.reduction is not None:
+                self._pipeline.pieces.reduction.begin_micro_step(self.is_gradient_accumulation_boundary())
             factor = self._pipeline.loss_scale / self.gradient_accumulation_steps
             scaled = loss.float() * factor if factor != 1.0 else loss  # fp32: a 16-bit loss x scale overflows
             scaled.backward()

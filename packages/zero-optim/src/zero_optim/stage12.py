@@ -249,6 +249,10 @@ class AllReduceInto:
 class GradientReduction(Protocol):
     """How full gradients reach the fp32 gradient partitions, for the engine to drive."""
 
+    def begin_micro_step(self, is_boundary: bool) -> None:
+        """Called before each backward: whether this micro-step ends the accumulation window."""
+        ...
+
     def at_boundary(self) -> None:
         """Reduce whatever is still pending before the optimizer step (every rank calls it)."""
         ...
@@ -276,6 +280,9 @@ class BoundaryReduction:
         self.reduce_fn = reduce_fn
         self.max_inflight = max_inflight
 
+    def begin_micro_step(self, is_boundary: bool) -> None:
+        """Nothing to do: autograd accumulates whole gradients until :meth:`at_boundary`."""
+
     def at_boundary(self) -> None:
         """Reduce every bucket, at most ``max_inflight`` in flight at once."""
         with record_function("zero.optim.reduce_at_boundary"):
@@ -298,21 +305,35 @@ class HookedReduction:
     backward (an autograd final callback queued by the first hook) flushes the reducer, so
     plain ``loss.backward()`` works too.
 
+    With gradient accumulation, communication happens only at the boundary: before a
+    non-boundary micro-step's backward the engine calls ``begin_micro_step(False)`` and the
+    hooks let autograd accumulate the whole gradient in ``.grad`` (as DDP's ``no_sync``); in
+    the boundary micro-step's backward each accumulated gradient is reduce-scattered into its
+    partition as soon as it is complete and freed. Without the engine (plain
+    ``loss.backward()``) every backward is a boundary.
+
     Args:
         params: The trained parameters.
         reducer: The bucketed reducer (its ``reduce_fn`` a :class:`ReduceScatterInto`).
     """
 
-    __slots__ = ("_handles", "_queued", "reducer")
+    __slots__ = ("_defer", "_handles", "_queued", "reducer")
 
     def __init__(self, params: Sequence[nn.Parameter], reducer: BucketedReducer) -> None:
         self.reducer = reducer
         self._queued = False
+        self._defer = False
         self._handles: list[RemovableHandle] = [
             p.register_post_accumulate_grad_hook(self._on_grad) for p in params
         ]
 
+    def begin_micro_step(self, is_boundary: bool) -> None:
+        """Defer reduction (keep accumulating ``.grad``) unless this micro-step is the boundary."""
+        self._defer = not is_boundary
+
     def _on_grad(self, param: torch.Tensor) -> None:
+        if self._defer:
+            return
         if not self._queued:
             self._queued = True
             Variable._execution_engine.queue_callback(self._on_backward_end)
@@ -320,6 +341,7 @@ class HookedReduction:
 
     def _on_backward_end(self) -> None:
         self._queued = False
+        self._defer = False
         self.reducer.on_backward_end()
 
     def at_boundary(self) -> None:
