@@ -20,12 +20,22 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 from models import (
+    build,
+    global_batch,
+    make_optimizer,
+    mean_over_ranks,
+    rank_slice,
     reference_run,
     zero_config,
     zero_run,
 )
 
+import zero_full
+import zero_params
+from zero_comm import CommLedger, LinkKind, Topology, partition_numel
+from zero_optim import ReplicaMismatchError
 from zero_testing import assert_losses_close, assert_state_close
 
 STEPS = 20
@@ -70,3 +80,111 @@ def test_mics_matches_single_process_training(dist, topo, shard, hier, accum):
         assert_losses_close(first["losses"], ref["losses"], rel=1e-5)
         if kind == "sgd":
             assert_state_close(first["params"], ref["params"], rel=1e-5)
+
+
+# --------------------------------------------------------------------------- communication pattern
+
+
+def _train(engine, name: str, start: int, steps: int, ledger: CommLedger | None = None) -> list[float]:
+    """``steps`` optimizer steps from step ``start``; one ledger step per micro-step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    accum = engine.gradient_accumulation_steps
+    losses = []
+    for step in range(start, start + steps):
+        total = 0.0
+        for micro in range(accum):
+            loss = engine(*rank_slice(global_batch(name, step * accum + micro, BATCH), rank, world))
+            engine.backward(loss)
+            engine.step()
+            total += loss.item()
+            if ledger is not None:
+                ledger.step()
+        losses.append(mean_over_ranks(total / accum))
+    return losses
+
+
+def _ledger_run(rank, shard: int, hierarchical: bool, accum: int, steps: int) -> dict:
+    config = _mics(
+        shard,
+        hierarchical,
+        gradient_accumulation_steps=accum,
+        stage3_max_reuse_distance=0,
+        stage3_prefetch_bucket_size=0,
+    )
+    engine = zero_full.initialize(build("gpt2"), config, make_optimizer("adamw"))
+    ledger = CommLedger(Topology())
+    with ledger:
+        _train(engine, "gpt2", 0, steps, ledger)
+    mics = engine.mics
+    out = {
+        "records": [
+            (r.op, r.group_ranks, r.link.value, r.payload_bytes, r.wire_bytes, r.step) for r in ledger.records
+        ],
+        "shard": mics.shard_ranks,
+        "replicate": mics.replicate_ranks,
+        "grad_numel": sum(g.grad.numel() for g in engine.optimizer.groups),
+        "numels": [zero_params.state_of(p).numel for p in engine.module.parameters()],
+    }
+    engine.close()
+    return out
+
+
+COMM = [(X2X2, 2, False), (X2X2, 4, True), (X4X1, 2, True)]
+
+
+@pytest.mark.parametrize("topo,shard,hier", COMM, ids=[_parity_id((c[0], c[1], c[2], 4)) for c in COMM])
+def test_communication_stays_in_shard_groups_and_replicas_sync_once_per_step(dist, topo, shard, hier):
+    world, per_node = topo
+    accum, steps = 4, 2
+    results = dist.run(world, _ledger_run, shard, hier, accum, steps, ranks_per_node=per_node)
+    for res in results:
+        shard_ranks, replicate = set(res["shard"]), tuple(res["replicate"])
+        micro_steps = accum * steps
+        reduces = [r for r in res["records"] if r[0] == "all_reduce" and r[1] == replicate]
+        # the second hop: one all-reduce of every gradient partition per optimizer step, at its boundary
+        replicas = world // shard
+        if replicas > 1:
+            assert [r[5] for r in reduces] == [m for m in range(micro_steps) if m % accum == accum - 1]
+            for r in reduces:
+                assert r[3] == 4 * res["grad_numel"]  # the whole fp32 gradient partition, once
+                assert r[4] == 2 * (replicas - 1) * r[3] // replicas  # 2 (Psi/p) (r-1)/r, in bytes
+        else:
+            assert reduces == []
+        for op, ranks, _link, _payload, _wire, _step in res["records"]:
+            if op in ("all_gather", "reduce_scatter"):
+                assert set(ranks) <= shard_ranks, (
+                    f"{op} over {ranks} leaves the shard group {sorted(shard_ranks)}"
+                )
+            else:  # only the replicate-group sync (and the ledger's mean loss, which is not zero-comm)
+                assert op == "all_reduce" and ranks == replicate, (op, ranks)
+        gathers = [r for r in res["records"] if r[0] == "all_gather"]
+        assert gathers and all(any(r[5] == m for r in gathers) for m in range(micro_steps))
+        rs = [r for r in res["records"] if r[0] == "reduce_scatter"]
+        assert {r[5] for r in rs} == set(range(micro_steps))  # first hop: every micro-step
+        # inside the shard group per micro-step: 3 Psi (p-1)/p (gather fwd + gather bwd + reduce-
+        # scatter; Psi padded to the shard group), once the first step recorded the trace
+        psi = sum(shard * partition_numel(n, shard) for n in res["numels"])
+        for m in range(1, micro_steps):
+            inside = sum(r[4] for r in gathers + rs if r[5] == m)
+            assert inside == 3 * psi * (shard - 1) // shard * 4, (m, inside)
+        if not hier:
+            # shard groups live on one node: the only inter-node traffic is the boundary sync
+            inter = [r for r in res["records"] if r[2] == LinkKind.INTER_NODE.value]
+            assert inter == reduces
+        else:
+            _check_hierarchical_bytes(gathers, shard, per_node)
+
+
+def _check_hierarchical_bytes(gathers: list, shard: int, per_node: int) -> None:
+    """Inter-node bytes per gather = (k - 1) / p of the gathered bytes (k nodes per shard group)."""
+    nodes = shard // per_node
+    inter = [r for r in gathers if r[2] == LinkKind.INTER_NODE.value]
+    assert inter and all(len(r[1]) == nodes for r in inter)
+    for r in inter:
+        gathered = shard * r[3]  # every rank's shard of the bucket
+        assert r[4] * shard == (nodes - 1) * gathered
+    if per_node > 1:  # a real second hop inside the node, carrying the node-stacked blocks
+        intra = [r for r in gathers if r[2] == LinkKind.INTRA_NODE.value]
+        assert len(intra) == len(inter)
+        for a, b in zip(inter, intra):
+            assert b[3] == nodes * a[3] and b[4] == (per_node - 1) * nodes * a[3]
