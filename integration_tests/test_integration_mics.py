@@ -18,6 +18,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -188,3 +190,152 @@ def _check_hierarchical_bytes(gathers: list, shard: int, per_node: int) -> None:
         assert len(intra) == len(inter)
         for a, b in zip(inter, intra):
             assert b[3] == nodes * a[3] and b[4] == (per_node - 1) * nodes * a[3]
+
+
+# --------------------------------------------------------------------------- memory, replicas, Init
+
+
+def _memory_and_replicas(rank, shard: int) -> dict:
+    engine = zero_full.initialize(build("mlp"), _mics(shard), make_optimizer("adamw"))
+    _train(engine, "mlp", 0, 3)
+    numels = [zero_params.state_of(p).numel for p in engine.module.parameters()]
+    out = {"bytes": engine.model_state_bytes(), "numels": numels, "ok": None, "perturbed": None}
+    engine.check_replicas_consistent()  # passes after training: replicas stepped identically
+    opt = engine.optimizer
+    group = opt.groups[0]
+    seg = next(s for s in group.segments if s.name == "hidden.weight")
+    if rank.rank == 2:  # one replica of rank 0's partition drifts
+        opt.torch_optimizer.state[group.master]["exp_avg"][seg.offset] += 1e-3
+    try:
+        engine.check_replicas_consistent()
+    except ReplicaMismatchError as exc:
+        out["perturbed"] = str(exc)
+    engine.close()
+    return out
+
+
+def test_model_state_bytes_and_the_replica_consistency_check(dist):
+    shard = 2
+    results = dist.run(4, _memory_and_replicas, shard, ranks_per_node=2)
+    numels = results[0]["numels"]
+    psi = sum(numels)
+    # fp32 AdamW: master 4 + gradient 4 + exp_avg 4 + exp_avg_sq 4 bytes per element of the
+    # shard-group partition (padding included), plus AdamW's 4-byte step counter
+    expected = 16 * sum(partition_numel(n, shard) for n in numels)
+    assert 16 * psi / shard <= expected <= 16 * (psi / shard + len(numels))
+    for res in results:
+        assert res["bytes"] == expected + 4
+    # the perturbed replicate group (ranks 0 and 2) fails naming itself, the tensor and the
+    # parameter; the other replicate group (1 and 3) still agrees
+    for r in (0, 2):
+        msg = results[r]["perturbed"]
+        assert msg is not None and "[0, 2]" in msg and "'exp_avg'" in msg and "'hidden.weight'" in msg, msg
+    assert results[1]["perturbed"] is None and results[3]["perturbed"] is None
+
+
+def _init_and_errors(rank, config: dict, bad: list[dict]) -> dict:
+    errors = []
+    for cfg in bad:
+        for make in (lambda c: zero_full.Init(config=c), lambda c: zero_full.initialize(build("mlp"), c)):
+            try:
+                make(cfg)
+            except ValueError as exc:
+                errors.append(str(exc))
+            else:
+                errors.append(None)
+    with zero_full.Init(config=config):
+        model = build("mlp")
+    states = [zero_params.state_of(p) for p in model.parameters()]
+    layout = {(s.group_ranks, type(s.gather_strategy).__name__) for s in states}
+    engine = zero_full.initialize(model, config, make_optimizer("adamw"))
+    losses = _train(engine, "mlp", 0, 3)
+    engine.close()
+    plain = zero_full.initialize(build("mlp"), config, make_optimizer("adamw"))
+    plain_losses = _train(plain, "mlp", 0, 3)
+    plain.close()
+    return {"errors": errors, "layout": sorted(layout), "losses": losses, "plain": plain_losses}
+
+
+def test_init_partitions_over_the_shard_group_and_bad_layouts_name_the_numbers(dist):
+    bad = [_mics(3), _mics(2, True), _mics(8)]
+    config = _mics(4, True)  # 2 nodes x 2 ranks: the two-hop gather
+    results = dist.run(4, _init_and_errors, config, bad, ranks_per_node=2)
+    for res in results:
+        assert res["layout"] == [((0, 1, 2, 3), "HierarchicalAllGather")]
+        assert res["losses"] == res["plain"]  # Init builds the same model as partitioning it afterwards
+        e = res["errors"]
+        assert all(m is not None for m in e), e
+        assert "mics_shard_size=3 does not divide world size 4" in e[0] and e[0] == e[1]
+        assert "spanning >= 2 nodes" in e[2] and "mics_shard_size=2" in e[2] and "2 ranks per node" in e[2]
+        assert e[2] == e[3]
+        assert "mics_shard_size=8 does not divide world size 4" in e[4]
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def _stage_config(stage: int, shard: int = -1) -> dict:
+    cfg = _mics(shard) if shard > 0 else zero_config()
+    cfg["zero_optimization"]["stage"] = stage
+    return cfg
+
+
+def _save_then_continue(rank, root: str, config: dict, name: str) -> dict:
+    engine = zero_full.initialize(build(name), config, make_optimizer("adamw"))
+    _train(engine, name, 0, 3)
+    engine.save_checkpoint(root)
+    weights = engine.consolidated_state_dict()
+    nxt = _train(engine, name, 3, 3)
+    engine.close()
+    return {"losses": nxt, "weights": weights}
+
+
+def _load_then_continue(rank, root: str, config: dict, name: str) -> dict:
+    engine = zero_full.initialize(build(name), config, make_optimizer("adamw"))
+    engine.load_checkpoint(root)
+    engine.check_replicas_consistent()  # every replica read the same pieces
+    weights = engine.consolidated_state_dict()
+    nxt = _train(engine, name, 3, 3)
+    engine.close()
+    return {"losses": nxt, "weights": weights}
+
+
+def _same_continuation(loaded: dict, saved: dict) -> None:
+    for k, v in saved["weights"].items():  # re-partitioned exactly: the same bits
+        assert torch.equal(loaded["weights"][k], v), k
+    first, expected = loaded["losses"][0], saved["losses"][0]
+    assert abs(first - expected) <= 1e-6 * max(1.0, abs(expected)), (loaded["losses"], saved["losses"])
+    assert_losses_close(loaded["losses"], saved["losses"], rel=1e-5)
+
+
+def _check_one_copy_per_partition(path, shard: int) -> None:
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["partition_layout"] == {
+        "kind": "mics",
+        "shard_size": shard,
+        "replicas": manifest["world_size"] // shard,
+        "hierarchical_gather": False,
+        "writer_ranks": list(range(shard)),
+    }
+    written: dict[str, int] = {}
+    for f in manifest["files"]:
+        for name, a, b in f["pieces"]:
+            written[name] = written.get(name, 0) + (b - a)
+        if f["rank"] >= shard:  # replicas write no parameter data (only their RNG states)
+            assert f["pieces"] == [] and f["size"] < 16_384, f
+    assert written == {p["name"]: p["numel"] for p in manifest["params"]}  # every element exactly once
+
+
+@pytest.mark.parametrize("name", ["tied", "mlp"])
+def test_mics_world_4_checkpoint_loads_as_zero3_at_world_2(dist, tmp_path, name):
+    saved = dist.run(4, _save_then_continue, str(tmp_path), _stage_config(3, 2), name, ranks_per_node=2)[0]
+    _check_one_copy_per_partition(tmp_path / "global_step3", 2)
+    loaded = dist.run(2, _load_then_continue, str(tmp_path), _stage_config(3), name, ranks_per_node=2)[0]
+    _same_continuation(loaded, saved)
+
+
+@pytest.mark.parametrize("stage", [3, 2])
+def test_zero_world_2_checkpoint_loads_into_mics_at_world_4(dist, tmp_path, stage):
+    saved = dist.run(2, _save_then_continue, str(tmp_path), _stage_config(stage), "mlp", ranks_per_node=2)[0]
+    loaded = dist.run(4, _load_then_continue, str(tmp_path), _stage_config(3, 2), "mlp", ranks_per_node=2)[0]
+    _same_continuation(loaded, saved)
