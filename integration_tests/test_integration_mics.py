@@ -339,3 +339,30 @@ def test_zero_world_2_checkpoint_loads_into_mics_at_world_4(dist, tmp_path, stag
     saved = dist.run(2, _save_then_continue, str(tmp_path), _stage_config(stage), "mlp", ranks_per_node=2)[0]
     loaded = dist.run(4, _load_then_continue, str(tmp_path), _stage_config(3, 2), "mlp", ranks_per_node=2)[0]
     _same_continuation(loaded, saved)
+
+
+# --------------------------------------------------------------------------- clipping
+
+
+def _clipped(rank, shard: int) -> dict:
+    out = {}
+    for label, cfg in (("zero3", zero_config()), ("mics", _mics(shard))):
+        cfg["gradient_clipping"] = 0.05
+        engine = zero_full.initialize(build("mlp"), cfg, make_optimizer("sgd"))
+        norms, losses = [], []
+        for step in range(4):
+            losses += _train(engine, "mlp", step, 1)
+            norms.append(engine._pipeline.last_grad_norm)
+        engine.close()
+        out[label] = norms
+        out[label + "_losses"] = losses
+    return out
+
+
+def test_gradient_clipping_norm_counts_each_element_once(dist):
+    """The global norm sums the shard group's partitions, not the replicas too (else x sqrt(r))."""
+    for res in dist.run(4, _clipped, 2, ranks_per_node=2):
+        for a, b in zip(res["mics"], res["zero3"]):
+            assert abs(a - b) <= 1e-5 * b, (res["mics"], res["zero3"])
+        assert min(res["zero3"]) > 0.05  # clipping was active in every step
+        assert_losses_close(res["mics_losses"], res["zero3_losses"], rel=1e-5)
