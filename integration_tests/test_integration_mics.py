@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from models import (
+    OddMLP,
     build,
     global_batch,
     make_optimizer,
@@ -269,6 +270,27 @@ def test_init_partitions_over_the_shard_group_and_bad_layouts_name_the_numbers(d
         assert "spanning >= 2 nodes" in e[2] and "mics_shard_size=2" in e[2] and "2 ranks per node" in e[2]
         assert e[2] == e[3]
         assert "mics_shard_size=8 does not divide world size 4" in e[4]
+
+
+def _init_with_rank_seeds(rank) -> str | None:
+    config = _mics(2)
+    torch.manual_seed(rank.rank)  # every rank builds other values: replicas must be made equal
+    with zero_full.Init(config=config):
+        model = OddMLP()
+    engine = zero_full.initialize(model, config, make_optimizer("adamw"))
+    try:
+        engine.check_replicas_consistent()  # replica-rank 0's shards were broadcast
+        _train(engine, "mlp", 0, 2)
+        engine.check_replicas_consistent()
+    except ReplicaMismatchError as exc:
+        return str(exc)
+    finally:
+        engine.close()
+    return None
+
+
+def test_replicas_of_a_model_built_under_init_start_equal(dist):
+    assert dist.run(4, _init_with_rank_seeds, ranks_per_node=2) == [None] * 4
 
 
 # --------------------------------------------------------------------------- checkpoints

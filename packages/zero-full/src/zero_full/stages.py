@@ -105,13 +105,14 @@ def build_stage(
         mics = None
         if z.mics_enabled:
             mics = build_mics_groups(z, topology if topology is not None else Topology())
+        built_under_init = any(zero_params.is_partitioned(p) for p in model.parameters())
         zero_params.partition(
             model,
             mics.shard if mics is not None else None,
             persistence_threshold=z.param_persistence_threshold,
             gather_strategy=mics.gather_strategy if mics is not None else None,
         )
-        if mics is not None:
+        if mics is not None and built_under_init:  # a whole model was broadcast from rank 0 already
             sync_replicas(model, mics)
         opt, sink = zero_optim.stage3_optimizer(model, optimizer, z.to_reduce_config(), working_dtype=dtype)
         coordinator = Coordinator(model, z.to_coordinator_config(), sink)
