@@ -38,6 +38,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 if typing.TYPE_CHECKING:  # the lower packages are imported only when a mapping is asked for
     from zero_coord import CoordinatorConfig
+    from zero_offload import OptimizerOffloadConfig
     from zero_optim.buckets import ReduceConfig
 
 __all__ = [
@@ -590,6 +591,22 @@ class OffloadOptimizerConfig(_Section):
     def enabled(self) -> bool:
         """Whether optimizer state is offloaded (``device`` is not ``none``)."""
         return self.device is not OffloadDevice.NONE
+
+    def to_offload_config(self, sub_group_size: int) -> OptimizerOffloadConfig | None:
+        """This section as a ``zero_offload.OptimizerOffloadConfig`` (``None`` when not offloaded)."""
+        from zero_offload import OffloadTarget, OptimizerOffloadConfig
+
+        if not self.enabled:
+            return None
+        return OptimizerOffloadConfig(
+            device=OffloadTarget(self.device.value),
+            nvme_path=self.nvme_path,
+            buffer_count=self.buffer_count,
+            pin_memory=self.pin_memory,
+            pipeline_read=self.pipeline_read,
+            pipeline_write=self.pipeline_write,
+            sub_group_size=sub_group_size,
+        )
 
 
 def _require_nvme_path(device: OffloadDevice, path: pathlib.Path | None, section: str) -> None:

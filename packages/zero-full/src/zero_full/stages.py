@@ -43,6 +43,9 @@ __all__ = ["StagePieces", "StepPipeline", "build_stage", "working_dtype"]
 
 logger = logging.getLogger("zero.engine")
 
+_WHOLE_GROUP = 1 << 62
+"""Sub-group size meaning "the whole flat group" (stages 1 and 2)."""
+
 _DTYPES = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
 
 
@@ -69,9 +72,13 @@ def build_stage(model: nn.Module, config: ZeroConfig, optimizer: OptimizerSpec) 
     dtype = working_dtype(config)
     if dtype != torch.float32:
         _cast_whole(model, dtype)
+    # sub_group_size is a stage-3 knob (DeepSpeed's): below stage 3 a group is one sub-group
+    offload = z.offload_optimizer.to_offload_config(z.sub_group_size if config.stage == 3 else _WHOLE_GROUP)
     if config.stage == 3:
         zero_params.partition(model, persistence_threshold=z.param_persistence_threshold)
-        opt, sink = zero_optim.stage3_optimizer(model, optimizer, z.to_reduce_config(), working_dtype=dtype)
+        opt, sink = zero_optim.stage3_optimizer(
+            model, optimizer, z.to_reduce_config(), working_dtype=dtype, offload=offload
+        )
         coordinator = Coordinator(model, z.to_coordinator_config(), sink)
         coordinator.install()
         return StagePieces(opt, coordinator, None)
@@ -82,6 +89,7 @@ def build_stage(model: nn.Module, config: ZeroConfig, optimizer: OptimizerSpec) 
         z.to_reduce_config(),
         allgather_bucket_size=z.allgather_bucket_size,
         working_dtype=dtype,
+        offload=offload if config.stage >= 1 else None,
     )
     return StagePieces(opt, None, reduction)
 
