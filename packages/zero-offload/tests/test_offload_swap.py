@@ -18,6 +18,7 @@ from zero_offload import (
     SwapSpaceError,
     aligned_empty,
     detect_io_mode,
+    payload_checksum,
 )
 from zero_offload.swap import HEADER_BYTES, SUFFIX
 
@@ -188,3 +189,24 @@ def test_buffer_pool_is_aligned_bounded_and_blocks_when_empty():
         pool.release(torch.empty(3, dtype=torch.uint8))
     with pytest.raises(ValueError, match="buffer_count >= 1"):
         BufferPool(0, 10)
+
+
+def test_payload_checksum_catches_bit_flips_and_reordering():
+    gen = torch.Generator().manual_seed(3)
+    data = torch.randint(0, 256, (3 * 4096 + 13,), dtype=torch.uint8, generator=gen)
+    base = payload_checksum(data)
+    assert payload_checksum(data.clone()) == base
+    for pos in (0, 7, 4095, 4096 + 7, 2 * 4096 + 3, 3 * 4096 + 12):  # incl. top byte of a word, the tail
+        for bit in (0, 7):
+            flipped = data.clone()
+            flipped[pos] ^= 1 << bit
+            assert payload_checksum(flipped) != base, (pos, bit)
+    swapped = data.clone()
+    swapped[:4096], swapped[4096:8192] = data[4096:8192].clone(), data[:4096].clone()
+    assert payload_checksum(swapped) != base
+    unaligned = data[1:]  # not 8-byte aligned: same bytes, same checksum as a fresh copy
+    assert payload_checksum(unaligned) == payload_checksum(unaligned.clone())
+    assert payload_checksum(torch.empty(0)) == (0, 0)
+    assert payload_checksum(torch.tensor([1.5], dtype=torch.bfloat16)) != payload_checksum(
+        torch.tensor([1.25], dtype=torch.bfloat16)
+    )

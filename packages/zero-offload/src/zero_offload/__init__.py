@@ -20,6 +20,7 @@ from zero_offload.swap import (
     SwapSpaceError,
     SwapStats,
     detect_io_mode,
+    payload_checksum,
 )
 
 __all__ = [
@@ -43,4 +44,5 @@ __all__ = [
     "aligned_empty",
     "check_offloadable",
     "detect_io_mode",
+    "payload_checksum",
 ]

@@ -167,6 +167,15 @@ class _Joined:
             h.wait()
 
 
+def _drain(handles: list[_Done | _Joined]) -> None:
+    """Wait for every request, ignoring their errors (the caller is already failing)."""
+    for h in handles:
+        try:
+            h.wait()
+        except Exception:  # noqa: BLE001, S110 - the first error is the one reported
+            pass
+
+
 class _HostStore:
     """``cpu``: every sub-group's record lives in host tensors."""
 
@@ -329,20 +338,24 @@ class OffloadedOptimizer:
             self.step_count += 1
             self.transfers.steps += 1
             hypers = [adam_hyper_from_group(self.optimizer, g) for g in self.optimizer.param_groups]
-            ahead: deque[tuple[_Record, object]] = deque()
-            writes: deque[object] = deque()
+            ahead: deque[tuple[_Record, _Done | _Joined]] = deque()
+            writes: deque[_Done | _Joined] = deque()
             n = len(self.subgroups)
-            for k, sg in enumerate(self.subgroups):
-                record, reading = ahead.popleft() if ahead else self._store.fetch(sg)
-                if self.config.pipeline_read and k + 1 < n:
-                    ahead.append(self._store.fetch(self.subgroups[k + 1]))
-                reading.wait()  # type: ignore[attr-defined]
-                self._step_one(sg, record, hypers[sg.group])
-                writes.append(self._store.commit(sg, record))
-                while writes and (not self.config.pipeline_write or len(writes) > 1):
-                    writes.popleft().wait()  # type: ignore[attr-defined]
-            while writes:
-                writes.popleft().wait()  # type: ignore[attr-defined]
+            try:
+                for k, sg in enumerate(self.subgroups):
+                    record, reading = ahead.popleft() if ahead else self._store.fetch(sg)
+                    if self.config.pipeline_read and k + 1 < n:
+                        ahead.append(self._store.fetch(self.subgroups[k + 1]))
+                    reading.wait()
+                    self._step_one(sg, record, hypers[sg.group])
+                    writes.append(self._store.commit(sg, record))
+                    while writes and (not self.config.pipeline_write or len(writes) > 1):
+                        writes.popleft().wait()
+                while writes:
+                    writes.popleft().wait()
+            except BaseException:
+                _drain([h for _, h in ahead] + list(writes))  # no I/O may outlive a failed step
+                raise
 
     def _step_one(self, sg: _SubGroup, record: _Record, hyper: AdamHyper) -> None:
         t = record.tensors
