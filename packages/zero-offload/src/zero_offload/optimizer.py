@@ -360,11 +360,13 @@ class OffloadedOptimizer:
     def _step_one(self, sg: _SubGroup, record: _Record, hyper: AdamHyper) -> None:
         t = record.tensors
         grad = self.grads[sg.group].narrow(0, sg.offset, sg.numel)
-        t["grad"].copy_(grad, non_blocking=True)
+        # blocking copies: the host record is read by the CPU Adam right away and reused (pool)
+        # right after; swap I/O of the neighbouring sub-groups overlaps them
+        t["grad"].copy_(grad)
         self.transfers.grad_down += 1
         self.transfers.grad_down_bytes += sg.numel * 4
         self.adam.step(t["master"], t["grad"], t["exp_avg"], t["exp_avg_sq"], self.step_count, hyper)
-        self.masters[sg.group].narrow(0, sg.offset, sg.numel).copy_(t["master"], non_blocking=True)
+        self.masters[sg.group].narrow(0, sg.offset, sg.numel).copy_(t["master"])
         self.transfers.param_up += 1
         self.transfers.param_up_bytes += sg.numel * 4
 
