@@ -536,6 +536,11 @@ def test_whole_optimizer_offload_is_supported_at_stages_1_to_3(stage: int, devic
     assert (off.device.value, off.buffer_count, off.sub_group_size) == (device, 3, 123)
 
 
+def test_offload_fast_init_is_listed_as_ignored() -> None:
+    cfg = ZeroConfig.model_validate(zero_opt(stage=2, offload_optimizer={"device": "cpu", "fast_init": True}))
+    assert "zero_optimization.offload_optimizer.fast_init" in cfg.zero_optimization.ignored_keys()
+
+
 def test_other_unsupported_switches() -> None:
     cfg = ZeroConfig.model_validate(
         {
