@@ -500,7 +500,7 @@ def test_unsupported_features_are_listed_for_stage_3() -> None:
     cfg = ZeroConfig.model_validate(
         zero_opt(
             stage=3,
-            offload_optimizer={"device": "cpu", "pin_memory": True},
+            offload_optimizer={"device": "cpu", "pin_memory": True, "ratio": 0.5},
             offload_param={"device": "nvme", "nvme_path": "/nvme"},
             zero_quantized_weights=True,
             zero_quantized_gradients=True,
@@ -514,7 +514,7 @@ def test_unsupported_features_are_listed_for_stage_3() -> None:
     assert len(found) == 6
     assert not any("mics" in line for line in found)  # MiCS is implemented
     for needle in (
-        "offload_optimizer.device = 'cpu'",
+        "offload_optimizer.ratio = 0.5 (partial optimizer offload",
         "offload_param.device = 'nvme'",
         "zero_quantized_weights = true",
         "zero_quantized_gradients = true",
@@ -524,12 +524,20 @@ def test_unsupported_features_are_listed_for_stage_3() -> None:
         assert sum(needle in line for line in found) == 1, needle
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_optimizer_offload_is_unsupported_at_stages_1_and_2(stage: int) -> None:
-    cfg = ZeroConfig.model_validate(zero_opt(stage=stage, offload_optimizer={"device": "cpu"}))
-    assert cfg.unsupported_features() == [
-        "zero_optimization.offload_optimizer.device = 'cpu' (optimizer state offload)"
-    ]
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_whole_optimizer_offload_is_supported_at_stages_1_to_3(stage: int, device: str) -> None:
+    cfg = ZeroConfig.model_validate(
+        zero_opt(stage=stage, offload_optimizer={"device": device, "nvme_path": "/nvme", "buffer_count": 3})
+    )
+    assert cfg.unsupported_features() == []
+    off = cfg.zero_optimization.offload_optimizer.to_offload_config(123)
+    assert (off.device.value, off.buffer_count, off.sub_group_size) == (device, 3, 123)
+
+
+def test_offload_fast_init_is_listed_as_ignored() -> None:
+    cfg = ZeroConfig.model_validate(zero_opt(stage=2, offload_optimizer={"device": "cpu", "fast_init": True}))
+    assert "zero_optimization.offload_optimizer.fast_init" in cfg.zero_optimization.ignored_keys()
 
 
 def test_other_unsupported_switches() -> None:

@@ -153,7 +153,9 @@ def save_checkpoint(
         _raise_if_failed([s["error"] for s in first], f"saving checkpoint {directory / tag}")
         plan = _SavePlan(directory, tag, directory / first[0]["tmp"])
         try:
-            _save_in_tmp(engine, plan, timeout)
+            # offloaded optimizer state is read back from host memory / swap files for the save
+            with engine.optimizer.materialized_state(write_back=False):
+                _save_in_tmp(engine, plan, timeout)
         except BaseException:
             if rank == 0:
                 shutil.rmtree(plan.tmp, ignore_errors=True)
@@ -406,14 +408,16 @@ def load_checkpoint(
         path = directory / tag
         manifest = ckpt_io.read_manifest(path)
         pieces = local_pieces(engine.module, engine.optimizer)
-        _check_matches(manifest, pieces, engine)
-        err = None
-        try:
-            _read_pieces(engine, path, manifest, pieces)
-        except (CheckpointError, OSError, RuntimeError, KeyError) as exc:
-            err = f"{type(exc).__name__}: {exc}"
-        _raise_if_failed(_exchange(err, timeout), f"loading checkpoint {path}")
-        _restore_scalars(engine, manifest)
+        # offloaded optimizer state: loaded into torch's format, then written to the offload store
+        with engine.optimizer.materialized_state():
+            _check_matches(manifest, pieces, engine)
+            err = None
+            try:
+                _read_pieces(engine, path, manifest, pieces)
+            except (CheckpointError, OSError, RuntimeError, KeyError) as exc:
+                err = f"{type(exc).__name__}: {exc}"
+            _raise_if_failed(_exchange(err, timeout), f"loading checkpoint {path}")
+            _restore_scalars(engine, manifest)
         with torch.no_grad():
             for group in engine.optimizer.groups:
                 group.publish()

@@ -316,15 +316,18 @@ class ZeroConfig(_Section):
         """
         z = self.zero_optimization
         found: list[str] = []
-        if z.stage >= 1 and z.offload_optimizer.enabled:
+        if z.stage >= 1 and z.offload_optimizer.enabled and z.offload_optimizer.ratio < 1.0:
             found.append(
-                f"zero_optimization.offload_optimizer.device = {z.offload_optimizer.device.value!r} "
-                "(optimizer state offload)"
+                f"zero_optimization.offload_optimizer.ratio = {z.offload_optimizer.ratio:g} (partial "
+                "optimizer offload; only ratio 1.0, the whole optimizer state, is implemented)"
             )
         if z.stage == 3:
             if z.offload_param.enabled:
                 device = z.offload_param.device.value
-                found.append(f"zero_optimization.offload_param.device = {device!r} (parameter offload)")
+                found.append(
+                    f"zero_optimization.offload_param.device = {device!r} (parameter offload; optimizer "
+                    "state offload, offload_optimizer, is implemented)"
+                )
             flags = {
                 "zero_quantized_weights": "ZeRO++ quantized weight all-gather, qwZ",
                 "zero_quantized_nontrainable_weights": "quantized storage of frozen weights",

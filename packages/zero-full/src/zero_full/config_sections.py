@@ -38,6 +38,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 if typing.TYPE_CHECKING:  # the lower packages are imported only when a mapping is asked for
     from zero_coord import CoordinatorConfig
+    from zero_offload import OptimizerOffloadConfig
     from zero_optim.buckets import ReduceConfig
 
 __all__ = [
@@ -591,6 +592,22 @@ class OffloadOptimizerConfig(_Section):
         """Whether optimizer state is offloaded (``device`` is not ``none``)."""
         return self.device is not OffloadDevice.NONE
 
+    def to_offload_config(self, sub_group_size: int) -> OptimizerOffloadConfig | None:
+        """This section as a ``zero_offload.OptimizerOffloadConfig`` (``None`` when not offloaded)."""
+        from zero_offload import OffloadTarget, OptimizerOffloadConfig
+
+        if not self.enabled:
+            return None
+        return OptimizerOffloadConfig(
+            device=OffloadTarget(self.device.value),
+            nvme_path=self.nvme_path,
+            buffer_count=self.buffer_count,
+            pin_memory=self.pin_memory,
+            pipeline_read=self.pipeline_read,
+            pipeline_write=self.pipeline_write,
+            sub_group_size=sub_group_size,
+        )
+
 
 def _require_nvme_path(device: OffloadDevice, path: pathlib.Path | None, section: str) -> None:
     if device is OffloadDevice.NVME and path is None:
@@ -755,4 +772,7 @@ class ZeroOptimizationConfig(_Section):
             if name in self.model_fields_set and self.stage in KNOB_STAGES[name]:
                 if "nvme_path" in section.model_fields_set and section.device is not OffloadDevice.NVME:
                     ignored.append(f"zero_optimization.{name}.nvme_path")
+        if "fast_init" in self.offload_optimizer.model_fields_set:
+            # zero writes the initial swap files in one pass whatever this says
+            ignored.append("zero_optimization.offload_optimizer.fast_init")
         return ignored

@@ -241,11 +241,12 @@ class Engine:
         return self
 
     def close(self) -> None:
-        """Release every gathered parameter and remove the coordinator's hooks."""
+        """Release every gathered parameter, remove the hooks and delete offload swap files."""
         if self.coordinator is not None:
             self.coordinator.remove()
         if self._pipeline.pieces.reduction is not None:
             self._pipeline.pieces.reduction.remove()
+        self.optimizer.close()
 
     # ------------------------------------------------------------------ MiCS
 

@@ -50,6 +50,9 @@ __all__ = ["StagePieces", "StepPipeline", "build_stage", "working_dtype"]
 
 logger = logging.getLogger("zero.engine")
 
+_WHOLE_GROUP = 1 << 62
+"""Sub-group size meaning "the whole flat group" (stages 1 and 2)."""
+
 _DTYPES = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
 
 
@@ -101,6 +104,8 @@ def build_stage(
     dtype = working_dtype(config)
     if dtype != torch.float32:
         _cast_whole(model, dtype)
+    # sub_group_size is a stage-3 knob (DeepSpeed's): below stage 3 a group is one sub-group
+    offload = z.offload_optimizer.to_offload_config(z.sub_group_size if config.stage == 3 else _WHOLE_GROUP)
     if config.stage == 3:
         mics = None
         if z.mics_enabled:
@@ -114,7 +119,9 @@ def build_stage(
         )
         if mics is not None and built_under_init:  # a whole model was broadcast from rank 0 already
             sync_replicas(model, mics)
-        opt, sink = zero_optim.stage3_optimizer(model, optimizer, z.to_reduce_config(), working_dtype=dtype)
+        opt, sink = zero_optim.stage3_optimizer(
+            model, optimizer, z.to_reduce_config(), working_dtype=dtype, offload=offload
+        )
         coordinator = Coordinator(model, z.to_coordinator_config(), sink)
         coordinator.install()
         sync = ReplicaGradientSync(opt.groups, mics.replicate) if mics is not None else None
@@ -126,6 +133,7 @@ def build_stage(
         z.to_reduce_config(),
         allgather_bucket_size=z.allgather_bucket_size,
         working_dtype=dtype,
+        offload=offload if config.stage >= 1 else None,
     )
     return StagePieces(opt, None, reduction)
 

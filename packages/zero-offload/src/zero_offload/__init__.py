@@ -1,1 +1,48 @@
-"""CPU / NVMe placement of optimizer state and parameters, async swapping, CPU Adam."""
+"""CPU / NVMe placement of optimizer state and parameters, async swapping, CPU Adam.
+
+* :class:`CpuAdam`: Adam / AdamW over flat fp32 CPU tensors (torch's fused CPU kernel, or
+  an exact twin of ``torch.optim.AdamW``'s per-tensor algorithm).
+* :class:`AsyncSwapper`: tensors to and from swap files on a thread pool; handles with
+  ``.wait()``; direct I/O when the filesystem supports it; checksummed headers.
+* :class:`BufferPool` / :func:`aligned_empty`: aligned (pinned with an accelerator) host buffers.
+* :class:`OffloadedOptimizer`: an Adam / AdamW step of flat partitions whose fp32 master and
+  moments live in host memory (``cpu``) or swap files (``nvme``), sub-group by sub-group.
+"""
+
+from zero_offload.cpu_adam import AdamHyper, AdamKernel, CpuAdam, adam_hyper_from_group, check_offloadable
+from zero_offload.optimizer import OffloadedOptimizer, OffloadTarget, OptimizerOffloadConfig, TransferStats
+from zero_offload.pool import ALIGNMENT, BufferPool, align_up, aligned_empty
+from zero_offload.swap import (
+    AsyncSwapper,
+    IoMode,
+    SwapError,
+    SwapHandle,
+    SwapSpaceError,
+    SwapStats,
+    detect_io_mode,
+    payload_checksum,
+)
+
+__all__ = [
+    "ALIGNMENT",
+    "AdamHyper",
+    "AdamKernel",
+    "AsyncSwapper",
+    "BufferPool",
+    "CpuAdam",
+    "IoMode",
+    "OffloadTarget",
+    "OffloadedOptimizer",
+    "OptimizerOffloadConfig",
+    "SwapError",
+    "SwapHandle",
+    "SwapSpaceError",
+    "SwapStats",
+    "TransferStats",
+    "adam_hyper_from_group",
+    "align_up",
+    "aligned_empty",
+    "check_offloadable",
+    "detect_io_mode",
+    "payload_checksum",
+]

@@ -15,17 +15,26 @@ per group. What differs between stages is a small :class:`Partitioning` componen
 
 Gradient reduction is a separate component (e.g. :class:`zero_optim.buckets.BucketedReducer`)
 that writes into the same flat gradient buffers.
+
+Optimizer-state offload (``zero_offload.OffloadedOptimizer``) is one more component: given an
+``OptimizerOffloadConfig``, the Adam / AdamW step of the flat masters runs on the CPU,
+sub-group by sub-group, with the fp32 master and moments in host memory or swap files; the
+torch optimizer then only supplies hyperparameters, and :meth:`PartitionedOptimizer.materialized_state`
+brings the state back in torch's format for checkpoints.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
+from zero_offload import OffloadedOptimizer, OptimizerOffloadConfig
 from zero_optim.flat import FlatGroup, Segment
 from zero_optim.spec import OptimizerSpec, build_torch_optimizer, remap_onto_flat, trainable_groups
 
@@ -71,13 +80,16 @@ class PartitionedOptimizer:
         working_dtype: dtype of the values the model computes with. ``torch.float32``: the
             master is the working copy (one fp32 copy of the parameters); a 16-bit dtype
             gets its own flat working buffer, refreshed from the fp32 master after each step.
+        offload: Offload the optimizer state (``zero_offload.OptimizerOffloadConfig``; Adam /
+            AdamW only), or ``None``.
 
     Attributes:
         torch_optimizer: The user's optimizer, now over one flat master per group.
         groups: One :class:`FlatGroup` per optimizer parameter group.
+        offload: The ``zero_offload.OffloadedOptimizer`` stepping the masters, or ``None``.
     """
 
-    __slots__ = ("groups", "partitioning", "torch_optimizer")
+    __slots__ = ("groups", "offload", "partitioning", "torch_optimizer")
 
     def __init__(
         self,
@@ -87,6 +99,7 @@ class PartitionedOptimizer:
         *,
         device: torch.device | None = None,
         working_dtype: torch.dtype = torch.float32,
+        offload: OptimizerOffloadConfig | None = None,
     ) -> None:
         names = {p: n for n, p in model.named_parameters()}
         opt = build_torch_optimizer(optimizer, list(names))
@@ -107,6 +120,11 @@ class PartitionedOptimizer:
                     partitioning.bind(seg.param, group.working_view(seg), group.grad_view(seg))
         remap_onto_flat(opt, [g.master for g in self.groups])
         self.torch_optimizer = opt
+        self.offload: OffloadedOptimizer | None = None
+        if offload is not None:
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            masters = [g.master for g in self.groups]
+            self.offload = OffloadedOptimizer(opt, masters, [g.grad for g in self.groups], offload, rank=rank)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -122,7 +140,10 @@ class PartitionedOptimizer:
     def step(self) -> None:
         """One optimizer step over the flat partitions, then publish the updated values."""
         with record_function("zero.optim.step"), torch.no_grad():
-            self.torch_optimizer.step()
+            if self.offload is not None:
+                self.offload.step()
+            else:
+                self.torch_optimizer.step()
             for group in self.groups:
                 group.publish()
             self.partitioning.after_step(self.groups)
@@ -143,17 +164,51 @@ class PartitionedOptimizer:
             for value in state.values():
                 if isinstance(value, torch.Tensor):
                     yield value
+        if self.offload is not None:
+            yield from self.offload.state_tensors()
+
+    @contextlib.contextmanager
+    def materialized_state(self, *, write_back: bool = True) -> Iterator[None]:
+        """Inside the block, offloaded state is in ``torch_optimizer.state`` in torch's own format.
+
+        Without offload this does nothing. With offload, the moments and step are read back
+        from host memory or swap files into full-size tensors of the torch optimizer's state
+        (so checkpoints and :meth:`state_dict` see what a plain torch optimizer would hold);
+        on leaving the block without an error and with ``write_back``, the (possibly
+        replaced) state and the current masters go back to the offloaded store. Either way
+        the torch optimizer's state is emptied again.
+        """
+        if self.offload is None:
+            yield
+            return
+        masters = [g.master for g in self.groups]
+        for master, state in zip(masters, self.offload.export_state()):
+            if state:
+                self.torch_optimizer.state[master] = state
+        try:
+            yield
+            if write_back:
+                self.offload.import_state([dict(self.torch_optimizer.state.get(m, {})) for m in masters])
+        finally:
+            self.torch_optimizer.state.clear()
+
+    def close(self) -> None:
+        """Release offload resources (delete swap files); the optimizer cannot step afterwards."""
+        if self.offload is not None:
+            self.offload.close()
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state: layout, flat masters and the torch optimizer's state.
 
-        The tensors are the live buffers (not copies); save or clone them before stepping again.
+        The tensors are the live buffers (not copies); save or clone them before stepping again
+        (with offload, the optimizer state is a copy read back from the offloaded store).
         """
-        return {
-            "layout": [[(s.name, s.numel) for s in g.segments] for g in self.groups],
-            "master": [g.master for g in self.groups],
-            "torch_optimizer": self.torch_optimizer.state_dict(),
-        }
+        with self.materialized_state(write_back=False):
+            return {
+                "layout": [[(s.name, s.numel) for s in g.segments] for g in self.groups],
+                "master": [g.master for g in self.groups],
+                "torch_optimizer": self.torch_optimizer.state_dict(),
+            }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore a :meth:`state_dict` of the same layout (masters are copied in place).
@@ -168,12 +223,12 @@ class PartitionedOptimizer:
         saved = [[tuple(x) for x in g] for g in state["layout"]]
         if saved != mine:
             raise ValueError(f"optimizer state layout differs: {_first_difference(saved, mine)}")
-        with torch.no_grad():
+        with torch.no_grad(), self.materialized_state():
             for group, master in zip(self.groups, state["master"]):
                 group.master.copy_(master)
                 group.publish()
             self.torch_optimizer.load_state_dict(state["torch_optimizer"])
-            self.partitioning.after_step(self.groups)
+        self.partitioning.after_step(self.groups)
 
 
 def _first_difference(saved: list[list[tuple[Any, ...]]], mine: list[list[tuple[Any, ...]]]) -> str:

@@ -44,6 +44,7 @@ from torch.profiler import record_function
 from torch.utils.hooks import RemovableHandle
 
 import zero_comm
+from zero_offload import OptimizerOffloadConfig
 from zero_optim.buckets import BucketedReducer, BucketPlan, ReduceConfig, ReduceHandle
 from zero_optim.core import PartitionedOptimizer
 from zero_optim.flat import FlatGroup
@@ -363,6 +364,7 @@ def replicated_optimizer(
     allgather_bucket_size: int = 500_000_000,
     working_dtype: torch.dtype = torch.float32,
     group: ProcessGroup | None = None,
+    offload: OptimizerOffloadConfig | None = None,
 ) -> tuple[PartitionedOptimizer, GradientReduction]:
     """Build the optimizer and gradient reduction of ZeRO stage 0, 1 or 2 for a whole model.
 
@@ -377,6 +379,7 @@ def replicated_optimizer(
         allgather_bucket_size: Elements per all-gather of the updated parameters.
         working_dtype: The parameters' dtype (fp32 masters are kept in any case).
         group: The data-parallel group (``None``: the world).
+        offload: Offload the optimizer state (``zero_offload.OptimizerOffloadConfig``), or ``None``.
 
     Returns:
         ``(optimizer, reduction)``: call ``reduction.at_boundary()`` before
@@ -402,7 +405,9 @@ def replicated_optimizer(
     )
     devices = {p.device for p in model.parameters()}
     device = devices.pop() if len(devices) == 1 else None
-    opt = PartitionedOptimizer(model, optimizer, part, device=device, working_dtype=working_dtype)
+    opt = PartitionedOptimizer(
+        model, optimizer, part, device=device, working_dtype=working_dtype, offload=offload
+    )
     order = [(n, p) for n, p in reversed(list(model.named_parameters())) if part.owns(p)]
     plan = BucketPlan(
         [p for _, p in order], [n for n, _ in order], [p.numel() for _, p in order], config.reduce_bucket_size

@@ -25,6 +25,7 @@ from torch import nn
 
 import zero_coord
 import zero_params
+from zero_offload import OptimizerOffloadConfig
 from zero_optim.buckets import BucketedReducer, BucketPlan, ReduceConfig
 from zero_optim.core import PartitionedOptimizer
 from zero_optim.flat import FlatGroup
@@ -80,6 +81,7 @@ def stage3_optimizer(
     config: ReduceConfig = ReduceConfig(),  # noqa: B008 - frozen
     *,
     working_dtype: torch.dtype = torch.float32,
+    offload: OptimizerOffloadConfig | None = None,
 ) -> tuple[PartitionedOptimizer, BucketedReducer]:
     """Build the ZeRO-3 optimizer of a partitioned model and its gradient sink.
 
@@ -92,6 +94,7 @@ def stage3_optimizer(
         working_dtype: The parameters' dtype. ``torch.float32``: the shards are views of the
             fp32 master; a 16-bit dtype: views of a 16-bit working buffer refreshed from the
             fp32 master after each step.
+        offload: Offload the optimizer state (``zero_offload.OptimizerOffloadConfig``), or ``None``.
 
     Gradients of parameters inside ``zero_coord`` leaf modules (mark them before calling
     this) are reduced at the end of each backward, so ranks may route data differently
@@ -113,7 +116,12 @@ def stage3_optimizer(
         raise ValueError(f"the model's shards live on several devices {sorted(map(str, devices))}; use one")
     device = devices.pop() if devices else torch.device("cpu")
     opt = PartitionedOptimizer(
-        model, optimizer, Stage3Partitioning(working_dtype), device=device, working_dtype=working_dtype
+        model,
+        optimizer,
+        Stage3Partitioning(working_dtype),
+        device=device,
+        working_dtype=working_dtype,
+        offload=offload,
     )
     owned = {id(seg.param) for _, seg in opt.segments()}
     order = [(n, p) for n, p in reversed(list(model.named_parameters())) if id(p) in owned]
