@@ -1,0 +1,22 @@
+"""mkdocs hook: fill the configuration page with the reference rendered from the code.
+
+``docs/configuration.md`` holds the marker below; at build time it is replaced by
+``zero_full.config_reference.render_markdown()`` (every key of every section with its type,
+default, DeepSpeed spellings, stages and description), so the page cannot drift from the
+config classes. The ``docs`` nox session installs zero-full for this.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+MARKER = "<!-- zero:config-reference -->"
+
+
+def on_page_markdown(markdown: str, page: Any, **kwargs: Any) -> str:
+    """Replace :data:`MARKER` with the rendered reference (pages without it are unchanged)."""
+    if MARKER not in markdown:
+        return markdown
+    from zero_full.config_reference import render_markdown
+
+    return markdown.replace(MARKER, render_markdown(heading_level=2))
