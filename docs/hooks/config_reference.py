@@ -8,6 +8,7 @@ config classes. The ``docs`` nox session installs zero-full for this.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 MARKER = "<!-- zero:config-reference -->"
@@ -17,6 +18,8 @@ def on_page_markdown(markdown: str, page: Any, **kwargs: Any) -> str:
     """Replace :data:`MARKER` with the rendered reference (pages without it are unchanged)."""
     if MARKER not in markdown:
         return markdown
-    from zero_full.config_reference import render_markdown
+    with warnings.catch_warnings():  # torch warns at import when numpy is absent (the docs venv)
+        warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+        from zero_full.config_reference import render_markdown
 
     return markdown.replace(MARKER, render_markdown(heading_level=2))
