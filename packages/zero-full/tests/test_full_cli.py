@@ -34,7 +34,7 @@ def table_rows(text: str) -> dict[str, list[str]]:
     rows = {}
     for line in text.splitlines():
         cells = re.split(r"\s{2,}", line.strip())
-        if cells[0] in ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3"):
+        if cells[0] in ("DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3") or cells[0].startswith("MiCS shard "):
             rows[cells[0]] = cells
     return rows
 
@@ -224,3 +224,30 @@ def test_smoke_check_reports_a_timeout_instead_of_hanging() -> None:
     result = gloo_smoke_check(timeout=0.01)  # far too short to even start the processes
     assert not result.ok
     assert "did not finish within 0.01 s (killed)" in result.detail
+
+
+# ----------------------------------------------------------------------------- estimate, MiCS
+
+
+@pytest.mark.parametrize(("precision", "world", "shard"), [("mixed", 64, 8), ("fp32", 6, 3), ("fp32", 4, 4)])
+def test_estimate_mics_row_is_stage3_over_the_shard_group(precision: str, world: int, shard: int) -> None:
+    psi = 1_000_003
+    est = estimate_model_states(psi, world, precision, mics_shard_size=shard)
+    mics = est.stages[-1]
+    assert (mics.stage, mics.shard_size, mics.name) == (3, shard, f"MiCS shard {shard}")
+    assert mics.total_bytes == pytest.approx(16 * psi / shard, rel=1e-12)
+    # MiCS over the whole world is plain ZeRO-3; over fewer ranks it holds more.
+    zero3 = next(s for s in est.stages if s.stage == 3 and s.shard_size is None)
+    assert mics.total_bytes == pytest.approx(zero3.total_bytes * world / shard, rel=1e-12)
+
+
+def test_estimate_cli_mics_row_and_bad_shard(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out = run(capsys, "estimate", "--params", "7.5B", "--world", "64", "--mics-shard-size", "8")
+    assert code == 0
+    rows = table_rows(out)
+    assert rows["MiCS shard 8"][1] == "16P/S"
+    assert rows["MiCS shard 8"][-1] == format_bytes(16 * 7.5e9 / 8)
+    code = main(["estimate", "--world", "6", "--mics-shard-size", "4"])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "mics_shard_size=4 does not divide world size 6" in err

@@ -511,7 +511,8 @@ def test_unsupported_features_are_listed_for_stage_3() -> None:
         )
     )
     found = cfg.unsupported_features()
-    assert len(found) == 8
+    assert len(found) == 6
+    assert not any("mics" in line for line in found)  # MiCS is implemented
     for needle in (
         "offload_optimizer.device = 'cpu'",
         "offload_param.device = 'nvme'",
@@ -519,8 +520,6 @@ def test_unsupported_features_are_listed_for_stage_3() -> None:
         "zero_quantized_gradients = true",
         "zero_quantized_nontrainable_weights = true",
         "zero_hpz_partition_size = 2",
-        "mics_shard_size = 2 (MiCS)",
-        "mics_hierarchical_params_gather = true",
     ):
         assert sum(needle in line for line in found) == 1, needle
 
@@ -681,3 +680,11 @@ def test_reduce_config_mapping() -> None:
     assert (
         ZeroConfig.model_validate(zero_opt(stage=3)).zero_optimization.to_reduce_config().overlap_comm is True
     )
+
+
+def test_mics_hierarchical_gather_without_mics_is_an_error_naming_both_keys() -> None:
+    with pytest.raises(ValidationError, match="mics_hierarchical_params_gather") as info:
+        ZeroConfig.model_validate(zero_opt(stage=3, mics_hierarchical_params_gather=True))
+    assert "mics_shard_size" in str(info.value) and "-1" in str(info.value)
+    ok = ZeroConfig.model_validate(zero_opt(stage=3, mics_shard_size=2, mics_hierarchical_params_gather=True))
+    assert ok.zero_optimization.mics_enabled and ok.unsupported_features() == []

@@ -60,10 +60,12 @@ def test_what_is_not_implemented_yet_is_refused_by_name(config, fragment):
 
 
 def test_every_unsupported_feature_is_named_at_once():
-    config = {"zero_optimization": {"stage": 3, "zero_quantized_weights": True, "mics_shard_size": 2}}
+    config = {
+        "zero_optimization": {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True}
+    }
     with pytest.raises(NotImplementedError) as info:
         zero_full.initialize(Net(), config)
-    assert "zero_quantized_weights" in str(info.value) and "mics_shard_size" in str(info.value)
+    assert "zero_quantized_weights" in str(info.value) and "zero_quantized_gradients" in str(info.value)
 
 
 def _two_optimizers():

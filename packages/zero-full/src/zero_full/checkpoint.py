@@ -325,6 +325,7 @@ def _manifest(engine: Engine, tag: str, files: list[FileEntry]) -> dict[str, Any
         "torch_version": torch.__version__,
         "world_size": dist.get_world_size(),
         "stage": engine.config.stage,
+        "partition_layout": _partition_layout(engine),
         "global_steps": engine.global_steps,
         "micro_steps": engine.micro_steps,
         "gradient_accumulation_steps": engine.gradient_accumulation_steps,
@@ -338,6 +339,24 @@ def _manifest(engine: Engine, tag: str, files: list[FileEntry]) -> dict[str, Any
         "optimizer": _optimizer_manifest(engine),
         "loss_scaler": scaler.state_dict() if scaler is not None else None,
         "files": [f.to_json() for f in files],
+    }
+
+
+def _partition_layout(engine: Engine) -> dict[str, Any]:
+    """How the saved partitions relate to the ranks (informational: loading reads ``params``).
+
+    Under MiCS only the first shard group (ranks ``0 .. shard_size - 1``, the replica 0 of
+    every partition) writes parameter pieces: one copy per partition, not ``replicas`` copies.
+    """
+    mics = engine.mics
+    if mics is None:
+        return {"kind": "zero", "replicas": 1}
+    return {
+        "kind": "mics",
+        "shard_size": mics.shard_size,
+        "replicas": mics.replicas,
+        "hierarchical_gather": mics.hierarchical,
+        "writer_ranks": list(range(mics.shard_size)),
     }
 
 

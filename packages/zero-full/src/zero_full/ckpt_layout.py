@@ -91,6 +91,7 @@ class LocalPiece:
         Pieces of a partition world smaller than the process group (whole tensors, or
         replicas) are written once, by the ranks ``0 .. world - 1`` whose group rank equals
         their global rank; the save checks that the written pieces cover every parameter.
+        Under MiCS these are the ranks of the first shard group: one copy per partition.
         """
         if self.world == _world_size():
             return True

@@ -75,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     est.add_argument("--stage", type=int, choices=(0, 1, 2, 3), help="only this stage (0 = DDP)")
     est.add_argument(
+        "--mics-shard-size",
+        type=_count_arg,
+        metavar="S",
+        help="also show MiCS with partition groups of S ranks (16P/S; S must divide W)",
+    )
+    est.add_argument(
         "--precision",
         choices=[p.value for p in EstimatePrecision],
         default=EstimatePrecision.MIXED.value,
@@ -150,12 +156,13 @@ def format_estimate(est: MemoryEstimate, paper_example: bool = False) -> str:
         f"  parameters (P)  {_human_count(est.num_params)} ({est.num_params:,})",
         f"  ranks (N)       {est.world_size}",
         f"  precision       {_PRECISION_TEXT[est.precision]}",
-        "",
     ]
+    lines += [f"  MiCS shard (S)  {s.shard_size} ranks" for s in est.stages if s.shard_size is not None]
+    lines += [""]
     rows = [
         [
             s.name,
-            formulas[s.stage],
+            "16P/S" if s.shard_size is not None else formulas[s.stage],
             format_bytes(s.params_bytes),
             format_bytes(s.gradients_bytes),
             format_bytes(s.optimizer_bytes),
@@ -170,7 +177,11 @@ def format_estimate(est: MemoryEstimate, paper_example: bool = False) -> str:
 
 def _cmd_estimate(args: argparse.Namespace) -> int:
     stages = (args.stage,) if args.stage is not None else (0, 1, 2, 3)
-    est = estimate_model_states(args.params, args.world, args.precision, stages)
+    try:
+        est = estimate_model_states(args.params, args.world, args.precision, stages, args.mics_shard_size)
+    except ValueError as err:
+        print(f"zero estimate: {err}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(est.to_dict(), indent=2))
     else:

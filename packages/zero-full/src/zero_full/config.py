@@ -329,7 +329,6 @@ class ZeroConfig(_Section):
                 "zero_quantized_weights": "ZeRO++ quantized weight all-gather, qwZ",
                 "zero_quantized_nontrainable_weights": "quantized storage of frozen weights",
                 "zero_quantized_gradients": "ZeRO++ quantized gradient reduction, qgZ",
-                "mics_hierarchical_params_gather": "MiCS hierarchical all-gather",
             }
             found += [f"zero_optimization.{k} = true ({what})" for k, what in flags.items() if getattr(z, k)]
             if z.zero_hpz_partition_size > 1:
@@ -337,8 +336,6 @@ class ZeroConfig(_Section):
                     f"zero_optimization.zero_hpz_partition_size = {z.zero_hpz_partition_size} "
                     "(ZeRO++ hierarchical partitioning, hpZ)"
                 )
-            if z.mics_enabled:
-                found.append(f"zero_optimization.mics_shard_size = {z.mics_shard_size} (MiCS)")
         if not z.load_from_fp32_weights:
             found.append(
                 "zero_optimization.load_from_fp32_weights = false (master weights from 16-bit copies)"

@@ -684,8 +684,11 @@ class ZeroOptimizationConfig(_Section):
     zero_quantized_nontrainable_weights: Flag = False
     zero_quantized_gradients: Flag = False
     mics_shard_size: _int(-1) = -1
-    """Ranks per MiCS partition group; -1 (or 0) turns MiCS off."""
+    """Ranks per MiCS shard group (stage 3); -1 (or 0) turns MiCS off. Must divide the world
+    size (checked by ``initialize`` / ``Init``, where the world is known)."""
     mics_hierarchical_params_gather: Flag = False
+    """MiCS: gather in two hops (inter-node, then intra-node); needs ``mics_shard_size`` set to a
+    multiple of the ranks per node spanning >= 2 nodes."""
     offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig)
     offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig)
 
@@ -706,6 +709,16 @@ class ZeroOptimizationConfig(_Section):
             raise ValueError(
                 f"zero_optimization.offload_optimizer.ratio = {self.offload_optimizer.ratio:g} (partial "
                 f"offload) needs stage 3, got stage {self.stage}; set ratio to 1.0 or use stage 3"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _hierarchical_gather_needs_mics(self) -> ZeroOptimizationConfig:
+        if self.stage == 3 and self.mics_hierarchical_params_gather and not self.mics_enabled:
+            raise ValueError(
+                "zero_optimization.mics_hierarchical_params_gather = true needs MiCS: set "
+                f"mics_shard_size to the shard group size (got {self.mics_shard_size}), or turn the "
+                "hierarchical gather off"
             )
         return self
 

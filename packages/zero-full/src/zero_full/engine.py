@@ -7,6 +7,9 @@ pieces are built by :func:`zero_full.stages.build_stage`):
 * stage 3: ``zero_params.partition`` (unless the model was built under :class:`Init`),
   ``zero_optim.stage3_optimizer`` and a ``zero_coord.Coordinator`` whose hooks gather,
   prefetch and release parameters and hand each gradient to the bucketed sink;
+* MiCS (stage 3 with ``mics_shard_size``): the same, partitioned over shard groups of
+  ``mics_shard_size`` ranks and replicated across them, with the replicate-group gradient
+  all-reduce at the accumulation boundary (see :mod:`zero_full.mics`);
 * stages 0, 1, 2: ``zero_optim.replicated_optimizer`` (whole parameters; see
   :mod:`zero_optim.stage12`).
 
@@ -36,8 +39,9 @@ from zero_comm import CommLedger, CommTotals, Topology, broadcast
 from zero_coord import Coordinator, StepStats
 from zero_full import checkpoint as _checkpoint
 from zero_full.config import Precision, ZeroConfig
+from zero_full.mics import MicsGroups, build_mics_groups
 from zero_full.stages import StepPipeline, build_stage, working_dtype
-from zero_optim import LossScaler, OptimizerSpec, PartitionedOptimizer
+from zero_optim import LossScaler, OptimizerSpec, PartitionedOptimizer, check_replicas_consistent
 
 __all__ = ["Engine", "EngineStats", "Init", "initialize"]
 
@@ -54,23 +58,33 @@ class Init(zero_params.Init):
     ``with zero_full.Init(config=cfg): model = build()`` partitions every parameter as it
     is created, with the config's ``stage3_param_persistence_threshold`` (and in the bf16 /
     fp16 working dtype when that section is enabled); it is active only when the config
-    selects stage 3 (other stages keep whole parameters).
+    selects stage 3 (other stages keep whole parameters). With ``mics_shard_size`` the
+    parameters are partitioned over this rank's MiCS shard group (gathered hierarchically
+    with ``mics_hierarchical_params_gather``); the layout is validated against the world
+    here, so ``torch.distributed`` must be initialised before constructing it.
 
     Args:
         config: A :class:`ZeroConfig`, a DeepSpeed-style dict or a JSON path; ``None`` takes
             every ``zero_params.Init`` default.
         **kwargs: Passed to ``zero_params.Init`` (explicit values win over the config's).
+
+    Raises:
+        ValueError: an invalid MiCS layout for this world (the message names the numbers).
+        RuntimeError: MiCS is configured but ``torch.distributed`` is not initialised.
     """
 
     def __init__(self, config: ConfigLike = None, **kwargs: Any) -> None:
         if config is not None:
             cfg = ZeroConfig.coerce(config)
-            kwargs.setdefault(
-                "param_persistence_threshold", cfg.zero_optimization.param_persistence_threshold
-            )
+            z = cfg.zero_optimization
+            kwargs.setdefault("param_persistence_threshold", z.param_persistence_threshold)
             kwargs.setdefault("enabled", cfg.stage == 3)
             if cfg.precision is not Precision.FP32:
                 kwargs.setdefault("dtype", working_dtype(cfg))  # partition in the bf16 / fp16 working dtype
+            if kwargs["enabled"] and cfg.stage == 3 and z.mics_enabled and "group" not in kwargs:
+                mics = build_mics_groups(z, Topology())
+                kwargs["group"] = mics.shard
+                kwargs.setdefault("gather_strategy", mics.gather_strategy)
         super().__init__(**kwargs)
 
 
@@ -132,7 +146,7 @@ class Engine:
         self._ledger = CommLedger(Topology())
         with self._ledger, record_function("zero.engine.initialize"):
             _sync_whole_tensors(model)
-            pieces = build_stage(model, config, _optimizer_spec(config, optimizer))
+            pieces = build_stage(model, config, _optimizer_spec(config, optimizer), self._ledger.topology)
             self.optimizer: PartitionedOptimizer = pieces.optimizer
             self.coordinator: Coordinator | None = pieces.coordinator
             self._pipeline = StepPipeline(pieces, config)
@@ -232,6 +246,27 @@ class Engine:
             self.coordinator.remove()
         if self._pipeline.pieces.reduction is not None:
             self._pipeline.pieces.reduction.remove()
+
+    # ------------------------------------------------------------------ MiCS
+
+    @property
+    def mics(self) -> MicsGroups | None:
+        """The MiCS shard / replicate groups (``None`` unless ``mics_shard_size`` is set)."""
+        return self._pipeline.pieces.mics
+
+    def check_replicas_consistent(self) -> None:
+        """Debug check: every MiCS replica of this rank's partition holds the same optimizer state.
+
+        Collective over the replicate group (call on every rank; not every step: it reads all
+        optimizer state). A no-op without MiCS.
+
+        Raises:
+            zero_optim.ReplicaMismatchError: names the replicate group and the first differing
+                tensor and parameter.
+        """
+        mics = self.mics
+        if mics is not None:
+            check_replicas_consistent(self.optimizer, mics.replicate)
 
     # ------------------------------------------------------------------ checkpoints
 

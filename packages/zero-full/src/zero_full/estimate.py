@@ -11,6 +11,9 @@ stage      mixed precision       fp32
 3          16Ψ/N                 16Ψ/N
 =========  ====================  ====================
 
+MiCS with partition groups of ``p`` ranks holds ``16Ψ/p`` (ZeRO-3 over ``p`` ranks instead of
+``N``; the ``N/p`` replicas each hold the same partition).
+
 Mixed precision keeps 16-bit parameters and gradients (2 bytes each) and K = 12 bytes of
 optimizer state per parameter (fp32 master weights, momentum, variance); fp32 training
 keeps 4-byte parameters and gradients and 8 bytes of Adam moments (one fp32 copy of the
@@ -60,17 +63,20 @@ class StageMemory:
         params_bytes: Parameters (working precision).
         gradients_bytes: Gradients.
         optimizer_bytes: Optimizer state (with the fp32 master weights in mixed precision).
+        shard_size: MiCS partition-group size (stage 3 sharded over ``shard_size`` ranks
+            only); ``None`` for plain ZeRO.
     """
 
     stage: int
     params_bytes: float
     gradients_bytes: float
     optimizer_bytes: float
+    shard_size: int | None = None
 
     @property
     def name(self) -> str:
-        """``DDP``, ``ZeRO-1``, ``ZeRO-2`` or ``ZeRO-3``."""
-        return STAGE_NAMES[self.stage]
+        """``DDP``, ``ZeRO-1``, ``ZeRO-2``, ``ZeRO-3`` or ``MiCS shard <shard_size>``."""
+        return f"MiCS shard {self.shard_size}" if self.shard_size is not None else STAGE_NAMES[self.stage]
 
     @property
     def total_bytes(self) -> float:
@@ -107,6 +113,7 @@ class MemoryEstimate:
                 {
                     "stage": s.stage,
                     "name": s.name,
+                    "shard_size": s.shard_size,
                     "params_bytes": s.params_bytes,
                     "gradients_bytes": s.gradients_bytes,
                     "optimizer_bytes": s.optimizer_bytes,
@@ -123,6 +130,7 @@ def estimate_model_states(
     world_size: int,
     precision: EstimatePrecision | str = EstimatePrecision.MIXED,
     stages: tuple[int, ...] = (0, 1, 2, 3),
+    mics_shard_size: int | None = None,
 ) -> MemoryEstimate:
     """Model-state bytes per rank at each stage (ZeRO paper, Adam).
 
@@ -131,12 +139,15 @@ def estimate_model_states(
         world_size: N, ``>= 1``.
         precision: ``"mixed"`` (16-bit params/grads, K = 12) or ``"fp32"``.
         stages: Stages to report, each 0 (DDP) to 3.
+        mics_shard_size: Also report MiCS with partition groups of this many ranks (last
+            entry: stage 3 over ``mics_shard_size`` ranks, ``16Ψ/p``).
 
     Returns:
-        The per-stage breakdown.
+        The per-stage breakdown (the MiCS entry last).
 
     Raises:
-        ValueError: a count below 1, an unknown precision or stage.
+        ValueError: a count below 1, an unknown precision or stage, or a MiCS shard size
+            that does not divide the world size.
     """
     for what, value in (("num_params", num_params), ("world_size", world_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -156,7 +167,25 @@ def estimate_model_states(
         grads = g_bytes * (share if stage >= 2 else psi)
         optim = o_bytes * (share if stage >= 1 else psi)
         result.append(StageMemory(stage, float(params), float(grads), float(optim)))
+    if mics_shard_size is not None:
+        _check_shard_size(mics_shard_size, world_size)
+        part = Fraction(num_params, mics_shard_size)
+        result.append(
+            StageMemory(
+                3, float(p_bytes * part), float(g_bytes * part), float(o_bytes * part), mics_shard_size
+            )
+        )
     return MemoryEstimate(num_params, world_size, prec, tuple(result))
+
+
+def _check_shard_size(shard_size: int, world_size: int) -> None:
+    if isinstance(shard_size, bool) or not isinstance(shard_size, int) or shard_size < 1:
+        raise ValueError(f"mics_shard_size must be an integer >= 1, got {shard_size!r}")
+    if world_size % shard_size:
+        raise ValueError(
+            f"mics_shard_size={shard_size} does not divide world size {world_size}: MiCS needs "
+            f"world_size / mics_shard_size replicas; pick a divisor of {world_size}"
+        )
 
 
 _SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}

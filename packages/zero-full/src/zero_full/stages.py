@@ -4,6 +4,9 @@
 
 * stage 3: ``zero_params.partition`` + ``zero_optim.stage3_optimizer`` + a
   ``zero_coord.Coordinator`` (gradients reduced by the coordinator's hooks);
+* MiCS (stage 3 with ``mics_shard_size``): the same over the shard group (see
+  :mod:`zero_full.mics`), plus ``zero_optim.ReplicaGradientSync`` as the reduction: the
+  gradient partitions are averaged across the replicate group at the accumulation boundary;
 * stages 0, 1, 2: ``zero_optim.replicated_optimizer`` (whole parameters; stage 0 a full
   optimizer on every rank with all-reduced gradients, stage 1 partitioned optimizer state
   with a reduce-scatter at the accumulation boundary, stage 2 partitioned gradients
@@ -23,18 +26,22 @@ import logging
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed import ProcessGroup
 from torch.profiler import record_function
 
 import zero_optim
 import zero_params
+from zero_comm import Topology
 from zero_coord import Coordinator
 from zero_full.config import Precision, ZeroConfig
+from zero_full.mics import MicsGroups, build_mics_groups, sync_replicas
 from zero_optim import (
     GradientReduction,
     LossScaler,
     LossScalerConfig,
     OptimizerSpec,
     PartitionedOptimizer,
+    ReplicaGradientSync,
     clip_grad_norm_,
     found_overflow,
 )
@@ -53,28 +60,65 @@ def working_dtype(config: ZeroConfig) -> torch.dtype:
 
 @dataclasses.dataclass
 class StagePieces:
-    """What :func:`build_stage` wires: the optimizer and either a coordinator or a reduction."""
+    """What :func:`build_stage` wires: the optimizer, a coordinator and / or a reduction.
+
+    Attributes:
+        optimizer: The partitioned optimizer.
+        coordinator: Stage 3: gathers parameters and hands gradients to the bucketed sink.
+        reduction: Stages 0-2: the gradient path; MiCS: the boundary replicate-group sync.
+        mics: The MiCS groups (``None`` unless ``mics_shard_size`` is set).
+    """
 
     optimizer: PartitionedOptimizer
     coordinator: Coordinator | None
     reduction: GradientReduction | None
+    mics: MicsGroups | None = None
+
+    @property
+    def norm_group(self) -> ProcessGroup | None:
+        """The ranks whose gradient partitions together hold every element once (``None``: world)."""
+        return self.mics.shard if self.mics is not None else None
 
 
-def build_stage(model: nn.Module, config: ZeroConfig, optimizer: OptimizerSpec) -> StagePieces:
+def build_stage(
+    model: nn.Module, config: ZeroConfig, optimizer: OptimizerSpec, topology: Topology | None = None
+) -> StagePieces:
     """Cast the model to the working dtype and build the stage's optimizer and gradient path.
 
-    The model's values must already be identical on every rank.
+    The model's values must already be identical on every rank (under MiCS, the shards of
+    a model built under ``Init`` are made identical across replicas here).
+
+    Args:
+        model: The model.
+        config: The validated configuration.
+        optimizer: The user's optimizer spec.
+        topology: Nodes and cached groups (MiCS groups are built from it; default: a new one).
+
+    Raises:
+        ValueError: an invalid MiCS layout for this world (see :func:`zero_full.mics.check_mics_layout`).
     """
     z = config.zero_optimization
     dtype = working_dtype(config)
     if dtype != torch.float32:
         _cast_whole(model, dtype)
     if config.stage == 3:
-        zero_params.partition(model, persistence_threshold=z.param_persistence_threshold)
+        mics = None
+        if z.mics_enabled:
+            mics = build_mics_groups(z, topology if topology is not None else Topology())
+        built_under_init = any(zero_params.is_partitioned(p) for p in model.parameters())
+        zero_params.partition(
+            model,
+            mics.shard if mics is not None else None,
+            persistence_threshold=z.param_persistence_threshold,
+            gather_strategy=mics.gather_strategy if mics is not None else None,
+        )
+        if mics is not None and built_under_init:  # a whole model was broadcast from rank 0 already
+            sync_replicas(model, mics)
         opt, sink = zero_optim.stage3_optimizer(model, optimizer, z.to_reduce_config(), working_dtype=dtype)
         coordinator = Coordinator(model, z.to_coordinator_config(), sink)
         coordinator.install()
-        return StagePieces(opt, coordinator, None)
+        sync = ReplicaGradientSync(opt.groups, mics.replicate) if mics is not None else None
+        return StagePieces(opt, coordinator, sync, mics)
     opt, reduction = zero_optim.replicated_optimizer(
         model,
         optimizer,
@@ -170,7 +214,9 @@ class StepPipeline:
                         g.grad.mul_(1.0 / scale)
         if applied:
             if self._clip > 0:
-                self.last_grad_norm = clip_grad_norm_(opt.groups, self._clip, partitioned=self._partitioned)
+                self.last_grad_norm = clip_grad_norm_(
+                    opt.groups, self._clip, self.pieces.norm_group, partitioned=self._partitioned
+                )
             opt.step()
         opt.zero_grad()
         return applied

@@ -9,6 +9,10 @@
 * :class:`BucketedReducer`: the ``zero_coord.GradientSink`` that reduces gradients in
   static buckets during backward (``reduce_bucket_size``, ``overlap_comm``).
 * :func:`stage3_optimizer`: both, wired for a partitioned model.
+* MiCS (:mod:`zero_optim.mics`): the stage-3 optimizer over a shard-group partition plus
+  :class:`ReplicaGradientSync`, the boundary all-reduce of the gradient partitions across
+  the replicate group, and :func:`check_replicas_consistent`, a debug check that the
+  replicas hold identical optimizer state.
 * :func:`replicated_optimizer`: stages 0, 1 and 2 on the same core (whole parameters,
   :class:`ReplicaPartitioning`, a :class:`GradientReduction`).
 * :class:`LossScaler` / :func:`found_overflow`: fp16 loss scaling and the cross-rank
@@ -19,6 +23,7 @@ from zero_optim.buckets import BucketedReducer, BucketPlan, ReduceConfig
 from zero_optim.clip import clip_grad_norm_, global_grad_norm
 from zero_optim.core import PartitionedOptimizer, Partitioning
 from zero_optim.flat import FlatGroup, Segment
+from zero_optim.mics import ReplicaGradientSync, ReplicaMismatchError, check_replicas_consistent
 from zero_optim.scaler import LossScaler, LossScalerConfig, found_overflow
 from zero_optim.spec import OptimizerSpec
 from zero_optim.stage3 import Stage3Partitioning, stage3_optimizer
@@ -47,9 +52,12 @@ __all__ = [
     "Partitioning",
     "ReduceConfig",
     "ReduceScatterInto",
+    "ReplicaGradientSync",
+    "ReplicaMismatchError",
     "ReplicaPartitioning",
     "Segment",
     "Stage3Partitioning",
+    "check_replicas_consistent",
     "clip_grad_norm_",
     "found_overflow",
     "global_grad_norm",
