@@ -99,12 +99,13 @@ _NOTES: dict[tuple[str, str], str] = {
     "all-gathered in one collective after the step.",
     ("ZeroOptimizationConfig", "round_robin_gradients"): "Accepted for DeepSpeed compatibility "
     "(its gradient placement for CPU offload); no effect in zero.",
-    ("ZeroOptimizationConfig", "sub_group_size"): "Accepted for DeepSpeed compatibility (its "
-    "optimizer sub-groups); zero steps each parameter group's flat partition at once.",
+    ("ZeroOptimizationConfig", "sub_group_size"): "With `offload_optimizer` at stage 3: "
+    "elements of the flat partition stepped (and swapped) at a time; otherwise each parameter "
+    "group's partition is stepped at once.",
     ("ZeroOptimizationConfig", "prefetch_bucket_size"): "Stage 3: elements of upcoming modules' "
     "parameters gathered ahead of use, from the recorded trace; 0 turns prefetching off.",
-    ("ZeroOptimizationConfig", "param_persistence_threshold"): "Stage 3: parameters with fewer "
-    "elements than this are not partitioned (kept whole on every rank, never gathered).",
+    ("ZeroOptimizationConfig", "param_persistence_threshold"): "Stage 3: parameters with at most "
+    "this many elements are not partitioned (kept whole on every rank, never gathered).",
     ("ZeroOptimizationConfig", "model_persistence_threshold"): "Accepted for DeepSpeed "
     "compatibility (a cap on the total elements kept whole); not applied by zero yet.",
     ("ZeroOptimizationConfig", "max_live_parameters"): "Stage 3: bound on gathered or in-flight "
