@@ -20,6 +20,14 @@ def on_page_markdown(markdown: str, page: Any, **kwargs: Any) -> str:
         return markdown
     with warnings.catch_warnings():  # torch warns at import when numpy is absent (the docs venv)
         warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-        from zero_full.config_reference import render_markdown
+        try:
+            from zero_full.config_reference import render_markdown
+        except ImportError as exc:
+            from mkdocs.exceptions import PluginError  # mkdocs only: the docs test imports this hook too
+
+            raise PluginError(
+                f"the configuration reference needs zero-full from this checkout ({exc}); build with "
+                "`nox -s docs`, or `pip install -e packages/zero-full` (and its zero dependencies) first"
+            ) from exc
 
     return markdown.replace(MARKER, render_markdown(heading_level=2))
