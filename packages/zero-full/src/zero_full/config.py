@@ -103,7 +103,7 @@ _MONITORING = (
 
 _TOP_HINTS: dict[str, str] = {
     "scheduler": "zero does not build learning-rate schedulers; create a torch.optim.lr_scheduler "
-    "over engine.optimizer and step it yourself",
+    "over engine.optimizer.torch_optimizer and step it yourself",
     "amp": 'Apex AMP is not supported; use "fp16" or "bf16"',
     "activation_checkpointing": "not configured through zero; use torch.utils.checkpoint in the model",
     "zero_allow_untested_optimizer": 'zero takes the optimizer from the "optimizer" section or from '
