@@ -262,6 +262,28 @@ def reference_run(
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
+def assert_ranks_agree_and_match(
+    results: list[dict[str, Any]], ref: dict[str, Any], kind: str
+) -> dict[str, Any]:
+    """The DESIGN.md yardstick on per-rank results of a training run; returns rank 0's.
+
+    Every rank must report rank 0's losses and hold rank 0's parameters bit for bit; rank 0's
+    losses must equal the single-process reference within 1e-5 relative, and with SGD (``kind``
+    ``"sgd"``) its final parameters too (Adam turns float noise into updates: losses only).
+    """
+    from zero_testing import assert_losses_close, assert_state_close
+
+    first = results[0]
+    for r, res in enumerate(results[1:], start=1):
+        assert res["losses"] == first["losses"], f"rank {r} reports other losses than rank 0"
+        for n, p in res["params"].items():
+            assert torch.equal(p, first["params"][n]), f"rank {r} holds another {n} than rank 0"
+    assert_losses_close(first["losses"], ref["losses"], rel=1e-5)
+    if kind == "sgd":
+        assert_state_close(first["params"], ref["params"], rel=1e-5)
+    return first
+
+
 def mean_over_ranks(value: float) -> float:
     """The average of a float over all ranks."""
     t = torch.tensor([value], dtype=torch.float64)

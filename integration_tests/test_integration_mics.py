@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from models import (
     OddMLP,
+    assert_ranks_agree_and_match,
     build,
     global_batch,
     make_optimizer,
@@ -39,7 +40,7 @@ import zero_full
 import zero_params
 from zero_comm import CommLedger, LinkKind, Topology, partition_numel
 from zero_optim import ReplicaMismatchError
-from zero_testing import assert_losses_close, assert_state_close
+from zero_testing import assert_losses_close
 
 STEPS = 20
 BATCH = 8
@@ -75,14 +76,7 @@ def test_mics_matches_single_process_training(dist, topo, shard, hier, accum):
         config = _mics(shard, hier, gradient_accumulation_steps=accum, reduce_bucket_size=400)
         results = dist.run(world, zero_run, "mlp", kind, STEPS, BATCH, config, ranks_per_node=per_node)
         ref = reference_run("mlp", kind, STEPS, BATCH, accum, world)
-        first = results[0]
-        for r, res in enumerate(results[1:], start=1):
-            assert res["losses"] == first["losses"], f"rank {r} reports other losses than rank 0"
-            for n, p in res["params"].items():
-                assert torch.equal(p, first["params"][n]), f"rank {r} holds another {n} than rank 0"
-        assert_losses_close(first["losses"], ref["losses"], rel=1e-5)
-        if kind == "sgd":
-            assert_state_close(first["params"], ref["params"], rel=1e-5)
+        assert_ranks_agree_and_match(results, ref, kind)
 
 
 # --------------------------------------------------------------------------- communication pattern

@@ -12,10 +12,7 @@ from __future__ import annotations
 import functools
 
 import pytest
-import torch
-from models import reference_run, zero_config, zero_run
-
-from zero_testing import assert_losses_close, assert_state_close
+from models import assert_ranks_agree_and_match, reference_run, zero_config, zero_run
 
 STEPS = 20
 BATCH = 8  # global batch per micro-step (divisible by 4)
@@ -34,14 +31,7 @@ def _check(dist, topo, name, kind, **zero):
     accumulation = config["gradient_accumulation_steps"]
     results = dist.run(world, zero_run, name, kind, STEPS, BATCH, config, ranks_per_node=per_node)
     ref = _reference(name, kind, accumulation, world)
-    first = results[0]
-    for r, res in enumerate(results[1:], start=1):
-        assert res["losses"] == first["losses"], f"rank {r} reports other losses than rank 0"
-        for n, p in res["params"].items():
-            assert torch.equal(p, first["params"][n]), f"rank {r} holds another {n} than rank 0"
-    assert_losses_close(first["losses"], ref["losses"], rel=1e-5)
-    if kind == "sgd":
-        assert_state_close(first["params"], ref["params"], rel=1e-5)
+    first = assert_ranks_agree_and_match(results, ref, kind)
     return first
 
 

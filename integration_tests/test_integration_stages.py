@@ -19,11 +19,19 @@ import logging
 import pytest
 import torch
 import torch.distributed as dist
-from models import CASES, build, global_batch, make_optimizer, mean_over_ranks, rank_slice
+from models import (
+    CASES,
+    assert_ranks_agree_and_match,
+    build,
+    global_batch,
+    make_optimizer,
+    mean_over_ranks,
+    rank_slice,
+)
 
 import zero_full
 import zero_params
-from zero_testing import assert_losses_close, assert_state_close
+from zero_testing import assert_losses_close
 
 STEPS = 20
 BATCH = 8
@@ -167,14 +175,7 @@ def test_stage_matches_single_process_with_clipping_and_accumulation(dist, world
             "clipping must be active in most steps for this test to mean much"
         )
         results = dist.run(world, stage_run, name, kind, _config(stage, **zero))
-        first = results[0]
-        for r, res in enumerate(results[1:], start=1):
-            assert res["losses"] == first["losses"], f"rank {r} reports other losses than rank 0"
-            for n, p in res["params"].items():
-                assert torch.equal(p, first["params"][n]), f"rank {r} holds another {n} than rank 0"
-        assert_losses_close(first["losses"], ref["losses"], rel=1e-5)
-        if kind == "sgd":
-            assert_state_close(first["params"], ref["params"], rel=1e-5)
+        assert_ranks_agree_and_match(results, ref, kind)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
