@@ -116,11 +116,12 @@ def run_one(impl: str, plan: Plan, rank: int, world: int, rows: int) -> dict[str
     if world > 1:
         dist.barrier()
     times = []
-    w0 = read_wchar()
+    w0, c0 = read_wchar(), time.process_time()
     for s in range(plan.warmup, plan.warmup + plan.steps):
         t = time.perf_counter()
         losses.append(_train_step(runner, batches[s]))
         times.append(time.perf_counter() - t)
+    cpu = time.process_time() - c0
     wrote = read_wchar() - w0
     loss = runner.forward_backward(batches[-1])
     state = model_state_bytes(runner)
@@ -135,6 +136,7 @@ def run_one(impl: str, plan: Plan, rank: int, world: int, rows: int) -> dict[str
         "rank": rank,
         "setup_s": setup_s,
         "step_s": times,
+        "cpu_s": cpu / plan.steps,
         "losses": losses,
         "wchar_bytes": wrote,
         "model_state_bytes": state,
@@ -233,18 +235,30 @@ def summarize(plan: Plan, world: int, psi: int, ref: dict[str, Any], raw: list[d
         ranks = by[(impl, rnd)]
         return statistics.median(max(steps) for steps in zip(*(r["step_s"] for r in ranks)))
 
+    def round_cpu_s(impl: str, rnd: int) -> float:
+        ranks = by[(impl, rnd)]
+        return sum(r["cpu_s"] for r in ranks) / len(ranks)
+
     rows = []
     for impl in ("single", *[i for i in plan.impls]):
         if impl == "single":
             runs = [[ref]]
             step_s = statistics.median(ref["step_s"])
-            ratio = None
+            ratio = cpu_ratio = None
+            cpu_s = ref["cpu_s"]
         else:
             runs = [by[(impl, rnd)] for rnd in range(plan.rounds)]
             per_round = [round_step_s(impl, rnd) for rnd in range(plan.rounds)]
             step_s = statistics.median(per_round)
             ratio = (
                 statistics.median(s / round_step_s("ddp", rnd) for rnd, s in enumerate(per_round))
+                if "ddp" in plan.impls
+                else None
+            )
+            cpu_rounds = [round_cpu_s(impl, rnd) for rnd in range(plan.rounds)]
+            cpu_s = statistics.median(cpu_rounds)
+            cpu_ratio = (
+                statistics.median(c / round_cpu_s("ddp", rnd) for rnd, c in enumerate(cpu_rounds))
                 if "ddp" in plan.impls
                 else None
             )
@@ -267,6 +281,8 @@ def summarize(plan: Plan, world: int, psi: int, ref: dict[str, Any], raw: list[d
                 "world": world,
                 "step_ms": step_s * 1e3,
                 "ratio_to_ddp": ratio,
+                "cpu_ms": cpu_s * 1e3,
+                "cpu_ratio_to_ddp": cpu_ratio,
                 "round_step_ms": [round_step_s(impl, rnd) * 1e3 for rnd in range(plan.rounds)]
                 if impl != "single"
                 else [step_s * 1e3],
@@ -296,6 +312,8 @@ def table(rows: list[dict]) -> str:
         "implementation",
         "step ms",
         "x DDP",
+        "CPU ms/rank",
+        "CPU x DDP",
         "model states MB/rank",
         "formula MB",
         "/ formula",
@@ -313,6 +331,8 @@ def table(rows: list[dict]) -> str:
                 r["impl"] + (" (whole global batch)" if r["impl"] == "single" else ""),
                 f"{r['step_ms']:.0f}",
                 "-" if r["ratio_to_ddp"] is None else f"{r['ratio_to_ddp']:.2f}",
+                f"{r['cpu_ms']:.0f}",
+                "-" if r["cpu_ratio_to_ddp"] is None else f"{r['cpu_ratio_to_ddp']:.2f}",
                 _mb(r["model_state_bytes"]),
                 _mb(r["formula_state_bytes"]),
                 f"{r['model_state_bytes'] / r['formula_state_bytes']:.2f}",
@@ -323,7 +343,7 @@ def table(rows: list[dict]) -> str:
                 f"{r['max_abs_loss_diff']:.1e}",
             ]
         )
-    return markdown_table(headers, cells, align="lrrrrrrrrrr")
+    return markdown_table(headers, cells, align="lrrrrrrrrrrrr")
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -345,16 +365,21 @@ def markdown(result: dict[str, Any]) -> str:
     for world in plan["worlds"]:
         rows = [r for r in result["rows"] if r["world"] == world]
         lines += [f"World {world}:", "", table(rows), ""]
-    lines += [
-        "step ms: per step the slowest rank, median over steps, median over rounds; x DDP: ratio to DDP's "
-        "step time in the same round, median over rounds. Model states: distinct tensor storages "
-        "reachable from the module, optimizer and engine after backward (params, grads, optimizer state, "
-        "buffers), largest rank; formula: fp32 AdamW ZeRO formula (DDP 16P, stage 1 8P+8P/N, stage 2 "
-        "4P+12P/N, stage 3 and FSDP2 16P/N). Peak RSS: VmHWM of the run, largest rank (the process also "
-        "holds torch, transformers and deepspeed). MB sent: wchar of /proc/self/io per rank per step; ring "
-        "ideal: 2P(N-1)/N x 4 bytes (3P(N-1)/N at stage 3 and FSDP2). Loss diff: against the single process "
-        "on the same global batch, every step. MB = 1e6 bytes.",
+    notes = [
+        "step ms: per step the slowest rank, median over steps, median over rounds.",
+        "x DDP: ratio to DDP's step time in the same round, median over rounds.",
+        "CPU ms: CPU time of the rank's process (all its threads, gloo's included) per step, mean over",
+        "ranks, median over rounds; CPU x DDP likewise, per round: less sensitive than wall time to other",
+        "jobs on a shared machine.",
+        "Model states: distinct tensor storages reachable from the module, optimizer and engine after",
+        "backward (params, grads, optimizer state, buffers), largest rank.",
+        "Formula: fp32 AdamW ZeRO formula (DDP 16P, stage 1 8P+8P/N, stage 2 4P+12P/N, stage 3 and FSDP2",
+        "16P/N). Peak RSS: VmHWM of the run, largest rank (the process also holds torch, transformers and",
+        "deepspeed). MB sent: wchar of /proc/self/io per rank per step; ring ideal: 2P(N-1)/N x 4 bytes",
+        "(3P(N-1)/N at stage 3 and FSDP2). Loss diff: against the single process on the same global batch,",
+        "every step. MB = 1e6 bytes.",
     ]
+    lines.append(" ".join(notes))
     return "\n".join(lines) + "\n"
 
 
@@ -371,47 +396,52 @@ def plots(result: dict[str, Any], out: pathlib.Path, name: str) -> list[pathlib.
     width = 0.8 / len(worlds)
     specs = [
         (
-            "side_by_side_step_time.png",
-            "Step time relative to DDP (same run)",
-            "x DDP step time",
+            f"{name}_step_time.png",
+            "Step time relative to DDP, same run (bars: wall clock; marker: CPU time)",
+            "x DDP",
             lambda r: r["ratio_to_ddp"],
-            None,
+            lambda r: r["cpu_ratio_to_ddp"],
+            "CPU time x DDP",
+            "%.2f",
         ),
         (
-            "side_by_side_memory.png",
+            f"{name}_memory.png",
             "Model-state MB per rank (marker: ZeRO formula)",
             "MB",
             lambda r: r["model_state_bytes"] / 1e6,
             lambda r: r["formula_state_bytes"] / 1e6,
+            "ZeRO formula",
+            "%.0f",
         ),
         (
-            "side_by_side_bytes.png",
+            f"{name}_bytes.png",
             "MB sent per rank per step (marker: ring ideal)",
             "MB",
             lambda r: r["wchar_bytes_per_step"] / 1e6,
             lambda r: r["ring_ideal_bytes_per_step"] / 1e6,
+            "ring ideal",
+            "%.1f",
         ),
     ]
     paths = []
-    for filename, title, ylabel, value, marker in specs:
+    for filename, title, ylabel, value, marker, marker_label, fmt in specs:
         fig, ax = plt.subplots(figsize=(9, 4))
         for k, world in enumerate(worlds):
             xs = [i + (k - (len(worlds) - 1) / 2) * width for i in range(len(impls))]
             ys = [value(rows[(i, world)]) or 0.0 for i in impls]
             bars = ax.bar(xs, ys, width, label=f"world {world}")
-            ax.bar_label(bars, fmt="%.2f" if marker is None else "%.0f", fontsize=7)
-            if marker is not None:
-                ax.scatter(
-                    xs,
-                    [marker(rows[(i, world)]) for i in impls],
-                    color="black",
-                    marker="_",
-                    s=200,
-                    zorder=3,
-                    label="formula / ideal" if k == 0 else None,
-                )
-        if marker is None:
-            ax.axhline(1.0, color="black", linewidth=0.8)
+            ax.bar_label(bars, fmt=fmt, fontsize=7)
+            ax.scatter(
+                xs,
+                [marker(rows[(i, world)]) or 0.0 for i in impls],
+                color="black",
+                marker="_",
+                s=200,
+                zorder=3,
+                label=marker_label if k == 0 else None,
+            )
+        if ylabel == "x DDP":
+            ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.set_xticks(range(len(impls)), impls, rotation=20)
         ax.set_ylabel(ylabel)
         ax.set_title(title)
