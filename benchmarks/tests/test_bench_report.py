@@ -42,10 +42,12 @@ def test_wchar_counts_bytes_written(tmp_path):
 def test_peak_rss_follows_an_allocation_and_resets():
     block = bytearray(64 << 20)
     block[::4096] = b"\1" * len(block[::4096])  # touch every page
-    assert peak_rss_bytes() >= rss_bytes() >= 64 << 20
-    del block
+    assert rss_bytes() >= 64 << 20
+    before = peak_rss_bytes()  # the kernel updates the peak lazily: it may lag the RSS by a few pages
+    assert before >= 64 << 20
+    del block  # a large block goes back to the kernel at once
     if reset_peak_rss():
-        assert peak_rss_bytes() < rss_bytes() + (32 << 20)
+        assert peak_rss_bytes() < before - (32 << 20)
 
 
 def test_environment_names_versions_and_cores():
