@@ -398,11 +398,11 @@ def plots(result: dict[str, Any], out: pathlib.Path, name: str) -> list[pathlib.
     specs = [
         (
             f"{name}_step_time.png",
-            "Step time relative to DDP, same run (bars: wall clock; marker: CPU time)",
+            "Step time relative to DDP, same run (bars: CPU time; marker: wall clock)",
             "x DDP",
-            lambda r: r["ratio_to_ddp"],
             lambda r: r["cpu_ratio_to_ddp"],
-            "CPU time x DDP",
+            lambda r: r["ratio_to_ddp"],
+            "wall clock x DDP",
             "%.2f",
         ),
         (
