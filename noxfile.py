@@ -138,6 +138,9 @@ def integration(session: nox.Session) -> None:
         session.log("integration_tests: none yet")
         return
     session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests_dir), env=TEST_ENV)
+    # The benchmarks' own helpers (formulas, storage counting, report files): fast, torch only.
+    bench_tests = str(ROOT / "benchmarks/tests")
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", bench_tests, env=TEST_ENV)
 
 
 @nox.session(tags=["ci"])
@@ -181,11 +184,41 @@ def demo(session: nox.Session) -> None:
     session.run("zero", "train", "--world", "2", "--steps", "30", env=TEST_ENV)
 
 
+# Only the bench session installs DeepSpeed (the peer it compares against), with torch held at the pin.
+# ninja: DeepSpeed JIT-builds its CPU Adam (benchmarks/offload.py compares against it).
+BENCH_PEERS = ["deepspeed==0.19.8", "ninja", "transformers>=4.45", "matplotlib>=3.8"]
+
+
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Benchmarks; results (markdown + JSON) are written under benchmarks/results/."""
-    _install(session, "zero-comm", "zero-kernels", extras="")
+    """Benchmarks; results (markdown + JSON, plots) are written under benchmarks/results/.
+
+    zero-comm's collectives, ZeRO++'s quantized collectives and kernels, then the side-by-side
+    comparison with DDP, FSDP2 and DeepSpeed 0.19.8 (world 2 and 4), whose table and plots are
+    also copied into docs/. About 15 minutes on 2 cores; ``nox -s bench -- --rounds 3`` passes
+    options to benchmarks/side_by_side.py.
+    """
+    _install(session, "zero-full", extras="")
+    session.install("-c", CONSTRAINTS, *BENCH_PEERS, "pytest>=8")
+    check = "import torch, deepspeed; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__)"
+    session.run("python", "-c", check, env={"DS_ACCELERATOR": "cpu"})
+    session.run("python", "-c", f"import torch; assert torch.__version__.startswith('{TORCH[7:]}')")
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "benchmarks/tests"))
     out = str(ROOT / "benchmarks/results")
     session.run("python", str(ROOT / "benchmarks/comm.py"), "--world", "2", "--out", out, env=TEST_ENV)
     session.run("python", str(ROOT / "benchmarks/quantize_kernels.py"), "--out", out, env=TEST_ENV)
     session.run("python", str(ROOT / "benchmarks/quantized.py"), "--out", out, env=TEST_ENV)
+    session.run("python", str(ROOT / "benchmarks/mics.py"), "--out", out, env=TEST_ENV)
+    session.run(
+        "python", str(ROOT / "benchmarks/offload.py"), "--out", out, env=dict(TEST_ENV, DS_ACCELERATOR="cpu")
+    )
+    session.run(
+        "python",
+        str(ROOT / "benchmarks/side_by_side.py"),
+        "--out",
+        out,
+        "--docs",
+        str(ROOT / "docs"),
+        *session.posargs,
+        env=dict(TEST_ENV, DS_ACCELERATOR="cpu"),
+    )

@@ -24,12 +24,9 @@ Writes ``comm.json`` and ``comm.md`` into ``--out``. Not a test: nothing is asse
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import multiprocessing as mp
 import os
 import pathlib
-import platform
 import statistics
 import tempfile
 import time
@@ -37,18 +34,10 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from _report import environment, markdown_table, read_wchar, write_results
 
 import zero_comm
 from zero_comm import Topology, all_gather_coalesced, partition_numel, reduce_scatter_coalesced
-
-
-def read_wchar() -> int:
-    """Bytes written by this process so far."""
-    with open("/proc/self/io", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("wchar:"):
-                return int(line.split()[1])
-    raise RuntimeError("/proc/self/io has no wchar line (Linux only)")
 
 
 def tensor_sizes(count: int, total: int, seed: int = 0) -> list[int]:
@@ -154,13 +143,14 @@ def _rank_main(rank: int, args: argparse.Namespace, store: str, results: mp.Queu
 
 def write_reports(out: pathlib.Path, args: argparse.Namespace, result: dict) -> None:
     """``comm.json`` (everything) and ``comm.md`` (a table) in ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
+    env = environment("zero-comm")
     meta = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
-        "load_average_1m": os.getloadavg()[0],
+        "date": env["date"],
+        "torch": env["versions"]["torch"],
+        "python": env["python"],
+        "cpus": env["cpus"],
+        "load_average_1m": env["load_average_1m"],
+        "versions": env["versions"],
         "world": args.world,
         "ranks_per_node": args.ranks_per_node or args.world,
         "tensors": args.tensors,
@@ -168,30 +158,34 @@ def write_reports(out: pathlib.Path, args: argparse.Namespace, result: dict) -> 
         "dtype": "float32",
         "repeats": args.repeats,
     }
-    (out / "comm.json").write_text(json.dumps({"meta": meta, **result}, indent=2) + "\n")
-    lines = [
-        f"# zero-comm collectives, world {meta['world']} ({meta['ranks_per_node']} per node), gloo on CPU",
-        "",
-        f"{meta['tensors']} fp32 tensors of mixed odd sizes, {meta['total_numel']:,} elements in total; "
-        f"median of {meta['repeats']} runs (slowest rank). torch {meta['torch']}, {meta['cpus']} CPUs, "
-        f"1-min load {meta['load_average_1m']:.1f} at {meta['date']}.",
-        "",
-        "| op | variant | ms | time / coalesced | MB written / rank | / ring ideal |",
-        "|---|---|---:|---:|---:|---:|",
-    ]
     base = {r["op"]: r["seconds"] for r in result["rows"] if r["variant"] == f"{r['op']}_coalesced"}
+    rows = []
     for r in result["rows"]:
         ratio = r["wire_bytes"] / r["ideal_bytes"] if r["ideal_bytes"] else float("nan")
-        cells = [
-            r["op"],
-            r["variant"],
-            f"{r['seconds'] * 1e3:.1f}",
-            f"{r['seconds'] / base[r['op']]:.2f}",
-            f"{r['wire_bytes'] / 1e6:.2f}",
-            f"{ratio:.2f}",
+        rows.append(
+            [
+                r["op"],
+                r["variant"],
+                f"{r['seconds'] * 1e3:.1f}",
+                f"{r['seconds'] / base[r['op']]:.2f}",
+                f"{r['wire_bytes'] / 1e6:.2f}",
+                f"{ratio:.2f}",
+            ]
+        )
+    headers = ["op", "variant", "ms", "time / coalesced", "MB written / rank", "/ ring ideal"]
+    text = "\n".join(
+        [
+            f"# zero-comm collectives, world {meta['world']} ({meta['ranks_per_node']} per node), "
+            "gloo on CPU",
+            "",
+            f"{meta['tensors']} fp32 tensors of mixed odd sizes, {meta['total_numel']:,} elements in total; "
+            f"median of {meta['repeats']} runs (slowest rank). torch {meta['torch']}, {meta['cpus']} CPUs, "
+            f"1-min load {meta['load_average_1m']:.1f} at {meta['date']}.",
+            "",
+            markdown_table(headers, rows, align="llrrrr"),
         ]
-        lines.append("| " + " | ".join(cells) + " |")
-    (out / "comm.md").write_text("\n".join(lines) + "\n")
+    )
+    write_results(out, "comm", {"meta": meta, **result}, text)
 
 
 def main() -> None:

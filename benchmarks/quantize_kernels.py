@@ -21,31 +21,20 @@ Not a test: nothing is asserted.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import pathlib
 import platform
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
+from _report import environment, median_seconds, write_results
 
 import zero_kernels
 from zero_kernels import QuantConfig, dequantize, quantize
 
 
-def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 2) -> float:
-    """Median wall time of ``fn()`` over ``repeats`` runs after ``warmup`` runs."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _median(fn: Callable[[], object], repeats: int) -> float:
+    return median_seconds(fn, repeats, warmup=2)
 
 
 def run(numel: int, group_size: int, repeats: int) -> dict:
@@ -58,16 +47,16 @@ def run(numel: int, group_size: int, repeats: int) -> dict:
         rows.append({"op": name, "ms": seconds * 1e3, "gb_per_s": fp32_bytes / seconds / 1e9, **extra})
 
     dst = torch.empty_like(x)
-    row("copy (preallocated)", median_seconds(lambda: dst.copy_(x), repeats))
-    row("clone (allocating)", median_seconds(lambda: x.clone(), repeats))
+    row("copy (preallocated)", _median(lambda: dst.copy_(x), repeats))
+    row("clone (allocating)", _median(lambda: x.clone(), repeats))
     for bits in (8, 4):
         cfg = QuantConfig(bits, group_size)
         q = quantize(x, cfg, backend="torch")
         out = torch.empty_like(x)
         rmse = ((dequantize(q, backend="torch") - x).norm() / x.norm()).item()
-        t_q = median_seconds(lambda cfg=cfg: quantize(x, cfg, backend="torch"), repeats)
-        t_d = median_seconds(lambda q=q, out=out: dequantize(q, out=out, backend="torch"), repeats)
-        t_rt = median_seconds(
+        t_q = _median(lambda cfg=cfg: quantize(x, cfg, backend="torch"), repeats)
+        t_d = _median(lambda q=q, out=out: dequantize(q, out=out, backend="torch"), repeats)
+        t_rt = _median(
             lambda cfg=cfg, out=out: dequantize(quantize(x, cfg, backend="torch"), out=out, backend="torch"),
             repeats,
         )
@@ -85,7 +74,7 @@ def run(numel: int, group_size: int, repeats: int) -> dict:
         "statistic": "median",
         "rows": rows,
         "environment": {
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "date": environment()["date"],
             "torch": torch.__version__,
             "zero_kernels": zero_kernels.__version__,
             "torch_threads": torch.get_num_threads(),
@@ -118,9 +107,7 @@ def main() -> None:
     args = parser.parse_args()
     result = run(args.numel, args.group_size, args.repeats)
     print(table(result))
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "quantize_kernels.json"
-    path.write_text(json.dumps(result, indent=2) + "\n")
+    (path,) = write_results(args.out, "quantize_kernels", result)
     print(f"wrote {path}")
 
 

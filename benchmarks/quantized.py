@@ -35,12 +35,9 @@ Writes ``quantized.json`` and ``quantized.md`` into ``--out``. Not a test: nothi
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import multiprocessing as mp
 import os
 import pathlib
-import platform
 import re
 import statistics
 import subprocess
@@ -50,6 +47,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from _report import environment, markdown_table, median_seconds, read_wchar, write_results
 
 import zero_kernels
 from zero_comm import (
@@ -76,15 +74,6 @@ from zero_kernels import (
 )
 
 # ----------------------------------------------------------------------------- bytes on the wire
-
-
-def read_wchar() -> int:
-    """Bytes written by this process so far."""
-    with open("/proc/self/io", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("wchar:"):
-                return int(line.split()[1])
-    raise RuntimeError("/proc/self/io has no wchar line (Linux only)")
 
 
 _SOCKET = re.compile(r"\S+:(\d+)\s+\S+:(\d+)\s+users:\(\(.*?pid=(\d+)")
@@ -248,16 +237,6 @@ def _rank_main(rank: int, args: argparse.Namespace, store: str, results: mp.Queu
 # ----------------------------------------------------------------------------- kernel throughput
 
 
-def median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def kernel_throughput(numel: int, world: int, rpn: int, repeats: int) -> list[dict]:
     """GB/s (fp32 input bytes / time) of the torch reference vs a copy, one thread, this process."""
     torch.set_num_threads(1)
@@ -281,7 +260,7 @@ def kernel_throughput(numel: int, world: int, rpn: int, repeats: int) -> list[di
     ops[f"int4 dequant_reduce ({nodes} sources)"] = lambda: dequant_reduce(q4, nodes, backend="torch")
     rows = []
     for name, fn in ops.items():
-        seconds = median_seconds(fn, repeats)
+        seconds = median_seconds(fn, repeats, warmup=1)
         rows.append({"op": name, "ms": seconds * 1e3, "gb_per_s": fp32_bytes / seconds / 1e9})
     return rows
 
@@ -332,39 +311,38 @@ def markdown(result: dict) -> str:
         "inter-node). wchar: all bytes the rank wrote. ss: TCP bytes really sent to ranks on the same / "
         "another node.",
         "",
-        "| op | variant | ms | ledger inter MB | ledger intra MB | wchar MB | ss intra MB "
-        "| ss cross-node MB |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
+    rows = []
     for r in result["rows"]:
         ss = r["ss"] or {}
-        cells = [
-            r["op"],
-            r["variant"],
-            f"{r['ms']:.0f}",
-            mb(r["ledger_inter_wire_bytes"]),
-            mb(r["ledger_intra_wire_bytes"]),
-            mb(r["wchar_bytes"]),
-            mb(ss.get("intra_node_bytes")),
-            mb(ss.get("cross_node_bytes")),
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "| ratio | value |", "|---|---:|"]
-    for name, value in result["ratios"].items():
-        lines.append(f"| {name} | {'-' if value is None else f'{value:.3f}'} |")
-    lines += ["", "| error vs the exact collective | relative RMSE |", "|---|---:|"]
-    for name, value in result["errors"].items():
-        lines.append(f"| {name.replace(' relative RMSE', '')} | {value:.4f} |")
+        rows.append(
+            [
+                r["op"],
+                r["variant"],
+                f"{r['ms']:.0f}",
+                mb(r["ledger_inter_wire_bytes"]),
+                mb(r["ledger_intra_wire_bytes"]),
+                mb(r["wchar_bytes"]),
+                mb(ss.get("intra_node_bytes")),
+                mb(ss.get("cross_node_bytes")),
+            ]
+        )
+    headers = ["op", "variant", "ms", "ledger inter MB", "ledger intra MB", "wchar MB"]
+    lines.append(markdown_table([*headers, "ss intra MB", "ss cross-node MB"], rows, align="llrrrrrr"))
+    ratio_rows = [[n, "-" if v is None else f"{v:.3f}"] for n, v in result["ratios"].items()]
+    error_rows = [[n.replace(" relative RMSE", ""), f"{v:.4f}"] for n, v in result["errors"].items()]
+    kernel_rows = [[r["op"], f"{r['ms']:.1f}", f"{r['gb_per_s']:.2f}"] for r in result["kernels"]]
     lines += [
+        "",
+        markdown_table(["ratio", "value"], ratio_rows, align="lr"),
+        "",
+        markdown_table(["error vs the exact collective", "relative RMSE"], error_rows, align="lr"),
         "",
         f"Kernel throughput, torch reference on CPU, {meta['numel']:,} fp32 elements, one thread "
         "(GB/s = fp32 input bytes / time):",
         "",
-        "| op | ms | GB/s |",
-        "|---|---:|---:|",
+        markdown_table(["op", "ms", "GB/s"], kernel_rows, align="lrr"),
     ]
-    for r in result["kernels"]:
-        lines.append(f"| {r['op']} | {r['ms']:.1f} | {r['gb_per_s']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -392,13 +370,15 @@ def main() -> None:
         dist_result = results.get(timeout=3600)
         for p in procs:
             p.join(timeout=60)
+    env = environment("zero-comm", "zero-kernels")
     meta = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
+        "date": env["date"],
+        "torch": env["versions"]["torch"],
         "zero_kernels": zero_kernels.__version__,
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
-        "load_average_1m": os.getloadavg()[0],
+        "python": env["python"],
+        "cpus": env["cpus"],
+        "load_average_1m": env["load_average_1m"],
+        "versions": env["versions"],
         "world": args.world,
         "nodes": args.world // args.ranks_per_node,
         "ranks_per_node": args.ranks_per_node,
@@ -410,9 +390,7 @@ def main() -> None:
         "qwz_group": QWZ_DEFAULT_CONFIG.group_size,
     }
     result = {"meta": meta, **dist_result, "ratios": ratios(dist_result["rows"]), "kernels": kernels}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "quantized.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / "quantized.md").write_text(markdown(result))
+    write_results(args.out, "quantized", result, markdown(result))
     print((args.out / "quantized.md").read_text())
 
 

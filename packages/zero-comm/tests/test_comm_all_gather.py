@@ -134,3 +134,46 @@ def test_adjacent_shards_are_recognised_as_one_buffer():
     assert adjacent_flat_view([buf[3:5], buf[0:3]]) is None  # out of order
     assert adjacent_flat_view([torch.ones(2), torch.ones(2)]) is None  # two storages
     assert adjacent_flat_view([torch.empty(0)]) is None
+
+
+def _gather_into_cases(rank):
+    from zero_comm import all_gather_coalesced_into
+
+    world = rank.world_size
+    sizes = [n for n in ODD_SIZES if n]
+    checked = 0
+    with CommLedger(Topology()) as ledger:
+        for dtype in DTYPES.values():
+            shards = [rank_tensor(i, rank.rank, (n,), dtype) for i, n in enumerate(sizes)]
+            # destinations of every length up to the gathered one, reshaped: padding is dropped
+            lengths = [world * n - (i % world) for i, n in enumerate(sizes)]
+            for async_op in (False, True):
+                outs = [torch.full((k,), 7.0, dtype=dtype) for k in lengths]
+                outs[-1] = outs[-1].view(1, -1)  # any shape, contiguous
+                handle = all_gather_coalesced_into(shards, outs, async_op=async_op)
+                got = handle.wait()
+                assert got == outs and handle.is_completed()
+                for s, out in zip(shards, outs):
+                    ref = _reference(s)
+                    assert torch.equal(out.view(-1), ref[: out.numel()])
+                    checked += 1
+        # shards lying back to back in one buffer (no concatenation on the way)
+        flat = rank_tensor(9, rank.rank, (sum(sizes),), torch.float32)
+        shards = list(torch.split(flat, sizes))
+        outs = [torch.empty(world * n) for n in sizes]
+        all_gather_coalesced_into(shards, outs).wait()
+        assert all(torch.equal(o, _reference(s)) for s, o in zip(shards, outs))
+    assert ledger.count("all_gather") == 7
+    with pytest.raises(ValueError, match="more than"):
+        all_gather_coalesced_into([shards[0]], [torch.empty(world * sizes[0] + 1)])
+    with pytest.raises(ValueError, match="outputs for"):
+        all_gather_coalesced_into(shards, outs[:1])
+    with pytest.raises(ValueError, match="dtype|float64"):
+        all_gather_coalesced_into([shards[0]], [torch.empty(1, dtype=torch.float64)])
+    return checked
+
+
+@over_worlds
+def test_gather_into_destinations_matches_torch_and_drops_padding(dist, spec):
+    world, rpn = spec
+    assert dist.run(world, _gather_into_cases, ranks_per_node=rpn) == [30] * world

@@ -4,7 +4,8 @@ Topology, process groups and byte accounting for the zero stack:
 
 * :class:`Topology`: nodes and ranks, cached process groups (intra / inter node, MiCS and
   hpZ shard and replicate groups, hierarchical hops).
-* :func:`all_gather_coalesced`, :func:`reduce_scatter_coalesced`,
+* :func:`all_gather_coalesced` (and :func:`all_gather_coalesced_into`, straight into
+  destinations), :func:`reduce_scatter_coalesced`,
   :func:`hierarchical_all_gather_coalesced`: one collective for many tensors; each
   returns a handle with ``.wait()``.
 * Strategies (:class:`FlatAllGather`, :class:`HierarchicalAllGather`,
@@ -22,7 +23,7 @@ Topology, process groups and byte accounting for the zero stack:
 
 import importlib
 
-from zero_comm.coalesced import all_gather_coalesced, reduce_scatter_coalesced
+from zero_comm.coalesced import all_gather_coalesced, all_gather_coalesced_into, reduce_scatter_coalesced
 from zero_comm.handles import AllGatherHandle, CollectiveHandle, ReduceScatterHandle, TensorHandle
 from zero_comm.hierarchical import hierarchical_all_gather_coalesced
 from zero_comm.ledger import CommLedger, CommRecord, CommTotals, record, ring_wire_bytes
@@ -57,6 +58,7 @@ __all__ = [
     "TensorHandle",
     "Topology",
     "all_gather_coalesced",
+    "all_gather_coalesced_into",
     "all_reduce",
     "all_to_all_single",
     "broadcast",

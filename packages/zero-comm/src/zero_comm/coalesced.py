@@ -24,7 +24,13 @@ from zero_comm.partition import partition_numel
 from zero_comm.reduction import ReduceOpLike, Reduction
 from zero_comm.topology import group_size_and_rank
 
-__all__ = ["GatherLayout", "adjacent_flat_view", "all_gather_coalesced", "reduce_scatter_coalesced"]
+__all__ = [
+    "GatherLayout",
+    "adjacent_flat_view",
+    "all_gather_coalesced",
+    "all_gather_coalesced_into",
+    "reduce_scatter_coalesced",
+]
 
 _RS_OPS = (Reduction.SUM, Reduction.AVG)
 _ADD_CHAIN_MAX_ROWS = 4  # measured on CPU: row-by-row adds beat torch.sum(dim=0) up to here
@@ -167,6 +173,104 @@ def _issue_gather(
     return AllGatherHandle(
         "all_gather", work, lambda: layout.copy_out(staging.view(world, total)), keepalive=(send,)
     )
+
+
+def all_gather_coalesced_into(
+    shards: Sequence[torch.Tensor],
+    outputs: Sequence[torch.Tensor],
+    group: ProcessGroup | None = None,
+    *,
+    async_op: bool = False,
+) -> AllGatherHandle:
+    """:func:`all_gather_coalesced` writing each gathered tensor straight into a destination.
+
+    ``outputs[i]`` (contiguous, any shape, ``shards[i]``'s dtype and device) receives the
+    first ``outputs[i].numel()`` elements of gathered tensor ``i`` — the padding beyond them
+    is dropped. Every element is copied once, from the rank-major gathered buffer into its
+    destination (one strided copy per tensor), instead of through :func:`all_gather_coalesced`'s
+    flat output and a second copy by the caller: e.g. whole parameters refreshed from their
+    updated partitions.
+
+    Args:
+        shards: This rank's 1-D shards (as for :func:`all_gather_coalesced`).
+        outputs: One destination per shard, at most ``world * shards[i].numel()`` elements.
+        group: Process group (``None``: the world).
+        async_op: Return before the communication completes; ``wait()`` finishes the copies.
+
+    Returns:
+        A handle whose ``wait()`` returns ``outputs``.
+
+    Raises:
+        ValueError: the inputs :func:`all_gather_coalesced` refuses, a different number of
+            outputs and shards, or an output that is not contiguous, has another dtype or
+            device, or more elements than its gathered tensor.
+        RuntimeError: no process group is initialised.
+    """
+    what = "all_gather_coalesced_into"
+    with record_function("zero.all_gather.issue"):
+        world, _ = group_size_and_rank(group, what)
+        check_flat_inputs(shards, what, require_1d=True)
+        _check_outputs(shards, outputs, world, what)
+        sizes = [s.numel() for s in shards]
+        total = sum(sizes)
+        shard_bytes = total * shards[0].element_size()
+        record(
+            "all_gather",
+            group,
+            payload_bytes=shard_bytes,
+            wire_bytes=ring_wire_bytes("all_gather", shard_bytes, world),
+        )
+        outs = list(outputs)
+        if world == 1 or total == 0:
+            for shard, out in zip(shards, outs):
+                out.view(-1).copy_(shard[: out.numel()])
+            return AllGatherHandle("all_gather", None, lambda: outs)
+        send = adjacent_flat_view(shards)
+        if send is None:
+            send = torch.cat(list(shards))
+        staging = torch.empty(world, total, dtype=send.dtype, device=send.device)
+        work = dist.all_gather_single(staging.view(-1), send, group=group, async_op=async_op)
+
+        def finish() -> list[torch.Tensor]:
+            _copy_rows(staging, sizes, outs)
+            return outs
+
+        return AllGatherHandle("all_gather", work, finish, keepalive=(send,))
+
+
+def _check_outputs(
+    shards: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], world: int, what: str
+) -> None:
+    if len(outputs) != len(shards):
+        raise ValueError(f"{what}: {len(outputs)} outputs for {len(shards)} shards; pass one per shard")
+    for i, (shard, out) in enumerate(zip(shards, outputs)):
+        if not isinstance(out, torch.Tensor) or not out.is_contiguous():
+            raise ValueError(f"{what}: outputs[{i}] must be a contiguous torch.Tensor")
+        if out.dtype != shard.dtype or out.device != shard.device:
+            raise ValueError(
+                f"{what}: outputs[{i}] is {out.dtype} on {out.device} but its shard is {shard.dtype} "
+                f"on {shard.device}"
+            )
+        if out.numel() > world * shard.numel():
+            raise ValueError(
+                f"{what}: outputs[{i}] has {out.numel()} elements, more than the {world * shard.numel()} "
+                "gathered (group size x shard numel)"
+            )
+
+
+def _copy_rows(staging: torch.Tensor, sizes: list[int], outputs: list[torch.Tensor]) -> None:
+    """Copy column block ``i`` of the rank-major ``staging`` (``(world, total)``) into ``outputs[i]``."""
+    offset = 0
+    for n, out in zip(sizes, outputs):
+        flat = out.view(-1)
+        numel = flat.numel()
+        rows = numel // n if n else 0
+        if rows:
+            flat[: rows * n].view(rows, n).copy_(staging[:rows, offset : offset + n])
+        rest = numel - rows * n
+        if rest:
+            flat[rows * n :].copy_(staging[rows, offset : offset + rest])
+        offset += n
 
 
 def adjacent_flat_view(tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:

@@ -121,6 +121,10 @@ class Coordinator:
         self._traces: dict[tuple[Phase, int], Trace] = {}
         self._step: _Step | None = None
         self._live = 0
+        # Gathered elements whose module finished backward but whose gradient is not accumulated yet
+        # (e.g. a tied embedding, waiting for its other use): autograd holds them, like a running module,
+        # so they do not count against max_live_parameters when prefetching.
+        self._pending_grad_numel = 0
         self._live_slots: dict[ParamSlot, None] = {}
         self._ahead: dict[ParamSlot, None] = {}
         self._ahead_numel = 0
@@ -460,7 +464,7 @@ class Coordinator:
             slot.grad_ready = True
             self._grad_ready.append(slot)
         if slot.release_on_grad:
-            slot.release_on_grad = False
+            self._set_release_on_grad(slot, False)
             if slot.holds == 0 and slot.batch is not None:
                 with profile_range("zero.coord.release"):
                     self._settle([slot])
@@ -633,7 +637,7 @@ class Coordinator:
             add = [s for s in event_slots[pos] if s.batch is None]
             if add:
                 numel = sum(s.numel for s in add)
-                if self._live + numel > limit and not self._evict_later_than(step, pos, numel):
+                if self._bounded_live + numel > limit and not self._evict_later_than(step, pos, numel):
                     break
                 self._gather(add, secondary=bool(codes[pos] & 1))
                 for s in add:
@@ -658,7 +662,7 @@ class Coordinator:
             if s.batch is None:
                 continue
             if backward and not s.grad_ready and s.param.requires_grad:
-                s.release_on_grad = True  # its gradient hook releases it
+                self._set_release_on_grad(s, True)  # its gradient hook releases it
                 continue
             settle.append(s)
         if settle:
@@ -667,9 +671,11 @@ class Coordinator:
     def _settle(self, slots: list[ParamSlot]) -> None:
         """Decide for unheld gathered slots: keep them or free them.
 
-        Kept (with a complete trace, within ``max_live_parameters``): a slot whose next use
-        lies inside the window prefetching already covered (it counts as prefetched; freeing
-        it would turn that use into a miss), or within ``max_reuse_distance`` elements.
+        Kept (with a complete trace): a slot the very next module uses (freeing it would only
+        re-gather it at once, so it costs no extra peak); and, within ``max_live_parameters``, a
+        slot whose next use lies inside the window prefetching already covered (it counts as
+        prefetched; freeing it would turn that use into a miss), or within
+        ``max_reuse_distance`` elements.
         """
         step = self._step
         free = slots
@@ -685,7 +691,12 @@ class Coordinator:
             for s in slots:
                 positions = uses.get(s.index, ())
                 nxt = bisect.bisect_left(positions, cursor)
-                if nxt == len(positions) or self._live > bound:
+                if nxt == len(positions):
+                    free.append(s)
+                elif positions[nxt] == cursor:  # the very next module uses it: freeing only re-gathers it
+                    s.retained = True
+                    self._retained[s] = None
+                elif self._live > bound:
                     free.append(s)
                 elif positions[nxt] < step.prefetch_pos:
                     s.prefetched = True
@@ -706,7 +717,7 @@ class Coordinator:
         bound = self._config.max_live_parameters
         uses = step.trace._uses
         victims = []
-        projected = self._live
+        projected = self._bounded_live
         for s in self._retained:
             if projected + need <= bound:
                 break
@@ -717,7 +728,18 @@ class Coordinator:
                 projected -= s.numel
         if victims:
             self._free(victims)
-        return self._live + need <= bound
+        return self._bounded_live + need <= bound
+
+    @property
+    def _bounded_live(self) -> int:
+        """Live elements that count against ``max_live_parameters`` for prefetching: all gathered
+        ones except those waiting only for their gradient (autograd holds them)."""
+        return self._live - self._pending_grad_numel
+
+    def _set_release_on_grad(self, slot: ParamSlot, flag: bool) -> None:
+        if slot.release_on_grad != flag:
+            slot.release_on_grad = flag
+            self._pending_grad_numel += slot.numel if flag else -slot.numel
 
     def _evict(self, need: int) -> None:
         """Free kept-for-reuse parameters, oldest first, until ``need`` more elements fit."""
@@ -746,6 +768,8 @@ class Coordinator:
                 s.prefetched = False
                 del self._ahead[s]
                 self._ahead_numel -= s.numel
+            if s.release_on_grad:
+                self._set_release_on_grad(s, False)
 
     def _drop_prefetched(self) -> None:
         """Free parameters prefetched for a trace that no longer holds."""
@@ -763,7 +787,7 @@ class Coordinator:
             free = list(self._live_slots)
             for s in free:
                 s.holds = 0
-                s.release_on_grad = False
+                self._set_release_on_grad(s, False)
             for ms in self._states:
                 ms.active = 0
             for ms in self._manual_states.values():

@@ -157,9 +157,10 @@ class ReplicaPartitioning:
                 if param.data_ptr() != shard.data_ptr():  # bound views need no copy
                     param.data.view(-1).copy_(shard[: param.numel()])
             return
-        fulls = zero_comm.all_gather_coalesced([s for _, s in bucket], self.group).wait()
-        for (param, _), full in zip(bucket, fulls, strict=True):
-            param.data.view(-1).copy_(full[: param.numel()])
+        # Straight from the gathered buffer into the parameters: one copy of the model, not two.
+        zero_comm.all_gather_coalesced_into(
+            [s for _, s in bucket], [param.data for param, _ in bucket], self.group
+        ).wait()
 
 
 class _AccumulateHandle:

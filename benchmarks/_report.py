@@ -1,0 +1,145 @@
+"""Shared plumbing of the benchmark scripts: environment metadata, byte counters, result files.
+
+Every script under ``benchmarks/`` writes ``<name>.json`` (everything measured, plus
+:func:`environment`) and usually ``<name>.md`` (a table) into its ``--out`` directory through
+:func:`write_results`; tables are built with :func:`markdown_table`. Physical bytes written
+by a process come from :func:`read_wchar`. Nothing here imports a zero package, so a script
+can use it whatever subset of the stack is installed.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import json
+import os
+import pathlib
+import platform
+import re
+import statistics
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+__all__ = [
+    "environment",
+    "markdown_table",
+    "median_seconds",
+    "peak_rss_bytes",
+    "read_wchar",
+    "reset_peak_rss",
+    "rss_bytes",
+    "versions",
+    "write_results",
+]
+
+
+def read_wchar() -> int:
+    """Bytes this process has written so far (``wchar`` of ``/proc/self/io``: sockets and files).
+
+    Read it before and after a window with no printing inside: the delta is what the process
+    sent, e.g. the bytes of its collectives over gloo's TCP sockets.
+    """
+    with open("/proc/self/io", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("wchar:"):
+                return int(line.split()[1])
+    raise RuntimeError("/proc/self/io has no wchar line (Linux only)")
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status", encoding="ascii") as f:
+        match = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.MULTILINE)
+    if match is None:
+        raise RuntimeError(f"/proc/self/status has no {field} line (Linux only)")
+    return int(match.group(1))
+
+
+def rss_bytes() -> int:
+    """Resident set size of this process now (``VmRSS``)."""
+    return _status_kib("VmRSS") * 1024
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size since the process started or :func:`reset_peak_rss` (``VmHWM``)."""
+    return _status_kib("VmHWM") * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Reset ``VmHWM`` to the current RSS (writes ``5`` to ``/proc/self/clear_refs``).
+
+    Returns ``False`` when the kernel refuses (then :func:`peak_rss_bytes` is the process's peak).
+    """
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
+def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
+    """Median wall time of ``fn()`` over ``repeats`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def versions(*dists: str) -> dict[str, str | None]:
+    """Installed version of each distribution (``None`` when it is not installed)."""
+    found: dict[str, str | None] = {}
+    for dist in dists:
+        try:
+            found[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            found[dist] = None
+    return found
+
+
+def environment(*dists: str) -> dict[str, Any]:
+    """Date (UTC), python, machine, core count, 1-minute load and the versions of ``torch`` + ``dists``."""
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "load_average_1m": os.getloadavg()[0],
+        "versions": versions("torch", *dists),
+    }
+
+
+def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[object]], align: str = "") -> str:
+    """A GitHub markdown table; ``align`` has one letter per column, ``l`` or ``r`` (default: ``l``).
+
+    Cells are written with ``str``; format numbers before passing them.
+    """
+    headers = list(headers)
+    if align and len(align) != len(headers):
+        raise ValueError(f"align {align!r} needs one letter per column ({len(headers)} columns)")
+    marks = ["---:" if (align[i] if align else "l") == "r" else "---" for i in range(len(headers))]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join(marks) + "|"]
+    for row in rows:
+        cells = [str(c) for c in row]
+        if len(cells) != len(headers):
+            raise ValueError(f"row {cells!r} has {len(cells)} cells, the table has {len(headers)} columns")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_results(
+    out: str | os.PathLike[str], name: str, result: dict[str, Any], markdown: str | None = None
+) -> list[pathlib.Path]:
+    """Write ``out/name.json`` (``result``, indented) and, if given, ``out/name.md``; return the paths."""
+    directory = pathlib.Path(out)
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = [directory / f"{name}.json"]
+    paths[0].write_text(json.dumps(result, indent=2) + "\n")
+    if markdown is not None:
+        paths.append(directory / f"{name}.md")
+        paths[1].write_text(markdown if markdown.endswith("\n") else markdown + "\n")
+    return paths

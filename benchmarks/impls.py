@@ -1,0 +1,323 @@
+"""The implementations the side-by-side benchmark compares, behind one small interface.
+
+Each implementation builds the :mod:`workloads` model itself (same seed, so the same
+weights everywhere) and returns a :class:`Runner`: ``forward_backward(batch) -> loss``,
+``optimizer_step()`` (which also zeroes the gradients) and ``state_roots()``, the objects
+from which its model-state bytes are counted (:func:`model_state_bytes`).
+
+* ``single``: one process, the whole global batch, torch AdamW (the numerical reference).
+* ``ddp``: ``DistributedDataParallel`` (``gradient_as_bucket_view=True``, so the gradients
+  are the reducer's buckets and are counted).
+* ``fsdp2``: ``fully_shard`` on every block and on the root (parameters resharded after
+  forward), torch AdamW over the DTensor shards.
+* ``deepspeed-1/2/3``: ``deepspeed.initialize`` with torch's AdamW as the client optimizer
+  (``zero_allow_untested_optimizer``), fp32, ``DS_ACCELERATOR=cpu`` over the gloo group the
+  benchmark created.
+* ``zero-1/2/3``: ``zero_full.initialize`` with the same ``zero_optimization`` section and
+  the same torch AdamW.
+
+Every AdamW is ``workloads.adamw`` (all hyperparameters explicit). The ZeRO sections of
+DeepSpeed and zero are the same dict (:func:`zero_section`): buckets scaled to the model,
+and at stage 3 parameters really released after use (persistence threshold 4096 elements:
+only biases and norms stay whole; prefetch half a block; 1.5 blocks live at most; no reuse).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from workloads import Workload, adamw, block_modules, build_model, loss_of
+
+__all__ = [
+    "IMPLEMENTATIONS",
+    "Runner",
+    "formula_state_bytes",
+    "model_state_bytes",
+    "reachable_tensors",
+    "ring_ideal_bytes",
+    "stage_of",
+    "storage_bytes",
+    "zero_section",
+]
+
+
+# ----------------------------------------------------------------------------- formulas
+
+
+def stage_of(impl: str) -> int:
+    """The ZeRO stage an implementation corresponds to (``single`` / ``ddp``: 0, ``fsdp2``: 3)."""
+    if impl in ("single", "ddp"):
+        return 0
+    if impl == "fsdp2":
+        return 3
+    return int(impl.rsplit("-", 1)[1])
+
+
+def formula_state_bytes(impl: str, psi: int, world: int) -> float:
+    """Model-state bytes per rank of fp32 AdamW (4 bytes each of param, grad, m, v) by the ZeRO formula.
+
+    DDP 16P; stage 1 8P + 8P/N; stage 2 4P + 12P/N; stage 3 (and FSDP2) 16P/N.
+    """
+    n = 1 if impl == "single" else world
+    stage = stage_of(impl)
+    return {0: 16 * psi, 1: 8 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n, 3: 16 * psi / n}[stage]
+
+
+def ring_ideal_bytes(impl: str, psi: int, world: int) -> float:
+    """Bytes a rank sends per step over an ideal ring, fp32: 2P(N-1)/N x 4 (DDP, stages 1, 2);
+    3P(N-1)/N x 4 (stage 3, FSDP2: all-gather in forward and backward, reduce-scatter); 0 alone."""
+    if impl == "single" or world == 1:
+        return 0.0
+    rounds = 3 if stage_of(impl) == 3 else 2
+    return rounds * psi * (world - 1) / world * 4
+
+
+# ----------------------------------------------------------------------------- counting storages
+
+_SKIP = (
+    type,
+    types.ModuleType,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.CodeType,
+    str,
+    bytes,
+    int,
+    float,
+    bool,
+    complex,
+    torch.dtype,
+    torch.device,
+)
+
+
+def _children(obj: Any) -> Iterator[Any]:
+    if isinstance(obj, dict):
+        yield from obj.keys()
+        yield from obj.values()
+    elif isinstance(obj, list | tuple | set | frozenset | deque):
+        yield from obj
+    elif isinstance(obj, types.MethodType):
+        yield obj.__self__
+    elif isinstance(obj, functools.partial):
+        yield from (obj.func, *obj.args, *obj.keywords.values())
+    else:
+        yield from getattr(obj, "__dict__", {}).values()
+        for cls in type(obj).__mro__:
+            for slot in getattr(cls, "__slots__", ()):
+                if isinstance(slot, str) and hasattr(obj, slot):
+                    yield getattr(obj, slot)
+
+
+def reachable_tensors(roots: Iterable[Any], limit: int = 2_000_000) -> list[torch.Tensor]:
+    """Every tensor reachable from ``roots`` through attributes, slots, containers and hooks.
+
+    Walks ``__dict__`` and ``__slots__`` of objects (so modules' parameters, buffers and hook
+    dicts, optimizers' state, engines' buffers), dict keys and values, sequences, bound
+    methods' ``self`` and ``functools.partial`` arguments; a tensor's ``.grad`` and its own
+    ``__dict__`` (attributes some libraries attach to parameters) too. A DTensor is replaced by
+    its local tensor. Functions' closures and the autograd graph are not walked. Stops with an
+    error after ``limit`` objects.
+    """
+    from torch.distributed.tensor import DTensor
+
+    seen: set[int] = set()
+    found: list[torch.Tensor] = []
+    stack = list(roots)
+    while stack:
+        obj = stack.pop()
+        if obj is None or isinstance(obj, _SKIP) or id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if len(seen) > limit:
+            raise RuntimeError(f"reachable_tensors: more than {limit} objects reachable; pass narrower roots")
+        if isinstance(obj, torch.Tensor):
+            if isinstance(obj, DTensor):
+                stack.append(obj._local_tensor)
+            else:
+                found.append(obj)
+            if obj.grad is not None:
+                stack.append(obj.grad)
+            stack.extend(getattr(obj, "__dict__", {}).values())
+            continue
+        stack.extend(_children(obj))
+    return found
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (each storage once, whole, views included)."""
+    storages: dict[int, int] = {}
+    for t in tensors:
+        if t.device.type == "meta" or t.is_sparse:
+            continue
+        storage = t.untyped_storage()
+        if storage.nbytes():
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def model_state_bytes(runner: Runner) -> int:
+    """Bytes of the storages reachable from the runner's state roots (see :func:`reachable_tensors`)."""
+    return storage_bytes(reachable_tensors(runner.state_roots()))
+
+
+# ----------------------------------------------------------------------------- runners
+
+
+class Runner:
+    """One implementation training the workload on this rank."""
+
+    def __init__(self, w: Workload) -> None:
+        self.w = w
+
+    def forward_backward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def optimizer_step(self) -> None:
+        raise NotImplementedError
+
+    def state_roots(self) -> list[Any]:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Drop hooks / engines that outlive the runner otherwise."""
+
+
+class TorchRunner(Runner):
+    """A plain module (or DDP / FSDP2-wrapped module) with torch AdamW."""
+
+    def __init__(self, w: Workload, model: nn.Module, call: nn.Module | None = None) -> None:
+        super().__init__(w)
+        self.model = model
+        self.call = call if call is not None else model
+        self.optimizer = adamw(model.parameters())
+
+    def forward_backward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        loss = loss_of(self.call, self.w, batch)
+        loss.backward()
+        return loss
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def state_roots(self) -> list[Any]:
+        return [self.call, self.model, self.optimizer]
+
+
+def _single(w: Workload, world: int) -> Runner:
+    return TorchRunner(w, build_model(w))
+
+
+def _ddp(w: Workload, world: int) -> Runner:
+    model = build_model(w)
+    return TorchRunner(w, model, nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True))
+
+
+def _fsdp2(w: Workload, world: int) -> Runner:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = build_model(w)
+    mesh = init_device_mesh("cpu", (world,))
+    for block in block_modules(model):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return TorchRunner(w, model)
+
+
+def zero_section(stage: int, w: Workload) -> dict[str, Any]:
+    """The ``zero_optimization`` section shared by DeepSpeed and zero (sizes in elements)."""
+    block = 12 * w.hidden * w.hidden  # parameters of one transformer block, about
+    section: dict[str, Any] = {
+        "stage": stage,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": 4 * block,
+        "allgather_bucket_size": 4 * block,
+    }
+    if stage == 3:
+        section.update(
+            {
+                "stage3_param_persistence_threshold": 4096,
+                "stage3_prefetch_bucket_size": block // 2,
+                "stage3_max_live_parameters": 3 * block // 2,
+                "stage3_max_reuse_distance": 0,
+            }
+        )
+    return section
+
+
+class EngineRunner(Runner):
+    """DeepSpeed's or zero's engine: ``engine(...)``, ``engine.backward``, ``engine.step``."""
+
+    def __init__(self, w: Workload, engine: Any, roots: list[Any]) -> None:
+        super().__init__(w)
+        self.engine = engine
+        self.roots = roots
+
+    def forward_backward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        loss = loss_of(self.engine, self.w, batch)
+        self.engine.backward(loss)
+        return loss
+
+    def optimizer_step(self) -> None:
+        self.engine.step()
+
+    def state_roots(self) -> list[Any]:
+        return self.roots
+
+    def close(self) -> None:
+        closer = getattr(self.engine, "destroy", None) or getattr(self.engine, "close", None)
+        if closer is not None:
+            closer()
+
+
+def _deepspeed(stage: int) -> Callable[[Workload, int], Runner]:
+    def build(w: Workload, world: int) -> Runner:
+        import deepspeed
+
+        deepspeed.init_distributed(dist_backend="gloo")  # adopts the benchmark's initialised group
+        model = build_model(w)
+        config = {
+            "train_micro_batch_size_per_gpu": w.micro_batch,
+            "gradient_accumulation_steps": 1,
+            "zero_optimization": zero_section(stage, w),
+            "gradient_clipping": 0.0,  # DeepSpeed 0.19.8 clips at 1.0 unless told otherwise
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 1 << 30,
+            "wall_clock_breakdown": False,
+        }
+        engine, optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=adamw(model.parameters()), config=config
+        )
+        return EngineRunner(w, engine, [engine, optimizer])
+
+    return build
+
+
+def _zero(stage: int) -> Callable[[Workload, int], Runner]:
+    def build(w: Workload, world: int) -> Runner:
+        import zero_full
+
+        model = build_model(w)
+        engine = zero_full.initialize(
+            model, config={"zero_optimization": zero_section(stage, w)}, optimizer=adamw
+        )
+        return EngineRunner(w, engine, [engine])
+
+    return build
+
+
+IMPLEMENTATIONS: dict[str, Callable[[Workload, int], Runner]] = {
+    "single": _single,
+    "ddp": _ddp,
+    "fsdp2": _fsdp2,
+    **{f"deepspeed-{k}": _deepspeed(k) for k in (1, 2, 3)},
+    **{f"zero-{k}": _zero(k) for k in (1, 2, 3)},
+}

@@ -1,0 +1,536 @@
+"""Side by side: zero stages 1/2/3 against DDP, FSDP2 and DeepSpeed stages 1/2/3, one run, one machine.
+
+Run from the repository root (``python -m nox -s bench`` does, with every dependency)::
+
+    python benchmarks/side_by_side.py --out benchmarks/results --docs docs
+
+For each world size (``--worlds``, default 2 and 4) the launcher first trains the single-process
+reference on the whole global batch (in its own process, one thread), then spawns ``W`` gloo
+ranks (one thread each) that run every implementation of :mod:`impls` in turn, in the same
+processes and process group, for ``--rounds`` rounds (the order rotates each round, so no
+implementation always runs first or last). One run of an implementation on a rank:
+
+1. reset the peak RSS (``/proc/self/clear_refs``), build the model and the implementation;
+2. ``--warmup`` training steps; a barrier;
+3. ``--steps`` measured training steps: each step timed alone; ``wchar`` of
+   ``/proc/self/io`` read before and after the window (nothing is printed inside it);
+4. one more step, stopped after backward to count the model-state bytes (distinct storages
+   reachable from the implementation's module, optimizer and engine: parameters, gradients,
+   optimizer state and whatever buffers they hold), then finished;
+5. peak RSS (``VmHWM``) read, everything dropped.
+
+Reported per implementation and world: median step time (per step the slowest rank, median over
+the measured steps, median over rounds) and its ratio to DDP in the same round (median over
+rounds); model-state bytes per rank (largest rank) next to the ZeRO formula; peak RSS (largest
+rank); bytes written per rank per step next to the ring ideal; max |loss - reference loss| over
+every step of every round (the ranks' losses averaged per step).
+
+Writes ``side_by_side.json`` and ``side_by_side.md`` and three PNG plots into ``--out``; with
+``--docs DIR`` also copies the plots to ``DIR/assets/benchmarks/`` and the table into
+``DIR/benchmarks.md`` between its ``side-by-side`` markers. Not a test: nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import importlib.util
+import logging
+import multiprocessing as mp
+import os
+import pathlib
+import queue
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from _report import (
+    environment,
+    markdown_table,
+    peak_rss_bytes,
+    read_wchar,
+    reset_peak_rss,
+    rss_bytes,
+    write_results,
+)
+from impls import (
+    IMPLEMENTATIONS,
+    formula_state_bytes,
+    model_state_bytes,
+    ring_ideal_bytes,
+)
+from workloads import ADAMW, Workload, build_model, global_batch, num_params, rank_slice
+
+DISTRIBUTED = [name for name in IMPLEMENTATIONS if name != "single"]
+MARK_BEGIN = "<!-- side-by-side:begin -->"
+MARK_END = "<!-- side-by-side:end -->"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What to run: workload, implementations, world sizes, rounds and step counts."""
+
+    workload: Workload
+    impls: tuple[str, ...]
+    worlds: tuple[int, ...]
+    rounds: int
+    warmup: int
+    steps: int
+    timeout: float
+
+    @property
+    def total_steps(self) -> int:
+        """Steps each run trains: warm-up, measured, and the counting step."""
+        return self.warmup + self.steps + 1
+
+
+# ----------------------------------------------------------------------------- one run
+
+
+def _train_step(runner: Any, batch: dict[str, torch.Tensor]) -> float:
+    loss = runner.forward_backward(batch)
+    runner.optimizer_step()
+    return loss.item()
+
+
+def run_one(impl: str, plan: Plan, rank: int, world: int, rows: int) -> dict[str, Any]:
+    """Train ``impl`` on this rank (``rows``: the slice index; ``world`` 1 = the reference)."""
+    w = plan.workload
+    gc.collect()
+    baseline = rss_bytes()
+    reset_peak_rss()
+    batches = [rank_slice(global_batch(w, s, rows), rank, world) for s in range(plan.total_steps)]
+    t0 = time.perf_counter()
+    runner = IMPLEMENTATIONS[impl](w, world)
+    setup_s = time.perf_counter() - t0
+    losses = [_train_step(runner, batches[s]) for s in range(plan.warmup)]
+    if world > 1:
+        dist.barrier()
+    times = []
+    w0, c0 = read_wchar(), time.process_time()
+    for s in range(plan.warmup, plan.warmup + plan.steps):
+        t = time.perf_counter()
+        losses.append(_train_step(runner, batches[s]))
+        times.append(time.perf_counter() - t)
+    cpu = time.process_time() - c0
+    wrote = read_wchar() - w0
+    loss = runner.forward_backward(batches[-1])
+    state = model_state_bytes(runner)
+    runner.optimizer_step()
+    losses.append(loss.item())
+    peak = peak_rss_bytes()
+    runner.close()
+    del runner
+    gc.collect()
+    return {
+        "impl": impl,
+        "rank": rank,
+        "setup_s": setup_s,
+        "step_s": times,
+        "cpu_s": cpu / plan.steps,
+        "losses": losses,
+        "wchar_bytes": wrote,
+        "model_state_bytes": state,
+        "peak_rss_bytes": peak,
+        "baseline_rss_bytes": baseline,
+    }
+
+
+def _rank_main(rank: int, world: int, plan: Plan, store: str, out: mp.Queue) -> None:
+    """One rank: every implementation, every round, in one process group."""
+    try:
+        os.environ.update(
+            OMP_NUM_THREADS="1",
+            DS_ACCELERATOR="cpu",
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+        )
+        torch.set_num_threads(1)
+        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+        warnings.filterwarnings("ignore")  # a warning printed in a measured window would count as bytes sent
+        timeout = datetime.timedelta(seconds=plan.timeout)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timeout
+        )
+        results = []
+        for r in range(plan.rounds):
+            shift = r % len(plan.impls)
+            for impl in plan.impls[shift:] + plan.impls[:shift]:
+                results.append({"round": r, **run_one(impl, plan, rank, world, world)})
+                if rank == 0:
+                    print(f"  world {world} round {r + 1}/{plan.rounds}: {impl} done", flush=True)
+        dist.destroy_process_group()
+        out.put(("done", rank, results))
+    except BaseException:
+        out.put(("error", rank, traceback.format_exc()))
+
+
+def run_world(plan: Plan, world: int) -> list[dict[str, Any]]:
+    """Spawn ``world`` ranks running every distributed implementation; every rank's results."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="zero-side-by-side-") as tmp:
+        procs = [
+            ctx.Process(target=_rank_main, args=(r, world, plan, f"{tmp}/store", out), daemon=True)
+            for r in range(world)
+        ]
+        for p in procs:
+            p.start()
+        results: list[dict[str, Any]] = []
+        pending = set(range(world))
+        deadline = time.monotonic() + plan.timeout * plan.rounds * len(plan.impls)
+        try:
+            while pending:
+                try:
+                    kind, rank, payload = out.get(timeout=5.0)
+                except queue.Empty:
+                    dead = [p.pid for p in procs if not p.is_alive() and p.exitcode]
+                    if dead or time.monotonic() > deadline:
+                        raise RuntimeError(f"world {world}: ranks died or hung (dead pids {dead})") from None
+                    continue
+                if kind == "error":
+                    raise RuntimeError(f"world {world}: rank {rank} failed:\n{payload}")
+                results += payload
+                pending.discard(rank)
+        finally:
+            for p in procs:
+                p.join(timeout=10.0)
+                if p.is_alive():
+                    p.kill()
+    return results
+
+
+def run_reference(plan: Plan, world: int) -> dict[str, Any]:
+    """The single-process reference on the whole global batch of ``world`` ranks (this process)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return {"round": 0, **run_one("single", plan, 0, 1, world)}
+    finally:
+        torch.set_num_threads(threads)
+
+
+# ----------------------------------------------------------------------------- aggregation
+
+
+def summarize(plan: Plan, world: int, psi: int, ref: dict[str, Any], raw: list[dict[str, Any]]) -> list[dict]:
+    """One row per implementation of this world (see the module docstring for each statistic)."""
+    by: dict[tuple[str, int], list[dict]] = {}
+    for r in raw:
+        by.setdefault((r["impl"], r["round"]), []).append(r)
+
+    def round_step_s(impl: str, rnd: int) -> float:
+        ranks = by[(impl, rnd)]
+        return statistics.median(max(steps) for steps in zip(*(r["step_s"] for r in ranks)))
+
+    def round_cpu_s(impl: str, rnd: int) -> float:
+        ranks = by[(impl, rnd)]
+        return sum(r["cpu_s"] for r in ranks) / len(ranks)
+
+    rows = []
+    for impl in ("single", *[i for i in plan.impls]):
+        if impl == "single":
+            runs = [[ref]]
+            step_s = statistics.median(ref["step_s"])
+            ratio = cpu_ratio = None
+            cpu_s = ref["cpu_s"]
+        else:
+            runs = [by[(impl, rnd)] for rnd in range(plan.rounds)]
+            per_round = [round_step_s(impl, rnd) for rnd in range(plan.rounds)]
+            step_s = statistics.median(per_round)
+            ratio = (
+                statistics.median(s / round_step_s("ddp", rnd) for rnd, s in enumerate(per_round))
+                if "ddp" in plan.impls
+                else None
+            )
+            cpu_rounds = [round_cpu_s(impl, rnd) for rnd in range(plan.rounds)]
+            cpu_s = statistics.median(cpu_rounds)
+            cpu_ratio = (
+                statistics.median(c / round_cpu_s("ddp", rnd) for rnd, c in enumerate(cpu_rounds))
+                if "ddp" in plan.impls
+                else None
+            )
+        ranks_n = len(runs[0])
+        losses = [[sum(x) / ranks_n for x in zip(*(r["losses"] for r in ranks))] for ranks in runs]
+        loss_diff = max(abs(a - b) for run in losses for a, b in zip(run, ref["losses"]))
+        state = max(r["model_state_bytes"] for ranks in runs for r in ranks)
+        wchar = statistics.median(
+            sum(r["wchar_bytes"] for r in ranks) / ranks_n / plan.steps for ranks in runs
+        )
+        peak = statistics.median(max(r["peak_rss_bytes"] for r in ranks) for ranks in runs)
+        growth = statistics.median(
+            max(r["peak_rss_bytes"] - r["baseline_rss_bytes"] for r in ranks) for ranks in runs
+        )
+        formula = formula_state_bytes(impl, psi, world)
+        ideal = ring_ideal_bytes(impl, psi, world)
+        rows.append(
+            {
+                "impl": impl,
+                "world": world,
+                "step_ms": step_s * 1e3,
+                "ratio_to_ddp": ratio,
+                "cpu_ms": cpu_s * 1e3,
+                "cpu_ratio_to_ddp": cpu_ratio,
+                "round_step_ms": [round_step_s(impl, rnd) * 1e3 for rnd in range(plan.rounds)]
+                if impl != "single"
+                else [step_s * 1e3],
+                "model_state_bytes": state,
+                "formula_state_bytes": formula,
+                "peak_rss_bytes": peak,
+                "rss_growth_bytes": growth,
+                "wchar_bytes_per_step": wchar,
+                "ring_ideal_bytes_per_step": ideal,
+                "max_abs_loss_diff": loss_diff,
+                "setup_s": statistics.median(r["setup_s"] for ranks in runs for r in ranks),
+            }
+        )
+    return rows
+
+
+# ----------------------------------------------------------------------------- reports
+
+
+def _mb(n: float | None) -> str:
+    return "-" if n is None else f"{n / 1e6:.1f}"
+
+
+def table(rows: list[dict]) -> str:
+    """The markdown table of one world's rows."""
+    headers = [
+        "implementation",
+        "step ms",
+        "x DDP",
+        "CPU ms/rank",
+        "CPU x DDP",
+        "model states MB/rank",
+        "formula MB",
+        "/ formula",
+        "peak RSS MB (growth)",
+        "MB sent/rank/step",
+        "ring ideal MB",
+        "/ ideal",
+        "max abs loss diff",
+    ]
+    cells = []
+    for r in rows:
+        ideal = r["ring_ideal_bytes_per_step"]
+        cells.append(
+            [
+                r["impl"] + (" (whole global batch)" if r["impl"] == "single" else ""),
+                f"{r['step_ms']:.0f}",
+                "-" if r["ratio_to_ddp"] is None else f"{r['ratio_to_ddp']:.2f}",
+                f"{r['cpu_ms']:.0f}",
+                "-" if r["cpu_ratio_to_ddp"] is None else f"{r['cpu_ratio_to_ddp']:.2f}",
+                _mb(r["model_state_bytes"]),
+                _mb(r["formula_state_bytes"]),
+                f"{r['model_state_bytes'] / r['formula_state_bytes']:.2f}",
+                f"{_mb(r['peak_rss_bytes'])} (+{_mb(r['rss_growth_bytes'])})",
+                _mb(r["wchar_bytes_per_step"]),
+                _mb(ideal),
+                f"{r['wchar_bytes_per_step'] / ideal:.2f}" if ideal else "-",
+                f"{r['max_abs_loss_diff']:.1e}",
+            ]
+        )
+    return markdown_table(headers, cells, align="lrrrrrrrrrrrr")
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The whole report: a header with the conditions, one table per world size."""
+    meta, plan = result["meta"], result["plan"]
+    v = meta["versions"]
+    lines = [
+        f"Measured {meta['date']} on {meta['cpus']} CPU cores (load average {meta['load_average_1m']:.1f} "
+        f"at the start; the machine was shared with other jobs), torch {v['torch']}, "
+        f"deepspeed {v.get('deepspeed') or 'not installed'}, transformers {v.get('transformers')}, "
+        f"python {meta['python']}; gloo, one thread per rank, {result['run_seconds']:.0f} s in all.",
+        "",
+        f"Workload: {result['workload_text']}; P = {result['psi']:,} parameters; fp32 AdamW "
+        f"(lr {ADAMW['lr']:g}, betas {tuple(ADAMW['betas'])}, eps {ADAMW['eps']:g}, weight decay "
+        f"{ADAMW['weight_decay']:g}) everywhere. {plan['warmup']} warm-up + {plan['steps']} measured steps "
+        f"per run, {plan['rounds']} rounds, implementations interleaved.",
+        "",
+    ]
+    for world in plan["worlds"]:
+        rows = [r for r in result["rows"] if r["world"] == world]
+        lines += [f"World {world}:", "", table(rows), ""]
+    notes = [
+        "step ms: per step the slowest rank, median over steps, median over rounds.",
+        "x DDP: ratio to DDP's step time in the same round, median over rounds.",
+        "CPU ms: CPU time of the rank's process (all its threads, gloo's included) per step, mean over",
+        "ranks, median over rounds; CPU x DDP likewise, per round: less sensitive than wall time to other",
+        "jobs on a shared machine.",
+        "Model states: distinct tensor storages reachable from the module, optimizer and engine after",
+        "backward (params, grads, optimizer state, buffers), largest rank.",
+        "Formula: fp32 AdamW ZeRO formula (DDP 16P, stage 1 8P+8P/N, stage 2 4P+12P/N, stage 3 and FSDP2",
+        "16P/N). Peak RSS: VmHWM of the run, largest rank (the process also holds torch, transformers,",
+        "deepspeed and what earlier runs left to the allocator); growth: peak minus the RSS at the run's",
+        "start. MB sent: wchar of /proc/self/io per rank per step; ring ideal: 2P(N-1)/N x 4 bytes",
+        "(3P(N-1)/N at stage 3 and FSDP2). Loss diff: against the single process on the same global batch,",
+        "every step. MB = 1e6 bytes.",
+    ]
+    lines.append(" ".join(notes))
+    return "\n".join(lines) + "\n"
+
+
+def plots(result: dict[str, Any], out: pathlib.Path, name: str) -> list[pathlib.Path]:
+    """Step time, memory per rank and bytes per step by implementation, one bar per world size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    worlds = result["plan"]["worlds"]
+    impls = [i for i in result["plan"]["impls"]]
+    rows = {(r["impl"], r["world"]): r for r in result["rows"]}
+    width = 0.8 / len(worlds)
+    specs = [
+        (
+            f"{name}_step_time.png",
+            "Step time relative to DDP, same run (bars: CPU time; marker: wall clock)",
+            "x DDP",
+            lambda r: r["cpu_ratio_to_ddp"],
+            lambda r: r["ratio_to_ddp"],
+            "wall clock x DDP",
+            "%.2f",
+        ),
+        (
+            f"{name}_memory.png",
+            "Model-state MB per rank (marker: ZeRO formula)",
+            "MB",
+            lambda r: r["model_state_bytes"] / 1e6,
+            lambda r: r["formula_state_bytes"] / 1e6,
+            "ZeRO formula",
+            "%.0f",
+        ),
+        (
+            f"{name}_bytes.png",
+            "MB sent per rank per step (marker: ring ideal)",
+            "MB",
+            lambda r: r["wchar_bytes_per_step"] / 1e6,
+            lambda r: r["ring_ideal_bytes_per_step"] / 1e6,
+            "ring ideal",
+            "%.1f",
+        ),
+    ]
+    paths = []
+    for filename, title, ylabel, value, marker, marker_label, fmt in specs:
+        fig, ax = plt.subplots(figsize=(9, 4))
+        for k, world in enumerate(worlds):
+            xs = [i + (k - (len(worlds) - 1) / 2) * width for i in range(len(impls))]
+            ys = [value(rows[(i, world)]) or 0.0 for i in impls]
+            bars = ax.bar(xs, ys, width, label=f"world {world}")
+            ax.bar_label(bars, fmt=fmt, fontsize=7)
+            ax.scatter(
+                xs,
+                [marker(rows[(i, world)]) or 0.0 for i in impls],
+                color="black",
+                marker="_",
+                s=200,
+                zorder=3,
+                label=marker_label if k == 0 else None,
+            )
+        if ylabel == "x DDP":
+            ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_xticks(range(len(impls)), impls, rotation=20)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out / filename
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def update_docs(docs: pathlib.Path, text: str, images: list[pathlib.Path]) -> None:
+    """Copy the plots to ``docs/assets/benchmarks`` and the tables into ``docs/benchmarks.md``."""
+    assets = docs / "assets" / "benchmarks"
+    assets.mkdir(parents=True, exist_ok=True)
+    for image in images:
+        shutil.copy2(image, assets / image.name)
+    page = docs / "benchmarks.md"
+    if not page.exists():
+        return
+    content = page.read_text()
+    begin, end = content.find(MARK_BEGIN), content.find(MARK_END)
+    if begin < 0 or end < begin:
+        raise RuntimeError(f"{page} has no {MARK_BEGIN} ... {MARK_END} section to hold the table")
+    page.write_text(content[: begin + len(MARK_BEGIN)] + "\n\n" + text + "\n" + content[end:])
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=("gpt2", "mlp"), default="gpt2")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--impls", nargs="+", default=DISTRIBUTED, choices=DISTRIBUTED)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds any one run may take")
+    parser.add_argument("--name", default="side_by_side", help="result file stem (default side_by_side)")
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
+    parser.add_argument("--docs", type=pathlib.Path, default=None, help="docs dir to copy plots and table to")
+    args = parser.parse_args()
+    impls = list(args.impls)
+    if importlib.util.find_spec("deepspeed") is None:
+        dropped = [i for i in impls if i.startswith("deepspeed")]
+        impls = [i for i in impls if not i.startswith("deepspeed")]
+        print(f"deepspeed is not installed: skipping {dropped}", file=sys.stderr)
+    w = Workload(args.workload, args.layers, args.hidden, args.heads, args.vocab, args.seq, args.micro_batch)
+    plan = Plan(w, tuple(impls), tuple(args.worlds), args.rounds, args.warmup, args.steps, args.timeout)
+    psi = num_params(build_model(w))
+    env = environment("deepspeed", "transformers", "matplotlib", "zero-full", "zero-optim", "zero-params")
+    print(
+        f"side-by-side: {w.describe()}, P = {psi:,}; worlds {plan.worlds}, {plan.rounds} rounds x "
+        f"{len(plan.impls)} implementations x ({plan.warmup} warm-up + {plan.steps} measured + 1) steps",
+        flush=True,
+    )
+    start = time.monotonic()
+    rows, raw = [], {}
+    for world in plan.worlds:
+        ref = run_reference(plan, world)
+        ranks = run_world(plan, world)
+        raw[str(world)] = {"reference": ref, "ranks": ranks}
+        rows += summarize(plan, world, psi, ref, ranks)
+    result = {
+        "meta": env,
+        "plan": {**dataclasses.asdict(plan), "workload": dataclasses.asdict(w)},
+        "workload_text": w.describe(),
+        "psi": psi,
+        "adamw": {**ADAMW, "betas": list(ADAMW["betas"])},
+        "run_seconds": time.monotonic() - start,
+        "rows": rows,
+        "raw": raw,
+    }
+    text = markdown(result)
+    write_results(args.out, args.name, result, f"# Side-by-side benchmark\n\n{text}")
+    images = plots(result, args.out, args.name)
+    if args.docs is not None:
+        update_docs(args.docs, text, images)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""``benchmarks/_report.py``: tables, result files, byte and memory counters."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from _report import (
+    environment,
+    markdown_table,
+    peak_rss_bytes,
+    read_wchar,
+    reset_peak_rss,
+    rss_bytes,
+    write_results,
+)
+
+
+def test_markdown_table_aligns_columns_and_checks_row_widths():
+    text = markdown_table(["name", "ms"], [["a", "1.0"], ["b", 2]], align="lr")
+    assert text.splitlines() == ["| name | ms |", "|---|---:|", "| a | 1.0 |", "| b | 2 |"]
+    with pytest.raises(ValueError, match="2 columns"):
+        markdown_table(["name", "ms"], [["a"]])
+    with pytest.raises(ValueError, match="one letter per column"):
+        markdown_table(["name", "ms"], [], align="l")
+
+
+def test_write_results_writes_json_and_markdown(tmp_path):
+    paths = write_results(tmp_path / "out", "demo", {"rows": [1, 2]}, "| a |")
+    assert [p.name for p in paths] == ["demo.json", "demo.md"]
+    assert json.loads(paths[0].read_text()) == {"rows": [1, 2]}
+    assert paths[1].read_text() == "| a |\n"
+    assert [p.name for p in write_results(tmp_path, "only", {})] == ["only.json"]
+
+
+def test_wchar_counts_bytes_written(tmp_path):
+    before = read_wchar()
+    (tmp_path / "f").write_bytes(b"x" * 100_000)
+    assert read_wchar() - before >= 100_000
+
+
+def test_peak_rss_follows_an_allocation_and_resets():
+    block = bytearray(64 << 20)
+    block[::4096] = b"\1" * len(block[::4096])  # touch every page
+    assert rss_bytes() >= 64 << 20
+    before = peak_rss_bytes()  # the kernel updates the peak lazily: it may lag the RSS by a few pages
+    assert before >= 64 << 20
+    del block  # a large block goes back to the kernel at once
+    if reset_peak_rss():
+        assert peak_rss_bytes() < before - (32 << 20)
+
+
+def test_environment_names_versions_and_cores():
+    env = environment("no-such-distribution-xyz")
+    assert env["cpus"] >= 1 and env["versions"]["torch"]
+    assert env["versions"]["no-such-distribution-xyz"] is None

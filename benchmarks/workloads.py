@@ -1,0 +1,150 @@
+"""The one workload every implementation of the side-by-side benchmark trains.
+
+A :class:`Workload` is frozen: the model (a ``transformers`` GPT-2 built from a config with
+random weights from a seed, or a plain MLP), the data (each step's global batch is a pure
+function of the seed and the step; rank ``r`` of ``W`` takes slice ``r``, the single-process
+reference takes all of it) and the fp32 AdamW hyperparameters (:data:`ADAMW`, passed
+explicitly to every implementation: DeepSpeed's and torch's defaults differ).
+
+The loss is the mean over this rank's slice; every slice has the same number of tokens, so
+the mean of the ranks' losses is the loss of the whole global batch, and averaging the
+ranks' gradients (what every data-parallel implementation does) gives its gradient.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = [
+    "ADAMW",
+    "Workload",
+    "adamw",
+    "block_modules",
+    "build_model",
+    "global_batch",
+    "loss_of",
+    "num_params",
+]
+
+# Every implementation's AdamW, all hyperparameters explicit (torch's defaults, lr raised).
+ADAMW: dict[str, Any] = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """Model, data and batch of the benchmark.
+
+    Attributes:
+        kind: ``"gpt2"`` (a ``transformers`` GPT-2 LM head model, embeddings tied) or ``"mlp"``.
+        layers, hidden, heads, vocab, seq: GPT-2 shape (``mlp``: ``layers`` Linear+GELU blocks
+            of width ``hidden`` between an input of ``vocab // 32`` features and ``seq`` outputs).
+        micro_batch: Sequences (rows) per rank per step.
+        seed: Seed of the weights and the data.
+    """
+
+    kind: str = "gpt2"
+    layers: int = 4
+    hidden: int = 256
+    heads: int = 4
+    vocab: int = 8192
+    seq: int = 128
+    micro_batch: int = 4
+    seed: int = 0
+
+    def describe(self) -> str:
+        """One line naming the model and batch."""
+        if self.kind == "gpt2":
+            shape = (
+                f"GPT-2 (transformers) {self.layers} layers, hidden {self.hidden}, {self.heads} heads, "
+                f"vocab {self.vocab}, sequence {self.seq}"
+            )
+        else:
+            shape = f"MLP {self.layers} x Linear({self.hidden}) + GELU, in {self.vocab // 32}, out {self.seq}"
+        return f"{shape}, micro-batch {self.micro_batch} per rank"
+
+
+class MLP(nn.Module):
+    """``layers`` blocks of Linear + GELU with a linear head; the loss is the mean squared error."""
+
+    def __init__(self, inputs: int, hidden: int, layers: int, outputs: int) -> None:
+        super().__init__()
+        self.inp = nn.Linear(inputs, hidden)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(hidden, hidden), nn.GELU()) for _ in range(layers)
+        )
+        self.head = nn.Linear(hidden, outputs)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def build_model(w: Workload) -> nn.Module:
+    """The model with weights seeded by ``w.seed`` (identical in every process); no dropout."""
+    torch.manual_seed(w.seed)
+    if w.kind == "mlp":
+        return MLP(w.vocab // 32, w.hidden, w.layers, w.seq)
+    if w.kind != "gpt2":
+        raise ValueError(f"unknown workload kind {w.kind!r}: use 'gpt2' or 'mlp'")
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(
+        n_layer=w.layers,
+        n_embd=w.hidden,
+        n_head=w.heads,
+        vocab_size=w.vocab,
+        n_positions=w.seq,
+        attn_pdrop=0.0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return GPT2LMHeadModel(cfg)
+
+
+def block_modules(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks (what FSDP2 wraps with ``fully_shard`` one by one)."""
+    if isinstance(model, MLP):
+        return list(model.blocks)
+    return list(model.transformer.h)
+
+
+def num_params(model: nn.Module) -> int:
+    """P: parameters of the model, each shared (tied) tensor once."""
+    return sum(p.numel() for p in dict.fromkeys(model.parameters()))
+
+
+def global_batch(w: Workload, step: int, world: int) -> dict[str, torch.Tensor]:
+    """Step ``step``'s global batch: ``micro_batch * world`` rows, a pure function of seed and step."""
+    rows = w.micro_batch * world
+    gen = torch.Generator().manual_seed(w.seed * 1_000_003 + step)
+    if w.kind == "mlp":
+        x = torch.randn(rows, w.vocab // 32, generator=gen)
+        return {"x": x, "y": torch.randn(rows, w.seq, generator=gen)}
+    return {"ids": torch.randint(0, w.vocab, (rows, w.seq), generator=gen)}
+
+
+def rank_slice(batch: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, torch.Tensor]:
+    """Rank ``rank``'s rows of a global batch (contiguous, equal slices)."""
+    return {k: v.chunk(world)[rank].contiguous() for k, v in batch.items()}
+
+
+def loss_of(model: Any, w: Workload, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Mean loss of ``batch`` under ``model`` (any callable wrapping the model: DDP, engines)."""
+    if w.kind == "mlp":
+        return nn.functional.mse_loss(model(batch["x"]), batch["y"])
+    ids = batch["ids"]
+    logits = model(input_ids=ids).logits
+    return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+
+
+def adamw(params: Any) -> torch.optim.AdamW:
+    """torch's fp32 AdamW with :data:`ADAMW` (``foreach`` off: one kernel path everywhere)."""
+    return torch.optim.AdamW(params, **ADAMW, foreach=False)

@@ -1,0 +1,74 @@
+"""Prefetching around a tied embedding larger than the live bound (the GPT-2 shape).
+
+The output head owns the embedding's weight (``head.weight is embed.weight``), so in backward
+that parameter waits for its gradient until the embedding's own backward ran, at the very end.
+It must not block prefetching of every block in between, and the head's weight, used in
+forward and at once again in backward, must not be freed and gathered again in between.
+"""
+
+from __future__ import annotations
+
+import torch
+from coord_cases import ReduceScatterSink, build, coordinate, over_worlds, rank_input
+from torch import nn
+
+from zero_coord import CoordinatorConfig
+
+VOCAB, DEPTH, WIDTH = 97, 8, 17
+EMBED_NUMEL = VOCAB * WIDTH  # 1649: more than the bound below
+LAYER_NUMEL = WIDTH * WIDTH + WIDTH
+BOUND = 3 * LAYER_NUMEL
+
+
+class TiedDeepLM(nn.Module):
+    """Embedding, ``depth`` Linear+tanh layers, a head sharing the embedding's weight."""
+
+    def __init__(self, vocab: int = VOCAB, depth: int = DEPTH, width: int = WIDTH) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return self.head(x)
+
+
+def _tied_steps(rank):
+    model, ref = build(TiedDeepLM)
+    config = CoordinatorConfig(
+        prefetch_bucket_size=2 * LAYER_NUMEL, max_live_parameters=BOUND, max_reuse_distance=0
+    )
+    sink = ReduceScatterSink()
+    coord = coordinate(model, config, sink)
+    stats, errors = [], []
+    for step in range(3):
+        ids = rank_input(step, rank.rank, (3, 5), high=VOCAB)
+        out = model(ids)
+        out.pow(2).mean().backward()
+        stats.append(coord.last_step_stats)
+        with torch.no_grad():
+            errors.append((out - ref(ids)).abs().max().item())
+    coord.remove()
+    return stats, max(errors), sink.problems
+
+
+@over_worlds
+def test_a_tied_weight_waiting_for_its_gradient_does_not_stop_prefetching(dist, world):
+    for stats, err, problems in dist.run(world, _tied_steps):
+        assert err == 0.0 and problems == []
+        steady = stats[2]
+        # Misses (parameters): the embedding (first module); the first layer's weight and bias in
+        # forward and the last layer's in backward (the running embedding / head alone fills the
+        # bound); the head in forward (larger than the bound, never prefetched). Every other layer
+        # is prefetched in forward and in backward, while the tied weight waits for its gradient
+        # (without that: 21 misses, every layer of backward).
+        assert steady.prefetch_misses == 6, steady
+        # The head's weight is kept from its forward into its backward (the very next module),
+        # and stays until its gradient, complete after the embedding's backward: 2 gathers of it.
+        assert steady.bytes_gathered == 4 * (2 * EMBED_NUMEL + 2 * DEPTH * LAYER_NUMEL), steady
+        # Prefetching stays within the bound on top of the tied weight and the running layer.
+        assert steady.max_live_elements <= BOUND + EMBED_NUMEL + LAYER_NUMEL, steady
