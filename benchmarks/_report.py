@@ -12,11 +12,14 @@ from __future__ import annotations
 import datetime
 import importlib.metadata
 import json
+import multiprocessing as mp
 import os
 import pathlib
 import platform
+import queue
 import re
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -29,6 +32,7 @@ __all__ = [
     "read_wchar",
     "reset_peak_rss",
     "rss_bytes",
+    "spawn_ranks",
     "versions",
     "write_results",
 ]
@@ -143,3 +147,41 @@ def write_results(
         paths.append(directory / f"{name}.md")
         paths[1].write_text(markdown if markdown.endswith("\n") else markdown + "\n")
     return paths
+
+
+def spawn_ranks(target: Callable[..., None], world: int, args: Any, timeout: float) -> Any:
+    """Run ``target(rank, args, store_path, results_queue)`` on ``world`` spawned processes.
+
+    The ranks rendezvous through a file store in a temporary directory; one of them puts the
+    benchmark's result on the queue, which is returned. A rank that dies first is an error
+    naming it and its exit code (no wait for the timeout); so is no result within ``timeout``.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="zero-bench-") as tmp:
+        procs = [ctx.Process(target=target, args=(r, args, f"{tmp}/store", results)) for r in range(world)]
+        for proc in procs:
+            proc.start()
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                try:
+                    result = results.get(timeout=1.0)
+                    break
+                except queue.Empty:
+                    dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                    if dead:
+                        raise RuntimeError(
+                            f"benchmark rank {dead[0][0]} exited with code {dead[0][1]}"
+                        ) from None
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(
+                            f"no benchmark result from {world} ranks within {timeout:.0f} s"
+                        ) from None
+            for proc in procs:
+                proc.join(timeout=60)
+        finally:
+            for proc in procs:
+                if proc.is_alive():
+                    proc.kill()
+    return result

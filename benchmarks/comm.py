@@ -28,13 +28,12 @@ import multiprocessing as mp
 import os
 import pathlib
 import statistics
-import tempfile
 import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from _report import environment, markdown_table, read_wchar, write_results
+from _report import environment, markdown_table, read_wchar, spawn_ranks, write_results
 
 import zero_comm
 from zero_comm import Topology, all_gather_coalesced, partition_numel, reduce_scatter_coalesced
@@ -197,17 +196,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
     args = parser.parse_args()
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="zero-comm-bench-") as tmp:
-        procs = [
-            ctx.Process(target=_rank_main, args=(r, args, f"{tmp}/store", results)) for r in range(args.world)
-        ]
-        for p in procs:
-            p.start()
-        result = results.get(timeout=600)
-        for p in procs:
-            p.join(timeout=60)
+    result = spawn_ranks(_rank_main, args.world, args, timeout=600)
     write_reports(args.out, args, result)
     print((args.out / "comm.md").read_text())
 

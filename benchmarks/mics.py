@@ -30,19 +30,15 @@ Writes ``mics.json`` and ``mics.md`` into ``--out``. Not a test: nothing is asse
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.metadata
-import json
 import multiprocessing as mp
 import os
 import pathlib
-import platform
 import statistics
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
+from _report import environment, markdown_table, spawn_ranks, write_results
 
 WORLD, RANKS_PER_NODE = 4, 2
 VARIANTS = {
@@ -165,23 +161,10 @@ def _rank_main(rank: int, args: argparse.Namespace, store: str, results: mp.Queu
         results.put(rows)
 
 
-def _version(dist_name: str) -> str:
-    try:
-        return importlib.metadata.version(dist_name)
-    except importlib.metadata.PackageNotFoundError:
-        return "not installed"
-
-
 def write_reports(out: pathlib.Path, args: argparse.Namespace, rows: list[dict]) -> None:
     """``mics.json`` (everything) and ``mics.md`` (a table) in ``out``."""
-    out.mkdir(parents=True, exist_ok=True)
     meta = {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "transformers": _version("transformers"),
-        "python": platform.python_version(),
-        "cpus": os.cpu_count(),
-        "load_average_1m": os.getloadavg()[0],
+        **environment("transformers"),
         "world": WORLD,
         "ranks_per_node": RANKS_PER_NODE,
         "model": {"layers": args.layers, "width": args.width, "vocab": args.vocab, "seq": args.seq},
@@ -190,41 +173,50 @@ def write_reports(out: pathlib.Path, args: argparse.Namespace, rows: list[dict])
         "warmup": args.warmup,
         "steps": args.steps,
     }
-    (out / "mics.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
     base = rows[0]["step_seconds_median"]
+    table = markdown_table(
+        [
+            "variant",
+            "step ms",
+            "time / ZeRO-3",
+            "inter-node MB / step",
+            "formula MB",
+            "intra-node MB / step",
+            "model states MB / rank",
+        ],
+        [
+            [
+                r["variant"],
+                f"{r['step_seconds_median'] * 1e3:.0f}",
+                f"{r['step_seconds_median'] / base:.2f}",
+                f"{r['inter_node_bytes_per_step'] / 1e6:.3f}",
+                f"{r['inter_node_formula'] / 1e6:.3f}",
+                f"{r['intra_node_bytes_per_step'] / 1e6:.3f}",
+                f"{r['model_state_bytes_per_rank'] / 1e6:.2f}",
+            ]
+            for r in rows
+        ],
+        align="lrrrrrr",
+    )
+    versions = meta["versions"]
     lines = [
         f"# MiCS vs ZeRO-3, {WORLD // RANKS_PER_NODE} nodes x {RANKS_PER_NODE} ranks, gloo on CPU",
         "",
         f"GPT-2 {args.layers}x{args.width}, vocab {args.vocab}, seq {args.seq}, micro-batch {args.micro}, "
         f"{args.accum} micro-steps per step, fp32 AdamW, Ψ = {rows[0]['psi_padded']:,} (padded to 4). "
         f"Median of {args.steps} steps after {args.warmup} warm-up (slowest rank); bytes per rank per "
-        f"optimizer step from the CommLedger (ring-ideal). torch {meta['torch']}, transformers "
-        f"{meta['transformers']}, {meta['cpus']} CPUs (4 ranks oversubscribe them), 1-min load "
+        f"optimizer step from the CommLedger (ring-ideal). torch {versions['torch']}, transformers "
+        f"{versions['transformers']}, {meta['cpus']} CPUs (4 ranks oversubscribe them), 1-min load "
         f"{meta['load_average_1m']:.1f} at {meta['date']}.",
         "",
-        "| variant | step ms | time / ZeRO-3 | inter-node MB / step | formula MB | intra-node MB / step "
-        "| model states MB / rank |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        cells = [
-            r["variant"],
-            f"{r['step_seconds_median'] * 1e3:.0f}",
-            f"{r['step_seconds_median'] / base:.2f}",
-            f"{r['inter_node_bytes_per_step'] / 1e6:.3f}",
-            f"{r['inter_node_formula'] / 1e6:.3f}",
-            f"{r['intra_node_bytes_per_step'] / 1e6:.3f}",
-            f"{r['model_state_bytes_per_rank'] / 1e6:.2f}",
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    lines += [
+        table,
         "",
         "The simulated nodes are processes on one machine: every link is shared memory, so step times "
         "(noisy: 4 ranks share 2 cores) reflect how many ranks each collective spans and its size, not "
         "a slow inter-node network. The inter-node bytes are what a real cluster would send across "
         "nodes; they equal the formula exactly.",
     ]
-    (out / "mics.md").write_text("\n".join(lines) + "\n")
+    write_results(out, "mics", {"meta": meta, "rows": rows}, "\n".join(lines))
 
 
 def main() -> None:
@@ -239,17 +231,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
     args = parser.parse_args()
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="zero-mics-bench-") as tmp:
-        procs = [
-            ctx.Process(target=_rank_main, args=(r, args, f"{tmp}/store", results)) for r in range(WORLD)
-        ]
-        for proc in procs:
-            proc.start()
-        rows = results.get(timeout=1800)
-        for proc in procs:
-            proc.join(timeout=60)
+    rows = spawn_ranks(_rank_main, WORLD, args, timeout=1800)
     write_reports(args.out, args, rows)
     print((args.out / "mics.md").read_text())
 

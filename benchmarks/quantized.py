@@ -41,13 +41,12 @@ import pathlib
 import re
 import statistics
 import subprocess
-import tempfile
 import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from _report import environment, markdown_table, median_seconds, read_wchar, write_results
+from _report import environment, markdown_table, median_seconds, read_wchar, spawn_ranks, write_results
 
 import zero_kernels
 from zero_comm import (
@@ -359,17 +358,7 @@ def main() -> None:
     if args.world % args.ranks_per_node or args.numel % (1000 * args.world):
         parser.error("--ranks-per-node must divide --world, and --numel must be a multiple of 1000 * --world")
     kernels = kernel_throughput(args.numel, args.world, args.ranks_per_node, args.kernel_repeats)
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="zero-quantized-bench-") as tmp:
-        procs = [
-            ctx.Process(target=_rank_main, args=(r, args, f"{tmp}/store", results)) for r in range(args.world)
-        ]
-        for p in procs:
-            p.start()
-        dist_result = results.get(timeout=3600)
-        for p in procs:
-            p.join(timeout=60)
+    dist_result = spawn_ranks(_rank_main, args.world, args, timeout=3600)
     env = environment("zero-comm", "zero-kernels")
     meta = {
         "date": env["date"],

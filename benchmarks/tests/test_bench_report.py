@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from _report import (
@@ -12,6 +13,7 @@ from _report import (
     read_wchar,
     reset_peak_rss,
     rss_bytes,
+    spawn_ranks,
     write_results,
 )
 
@@ -54,3 +56,25 @@ def test_environment_names_versions_and_cores():
     env = environment("no-such-distribution-xyz")
     assert env["cpus"] >= 1 and env["versions"]["torch"]
     assert env["versions"]["no-such-distribution-xyz"] is None
+
+
+def _answer_from_rank_one(rank, args, store, results):
+    if rank == 1:
+        results.put({"args": args, "store_named": store.endswith("/store")})
+
+
+def _rank_one_dies(rank, args, store, results):
+    if rank == 1:
+        raise SystemExit(3)
+    time.sleep(120)
+
+
+def test_spawn_ranks_returns_the_result_one_rank_puts():
+    assert spawn_ranks(_answer_from_rank_one, 2, "x", timeout=60) == {"args": "x", "store_named": True}
+
+
+def test_spawn_ranks_names_a_rank_that_dies_instead_of_waiting():
+    # Rank 0 would block for 120 s; the dead rank is reported (and rank 0 killed) at once,
+    # not as the TimeoutError the wait would end in.
+    with pytest.raises(RuntimeError, match="benchmark rank 1 exited with code 3"):
+        spawn_ranks(_rank_one_dies, 2, None, timeout=120)
