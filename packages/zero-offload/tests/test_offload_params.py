@@ -78,11 +78,11 @@ def test_prefetch_issues_reads_before_the_fetch(tmp_path):
     sw = _swapper(tmp_path, buffer_count=3, buffer_size=512)
     sw.evict_all()
     keys = sw.keys()
-    started = sw.prefetch(keys[:3])
+    started = sw.prefetch((k, True) for k in keys[:3])
     assert started == 3 and sw.stats.swap_ins == 3
     assert {sw.residence(k) for k in keys[:3]} <= {ShardResidence.SWAPPING_IN, ShardResidence.RESIDENT}
     # no room for more without evicting prefetched shards: prefetch stops, never blocks
-    assert sw.prefetch(keys[3:]) == 0
+    assert sw.prefetch((k, True) for k in keys[3:]) == 0
     outs = sw.fetch(keys[:3])
     assert sw.stats.prefetch_hits == 3 and sw.stats.swap_ins == 3  # no second read
     for i, out in enumerate(outs):
@@ -91,8 +91,15 @@ def test_prefetch_issues_reads_before_the_fetch(tmp_path):
     with pytest.raises(RuntimeError, match="no room to swap in 'layer3.weight'.*buffer_count = 3"):
         sw.fetch([keys[3]])
     sw.unpin(keys[:3])
+    # shards named earlier in the same call (needed sooner) are not evicted for later ones
+    assert sw.prefetch([(keys[0], False), (keys[1], False), (keys[3], True), (keys[4], True)]) == 1
+    assert (
+        sw.residence(keys[0]) is ShardResidence.RESIDENT and sw.residence(keys[1]) is ShardResidence.RESIDENT
+    )
+    assert sw.residence(keys[2]) is ShardResidence.ON_DISK  # the one not named: evicted for keys[3]
+    assert sw.residence(keys[4]) is ShardResidence.ON_DISK
     (out,) = sw.fetch([keys[3]])
-    assert torch.equal(out, _values(3, SIZES[3]))
+    assert torch.equal(out, _values(3, SIZES[3])) and sw.stats.prefetch_hits == 4
     sw.close()
 
 
@@ -101,7 +108,7 @@ def test_cpu_keeps_every_shard_resident_and_counts_transfers():
     sw = ParamSwapper(cfg, [("a", 5, torch.float32), ("b", 3, torch.float64)])
     sw.store("a", torch.arange(5.0))
     sw.store("b", torch.ones(3, dtype=torch.float64))
-    assert sw.prefetch(["a", "b"]) == 0
+    assert sw.prefetch([("a", True), ("b", True)]) == 0
     a, b = sw.fetch(["a", "b"])
     assert torch.equal(a, torch.arange(5.0)) and torch.equal(b, torch.ones(3, dtype=torch.float64))
     assert sw.stats.fetches == 2 and sw.stats.fetch_bytes == 5 * 4 + 3 * 8 and sw.stats.stores == 2

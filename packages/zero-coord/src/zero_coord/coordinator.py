@@ -636,13 +636,22 @@ class Coordinator:
         if self._shard_prefetch is not None:
             self._acc.shard_prefetches += self._shard_prefetch.prefetch(self._upcoming_params(step))
 
-    def _upcoming_params(self, step: _Step) -> Iterator[nn.Parameter]:
-        """Parameters of the trace modules after the prefetched ones that are not gathered, in order."""
+    def _upcoming_params(self, step: _Step) -> Iterator[tuple[nn.Parameter, bool]]:
+        """``(param, swap_in)`` along the trace from the current module (see :class:`ShardPrefetcher`).
+
+        First sight of a parameter that is not gathered: ``True`` (it will be gathered there);
+        a later sight of any parameter: ``False`` (needed again, keep its shard if resident).
+        """
         event_slots = step.trace._event_slots
-        for pos in range(max(step.prefetch_pos, step.cursor), len(event_slots)):
+        seen: set[ParamSlot] = set()
+        for pos in range(max(step.cursor - 1, 0), len(event_slots)):  # the current module first
             for s in event_slots[pos]:
-                if s.batch is None:
-                    yield s.param
+                if s in seen:
+                    yield s.param, False
+                else:
+                    seen.add(s)
+                    if s.batch is None:
+                        yield s.param, True
 
     def _prefetch_gathers(self, step: _Step) -> None:
         """Issue async gathers (one per module) for the next trace modules within the bucket and bound."""

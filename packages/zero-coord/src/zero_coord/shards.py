@@ -14,12 +14,15 @@ __all__ = ["ShardPrefetcher"]
 class ShardPrefetcher(Protocol):
     """Starts swap-ins of parameter shards that live off the device (``zero_params.OffloadedShards``).
 
-    ``prefetch(params)`` is called with the parameters of the upcoming modules of the
-    recorded trace, in the order they will be gathered, right after the coordinator issued
-    (or joined) the gathers it can afford now. It must not block on I/O: it starts reads
-    for as many shards as it has room for, consuming ``params`` lazily, and returns the
-    number started. The gather of those parameters later waits for the reads
+    ``prefetch(upcoming)`` is called after each fetch on a recorded trace, once the
+    coordinator issued the gathers it can afford now. ``upcoming`` yields ``(param,
+    swap_in)`` in trace order from the current module on: ``swap_in=True`` for a parameter
+    that is not gathered and will be gathered there; ``swap_in=False`` for a parameter seen
+    earlier in the walk (gathered now, needed again there after a release): keep its shard
+    if it is in memory, but do not read it. The prefetcher must not block on I/O: it starts
+    reads for as many shards as it has room for, consuming ``upcoming`` lazily, and returns
+    the number started. The gather of those parameters later waits for the reads
     (``zero_params.gather`` asks the shards' home for their values).
     """
 
-    def prefetch(self, params: Iterable[nn.Parameter]) -> int: ...
+    def prefetch(self, upcoming: Iterable[tuple[nn.Parameter, bool]]) -> int: ...

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -271,22 +271,37 @@ class ParamSwapper:
             if s.status is ShardResidence.RESIDENT:
                 s.settle()
 
-    def prefetch(self, keys: Sequence[str]) -> int:
-        """Start swap-ins of the ``ON_DISK`` shards among ``keys``, in order, without blocking.
+    def prefetch(self, upcoming: Iterable[tuple[str, bool]]) -> int:
+        """Start swap-ins of upcoming shards, in order of use, without blocking.
 
-        Stops at the first shard that finds no room (free buffers, or shards that are
-        neither pinned nor prefetched themselves). ``cpu``: nothing to do. Returns the number
-        of swap-ins started.
+        Args:
+            upcoming: ``(key, swap_in)`` in the order the shards will be needed (consumed
+                lazily). ``swap_in=False`` marks a shard that will be needed there but must
+                not be read now (e.g. its parameter is gathered at the moment): it is only
+                kept from eviction if resident.
+
+        Stops at the first shard that finds no room: free buffers, or shards that are
+        neither pinned, prefetched, nor named earlier in ``upcoming`` (those are needed
+        sooner). ``cpu``: nothing to do. Returns the number of swap-ins started.
         """
         if not self.nvme:
             return 0
         started = 0
+        wanted: set[str] = set()  # shards named earlier in this call: needed sooner, not evicted
+        held = 0  # of them in memory
         with record_function("zero.offload.param_prefetch"):
-            for key in keys:
+            for key, swap_in in upcoming:
                 s = self._shards.get(key)
-                if s is None or s.status is not ShardResidence.ON_DISK:
+                if s is None:
                     continue
-                if not self._claim(s, allow_evict_prefetched=False, block=False):
+                if s.status is not ShardResidence.ON_DISK or not swap_in:
+                    if key not in wanted:
+                        wanted.add(key)
+                        held += s.status is not ShardResidence.ON_DISK
+                    if held >= self.config.buffer_count:
+                        break  # the cache is spoken for by shards needed sooner
+                    continue
+                if not self._claim(s, allow_evict_prefetched=False, block=False, keep=wanted):
                     break
                 self._read(s)
                 s.prefetched = True
@@ -377,8 +392,15 @@ class ParamSwapper:
         self.stats.swap_ins += 1
         self.stats.swap_in_bytes += s.nbytes
 
-    def _claim(self, s: _Shard, *, allow_evict_prefetched: bool, block: bool = True) -> bool:
-        """Give ``s`` a pool buffer, evicting least recently used evictable shards for room."""
+    def _claim(
+        self,
+        s: _Shard,
+        *,
+        allow_evict_prefetched: bool,
+        block: bool = True,
+        keep: frozenset[str] | set[str] = frozenset(),
+    ) -> bool:
+        """Give ``s`` a pool buffer, evicting the least recently used evictable shard (not in ``keep``)."""
         pool = self._buffers()
         limit = self.config.max_in_cpu
         while pool.free_count == 0 or self._resident_numel + s.numel > limit:
@@ -387,6 +409,7 @@ class ParamSwapper:
                     self._shards[k]
                     for k in self._lru
                     if self._shards[k].pins == 0
+                    and k not in keep
                     and (allow_evict_prefetched or not self._shards[k].prefetched)
                 ),
                 None,

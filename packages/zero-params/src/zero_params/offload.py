@@ -146,21 +146,25 @@ class OffloadedShards:
 
     # ------------------------------------------------------------------ training hooks
 
-    def prefetch(self, params: Iterable[nn.Parameter]) -> int:
-        """Start swap-ins of the offloaded shards of ``params`` (in order, without blocking).
+    def prefetch(self, upcoming: Iterable[tuple[nn.Parameter, bool]]) -> int:
+        """Start swap-ins of offloaded shards ahead of their gather (a ``zero_coord.ShardPrefetcher``).
 
-        Consumes ``params`` lazily and stops when the swapper has no room. Returns the number
-        of swap-ins started (0 for ``cpu``).
+        Args:
+            upcoming: ``(param, swap_in)`` in the order of their next gather (consumed lazily;
+                see :meth:`zero_offload.ParamSwapper.prefetch`): ``swap_in=False`` only keeps
+                a resident shard from being evicted for later ones.
+
+        Returns the number of swap-ins started (0 for ``cpu``).
         """
         if not self.swapper.nvme:
             return 0
-        return self.swapper.prefetch(self._keys_of(params))
+        return self.swapper.prefetch(self._keys_of(upcoming))
 
-    def _keys_of(self, params: Iterable[nn.Parameter]) -> Iterator[str]:
-        for p in params:
+    def _keys_of(self, upcoming: Iterable[tuple[nn.Parameter, bool]]) -> Iterator[tuple[str, bool]]:
+        for p, swap_in in upcoming:
             state = getattr(p, "_zero", None)
             if isinstance(state, ShardedParam) and state.offload is self:
-                yield self._keys[state.id]
+                yield self._keys[state.id], swap_in
 
     def store_all(self, items: Iterable[tuple[nn.Parameter, torch.Tensor]]) -> None:
         """Store updated shard values (e.g. after an optimizer step) and wait for the writes."""
