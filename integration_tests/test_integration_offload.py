@@ -120,13 +120,21 @@ def test_offloaded_optimizer_matches_single_process_and_no_offload(dist, tmp_pat
     assert list(tmp_path.rglob("*.zswap")) == []  # swap files removed by engine.close()
 
 
-MIXED = [(1, {"fp16": {"enabled": True, "initial_scale_power": 8}}), (3, {"bf16": {"enabled": True}})]
+MIXED = [
+    (1, {"fp16": {"enabled": True, "initial_scale_power": 8}}, False),
+    (3, {"bf16": {"enabled": True}}, False),
+    (3, {"bf16": {"enabled": True}}, True),
+]
 
 
-@pytest.mark.parametrize("stage,top", MIXED, ids=["stage1-fp16", "stage3-bf16"])
-def test_offload_with_16bit_working_parameters(dist, tmp_path, stage, top):
-    """16-bit working copies refreshed from the offloaded fp32 masters: the same losses as no offload."""
+@pytest.mark.parametrize("stage,top,params", MIXED, ids=["stage1-fp16", "stage3-bf16", "stage3-bf16-params"])
+def test_offload_with_16bit_working_parameters(dist, tmp_path, stage, top, params):
+    """16-bit working copies refreshed from the offloaded fp32 masters: the same losses as no offload.
+
+    With ``params``, the bf16 parameter shards are offloaded to nvme as well."""
     zero = {"offload_optimizer": _nvme(tmp_path, buffer_count=3)}
+    if params:
+        zero["offload_param"] = _param_nvme(tmp_path / "param")
     plain = dist.run(2, offload_run, stage, {}, top)[0]
     off = dist.run(2, offload_run, stage, zero, top)[0]
     assert_losses_close(off["losses"], plain["losses"], rel=1e-3)  # measured: identical here
