@@ -408,7 +408,7 @@ class Coordinator:
             self._advance(step, ms.index << 1)
             with profile_range("zero.coord.fetch"):
                 self._acquire(ms)
-            if step.valid:
+            if step.valid and (self._config.prefetch_bucket_size or self._shard_prefetch is not None):
                 with profile_range("zero.coord.prefetch"):
                     self._prefetch(step)
 
@@ -446,7 +446,7 @@ class Coordinator:
             self._advance(step, (ms.index << 1) | 1)
             with profile_range("zero.coord.fetch"):
                 self._acquire(ms, backward=True)
-            if step.valid:
+            if step.valid and (self._config.prefetch_bucket_size or self._shard_prefetch is not None):
                 with profile_range("zero.coord.prefetch"):
                     self._prefetch(step)
         else:
