@@ -1,4 +1,4 @@
-"""Optimizer-state offload (``offload_optimizer``: cpu / nvme) trains like no offload.
+"""Optimizer-state and parameter offload (``offload_optimizer`` / ``offload_param``) train like no offload.
 
 * Parity (DESIGN.md yardstick): stage 3 with ``offload_optimizer: nvme`` (small sub-groups,
   read and write pipelining) and stage 2 with ``offload_optimizer: cpu``, world 2, 20 AdamW
@@ -14,11 +14,19 @@
 * Faults: a corrupted swap file mid-training is an error naming the file and the tensor;
   an unusable or too small ``nvme_path`` fails ``initialize`` before the first step.
 * Checkpoints save and load with nvme offload (state read back from and written to the swap files).
+* Parameter offload: stage 3 with ``offload_optimizer: nvme`` + ``offload_param: nvme`` (a
+  three-buffer shard cache) and with ``offload_param: cpu``, world 2, 20 steps: the same
+  yardstick. Counted: one shard store per parameter and step, swap-ins started by the trace
+  prefetch ahead of the gathers that use them (``prefetch_hits``), host memory for shards
+  (from storages) at most the buffer pool while the shards are >= 10x that. Faults: a
+  corrupted parameter swap file is an error naming file and parameter; an unusable or too
+  small ``nvme_path`` fails ``initialize``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from pathlib import Path
 from unittest import mock
@@ -31,6 +39,7 @@ from torch import nn
 
 import zero_full
 import zero_offload
+import zero_optim
 import zero_params
 from zero_testing import assert_losses_close, assert_state_close
 
@@ -73,13 +82,30 @@ def _nvme(path: Path, **extra) -> dict:
     return {"device": "nvme", "nvme_path": str(path), "pipeline_read": True, "pipeline_write": True, **extra}
 
 
+def _param_nvme(path: Path, **extra) -> dict:
+    """Parameter offload to nvme with a tiny cache: 3 buffers of 540 elements (largest shard: 537)."""
+    return {"device": "nvme", "nvme_path": str(path), "buffer_count": 3, "buffer_size": 540, **extra}
+
+
 CASES = [
     (3, lambda tmp: {"offload_optimizer": _nvme(tmp, buffer_count=3), "sub_group_size": 200}),
     (2, lambda tmp: {"offload_optimizer": {"device": "cpu"}, "overlap_comm": True}),
+    (
+        3,
+        lambda tmp: {
+            "offload_optimizer": _nvme(tmp / "opt", buffer_count=3),
+            "offload_param": _param_nvme(tmp / "param"),
+            "sub_group_size": 200,
+            "stage3_prefetch_bucket_size": 300,
+        },
+    ),
+    (3, lambda tmp: {"offload_param": {"device": "cpu"}}),
 ]
 
 
-@pytest.mark.parametrize("stage,zero", CASES, ids=["stage3-nvme", "stage2-cpu"])
+@pytest.mark.parametrize(
+    "stage,zero", CASES, ids=["stage3-nvme", "stage2-cpu", "stage3-nvme-params-nvme", "stage3-params-cpu"]
+)
 def test_offloaded_optimizer_matches_single_process_and_no_offload(dist, tmp_path, stage, zero):
     """Losses within 1e-5 of one process and of the same stage without offload; ranks agree."""
     ref = _reference()
@@ -91,16 +117,28 @@ def test_offloaded_optimizer_matches_single_process_and_no_offload(dist, tmp_pat
     assert_losses_close(results[0]["losses"], ref["losses"], rel=1e-5)
     assert_losses_close(results[0]["losses"], plain[0]["losses"], rel=1e-5)
     assert_state_close(results[0]["params"], plain[0]["params"], rel=1e-4)
+    if "offload_optimizer" not in zero(tmp_path):  # torch's AdamW either way: parameter offload is exact
+        assert results[0]["losses"] == plain[0]["losses"]
+        for n, p in results[0]["params"].items():
+            assert torch.equal(p, plain[0]["params"][n]), n
     assert list(tmp_path.rglob("*.zswap")) == []  # swap files removed by engine.close()
 
 
-MIXED = [(1, {"fp16": {"enabled": True, "initial_scale_power": 8}}), (3, {"bf16": {"enabled": True}})]
+MIXED = [
+    (1, {"fp16": {"enabled": True, "initial_scale_power": 8}}, False),
+    (3, {"bf16": {"enabled": True}}, False),
+    (3, {"bf16": {"enabled": True}}, True),
+]
 
 
-@pytest.mark.parametrize("stage,top", MIXED, ids=["stage1-fp16", "stage3-bf16"])
-def test_offload_with_16bit_working_parameters(dist, tmp_path, stage, top):
-    """16-bit working copies refreshed from the offloaded fp32 masters: the same losses as no offload."""
+@pytest.mark.parametrize("stage,top,params", MIXED, ids=["stage1-fp16", "stage3-bf16", "stage3-bf16-params"])
+def test_offload_with_16bit_working_parameters(dist, tmp_path, stage, top, params):
+    """16-bit working copies refreshed from the offloaded fp32 masters: the same losses as no offload.
+
+    With ``params``, the bf16 parameter shards are offloaded to nvme as well."""
     zero = {"offload_optimizer": _nvme(tmp_path, buffer_count=3)}
+    if params:
+        zero["offload_param"] = _param_nvme(tmp_path / "param")
     plain = dist.run(2, offload_run, stage, {}, top)[0]
     off = dist.run(2, offload_run, stage, zero, top)[0]
     assert_losses_close(off["losses"], plain["losses"], rel=1e-3)  # measured: identical here
@@ -236,9 +274,11 @@ def test_unusable_or_too_small_nvme_path_fails_before_the_first_step(dist, tmp_p
         assert "free, but swapping needs" in m, m
 
 
-def checkpoint_roundtrip(rank, tmp: str) -> dict:
+def checkpoint_roundtrip(rank, tmp: str, params: bool) -> dict:
     world = dist.get_world_size()
     cfg = _config(3, offload_optimizer=_nvme(Path(tmp) / "swap"), sub_group_size=150)
+    if params:
+        cfg["zero_optimization"]["offload_param"] = _param_nvme(Path(tmp) / "pswap")
 
     def train(engine, steps, first):
         losses = []
@@ -261,6 +301,126 @@ def checkpoint_roundtrip(rank, tmp: str) -> dict:
     return {"cont": cont, "resumed": resumed}
 
 
-def test_checkpoint_with_nvme_offload_resumes_exactly(dist, tmp_path):
-    for res in dist.run(2, checkpoint_roundtrip, str(tmp_path)):
+@pytest.mark.parametrize("params", [False, True], ids=["optimizer", "optimizer+params"])
+def test_checkpoint_with_nvme_offload_resumes_exactly(dist, tmp_path, params):
+    for res in dist.run(2, checkpoint_roundtrip, str(tmp_path), params):
         assert res["resumed"] == res["cont"]
+
+
+# --------------------------------------------------------------------------- parameter offload
+
+
+class Deep(nn.Module):
+    """24 layers of 128 x 128: parameter shards >= 10x a two-buffer cache."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Linear(128, 128) for _ in range(24)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x).square().mean()
+
+
+PARAM_STEPS = 3
+
+
+def param_offload_counts(rank, tmp: str) -> dict:
+    torch.manual_seed(0)
+    zero = {"offload_param": _param_nvme(Path(tmp), buffer_count=2, buffer_size=128 * 64)}
+    cfg = _config(3, stage3_prefetch_bucket_size=128 * 128, **zero)
+    model = Deep()
+    engine = zero_full.initialize(model, cfg, lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9))
+    shards = zero_optim.offloaded_shards(engine.optimizer)
+    peak = 0
+    for step in range(PARAM_STEPS):
+        x = torch.randn(4, 128, generator=torch.Generator().manual_seed(step))
+        engine.backward(engine(x))
+        peak = max(peak, shards.swapper.resident_elements)
+        engine.step()
+    held = shards.host_tensors() + [zero_params.state_of(p).shard for p in model.parameters()]
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in held}
+    out = {
+        "stats": dataclasses.asdict(shards.stats),
+        "coord": engine.coordinator.total_stats,
+        "resident": sum(storages.values()),
+        "pool": shards.swapper._pool.resident_bytes,  # noqa: SLF001 - test inspects the pool
+        "shard_bytes": sum(s.partition_numel * 4 for s in shards.states),
+        "count": len(shards.states),
+        "peak": peak,
+    }
+    engine.close()
+    return out
+
+
+def test_param_offload_prefetches_counts_transfers_and_bounds_host_memory(dist, tmp_path):
+    """Every step stores each shard once; swap-ins are issued by the trace prefetch before the gathers
+    that use them; host memory for shards is the two-buffer pool while the shards are >= 10x that."""
+    for r, res in enumerate(dist.run(2, param_offload_counts, str(tmp_path))):
+        st, coord = res["stats"], res["coord"]
+        assert res["count"] == 48
+        assert st["stores"] == PARAM_STEPS * 48 and st["store_bytes"] == PARAM_STEPS * res["shard_bytes"]
+        assert st["prefetched"] == coord.shard_prefetches > 0, f"rank {r}: {st}"
+        assert 0 < st["prefetch_hits"] <= st["prefetched"], f"rank {r}: {st}"
+        assert st["fetches"] >= PARAM_STEPS * 48, f"rank {r}: {st}"  # every shard gathered each step
+        assert st["swap_ins"] <= st["fetches"] + st["prefetched"]
+        assert st["max_resident_elements"] <= 2 * 128 * 64 and res["peak"] <= 2 * 128 * 64
+        assert res["resident"] <= res["pool"], f"rank {r}: {res}"
+        assert res["shard_bytes"] >= 10 * res["pool"], f"rank {r}: model too small to show the bound: {res}"
+
+
+def corrupt_param_mid_training(rank, tmp: str) -> str:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(13, 37), nn.Tanh(), nn.Linear(37, 7))
+    cfg = _config(3, offload_param=_param_nvme(Path(tmp), buffer_count=1))
+    engine = zero_full.initialize(model, cfg, lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    swapper = zero_optim.offloaded_shards(engine.optimizer).swapper
+    victim = None
+    for step in range(4):
+        if step == 2:
+            if swapper.residence("0.weight") is not zero_offload.ShardResidence.ON_DISK:
+                return "victim is resident: the corruption would not be read"
+            victim = swapper.swapper.path_of("0.weight")
+            data = bytearray(victim.read_bytes())
+            data[zero_offload.swap.HEADER_BYTES + 5] ^= 0xFF
+            victim.write_bytes(bytes(data))
+        x = torch.randn(4, 13, generator=torch.Generator().manual_seed(step))
+        try:
+            engine.backward(engine(x).square().mean())
+        except zero_offload.SwapError as exc:
+            engine.close()
+            return f"step {step}: {exc}|{victim}"
+        engine.step()
+    engine.close()
+    return "no error"
+
+
+def test_corrupted_parameter_swap_file_mid_training_is_an_error_naming_it(dist, tmp_path):
+    msg = dist.run(1, corrupt_param_mid_training, str(tmp_path))[0]
+    text, victim = msg.split("|")
+    assert text.startswith("step 2: "), msg
+    assert victim in text and "'0.weight'" in text and "checksum" in text, msg
+
+
+def initialize_param_error(rank, nvme_path: str, free: int | None) -> str:
+    model = nn.Sequential(nn.Linear(13, 37), nn.Tanh(), nn.Linear(37, 7))
+    cfg = _config(3, offload_param=_param_nvme(Path(nvme_path)))
+    try:
+        with (
+            mock.patch("zero_offload.swap._free_bytes", lambda directory: free)
+            if free
+            else contextlib.nullcontext()
+        ):
+            zero_full.initialize(model, cfg, lambda ps: torch.optim.AdamW(ps))
+    except zero_offload.SwapError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "initialized"
+
+
+def test_unusable_or_too_small_param_nvme_path_fails_at_initialize(dist, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    for m in dist.run(2, initialize_param_error, str(blocker / "swap"), None):
+        assert m.startswith("SwapError") and str(blocker) in m and "not usable" in m, m
+    for r, m in enumerate(dist.run(2, initialize_param_error, str(tmp_path / "small"), 1000)):
+        assert m.startswith("SwapSpaceError") and f"zero_rank{r}/params" in m, m
+        assert "free, but swapping needs" in m, m

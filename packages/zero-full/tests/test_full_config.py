@@ -511,17 +511,30 @@ def test_unsupported_features_are_listed_for_stage_3() -> None:
         )
     )
     found = cfg.unsupported_features()
-    assert len(found) == 6
+    assert len(found) == 5
     assert not any("mics" in line for line in found)  # MiCS is implemented
+    assert not any("offload_param" in line for line in found)  # parameter offload is implemented
     for needle in (
         "offload_optimizer.ratio = 0.5 (partial optimizer offload",
-        "offload_param.device = 'nvme'",
         "zero_quantized_weights = true",
         "zero_quantized_gradients = true",
         "zero_quantized_nontrainable_weights = true",
         "zero_hpz_partition_size = 2",
     ):
         assert sum(needle in line for line in found) == 1, needle
+
+
+@pytest.mark.parametrize("device", ["cpu", "nvme"])
+def test_parameter_offload_is_supported_at_stage_3(device: str) -> None:
+    section = {"device": device, "nvme_path": "/nvme", "buffer_count": 3, "buffer_size": 10, "max_in_cpu": 20}
+    cfg = ZeroConfig.model_validate(zero_opt(stage=3, offload_param=section))
+    assert cfg.unsupported_features() == []
+    converted = cfg.zero_optimization.offload_param.to_param_offload_config()
+    assert converted.device.value == device
+    assert (converted.buffer_count, converted.buffer_size, converted.max_in_cpu) == (3, 10, 20)
+    assert str(converted.nvme_path) == "/nvme"
+    plain = ZeroConfig.model_validate(zero_opt(stage=3))
+    assert plain.zero_optimization.offload_param.to_param_offload_config() is None
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

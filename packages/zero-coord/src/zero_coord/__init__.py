@@ -5,13 +5,15 @@ partitioned with ``zero_params``: it gathers each module's parameters before it 
 prefetches the next modules of a recorded :class:`Trace`, releases parameters after use
 (never before their gradient reached the :class:`GradientSink`) and reports
 :class:`StepStats`. :func:`set_leaf_modules` marks blocks (mixture of experts) that are
-gathered as a whole.
+gathered as a whole. A :class:`ShardPrefetcher` (offloaded shards) is asked to swap in the
+shards of upcoming trace modules ahead of their gather.
 """
 
 from zero_coord.config import CoordinatorConfig, Phase, TraceState
 from zero_coord.coordinator import Coordinator
 from zero_coord.hooks import HookSet, ModuleHookState
 from zero_coord.leaf import LeafRegistry, find_leaf_modules, set_leaf_modules
+from zero_coord.shards import ShardPrefetcher
 from zero_coord.sink import GradientSink
 from zero_coord.stats import StepStats
 from zero_coord.trace import Trace, TraceEvent
@@ -24,6 +26,7 @@ __all__ = [
     "LeafRegistry",
     "ModuleHookState",
     "Phase",
+    "ShardPrefetcher",
     "StepStats",
     "Trace",
     "TraceEvent",

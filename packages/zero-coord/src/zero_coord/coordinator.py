@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -39,6 +40,7 @@ from zero_coord.config import CoordinatorConfig, Phase
 from zero_coord.errors import annotate_unseen_parameter
 from zero_coord.hooks import GatherBatch, GradHook, HookSet, ModuleHookState, ParamSlot
 from zero_coord.leaf import find_leaf_modules
+from zero_coord.shards import ShardPrefetcher
 from zero_coord.sink import GradientSink
 from zero_coord.stats import StatsAccumulator, StepStats
 from zero_coord.trace import Trace
@@ -83,6 +85,9 @@ class Coordinator:
         config: Prefetch and release policy.
         grad_sink: Receives each gradient once accumulated and the end of each backward
             (``None``: gradients stay in ``.grad`` and nothing is reduced).
+        shard_prefetch: With offloaded shards (``offload_param``), asked to swap in the shards
+            of the upcoming trace modules after each fetch, so swap-in overlaps compute
+            (``None``: shards are where gathers read them).
 
     Example:
         >>> coord = Coordinator(model, CoordinatorConfig(prefetch_bucket_size=10**6), sink)
@@ -96,6 +101,7 @@ class Coordinator:
         model: nn.Module,
         config: CoordinatorConfig = CoordinatorConfig(),  # noqa: B008 - frozen, immutable default
         grad_sink: GradientSink | None = None,
+        shard_prefetch: ShardPrefetcher | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Coordinator(model=...) needs an nn.Module, got {type(model).__name__}")
@@ -107,7 +113,10 @@ class Coordinator:
             )
         self._model = model
         self._config = config
+        if shard_prefetch is not None and not isinstance(shard_prefetch, ShardPrefetcher):
+            raise TypeError(f"shard_prefetch {type(shard_prefetch).__name__} lacks prefetch(params)")
         self._sink = grad_sink
+        self._shard_prefetch = shard_prefetch
         self._hooks = HookSet()
         self._installed = False
         self._states: list[ModuleHookState] = []
@@ -403,7 +412,7 @@ class Coordinator:
             self._advance(step, ms.index << 1)
             with profile_range("zero.coord.fetch"):
                 self._acquire(ms)
-            if step.valid and self._config.prefetch_bucket_size:
+            if step.valid and (self._config.prefetch_bucket_size or self._shard_prefetch is not None):
                 with profile_range("zero.coord.prefetch"):
                     self._prefetch(step)
 
@@ -441,7 +450,7 @@ class Coordinator:
             self._advance(step, (ms.index << 1) | 1)
             with profile_range("zero.coord.fetch"):
                 self._acquire(ms, backward=True)
-            if step.valid and self._config.prefetch_bucket_size:
+            if step.valid and (self._config.prefetch_bucket_size or self._shard_prefetch is not None):
                 with profile_range("zero.coord.prefetch"):
                     self._prefetch(step)
         else:
@@ -625,6 +634,30 @@ class Coordinator:
         return batch
 
     def _prefetch(self, step: _Step) -> None:
+        """Prefetch along the trace: gathers within the bucket, then swap-ins of offloaded shards beyond."""
+        if self._config.prefetch_bucket_size:
+            self._prefetch_gathers(step)
+        if self._shard_prefetch is not None:
+            self._acc.shard_prefetches += self._shard_prefetch.prefetch(self._upcoming_params(step))
+
+    def _upcoming_params(self, step: _Step) -> Iterator[tuple[nn.Parameter, bool]]:
+        """``(param, swap_in)`` along the trace from the current module (see :class:`ShardPrefetcher`).
+
+        First sight of a parameter that is not gathered: ``True`` (it will be gathered there);
+        a later sight of any parameter: ``False`` (needed again, keep its shard if resident).
+        """
+        event_slots = step.trace._event_slots
+        seen: set[ParamSlot] = set()
+        for pos in range(max(step.cursor - 1, 0), len(event_slots)):  # the current module first
+            for s in event_slots[pos]:
+                if s in seen:
+                    yield s.param, False
+                else:
+                    seen.add(s)
+                    if s.batch is None:
+                        yield s.param, True
+
+    def _prefetch_gathers(self, step: _Step) -> None:
         """Issue async gathers (one per module) for the next trace modules within the bucket and bound."""
         room = self._config.prefetch_bucket_size - self._ahead_numel
         pos = max(step.prefetch_pos, step.cursor)

@@ -27,6 +27,8 @@ class StepStats:
         bytes_gathered: Bytes of full parameters materialised by gathers (payload, not wire
             bytes: ``zero_comm.CommLedger`` measures those).
         trace_invalidations: Times a recorded trace was dropped during the step(s).
+        shard_prefetches: Swap-ins of offloaded shards started ahead of their gather
+            (``Coordinator(shard_prefetch=...)``).
     """
 
     phase: Phase | None = None
@@ -38,6 +40,7 @@ class StepStats:
     reuse_hits: int = 0
     bytes_gathered: int = 0
     trace_invalidations: int = 0
+    shard_prefetches: int = 0
 
     @property
     def prefetch_hit_rate(self) -> float:
@@ -57,6 +60,7 @@ class StepStats:
             reuse_hits=self.reuse_hits + other.reuse_hits,
             bytes_gathered=self.bytes_gathered + other.bytes_gathered,
             trace_invalidations=self.trace_invalidations + other.trace_invalidations,
+            shard_prefetches=self.shard_prefetches + other.shard_prefetches,
         )
 
 
@@ -70,6 +74,7 @@ class StatsAccumulator:
         "prefetch_hits",
         "prefetch_misses",
         "reuse_hits",
+        "shard_prefetches",
         "trace_invalidations",
     )
 
@@ -85,6 +90,7 @@ class StatsAccumulator:
         self.reuse_hits = 0
         self.bytes_gathered = 0
         self.trace_invalidations = 0
+        self.shard_prefetches = 0
 
     def close(self, phase: Phase | None, live_elements: int) -> StepStats:
         """Snapshot the counters as one step and start the next one from ``live_elements``."""
@@ -98,6 +104,7 @@ class StatsAccumulator:
             reuse_hits=self.reuse_hits,
             bytes_gathered=self.bytes_gathered,
             trace_invalidations=self.trace_invalidations,
+            shard_prefetches=self.shard_prefetches,
         )
         self.reset()
         self.max_live_elements = live_elements

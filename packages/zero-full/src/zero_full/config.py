@@ -322,12 +322,6 @@ class ZeroConfig(_Section):
                 "optimizer offload; only ratio 1.0, the whole optimizer state, is implemented)"
             )
         if z.stage == 3:
-            if z.offload_param.enabled:
-                device = z.offload_param.device.value
-                found.append(
-                    f"zero_optimization.offload_param.device = {device!r} (parameter offload; optimizer "
-                    "state offload, offload_optimizer, is implemented)"
-                )
             flags = {
                 "zero_quantized_weights": "ZeRO++ quantized weight all-gather, qwZ",
                 "zero_quantized_nontrainable_weights": "quantized storage of frozen weights",

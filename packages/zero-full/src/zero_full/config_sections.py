@@ -38,7 +38,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 if typing.TYPE_CHECKING:  # the lower packages are imported only when a mapping is asked for
     from zero_coord import CoordinatorConfig
-    from zero_offload import OptimizerOffloadConfig
+    from zero_offload import OptimizerOffloadConfig, ParamOffloadConfig
     from zero_optim.buckets import ReduceConfig
 
 __all__ = [
@@ -563,6 +563,21 @@ class OffloadParamConfig(_Section):
     def enabled(self) -> bool:
         """Whether parameters are offloaded (``device`` is not ``none``)."""
         return self.device is not OffloadDevice.NONE
+
+    def to_param_offload_config(self) -> ParamOffloadConfig | None:
+        """This section as a ``zero_offload.ParamOffloadConfig`` (``None`` when not offloaded)."""
+        from zero_offload import OffloadTarget, ParamOffloadConfig
+
+        if not self.enabled:
+            return None
+        return ParamOffloadConfig(
+            device=OffloadTarget(self.device.value),
+            nvme_path=self.nvme_path,
+            buffer_count=max(self.buffer_count, 1),
+            buffer_size=max(self.buffer_size, 1),
+            max_in_cpu=max(self.max_in_cpu, 1),
+            pin_memory=self.pin_memory,
+        )
 
 
 class OffloadOptimizerConfig(_Section):

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
+import zero_optim
 import zero_params
 from zero_comm import CommLedger, CommTotals, Topology, broadcast
 from zero_coord import Coordinator, StepStats
@@ -322,6 +323,9 @@ class Engine:
                 if state.grad_partition is not None:
                     tensors.append(state.grad_partition)
         tensors.extend(self.optimizer.state_tensors())
+        offloaded = zero_optim.offloaded_shards(self.optimizer)
+        if offloaded is not None:
+            tensors.extend(offloaded.host_tensors())
         storages: dict[int, int] = {}
         for t in tensors:
             storage = t.untyped_storage()

@@ -3,7 +3,9 @@
 :func:`build_stage` turns a validated config into the pieces the engine drives:
 
 * stage 3: ``zero_params.partition`` + ``zero_optim.stage3_optimizer`` + a
-  ``zero_coord.Coordinator`` (gradients reduced by the coordinator's hooks);
+  ``zero_coord.Coordinator`` (gradients reduced by the coordinator's hooks); with
+  ``offload_param`` the optimizer hands the shards to a ``zero_params.OffloadedShards``,
+  which the coordinator asks to swap in the shards of upcoming modules;
 * MiCS (stage 3 with ``mics_shard_size``): the same over the shard group (see
   :mod:`zero_full.mics`), plus ``zero_optim.ReplicaGradientSync`` as the reduction: the
   gradient partitions are averaged across the replicate group at the accumulation boundary;
@@ -120,9 +122,16 @@ def build_stage(
         if mics is not None and built_under_init:  # a whole model was broadcast from rank 0 already
             sync_replicas(model, mics)
         opt, sink = zero_optim.stage3_optimizer(
-            model, optimizer, z.to_reduce_config(), working_dtype=dtype, offload=offload
+            model,
+            optimizer,
+            z.to_reduce_config(),
+            working_dtype=dtype,
+            offload=offload,
+            param_offload=z.offload_param.to_param_offload_config(),
         )
-        coordinator = Coordinator(model, z.to_coordinator_config(), sink)
+        coordinator = Coordinator(
+            model, z.to_coordinator_config(), sink, shard_prefetch=zero_optim.offloaded_shards(opt)
+        )
         coordinator.install()
         sync = ReplicaGradientSync(opt.groups, mics.replicate) if mics is not None else None
         return StagePieces(opt, coordinator, sync, mics)

@@ -7,10 +7,13 @@
 * :class:`BufferPool` / :func:`aligned_empty`: aligned (pinned with an accelerator) host buffers.
 * :class:`OffloadedOptimizer`: an Adam / AdamW step of flat partitions whose fp32 master and
   moments live in host memory (``cpu``) or swap files (``nvme``), sub-group by sub-group.
+* :class:`ParamSwapper`: parameter shards in host memory (``cpu``) or swap files with a
+  bounded host cache (``nvme``), prefetched ahead of their gather.
 """
 
 from zero_offload.cpu_adam import AdamHyper, AdamKernel, CpuAdam, adam_hyper_from_group, check_offloadable
 from zero_offload.optimizer import OffloadedOptimizer, OffloadTarget, OptimizerOffloadConfig, TransferStats
+from zero_offload.params import ParamOffloadConfig, ParamSwapper, ParamTransferStats, ShardResidence
 from zero_offload.pool import ALIGNMENT, BufferPool, align_up, aligned_empty
 from zero_offload.swap import (
     AsyncSwapper,
@@ -34,9 +37,13 @@ __all__ = [
     "OffloadTarget",
     "OffloadedOptimizer",
     "OptimizerOffloadConfig",
+    "ParamOffloadConfig",
+    "ParamSwapper",
+    "ParamTransferStats",
     "SwapError",
     "SwapHandle",
     "SwapSpaceError",
+    "ShardResidence",
     "SwapStats",
     "TransferStats",
     "adam_hyper_from_group",

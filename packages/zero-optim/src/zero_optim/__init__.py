@@ -26,7 +26,7 @@ from zero_optim.flat import FlatGroup, Segment
 from zero_optim.mics import ReplicaGradientSync, ReplicaMismatchError, check_replicas_consistent
 from zero_optim.scaler import LossScaler, LossScalerConfig, found_overflow
 from zero_optim.spec import OptimizerSpec
-from zero_optim.stage3 import Stage3Partitioning, stage3_optimizer
+from zero_optim.stage3 import Stage3Partitioning, offloaded_shards, stage3_optimizer
 from zero_optim.stage12 import (
     AllReduceInto,
     BoundaryReduction,
@@ -62,5 +62,6 @@ __all__ = [
     "found_overflow",
     "global_grad_norm",
     "replicated_optimizer",
+    "offloaded_shards",
     "stage3_optimizer",
 ]

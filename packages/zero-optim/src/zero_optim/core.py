@@ -196,6 +196,9 @@ class PartitionedOptimizer:
         """Release offload resources (delete swap files); the optimizer cannot step afterwards."""
         if self.offload is not None:
             self.offload.close()
+        closer = getattr(self.partitioning, "close", None)
+        if callable(closer):  # e.g. stage 3's offloaded parameter shards
+            closer()
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state: layout, flat masters and the torch optimizer's state.

@@ -14,6 +14,13 @@ Persistent parameters (``stage3_param_persistence_threshold``) follow ``zero_par
 semantics: whole on every rank, their gradients averaged by the same reduce-scatter, their
 optimizer state partitioned like every other parameter's, and their whole value refreshed
 from the updated shards after each step by ``zero_params.commit_shards``.
+
+Parameter offload (``param_offload``, a ``zero_offload.ParamOffloadConfig``): after the
+flat buffers are built, the shards of the trainable non-persistent parameters are handed to
+a ``zero_params.OffloadedShards`` (host memory or swap files). The shards are then no longer
+views of the working buffer but separate copies owned by the swapper, refreshed from the
+working buffer after each step (:meth:`Stage3Partitioning.after_step`). The flat fp32
+master stays with the optimizer (and goes to host memory or NVMe with ``offload_optimizer``).
 """
 
 from __future__ import annotations
@@ -25,13 +32,13 @@ from torch import nn
 
 import zero_coord
 import zero_params
-from zero_offload import OptimizerOffloadConfig
+from zero_offload import OptimizerOffloadConfig, ParamOffloadConfig
 from zero_optim.buckets import BucketedReducer, BucketPlan, ReduceConfig
 from zero_optim.core import PartitionedOptimizer
 from zero_optim.flat import FlatGroup
 from zero_optim.spec import OptimizerSpec
 
-__all__ = ["Stage3Partitioning", "stage3_optimizer"]
+__all__ = ["Stage3Partitioning", "offloaded_shards", "stage3_optimizer"]
 
 
 class Stage3Partitioning:
@@ -45,10 +52,12 @@ class Stage3Partitioning:
         ValueError: from :meth:`local_numel`, for a parameter of another dtype than ``working_dtype``.
     """
 
-    __slots__ = ("working_dtype",)
+    __slots__ = ("offloaded", "working_dtype")
 
     def __init__(self, working_dtype: torch.dtype = torch.float32) -> None:
         self.working_dtype = working_dtype
+        self.offloaded: zero_params.OffloadedShards | None = None
+        """The offloaded shards (``param_offload``); set once the flat buffers are bound."""
 
     def local_numel(self, param: nn.Parameter) -> int:
         """The shard size (``ShardedParam.partition_numel``, padding included)."""
@@ -71,8 +80,23 @@ class Stage3Partitioning:
         state.bind_grad_partition(grad)
 
     def after_step(self, groups: Sequence[FlatGroup]) -> None:
-        """Refresh whole (persistent) parameters from their updated shards; gathers read the shards."""
+        """Refresh whole (persistent) parameters from their updated shards; gathers read the shards.
+
+        With offloaded shards, the updated working values are stored into them first.
+        """
+        if self.offloaded is not None:
+            self.offloaded.store_all(
+                (seg.param, group.working_view(seg))
+                for group in groups
+                for seg in group.segments
+                if zero_params.state_of(seg.param).offload is self.offloaded
+            )
         zero_params.commit_shards([seg.param for group in groups for seg in group.segments])
+
+    def close(self) -> None:
+        """Delete the offloaded shards' swap files (if any)."""
+        if self.offloaded is not None:
+            self.offloaded.close()
 
 
 def stage3_optimizer(
@@ -82,6 +106,7 @@ def stage3_optimizer(
     *,
     working_dtype: torch.dtype = torch.float32,
     offload: OptimizerOffloadConfig | None = None,
+    param_offload: ParamOffloadConfig | None = None,
 ) -> tuple[PartitionedOptimizer, BucketedReducer]:
     """Build the ZeRO-3 optimizer of a partitioned model and its gradient sink.
 
@@ -95,6 +120,9 @@ def stage3_optimizer(
             fp32 master; a 16-bit dtype: views of a 16-bit working buffer refreshed from the
             fp32 master after each step.
         offload: Offload the optimizer state (``zero_offload.OptimizerOffloadConfig``), or ``None``.
+        param_offload: Offload the parameter shards (``zero_offload.ParamOffloadConfig``), or
+            ``None``; the :class:`zero_params.OffloadedShards` is then
+            ``optimizer.partitioning.offloaded`` (see :func:`offloaded_shards`).
 
     Gradients of parameters inside ``zero_coord`` leaf modules (mark them before calling
     this) are reduced at the end of each backward, so ranks may route data differently
@@ -115,14 +143,21 @@ def stage3_optimizer(
     if len(devices) > 1:
         raise ValueError(f"the model's shards live on several devices {sorted(map(str, devices))}; use one")
     device = devices.pop() if devices else torch.device("cpu")
+    partitioning = Stage3Partitioning(working_dtype)
     opt = PartitionedOptimizer(
         model,
         optimizer,
-        Stage3Partitioning(working_dtype),
+        partitioning,
         device=device,
         working_dtype=working_dtype,
         offload=offload,
     )
+    if param_offload is not None:
+        partitioning.offloaded = zero_params.OffloadedShards(
+            [seg.param for _, seg in opt.segments()],
+            param_offload,
+            names={seg.param: seg.name for _, seg in opt.segments()},
+        )
     owned = {id(seg.param) for _, seg in opt.segments()}
     order = [(n, p) for n, p in reversed(list(model.named_parameters())) if id(p) in owned]
     plan = BucketPlan(
@@ -133,6 +168,12 @@ def stage3_optimizer(
         deferred=_leaf_params(model),
     )
     return opt, BucketedReducer(plan, zero_params.reduce_scatter_grads, config)
+
+
+def offloaded_shards(optimizer: PartitionedOptimizer) -> zero_params.OffloadedShards | None:
+    """The offloaded shards of a :func:`stage3_optimizer` built with ``param_offload`` (else ``None``)."""
+    part = optimizer.partitioning
+    return part.offloaded if isinstance(part, Stage3Partitioning) else None
 
 
 def _leaf_params(model: nn.Module) -> list[nn.Parameter]:

@@ -9,6 +9,7 @@ Init and GatheredParameters.
 * :class:`Init`: partition while constructing; :class:`GatheredParameters`: whole
   parameters inside a block; :func:`register_external_parameter`: parameters a module
   uses but does not own.
+* :class:`OffloadedShards`: shards kept in host memory or on NVMe (``offload_param``).
 """
 
 from zero_params.external import (
@@ -19,6 +20,7 @@ from zero_params.external import (
 )
 from zero_params.gathered import GatheredParameters
 from zero_params.init import Init
+from zero_params.offload import OffloadedShards
 from zero_params.ops import (
     GatherHandle,
     GradReduceHandle,
@@ -36,6 +38,7 @@ from zero_params.state import (
     PartitionedParameter,
     PartitionedParameterError,
     ShardedParam,
+    ShardHome,
     full_shape,
     is_partitioned,
     state_of,
@@ -48,9 +51,11 @@ __all__ = [
     "GradReduceHandle",
     "Init",
     "ModuleParamsState",
+    "OffloadedShards",
     "ParamStatus",
     "PartitionedParameter",
     "PartitionedParameterError",
+    "ShardHome",
     "ShardedParam",
     "ShardingSpec",
     "commit_shards",

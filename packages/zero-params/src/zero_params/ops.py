@@ -33,6 +33,7 @@ from zero_params.state import (
     PartitionedParameter,
     PartitionedParameterError,
     ShardedParam,
+    ShardHome,
     state_of,
 )
 
@@ -263,6 +264,11 @@ def reshard_from_full(p: nn.Parameter, state: ShardedParam) -> None:
     if state.persistent and _views_same_storage(state.shard, full):
         return  # the shard is a view of the whole parameter: already in sync
     start, stop = state.shard_range
+    if state.offload is not None:
+        values = torch.zeros(state.partition_numel, dtype=state.dtype, device=full.device)
+        values[: stop - start].copy_(full.reshape(-1)[start:stop])
+        state.offload.replace(state, values)
+        return
     if stop - start:
         state.shard[: stop - start].copy_(full.reshape(-1)[start:stop])
     state.shard[stop - start :].zero_()
@@ -462,12 +468,7 @@ def _issue_gather(
 ) -> _GatherOp:
     with torch._C.DisableTorchFunction():
         first = items[0][1]
-        shards = []
-        for _, state in items:
-            shard = state.secondary_shard if use_secondary else state.shard
-            shards.append(
-                shard.to(state.device, non_blocking=True) if shard.device != state.device else shard
-            )
+        shards = _upload_shards(items, use_secondary)
         total = strategy.group_size * sum(s.numel() for s in shards)
         flat = torch.empty(total, dtype=first.dtype, device=first.device)
         comm = strategy.all_gather_coalesced(shards, async_op=async_op, out=flat)
@@ -477,6 +478,23 @@ def _issue_gather(
                 state.status = ParamStatus.INFLIGHT
                 state.handle = op
         return op
+
+
+def _upload_shards(items: list[tuple[nn.Parameter, ShardedParam]], use_secondary: bool) -> list[torch.Tensor]:
+    """The shards to all-gather, on the gather device; offloaded ones come from their home (one call each)."""
+    shards: list[torch.Tensor | None] = []
+    homes: dict[int, tuple[ShardHome, list[int]]] = {}
+    for i, (_, state) in enumerate(items):
+        if state.offload is not None and not use_secondary:
+            homes.setdefault(id(state.offload), (state.offload, []))[1].append(i)
+            shards.append(None)
+            continue
+        shard = state.secondary_shard if use_secondary else state.shard
+        shards.append(shard.to(state.device, non_blocking=True) if shard.device != state.device else shard)
+    for home, indices in homes.values():
+        for i, t in zip(indices, home.upload([items[i][1] for i in indices]), strict=True):
+            shards[i] = t
+    return [s for s in shards if s is not None]
 
 
 # ----------------------------------------------------------------------------------------

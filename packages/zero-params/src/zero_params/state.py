@@ -32,8 +32,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -50,6 +50,7 @@ __all__ = [
     "ParamStatus",
     "PartitionedParameter",
     "PartitionedParameterError",
+    "ShardHome",
     "ShardedParam",
     "full_shape",
     "is_partitioned",
@@ -103,6 +104,23 @@ class GatheredBuffer:
             self.flat = None
 
 
+class ShardHome(Protocol):
+    """Where offloaded shards live (implemented by :class:`zero_params.OffloadedShards`).
+
+    A parameter whose :attr:`ShardedParam.offload` is set does not keep its values in
+    :attr:`ShardedParam.shard` (an empty placeholder while they are on NVMe): every reader
+    goes through the home.
+    """
+
+    def upload(self, states: Sequence[ShardedParam]) -> list[torch.Tensor]:
+        """The shards' current values on their gather device (safe to read after the call returns)."""
+        ...
+
+    def replace(self, state: ShardedParam, values: torch.Tensor) -> None:
+        """Store new values of ``state``'s shard (``partition_numel`` elements)."""
+        ...
+
+
 @dataclasses.dataclass(eq=False, slots=True)
 class ShardedParam:
     """Everything ZeRO-3 knows about one parameter (``param._zero``).
@@ -141,6 +159,8 @@ class ShardedParam:
             :attr:`partition_numel` elements) that :func:`zero_params.reduce_scatter_grads`
             accumulates into. ``None`` until first needed; an optimizer may bind it to a
             view of its flat buffer with :meth:`bind_grad_partition`.
+        offload: The :class:`ShardHome` holding the shard when parameters are offloaded
+            (``offload_param``), else ``None``.
     """
 
     id: int
@@ -164,6 +184,7 @@ class ShardedParam:
     secondary_shard: torch.Tensor | None = None
     secondary_valid: bool = False
     grad_partition: torch.Tensor | None = None
+    offload: ShardHome | None = None
 
     def __repr__(self) -> str:
         return (
@@ -424,7 +445,8 @@ class PartitionedParameter(nn.Parameter):
         state = getattr(self, STATE_ATTR)
         with torch._C.DisableTorchFunction():
             copy = nn.Parameter(torch.empty(0, dtype=state.dtype, device=state.device), self.requires_grad)
-            shard = state.shard.clone()
+            home = state.offload
+            shard = home.upload([state])[0].clone() if home is not None else state.shard.clone()
         new_state = dataclasses.replace(
             state,
             status=ParamStatus.NOT_AVAILABLE,
@@ -434,6 +456,7 @@ class PartitionedParameter(nn.Parameter):
             secondary_shard=None,
             secondary_valid=False,
             grad_partition=None,
+            offload=None,
         )
         new_state.id = id(new_state)
         setattr(copy, STATE_ATTR, new_state)
