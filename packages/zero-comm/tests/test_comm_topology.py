@@ -39,8 +39,8 @@ def _topology_layout(rank, ranks_per_node):
             assert hops.rank == r - g * shard and hops.size == shard
             assert _members(hops.intra) == [x for x in hops.ranks if x // rpn == node]
             assert _members(hops.inter) == [x for x in hops.ranks if x % rpn == local]
-    if world == rpn:
-        assert intra is tdist.group.WORLD  # the whole world: no new group was created
+    if world == rpn:  # the whole world: a group of its own, never torch's default group object
+        assert intra is not tdist.group.WORLD and _members(intra) == list(range(world))
     return group_ranks(topo.shard_group(world))
 
 

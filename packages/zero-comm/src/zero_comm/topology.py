@@ -8,9 +8,10 @@ Group builders create every group of a kind at once (``torch.distributed.new_gro
 must be called by all ranks for every group, in the same order), keep the group that
 contains this rank and cache it on the instance. Call the builders in the same order
 on every rank, like any collective. Builders always return a real ``ProcessGroup``
-that contains this rank: the world group when the group is the whole world (no
-``new_group`` call, so nothing at all is created at world size 1), and a local
-one-rank group when every group of the kind has a single rank.
+that contains this rank: a group of its own over all ranks when the group is the whole
+world (never torch's ``dist.group.WORLD`` object itself: a reference to it that outlives
+``destroy_process_group()`` makes gloo abort the process at exit), and a local one-rank
+group when every group of the kind has a single rank (so also at world size 1).
 """
 
 from __future__ import annotations
@@ -203,8 +204,10 @@ class Topology:
 
     def _create(self, partition: Partition) -> ProcessGroup:
         mine = next(ranks for ranks in partition if self.rank in ranks)
-        if len(mine) == self.world_size:
-            return dist.group.WORLD
+        if len(partition) == 1 and self.world_size > 1:
+            # The whole world: a group of its own, not dist.group.WORLD (a reference to torch's
+            # default group that outlives destroy_process_group() makes gloo abort at exit).
+            return dist.new_group(list(mine))
         if all(len(ranks) == 1 for ranks in partition):
             # Every group of the kind is a single rank: nothing to agree on with other ranks.
             return dist.new_group([self.rank], use_local_synchronization=True)

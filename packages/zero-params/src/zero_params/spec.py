@@ -27,7 +27,7 @@ class ShardingSpec:
     Build it with :meth:`create`, which fills in defaults and validates.
 
     Attributes:
-        group: The shard group.
+        group: The shard group (``None``: the world, torch's default group).
         group_ranks: Its global ranks, in group-rank order.
         group_size: Ranks in the group.
         group_rank: This rank's position in it.
@@ -39,7 +39,7 @@ class ShardingSpec:
         dtype: Cast floating-point parameters to this dtype when partitioning (``None``: keep).
     """
 
-    group: ProcessGroup
+    group: ProcessGroup | None
     group_ranks: tuple[int, ...]
     group_size: int
     group_rank: int
@@ -74,7 +74,9 @@ class ShardingSpec:
                 "zero_params needs torch.distributed: call torch.distributed.init_process_group first "
                 "(e.g. init_process_group('gloo') under torchrun)"
             )
-        pg = group if group is not None else dist.group.WORLD
+        # The world stays ``None`` (torch's default group), never ``dist.group.WORLD`` itself: a
+        # reference to that object outliving destroy_process_group() makes gloo abort at exit.
+        pg = group
         ranks = group_ranks(pg)
         size, rank = len(ranks), dist.get_rank(pg)
         if rank < 0:

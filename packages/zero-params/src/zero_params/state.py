@@ -169,7 +169,7 @@ class ShardedParam:
     dtype: torch.dtype
     device: torch.device
     numel: int
-    group: ProcessGroup
+    group: ProcessGroup | None
     group_ranks: tuple[int, ...]
     group_size: int
     group_rank: int
