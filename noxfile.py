@@ -222,3 +222,13 @@ def bench(session: nox.Session) -> None:
         *session.posargs,
         env=dict(TEST_ENV, DS_ACCELERATOR="cpu"),
     )
+    # The plain-MLP variant of the same comparison (world 2; results only, the docs show GPT-2).
+    mlp = ["--workload", "mlp", "--worlds", "2", "--rounds", "2", "--name", "side_by_side_mlp"]
+    session.run(
+        "python",
+        str(ROOT / "benchmarks/side_by_side.py"),
+        *mlp,
+        "--out",
+        out,
+        env=dict(TEST_ENV, DS_ACCELERATOR="cpu"),
+    )
