@@ -351,8 +351,8 @@ def markdown(result: dict[str, Any]) -> str:
     meta, plan = result["meta"], result["plan"]
     v = meta["versions"]
     lines = [
-        f"Measured {meta['date']} on {meta['cpus']} CPU cores (load average {meta['load_average_1m']:.1f} "
-        f"at the start; the machine was shared with other jobs), torch {v['torch']}, "
+        f"Measured {meta['date']} on {meta['cpus']} CPU cores (1-minute load average "
+        f"{meta['load_average_1m']:.1f} at the start), torch {v['torch']}, "
         f"deepspeed {v.get('deepspeed') or 'not installed'}, transformers {v.get('transformers')}, "
         f"python {meta['python']}; gloo, one thread per rank, {result['run_seconds']:.0f} s in all.",
         "",
