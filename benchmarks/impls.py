@@ -24,6 +24,7 @@ only biases and norms stay whole; prefetch half a block; 1.5 blocks live at most
 
 from __future__ import annotations
 
+import abc
 import functools
 import types
 from collections import deque
@@ -170,22 +171,25 @@ def model_state_bytes(runner: Runner) -> int:
 # ----------------------------------------------------------------------------- runners
 
 
-class Runner:
+class Runner(abc.ABC):
     """One implementation training the workload on this rank."""
 
     def __init__(self, w: Workload) -> None:
         self.w = w
 
+    @abc.abstractmethod
     def forward_backward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        raise NotImplementedError
+        """Forward and backward of one micro-batch; returns the loss."""
 
+    @abc.abstractmethod
     def optimizer_step(self) -> None:
-        raise NotImplementedError
+        """The optimizer step (and zeroing the gradients)."""
 
+    @abc.abstractmethod
     def state_roots(self) -> list[Any]:
-        raise NotImplementedError
+        """Objects whose reachable tensors are the model states (module, optimizer, engine)."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: most runners hold nothing to release
         """Drop hooks / engines that outlive the runner otherwise."""
 
 
@@ -272,7 +276,7 @@ class EngineRunner(Runner):
     def state_roots(self) -> list[Any]:
         return self.roots
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: most runners hold nothing to release
         closer = getattr(self.engine, "destroy", None) or getattr(self.engine, "close", None)
         if closer is not None:
             closer()

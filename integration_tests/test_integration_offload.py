@@ -218,6 +218,13 @@ def test_nvme_offload_bounds_resident_optimizer_state(dist, tmp_path):
         assert res["total"] >= 10 * bound, f"rank {r}: model too small to show the bound: {res}"
 
 
+def _flip_payload_byte(path: Path) -> None:
+    """Corrupt one byte of a swap file's payload (its header stays valid)."""
+    data = bytearray(path.read_bytes())
+    data[zero_offload.swap.HEADER_BYTES + 5] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
 def corrupt_mid_training(rank, tmp: str) -> str:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(13, 37), nn.Tanh(), nn.Linear(37, 7))
@@ -227,9 +234,7 @@ def corrupt_mid_training(rank, tmp: str) -> str:
     for step in range(4):
         if step == 2:
             victim = engine.optimizer.offload.swapper.path_of("g0.s1.exp_avg_sq")
-            data = bytearray(victim.read_bytes())
-            data[zero_offload.swap.HEADER_BYTES + 5] ^= 0xFF
-            victim.write_bytes(bytes(data))
+            _flip_payload_byte(victim)
         x = torch.randn(4, 13, generator=torch.Generator().manual_seed(step))
         engine.backward(engine(x).square().mean())
         try:
@@ -380,9 +385,7 @@ def corrupt_param_mid_training(rank, tmp: str) -> str:
             if swapper.residence("0.weight") is not zero_offload.ShardResidence.ON_DISK:
                 return "victim is resident: the corruption would not be read"
             victim = swapper.swapper.path_of("0.weight")
-            data = bytearray(victim.read_bytes())
-            data[zero_offload.swap.HEADER_BYTES + 5] ^= 0xFF
-            victim.write_bytes(bytes(data))
+            _flip_payload_byte(victim)
         x = torch.randn(4, 13, generator=torch.Generator().manual_seed(step))
         try:
             engine.backward(engine(x).square().mean())
