@@ -339,8 +339,16 @@ class CommWatchdog:
         me = self.position()
         parts = []
         for r, quiet, pos in silent:
-            where = f"; it was at: {pos.describe()}" if pos is not None else ""
-            parts.append(f"rank {r} sent no heartbeat for {quiet:.0f} s: it died or is stuck{where}")
+            if pos is None:
+                parts.append(
+                    f"rank {r} sent no heartbeat in {quiet:.0f} s: it never reached zero (not in "
+                    "initialize: it died early, or took another path before it)"
+                )
+                continue
+            parts.append(
+                f"rank {r} sent no heartbeat for {quiet:.0f} s: it died or is stuck; "
+                f"it was at: {pos.describe()}"
+            )
         return (
             "; ".join(parts)
             + f". This rank ({me.describe()}) waited for it. Check that process (killed, stopped, "
@@ -444,7 +452,9 @@ def note(what: str | Callable[[], str]) -> None:
         wd.note(what)
 
 
-def watched_call(kind: str, fn: Callable[..., Any], /, *args: Any, async_op: bool = False, **kwargs: Any) -> Any:
+def watched_call(
+    kind: str, fn: Callable[..., Any], /, *args: Any, async_op: bool = False, **kwargs: Any
+) -> Any:
     """Issue ``fn(*args, async_op=..., **kwargs)`` (a ``torch.distributed`` collective).
 
     Without an active watchdog this is the plain call. With one, the collective is recorded

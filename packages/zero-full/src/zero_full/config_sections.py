@@ -383,15 +383,15 @@ class RobustnessConfig(_Section):
     _PATH = ("robustness",)
 
     comm_timeout: _real(0, lo_open=True) = 300.0
-    """Seconds a rank waits for one collective (or a checkpoint barrier's peers) before every live
+    """Seconds a rank waits for one collective of the engine (forward, backward, step) before every live
     rank raises ``zero_comm.CollectiveTimeoutError`` saying which rank is where (which operation,
     call number, module or parameter), or which rank stopped sending heartbeats. Default 300 s:
     well under the process group's own 30 minutes, well above any healthy collective. Raise it for
     very slow links or very large first gathers."""
     heartbeat_interval: _real(0, lo_open=True) = 2.0
     """Seconds between two heartbeats (and position reports) each rank's watchdog thread writes to
-    the process group's store; a rank silent for ``max(5 * heartbeat_interval, 10)`` seconds while
-    the others wait is reported as dead or stuck."""
+    the process group's store; a rank silent for ``5 * heartbeat_interval`` seconds while the
+    others wait is reported as dead or stuck."""
     watchdog: Flag = True
     """Run the collective watchdog (``false``: collectives block until the process group's own
     timeout, with torch's message)."""

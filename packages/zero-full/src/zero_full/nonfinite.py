@@ -69,7 +69,8 @@ class NonFiniteGuard:
         with record_function("zero.optim.nonfinite_scan"):
             local = _first_nonfinite(optimizer)
             found = exchange_json(local, self.group) if dist.is_initialized() else [local]
-        culprits = [(r, name) for r, name in enumerate(found) if name]
+        ranks = _global_ranks(self.group, len(found))
+        culprits = [(ranks[i], name) for i, name in enumerate(found) if name]
         if culprits:
             where = ", ".join(f"`{name}` on rank {r}" for r, name in culprits)
             what = f"non-finite gradient (inf/nan) at optimizer step {step + 1}: first in {where}"
@@ -88,6 +89,12 @@ class NonFiniteGuard:
                 what,
                 self.skipped_steps,
             )
+
+
+def _global_ranks(group: ProcessGroup | None, size: int) -> list[int]:
+    if group is None or not dist.is_initialized():
+        return list(range(size))
+    return list(dist.get_process_group_ranks(group))
 
 
 def _first_nonfinite(optimizer: PartitionedOptimizer) -> str:
