@@ -22,10 +22,11 @@ unscaling, ``gradient_clipping``, the optimizer step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -150,7 +151,7 @@ class Engine:
         self._backward_since_step = False  # step() without a backward before it is refused
         self.watchdog: CommWatchdog | None = _watchdog(config)  # every collective below runs under it
         self._ledger = CommLedger(Topology(), watchdog=self.watchdog)
-        with self._ledger, record_function("zero.engine.initialize"):
+        with self._ledger, record_function("zero.engine.initialize"), _closes_on_error(self.watchdog):
             if config.robustness.check_rank_agreement:  # before any collective whose sizes could differ
                 check_agreement(model, config)
             _sync_whole_tensors(model)
@@ -394,6 +395,17 @@ def _check_supported(config: ZeroConfig) -> None:
             f"this zero version cannot run the given config; not implemented yet:\n  - {lines}\n"
             "Remove or change these keys."
         )
+
+
+@contextlib.contextmanager
+def _closes_on_error(watchdog: CommWatchdog | None) -> Iterator[None]:
+    """Stop the watchdog's thread when ``initialize`` fails (no engine will own it)."""
+    try:
+        yield
+    except BaseException:
+        if watchdog is not None:
+            watchdog.close()
+        raise
 
 
 def _watchdog(config: ZeroConfig) -> CommWatchdog | None:
