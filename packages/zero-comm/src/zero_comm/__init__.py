@@ -13,6 +13,9 @@ Topology, process groups and byte accounting for the zero stack:
   :class:`ReduceScatterStrategy` protocols.
 * :class:`CommLedger`: per-step record of every collective's payload and ring-ideal
   wire bytes, by link kind.
+* :class:`CommWatchdog`: records what each rank is doing, heartbeats it to the process
+  group's store, and turns a stuck collective into :class:`CollectiveTimeoutError` on every
+  live rank saying which rank is where (:func:`note` labels the next collectives).
 * Quantized collectives (ZeRO++ qwZ / qgZ, module :mod:`zero_comm.quantized`, optional extra
   ``pip install zero-comm[quantized]``): :class:`QuantizedAllGather`,
   :func:`quantized_all_gather_coalesced`, :class:`QuantizedReduceScatter`,
@@ -38,19 +41,24 @@ from zero_comm.strategies import (
     ReduceScatterStrategy,
 )
 from zero_comm.topology import HierarchicalGroups, LinkKind, Topology, group_ranks
+from zero_comm.watchdog import CollectiveTimeoutError, CommWatchdog, RankPosition, RanksDivergedError, note
 
 __all__ = [
     "AllGatherHandle",
     "AllGatherStrategy",
     "AllToAllReduceScatter",
     "CollectiveHandle",
+    "CollectiveTimeoutError",
     "CommLedger",
     "CommRecord",
     "CommTotals",
+    "CommWatchdog",
     "FlatAllGather",
     "HierarchicalAllGather",
     "HierarchicalGroups",
     "LinkKind",
+    "RankPosition",
+    "RanksDivergedError",
     "ReduceOpLike",
     "ReduceScatterHandle",
     "ReduceScatterStrategy",
@@ -64,6 +72,7 @@ __all__ = [
     "broadcast",
     "group_ranks",
     "hierarchical_all_gather_coalesced",
+    "note",
     "padded_numel",
     "partition_numel",
     "record",

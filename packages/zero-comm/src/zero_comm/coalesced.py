@@ -23,6 +23,7 @@ from zero_comm.ledger import record, ring_wire_bytes
 from zero_comm.partition import partition_numel
 from zero_comm.reduction import ReduceOpLike, Reduction
 from zero_comm.topology import group_size_and_rank
+from zero_comm.watchdog import watched_call
 
 __all__ = [
     "GatherLayout",
@@ -162,14 +163,16 @@ def _issue_gather(
         outputs = layout.outputs
         return AllGatherHandle("all_gather", None, lambda: outputs)
     if len(shards) == 1:
-        work = dist.all_gather_single(layout.flat, shards[0], group=group, async_op=async_op)
+        work = watched_call(
+            "all_gather", dist.all_gather_single, layout.flat, shards[0], group=group, async_op=async_op
+        )
         outputs = layout.outputs
         return AllGatherHandle("all_gather", work, lambda: outputs, keepalive=(shards[0],))
     send = adjacent_flat_view(shards)
     if send is None:
         send = torch.cat(list(shards))
     staging = torch.empty(world * total, dtype=send.dtype, device=send.device)
-    work = dist.all_gather_single(staging, send, group=group, async_op=async_op)
+    work = watched_call("all_gather", dist.all_gather_single, staging, send, group=group, async_op=async_op)
     return AllGatherHandle(
         "all_gather", work, lambda: layout.copy_out(staging.view(world, total)), keepalive=(send,)
     )
@@ -229,7 +232,9 @@ def all_gather_coalesced_into(
         if send is None:
             send = torch.cat(list(shards))
         staging = torch.empty(world, total, dtype=send.dtype, device=send.device)
-        work = dist.all_gather_single(staging.view(-1), send, group=group, async_op=async_op)
+        work = watched_call(
+            "all_gather", dist.all_gather_single, staging.view(-1), send, group=group, async_op=async_op
+        )
 
         def finish() -> list[torch.Tensor]:
             _copy_rows(staging, sizes, outs)
@@ -366,7 +371,9 @@ def _issue_reduce_scatter(
     recv = torch.empty_like(send)
     work = None
     if send.numel():
-        work = dist.all_to_all_single(recv, send, group=group, async_op=async_op)
+        work = watched_call(
+            "reduce_scatter", dist.all_to_all_single, recv, send, group=group, async_op=async_op
+        )
 
     def finish() -> list[torch.Tensor]:
         _sum_rows(recv, out, reduction is Reduction.AVG)

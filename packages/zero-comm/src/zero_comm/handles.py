@@ -9,6 +9,8 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch.profiler import record_function
 
+from zero_comm.watchdog import watched_wait
+
 __all__ = ["AllGatherHandle", "CollectiveHandle", "ReduceScatterHandle", "TensorHandle"]
 
 T = TypeVar("T")
@@ -52,17 +54,19 @@ class CollectiveHandle(Generic[T]):
         """Block until the collective completed and return its result.
 
         Args:
-            timeout: Maximum time to wait for the communication (``None``: the process
-                group's timeout).
+            timeout: Maximum time to wait for the communication (``None``: the active
+                :class:`~zero_comm.CommWatchdog`'s, else the process group's timeout).
 
         Raises:
             TimeoutError: the communication did not complete within ``timeout``; the handle
                 stays pending and ``wait`` may be called again.
+            zero_comm.CollectiveTimeoutError: under a watchdog, the wait exceeded its timeout,
+                a peer stopped sending heartbeats or the communication failed.
         """
         finish = self._finish
         if finish is None:
             return self._result  # type: ignore[return-value]
-        if self._work is not None:
+        if self._work is not None and (timeout is not None or not watched_wait(self._work)):
             done = self._work.wait() if timeout is None else self._work.wait(timeout)
             if done is False:
                 raise TimeoutError(f"{self.op} did not complete within {timeout}")

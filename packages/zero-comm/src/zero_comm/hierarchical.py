@@ -20,6 +20,7 @@ from zero_comm.errors import check_flat_inputs, require_process_group
 from zero_comm.handles import AllGatherHandle
 from zero_comm.ledger import record, ring_wire_bytes
 from zero_comm.topology import HierarchicalGroups
+from zero_comm.watchdog import watched_call
 
 __all__ = ["hierarchical_all_gather_coalesced"]
 
@@ -89,8 +90,10 @@ def _issue_two_hops(
     if send is None:
         send = torch.cat(list(shards))
     across = torch.empty(nodes * total, dtype=send.dtype, device=send.device)
-    dist.all_gather_single(across, send, group=groups.inter)
+    watched_call("all_gather", dist.all_gather_single, across, send, group=groups.inter)
     staging = torch.empty(local * nodes * total, dtype=send.dtype, device=send.device)
-    work = dist.all_gather_single(staging, across, group=groups.intra, async_op=async_op)
+    work = watched_call(
+        "all_gather", dist.all_gather_single, staging, across, group=groups.intra, async_op=async_op
+    )
     rank_major = staging.view(local, nodes, total).transpose(0, 1)  # [node, local] = group-rank order
     return AllGatherHandle("all_gather", work, lambda: layout.copy_out(rank_major), keepalive=(across,))

@@ -18,12 +18,16 @@ import contextvars
 import dataclasses
 from collections.abc import Iterable
 from types import TracebackType
+from typing import TYPE_CHECKING
 
 from torch.distributed import ProcessGroup
 
 from zero_comm.topology import LinkKind, Topology, group_ranks
 
-__all__ = ["CommLedger", "CommRecord", "CommTotals", "record", "ring_wire_bytes"]
+if TYPE_CHECKING:
+    from zero_comm.watchdog import CommWatchdog
+
+__all__ = ["CommLedger", "CommRecord", "CommTotals", "active_watchdog", "record", "ring_wire_bytes"]
 
 # The one module-level object: it only points at the active ledger of the current context.
 _ACTIVE: contextvars.ContextVar[CommLedger | None] = contextvars.ContextVar("zero_comm_ledger", default=None)
@@ -114,6 +118,16 @@ def record(op: str, group: ProcessGroup | None, *, payload_bytes: int, wire_byte
         ledger = ledger.parent
 
 
+def active_watchdog() -> CommWatchdog | None:
+    """The watchdog of the innermost active ledger that carries one (``None``: none)."""
+    ledger = _ACTIVE.get()
+    while ledger is not None:
+        if ledger.watchdog is not None:
+            return ledger.watchdog
+        ledger = ledger.parent
+    return None
+
+
 class CommLedger:
     """Records every zero-comm collective issued while it is active.
 
@@ -128,12 +142,15 @@ class CommLedger:
 
     Args:
         topology: Used to classify groups as intra- or inter-node.
+        watchdog: A :class:`~zero_comm.CommWatchdog` that watches every collective issued
+            while this ledger is active (see :mod:`zero_comm.watchdog`), or ``None``.
     """
 
-    __slots__ = ("_group_cache", "_step", "_token", "parent", "records", "topology")
+    __slots__ = ("_group_cache", "_step", "_token", "parent", "records", "topology", "watchdog")
 
-    def __init__(self, topology: Topology) -> None:
+    def __init__(self, topology: Topology, watchdog: CommWatchdog | None = None) -> None:
         self.topology = topology
+        self.watchdog = watchdog
         self.records: list[CommRecord] = []
         self.parent: CommLedger | None = None
         self._step = 0

@@ -17,6 +17,7 @@ from zero_comm.handles import TensorHandle
 from zero_comm.ledger import record, ring_wire_bytes
 from zero_comm.reduction import ReduceOpLike, Reduction
 from zero_comm.topology import group_ranks, group_size_and_rank
+from zero_comm.watchdog import watched_call
 
 __all__ = ["all_reduce", "all_to_all_single", "broadcast"]
 
@@ -58,7 +59,9 @@ def all_reduce(
         record(what, group, payload_bytes=nbytes, wire_bytes=ring_wire_bytes(what, nbytes, world))
         work = None
         if world > 1:
-            work = dist.all_reduce(tensor, op=reduction.torch_op, group=group, async_op=async_op)
+            work = watched_call(
+                "all_reduce", dist.all_reduce, tensor, op=reduction.torch_op, group=group, async_op=async_op
+            )
         return TensorHandle(what, work, lambda: tensor)
 
 
@@ -92,7 +95,7 @@ def broadcast(
         record(what, group, payload_bytes=payload, wire_bytes=ring_wire_bytes(what, nbytes, world))
         work = None
         if world > 1:
-            work = dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+            work = watched_call("broadcast", dist.broadcast, tensor, src=src, group=group, async_op=async_op)
         return TensorHandle(what, work, lambda: tensor)
 
 
@@ -129,5 +132,7 @@ def all_to_all_single(
         if world == 1:
             output.view(-1).copy_(input.view(-1))
             return TensorHandle(what, None, lambda: output)
-        work = dist.all_to_all_single(output, input, group=group, async_op=async_op)
+        work = watched_call(
+            "all_to_all", dist.all_to_all_single, output, input, group=group, async_op=async_op
+        )
         return TensorHandle(what, work, lambda: output, keepalive=(input,))

@@ -36,6 +36,7 @@ from zero_comm.ledger import record, ring_wire_bytes
 from zero_comm.partition import partition_numel
 from zero_comm.reduction import ReduceOpLike, Reduction
 from zero_comm.topology import Topology, group_size_and_rank
+from zero_comm.watchdog import watched_call
 
 try:
     from zero_kernels import (
@@ -200,7 +201,7 @@ def quantized_all_gather_coalesced(
             flat = torch.cat(list(shards))
         send = _pack(quantize(flat, config), 1).view(-1)
         recv = torch.empty(world * send.numel(), dtype=torch.uint8, device=send.device)
-        work = dist.all_gather_single(recv, send, group=group, async_op=async_op)
+        work = watched_call("all_gather", dist.all_gather_single, recv, send, group=group, async_op=async_op)
         return AllGatherHandle(
             QWZ_OP, work, lambda: _dequantize_gathered(recv, layout, config), keepalive=(send,)
         )
@@ -502,7 +503,9 @@ def _issue_qgz(
             wire_bytes=ring_wire_bytes("all_to_all", send.numel(), pieces),
         )
         recv = torch.empty_like(send)
-        work = dist.all_to_all_single(recv, send, group=group, async_op=async_op and last)
+        work = watched_call(
+            "all_to_all", dist.all_to_all_single, recv, send, group=group, async_op=async_op and last
+        )
         piece_numel = q.numel // pieces
         if not last:
             with record_function("zero.quantized_reduce_scatter.dequant_reduce_requant"):

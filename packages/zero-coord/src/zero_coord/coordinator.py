@@ -34,6 +34,8 @@ from torch import nn
 from torch.autograd import Variable
 
 import zero_params
+from zero_comm.watchdog import label
+from zero_comm.watchdog import note as watchdog_note
 from zero_coord._profile import profile_range
 from zero_coord._tree import collect_grad_tensors
 from zero_coord.config import CoordinatorConfig, Phase
@@ -614,6 +616,7 @@ class Coordinator:
         ``secondary`` (backward uses): parameters with a valid hpZ secondary shard are gathered
         over their secondary (e.g. intra-node) group; the others over their own group.
         """
+        watchdog_note(lambda: label("gathers", [s.name for s in slots]))
         handle = zero_params.gather([s.param for s in slots], async_op=True, secondary=secondary)
         numel = 0
         nbytes = 0

@@ -14,9 +14,11 @@ engine.step()
 ```
 """
 
+from zero_full.agreement import RankMismatchError
 from zero_full.checkpoint import CheckpointError
 from zero_full.config import ZeroConfig
 from zero_full.engine import Engine, EngineStats, Init, initialize
+from zero_full.nonfinite import NonFiniteGradientError
 from zero_params import GatheredParameters, register_external_parameter
 
 __all__ = [
@@ -25,6 +27,8 @@ __all__ = [
     "EngineStats",
     "GatheredParameters",
     "Init",
+    "NonFiniteGradientError",
+    "RankMismatchError",
     "ZeroConfig",
     "initialize",
     "register_external_parameter",

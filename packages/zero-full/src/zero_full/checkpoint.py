@@ -7,7 +7,11 @@
   :mod:`zero_full.ckpt_io` for the layout). Everything is written into
   ``DIR/TAG.tmp-<random>`` and renamed to ``DIR/TAG`` only when complete; ``DIR/latest``
   moves after that. A save that fails (or dies) on any rank leaves the previous checkpoints
-  and ``latest`` untouched and no ``DIR/TAG``.
+  and ``latest`` untouched and no ``DIR/TAG``. Before writing, the free space is checked
+  against the bytes each host's ranks are about to write; an I/O error names the file, the
+  rank and the OS error ("disk full" for ENOSPC); temporary directories left by saves that
+  did not complete are removed by rank 0 at the next save or load (see
+  :mod:`zero_full.ckpt_hygiene`).
 * :func:`load_checkpoint`: checks the checkpoint against the model (all mismatches at
   once), then each rank reads only the pieces overlapping its own partition of each
   parameter, whatever world size and stage wrote them, after verifying each file it reads
@@ -27,6 +31,7 @@ import logging
 import random
 import secrets
 import shutil
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,7 +42,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 import zero_params
-from zero_full import ckpt_io
+from zero_full import ckpt_hygiene, ckpt_io
 from zero_full.ckpt_io import CheckpointError, FileEntry
 from zero_full.ckpt_layout import LocalPiece, elementwise_state, local_pieces
 
@@ -152,6 +157,8 @@ def save_checkpoint(
         first = _exchange({"error": err, "tmp": tmp_name}, timeout)
         _raise_if_failed([s["error"] for s in first], f"saving checkpoint {directory / tag}")
         plan = _SavePlan(directory, tag, directory / first[0]["tmp"])
+        if rank == 0:  # every rank is in this save: no other save of this job is writing
+            ckpt_hygiene.remove_stale(directory, keep=plan.tmp.name)
         try:
             # offloaded optimizer state is read back from host memory / swap files for the save
             with engine.optimizer.materialized_state(write_back=False):
@@ -167,16 +174,26 @@ def _save_in_tmp(engine: Engine, plan: _SavePlan, timeout: float) -> None:
     rank = dist.get_rank()
     info: dict[str, Any] | None = None
     err = None
+    failure: BaseException | None = None
+    written: list[tuple[str, Any, tuple[Any, ...]]] = []
     try:
-        info = _write_rank_files(engine, plan.tmp)
+        written = _rank_files(engine)
+        need = ckpt_hygiene.tensor_bytes([obj for _, obj, _ in written])
     except Exception as exc:  # noqa: BLE001 - reported to every rank, re-raised below
-        err = f"{type(exc).__name__}: {exc}"
-        failure: BaseException | None = exc
-    else:
-        failure = None
+        err, failure, need = f"{type(exc).__name__}: {exc}", exc, 0
+    sizes = _exchange({"error": err, "host": socket.gethostname(), "need": need}, timeout)
+    if err is None and not any(s["error"] for s in sizes):
+        host_need = sum(s["need"] for s in sizes if s["host"] == sizes[rank]["host"])
+        try:
+            ckpt_hygiene.check_free_space(plan.tmp, host_need, rank, str(plan.directory / plan.tag))
+            info = _write_files(written, plan.tmp, rank)
+        except Exception as exc:  # noqa: BLE001 - reported to every rank, re-raised below
+            err, failure = f"{type(exc).__name__}: {exc}", exc
+    del written
     statuses = _exchange({"error": err, "files": info}, timeout)
     try:
-        _raise_if_failed([s["error"] for s in statuses], f"saving checkpoint {plan.directory / plan.tag}")
+        errors = [s["error"] or z["error"] for s, z in zip(statuses, sizes)]
+        _raise_if_failed(errors, f"saving checkpoint {plan.directory / plan.tag}")
     except CheckpointError as exc:
         raise exc from failure
     err = None
@@ -184,7 +201,10 @@ def _save_in_tmp(engine: Engine, plan: _SavePlan, timeout: float) -> None:
         try:
             files = [FileEntry.from_json(f) for s in statuses for f in s["files"]]
             manifest = _manifest(engine, plan.tag, files)
-            ckpt_io.write_text_atomic(plan.tmp / ckpt_io.MANIFEST, json.dumps(manifest, indent=1))
+            try:
+                ckpt_io.write_text_atomic(plan.tmp / ckpt_io.MANIFEST, json.dumps(manifest, indent=1))
+            except OSError as exc:
+                raise ckpt_hygiene.write_error(plan.tmp / ckpt_io.MANIFEST, rank, exc) from exc
             plan.tmp.rename(plan.directory / plan.tag)
             ckpt_io.fsync_dir(plan.directory)
             ckpt_io.write_text_atomic(plan.directory / ckpt_io.LATEST, plan.tag)
@@ -201,8 +221,8 @@ def _rng_state() -> dict[str, Any]:
     return state
 
 
-def _write_rank_files(engine: Engine, tmp: Path) -> list[dict[str, Any]]:
-    """Write this rank's shard file (and rank 0's buffers file); return their manifest entries."""
+def _rank_files(engine: Engine) -> list[tuple[str, Any, tuple[Any, ...]]]:
+    """This rank's shard file (and rank 0's buffers file) as ``(name, object, pieces)``, not written yet."""
     rank = dist.get_rank()
     opt = engine.optimizer
     states = [elementwise_state(opt, gi) for gi in range(len(opt.groups))]
@@ -223,9 +243,23 @@ def _write_rank_files(engine: Engine, tmp: Path) -> list[dict[str, Any]]:
     if rank == 0:
         buffers = {k: v.detach() for k, v in _state_dict_buffers(engine.module).items()}
         written.append((ckpt_io.BUFFERS_FILE, {"buffers": buffers}, ()))
+    return written
+
+
+def _write_files(
+    written: list[tuple[str, Any, tuple[Any, ...]]], tmp: Path, rank: int
+) -> list[dict[str, Any]]:
+    """Write the files of :func:`_rank_files`; return their manifest entries.
+
+    Raises:
+        CheckpointError: an I/O error, naming the file, the rank and the OS error.
+    """
     entries = []
     for fname, obj, pieces in written:
-        ckpt_io.write_torch(obj, tmp / fname)
+        try:
+            ckpt_io.write_torch(obj, tmp / fname)
+        except (OSError, RuntimeError) as exc:
+            raise ckpt_hygiene.write_error(tmp / fname, rank, exc) from exc
         size, digest = ckpt_io.file_digest(tmp / fname)
         entries.append(FileEntry(fname, size, digest, rank, pieces).to_json())
     return entries
@@ -417,6 +451,8 @@ def load_checkpoint(
             except (CheckpointError, OSError, RuntimeError, KeyError) as exc:
                 err = f"{type(exc).__name__}: {exc}"
             _raise_if_failed(_exchange(err, timeout), f"loading checkpoint {path}")
+            if dist.get_rank() == 0:  # every rank is in this load: no save of this job is writing
+                ckpt_hygiene.remove_stale(directory)
             _restore_scalars(engine, manifest)
         with torch.no_grad():
             for group in engine.optimizer.groups:

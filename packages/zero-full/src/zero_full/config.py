@@ -46,6 +46,7 @@ from zero_full.config_sections import (
     OffloadParamConfig,
     OptimizerConfig,
     OptimizerType,
+    RobustnessConfig,
     SGDParams,
     ZeroOptimizationConfig,
     _int,
@@ -148,6 +149,8 @@ class ZeroConfig(_Section):
         bf16: bfloat16 precision (also spelled ``bfloat16``, DeepSpeed's older name).
         optimizer: The optimizer to build, or ``None`` when ``initialize`` receives one.
         zero_optimization: The ZeRO stage and its knobs.
+        robustness: Collective watchdog, non-finite gradient policy, rank agreement (not a
+            DeepSpeed section).
     """
 
     _ALIASES: ClassVar[dict[str, tuple[str, ...]]] = {"bf16": ("bf16", "bfloat16")}
@@ -163,6 +166,7 @@ class ZeroConfig(_Section):
     bf16: BF16Config = Field(default_factory=BF16Config)
     optimizer: OptimizerConfig | None = None
     zero_optimization: ZeroOptimizationConfig = Field(default_factory=ZeroOptimizationConfig)
+    robustness: RobustnessConfig = Field(default_factory=RobustnessConfig)
 
     @model_validator(mode="after")
     def _one_precision(self) -> ZeroConfig:

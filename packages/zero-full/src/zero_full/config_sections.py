@@ -49,7 +49,9 @@ __all__ = [
     "OffloadOptimizerConfig",
     "OffloadParamConfig",
     "OptimizerConfig",
+    "NonFinitePolicy",
     "OptimizerType",
+    "RobustnessConfig",
     "SGDParams",
     "ZeroOptimizationConfig",
 ]
@@ -359,6 +361,60 @@ class BF16Config(_Section):
     _PATH = ("bf16",)
 
     enabled: Flag = False
+
+
+# --------------------------------------------------------------------------- robustness
+
+
+class NonFinitePolicy(str, enum.Enum):
+    """What an fp32 / bf16 step does when some rank's gradients hold an inf or nan."""
+
+    SKIP = "skip"
+    RAISE = "raise"
+
+
+class RobustnessConfig(_Section):
+    """``robustness``: what zero checks so that failures are named instead of hanging or corrupting.
+
+    Not a DeepSpeed section. See the "When things go wrong" page of the docs for every failure
+    these keys govern and what zero says about it.
+    """
+
+    _PATH = ("robustness",)
+
+    comm_timeout: _real(0, lo_open=True) = 300.0
+    """Seconds a rank waits for one collective of the engine (forward, backward, step) before every live
+    rank raises ``zero_comm.CollectiveTimeoutError`` saying which rank is where (which operation,
+    call number, module or parameter), or which rank stopped sending heartbeats. Default 300 s:
+    well under the process group's own 30 minutes, well above any healthy collective. Raise it for
+    very slow links or very large first gathers."""
+    heartbeat_interval: _real(0, lo_open=True) = 2.0
+    """Seconds between two heartbeats (and position reports) each rank's watchdog thread writes to
+    the process group's store; a rank silent for ``5 * heartbeat_interval`` seconds while the
+    others wait is reported as dead or stuck."""
+    watchdog: Flag = True
+    """Run the collective watchdog (``false``: collectives block until the process group's own
+    timeout, with torch's message)."""
+    nonfinite_gradients: Annotated[
+        NonFinitePolicy, BeforeValidator(functools.partial(_choice, NonFinitePolicy))
+    ] = NonFinitePolicy.SKIP
+    """fp32 / bf16: what a step does when some rank's gradients hold an inf or nan (found by the
+    gradient-clipping norm, or by one all-reduce of a flag without clipping). ``skip`` (default):
+    the step is skipped on every rank (the optimizer state does not move), with one warning naming
+    the first non-finite parameter and the rank holding it; ``raise``: every rank raises
+    ``zero_full.NonFiniteGradientError`` naming it. fp16 keeps its loss-scaler rule (skip and
+    lower the scale)."""
+    check_paths: Flag = False
+    """Before every collective, all-gather a small signature (operation, call number, what it is
+    for) and raise ``zero_comm.RanksDivergedError`` on every rank at the first difference, naming
+    each rank's position. Off by default: it adds one small collective per collective. Turn it
+    on when ranks take different paths (a module called on some ranks only): with gloo the
+    mismatched sizes otherwise abort the process in C++ ("Received data size doesn't match
+    expected size"), before any timeout could fire."""
+    check_rank_agreement: Flag = True
+    """At ``initialize``, compare every rank's parameter names, shapes, dtypes, ``requires_grad``
+    flags and effective config values (one all-gather of digests) and raise on every rank naming
+    the first difference, instead of aborting in the communication library later."""
 
 
 # --------------------------------------------------------------------------- optimizer

@@ -22,10 +22,11 @@ unscaling, ``gradient_clipping``, the optimizer step.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +37,10 @@ from torch.profiler import record_function
 
 import zero_optim
 import zero_params
-from zero_comm import CommLedger, CommTotals, Topology, broadcast
+from zero_comm import CommLedger, CommTotals, CommWatchdog, Topology, broadcast
 from zero_coord import Coordinator, StepStats
 from zero_full import checkpoint as _checkpoint
+from zero_full.agreement import check_agreement
 from zero_full.config import Precision, ZeroConfig
 from zero_full.mics import MicsGroups, build_mics_groups
 from zero_full.stages import StepPipeline, build_stage, working_dtype
@@ -125,6 +127,8 @@ class Engine:
             optimizer's groups: adjust ``lr`` there or through an LR scheduler built on
             ``optimizer.torch_optimizer``).
         coordinator: The parameter coordinator (traces, statistics); ``None`` below stage 3.
+        watchdog: The collective watchdog (``robustness`` section; ``None`` when disabled):
+            a stuck collective raises ``zero_comm.CollectiveTimeoutError`` on every live rank.
         gradient_accumulation_steps: Micro-steps per optimizer step.
         micro_steps: ``step()`` calls so far.
         global_steps: Optimizer steps taken so far.
@@ -144,8 +148,12 @@ class Engine:
         self.gradient_accumulation_steps = _accumulation_steps(config, dist.get_world_size())
         self.micro_steps = 0
         self.global_steps = 0
-        self._ledger = CommLedger(Topology())
-        with self._ledger, record_function("zero.engine.initialize"):
+        self._backward_since_step = False  # step() without a backward before it is refused
+        self.watchdog: CommWatchdog | None = _watchdog(config)  # every collective below runs under it
+        self._ledger = CommLedger(Topology(), watchdog=self.watchdog)
+        with self._ledger, record_function("zero.engine.initialize"), _closes_on_error(self.watchdog):
+            if config.robustness.check_rank_agreement:  # before any collective whose sizes could differ
+                check_agreement(model, config)
             _sync_whole_tensors(model)
             pieces = build_stage(model, config, _optimizer_spec(config, optimizer), self._ledger.topology)
             self.optimizer: PartitionedOptimizer = pieces.optimizer
@@ -208,6 +216,7 @@ class Engine:
             factor = self._pipeline.loss_scale / self.gradient_accumulation_steps
             scaled = loss.float() * factor if factor != 1.0 else loss  # fp32: a 16-bit loss x scale overflows
             scaled.backward()
+        self._backward_since_step = True
         return loss
 
     @property
@@ -220,13 +229,27 @@ class Engine:
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
 
     def step(self) -> None:
-        """End a micro-step; at the accumulation boundary, step the optimizer and zero the gradients."""
+        """End a micro-step; at the accumulation boundary, step the optimizer and zero the gradients.
+
+        Raises:
+            RuntimeError: no :meth:`backward` since the previous ``step()`` (nothing changes:
+                no counter moves, no weight decay is applied).
+            zero_full.NonFiniteGradientError: fp32 / bf16 inf / nan gradients with
+                ``robustness.nonfinite_gradients = "raise"`` (on every rank).
+        """
+        if not self._backward_since_step:
+            raise RuntimeError(
+                f"engine.step() called with no engine.backward(loss) since the last step() (micro-step "
+                f"{self.micro_steps}, optimizer step {self.global_steps}): nothing was done. Call "
+                "engine.backward(loss) once per micro-batch before each step()"
+            )
+        self._backward_since_step = False
         boundary = self.is_gradient_accumulation_boundary()
         self.micro_steps += 1
         if not boundary:
             return
         with self._ledger, record_function("zero.engine.step"):
-            self._pipeline.run()
+            self._pipeline.run(self.global_steps)
         self.global_steps += 1
         self._comm = self._ledger.totals()
         self._ledger.records.clear()
@@ -242,7 +265,9 @@ class Engine:
         return self
 
     def close(self) -> None:
-        """Release every gathered parameter, remove the hooks and delete offload swap files."""
+        """Release gathered parameters, remove the hooks, delete offload swap files, stop the watchdog."""
+        if self.watchdog is not None:
+            self.watchdog.close()
         if self.coordinator is not None:
             self.coordinator.remove()
         if self._pipeline.pieces.reduction is not None:
@@ -370,6 +395,31 @@ def _check_supported(config: ZeroConfig) -> None:
             f"this zero version cannot run the given config; not implemented yet:\n  - {lines}\n"
             "Remove or change these keys."
         )
+
+
+@contextlib.contextmanager
+def _closes_on_error(watchdog: CommWatchdog | None) -> Iterator[None]:
+    """Stop the watchdog's thread when ``initialize`` fails (no engine will own it)."""
+    try:
+        yield
+    except BaseException:
+        if watchdog is not None:
+            watchdog.close()
+        raise
+
+
+def _watchdog(config: ZeroConfig) -> CommWatchdog | None:
+    r = config.robustness
+    if not r.watchdog or dist.get_world_size() == 1:
+        return None
+    return CommWatchdog(
+        None,
+        dist.get_rank(),
+        dist.get_world_size(),
+        timeout=r.comm_timeout,
+        heartbeat_interval=r.heartbeat_interval,
+        check_paths=r.check_paths,
+    )
 
 
 def _accumulation_steps(config: ZeroConfig, world_size: int) -> int:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,7 @@ from zero_comm import Topology
 from zero_coord import Coordinator
 from zero_full.config import Precision, ZeroConfig
 from zero_full.mics import MicsGroups, build_mics_groups, sync_replicas
+from zero_full.nonfinite import NonFiniteGuard
 from zero_optim import (
     GradientReduction,
     LossScaler,
@@ -175,7 +177,7 @@ class StepPipeline:
         last_grad_norm: Global gradient norm of the last applied step (``None`` without clipping).
     """
 
-    __slots__ = ("_clip", "_partitioned", "last_grad_norm", "pieces", "scaler")
+    __slots__ = ("_clip", "_partitioned", "guard", "last_grad_norm", "pieces", "scaler")
 
     def __init__(self, pieces: StagePieces, config: ZeroConfig) -> None:
         self.pieces = pieces
@@ -183,6 +185,10 @@ class StepPipeline:
         self._partitioned = config.stage != 0
         self.last_grad_norm: float | None = None
         self.scaler: LossScaler | None = None
+        # fp32 / bf16: inf / nan gradients are found at the step (fp16: the loss scaler's rule)
+        self.guard: NonFiniteGuard | None = None
+        if config.precision is not Precision.FP16:
+            self.guard = NonFiniteGuard(config.robustness.nonfinite_gradients, pieces.norm_group)
         if config.precision is Precision.FP16:
             f = config.fp16
             self.scaler = LossScaler(
@@ -203,11 +209,21 @@ class StepPipeline:
 
     @property
     def skipped_steps(self) -> int:
-        """Optimizer steps skipped because some rank's gradients overflowed."""
-        return self.scaler.skipped_steps if self.scaler is not None else 0
+        """Optimizer steps skipped because some rank's gradients overflowed (fp16) or were non-finite."""
+        if self.scaler is not None:
+            return self.scaler.skipped_steps
+        return self.guard.skipped_steps if self.guard is not None else 0
 
-    def run(self) -> bool:
-        """The boundary step on every rank; returns whether the optimizer step was applied."""
+    def run(self, step: int = 0) -> bool:
+        """The boundary step on every rank; returns whether the optimizer step was applied.
+
+        Args:
+            step: Optimizer steps taken so far (named in non-finite gradient messages).
+
+        Raises:
+            zero_full.NonFiniteGradientError: fp32 / bf16 non-finite gradients with the
+                ``raise`` policy (on every rank; the gradients are zeroed first).
+        """
         opt = self.pieces.optimizer
         if self.pieces.reduction is not None:
             self.pieces.reduction.at_boundary()
@@ -230,10 +246,23 @@ class StepPipeline:
                     for g in opt.groups:
                         g.grad.mul_(1.0 / scale)
         if applied:
-            if self._clip > 0:
-                self.last_grad_norm = clip_grad_norm_(
+            finite = True
+            if self._clip > 0:  # the norm reduces over every gradient: inf / nan shows in it
+                norm = clip_grad_norm_(
                     opt.groups, self._clip, self.pieces.norm_group, partitioned=self._partitioned
                 )
-            opt.step()
+                finite = math.isfinite(norm)
+                if finite:
+                    self.last_grad_norm = norm
+            elif self.guard is not None:
+                finite = not self.guard.flag_without_norm(opt)
+            if not finite and self.guard is not None:
+                applied = False
+                try:
+                    self.guard.handle(opt, step)
+                finally:
+                    opt.zero_grad()
+            if applied:
+                opt.step()
         opt.zero_grad()
         return applied

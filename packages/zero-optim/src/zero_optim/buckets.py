@@ -36,6 +36,9 @@ from typing import Protocol
 from torch import nn
 from torch.profiler import record_function
 
+from zero_comm.watchdog import label
+from zero_comm.watchdog import note as watchdog_note
+
 __all__ = ["BucketPlan", "BucketedReducer", "ReduceConfig", "ReduceHandle"]
 
 
@@ -198,6 +201,8 @@ class BucketedReducer:
         self._next = 0
 
     def _issue(self, params: tuple[nn.Parameter, ...]) -> None:
+        names = self._plan.names
+        watchdog_note(lambda: label("reduces the gradients of", [names.get(id(p), "?") for p in params]))
         with record_function("zero.optim.reduce_bucket"):
             if not self._config.overlap_comm:
                 self._reduce(list(params), async_op=False)

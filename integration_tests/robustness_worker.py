@@ -1,0 +1,94 @@
+"""A tiny training run under torchrun that misbehaves on purpose (see test_integration_robustness.py).
+
+``python -m torch.distributed.run --nproc-per-node 2 robustness_worker.py MODE OUT_DIR [CKPT_DIR]``;
+each rank writes ``OUT_DIR/rank<r>.json`` with what happened (error type and message, losses,
+seconds from the start of training to the error).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import zero_full
+from zero_full import ckpt_io
+
+MODE = sys.argv[1]
+OUT = sys.argv[2]
+CKPT = sys.argv[3] if len(sys.argv) > 3 else ""
+
+
+class Net(nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(8, hidden)
+        self.mid = nn.Linear(hidden, hidden)
+        self.out = nn.Linear(hidden, 2)
+
+    def forward(self, x: torch.Tensor, extra: bool = False) -> torch.Tensor:
+        h = self.mid(torch.tanh(self.inp(x)))
+        if extra:
+            h = self.mid(h)
+        return self.out(h).pow(2).mean()
+
+
+def batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(1000 * step + rank))
+
+
+def main() -> None:
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    report: dict[str, object] = {"losses": []}
+    config = {
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
+        "robustness": {"comm_timeout": 3, "heartbeat_interval": 0.4, "check_paths": MODE == "extra"},
+    }
+    start = time.monotonic()
+    try:
+        engine = zero_full.initialize(Net(33 + (rank if MODE == "hidden" else 0)), config)
+        first = 0
+        if MODE == "resume":
+            engine.load_checkpoint(CKPT)
+            first = engine.global_steps
+        steps = {"diverge": 3 if rank == 0 else 2}.get(MODE, 4)
+        for step in range(first, steps):
+            if MODE == "stop" and rank == 1 and step == 2:
+                os.kill(os.getpid(), signal.SIGSTOP)
+            loss = engine(batch(step, rank), extra=MODE == "extra" and rank == 1 and step == 1)
+            engine.backward(loss)
+            engine.step()
+            report["losses"].append(loss.item())  # type: ignore[union-attr]
+            if MODE in ("killsave", "unbroken") and engine.global_steps == 2:
+                engine.save_checkpoint(CKPT)
+            if MODE == "killsave" and engine.global_steps == 3:
+                if rank == 0:  # die in the middle of writing the next checkpoint (rank 0 cleans up otherwise)
+                    real = ckpt_io.write_torch
+
+                    def die(obj: object, path: object, real=real) -> None:  # noqa: ANN001
+                        real(obj, path)
+                        os.kill(os.getpid(), signal.SIGKILL)
+
+                    ckpt_io.write_torch = die
+                engine.save_checkpoint(CKPT)
+        if MODE == "diverge" and rank == 1:
+            time.sleep(20)  # alive (heartbeats go on), but never joins rank 0's third step
+        engine.close()
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        report.update(error=type(exc).__name__, message=str(exc), seconds=time.monotonic() - start)
+    with open(os.path.join(OUT, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+    os._exit(0)  # the process group may be wedged after a failed collective
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,483 @@
+"""A collective watchdog with a diagnosis: no hang without saying which rank is where.
+
+A :class:`CommWatchdog` lives as long as the engine that created it. It
+
+* **records** what this rank is doing: every zero-comm collective it issues (operation and
+  call number) with what it is for (:func:`note`: e.g. "gathers `mid`", set by the layers
+  above), and since when;
+* **publishes** that position with a heartbeat counter from a daemon thread, every
+  ``heartbeat_interval`` seconds, under ``zero/watchdog/<rank>`` in a ``torch.distributed``
+  store that every rank reaches (the process group's store);
+* **waits** for collectives in slices (``work.wait(slice)``: no polling on the healthy path)
+  and between slices reads the other ranks' positions. It raises
+  :class:`CollectiveTimeoutError` — on every live rank, never an abort — when a peer's
+  heartbeat stopped for ``5 * heartbeat_interval`` seconds ("rank 1 sent no heartbeat for
+  12 s: it died or is stuck"), when the wait exceeds ``timeout`` ("rank 1 gathers `mid`
+  (call 41) while rank 0 reduce-scatters the gradients of `out` (call 40): ranks took
+  different paths"), or when the communication library reports a failure (a peer that died
+  is named as a rank, not as a socket).
+
+The watchdog is active while a :class:`~zero_comm.CommLedger` that carries it is active
+(``CommLedger(topology, watchdog=wd)``); every zero-comm collective issued then runs
+asynchronously under it (a synchronous call waits through the watchdog before returning).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zero_comm.ledger import active_watchdog
+
+__all__ = [
+    "CollectiveTimeoutError",
+    "CommWatchdog",
+    "RankPosition",
+    "RanksDivergedError",
+    "label",
+    "note",
+    "watched_call",
+    "watched_wait",
+]
+
+_KEY = "zero/watchdog/{}"
+
+_VERBS = {
+    "all_gather": "gathers",
+    "reduce_scatter": "reduce-scatters",
+    "all_reduce": "all-reduces",
+    "broadcast": "broadcasts",
+    "all_to_all": "exchanges (all-to-all)",
+    "idle": "is outside any collective",
+}
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective did not complete: raised on every live rank, naming which rank is where."""
+
+
+class RanksDivergedError(CollectiveTimeoutError):
+    """Ranks were about to issue different collectives (``check_paths``): raised on every rank."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RankPosition:
+    """What one rank was doing, as published in the store.
+
+    Attributes:
+        rank: Global rank.
+        op: Collective kind (``"idle"`` outside any collective).
+        call: Number of collectives this rank issued so far (this one included).
+        what: What it is for (``"gathers `mid`"``; empty when nothing was noted).
+        since: Wall-clock time the rank entered it.
+        beat: Heartbeat counter (grows every ``heartbeat_interval`` while the rank lives).
+        waiting: Whether the rank is blocked in a wait.
+    """
+
+    rank: int
+    op: str
+    call: int
+    what: str
+    since: float
+    beat: int = 0
+    waiting: bool = False
+
+    def describe(self) -> str:
+        """``rank 1 gathers `mid` (call 41)``."""
+        doing = self.what or _VERBS.get(self.op, self.op)
+        return f"rank {self.rank} {doing} (call {self.call})"
+
+
+class CommWatchdog:
+    """Records this rank's collectives, heartbeats them to a store, diagnoses stuck waits.
+
+    Args:
+        store: A ``torch.distributed.Store`` every rank reaches (``None``: the default
+            process group's store; no cross-rank diagnosis if there is none).
+        rank: This process's global rank.
+        world_size: Number of ranks.
+        timeout: Seconds one collective may take before every rank raises.
+        heartbeat_interval: Seconds between heartbeats; a rank silent for 5 intervals while
+            others wait for it is reported as dead or stuck.
+        check_paths: Before every collective, all-gather a fixed-size signature (operation,
+            call number, digest of what it is for) and raise :class:`RanksDivergedError` on
+            every rank of the group at the first difference. Costs one small collective per
+            collective; it catches diverged paths before a size mismatch aborts the process
+            inside the communication library (gloo's "Received data size doesn't match").
+
+    Use :meth:`close` (or ``with``) to stop the heartbeat thread.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "_beat",
+        "_call",
+        "_label",
+        "_position",
+        "_seen",
+        "_stop",
+        "_thread",
+        "check_paths",
+        "heartbeat_interval",
+        "rank",
+        "store",
+        "timeout",
+        "world_size",
+    )
+
+    def __init__(
+        self,
+        store: Any | None,
+        rank: int,
+        world_size: int,
+        *,
+        timeout: float = 300.0,
+        heartbeat_interval: float = 2.0,
+        check_paths: bool = False,
+    ) -> None:
+        if not timeout > 0 or not heartbeat_interval > 0:
+            raise ValueError(
+                f"CommWatchdog: timeout ({timeout}) and heartbeat_interval ({heartbeat_interval}) must be > 0"
+            )
+        self.store = store if store is not None else _default_store()
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = float(timeout)
+        self.heartbeat_interval = float(heartbeat_interval)
+        self.check_paths = check_paths
+        self._call = 0
+        self._beat = 0
+        self._label = ""
+        self._position = ("idle", 0, "", time.time(), False)
+        self._seen: dict[int, tuple[int, float]] = {}  # rank -> (last beat, my monotonic time it changed)
+        self._stop = threading.Event()
+        self.publish()
+        self._thread: threading.Thread | None = None
+        if self.store is not None and world_size > 1:
+            self._thread = threading.Thread(
+                target=_heartbeat_loop, args=(weakref.ref(self), self._stop, heartbeat_interval), daemon=True
+            )
+            self._thread.name = f"zero-watchdog-rank{rank}"
+            self._thread.start()
+
+    def __repr__(self) -> str:
+        return f"CommWatchdog(rank={self.rank}, world_size={self.world_size}, timeout={self.timeout:g})"
+
+    def __enter__(self) -> CommWatchdog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def dead_after(self) -> float:
+        """Seconds without a heartbeat after which a rank is reported as dead or stuck."""
+        return 5 * self.heartbeat_interval
+
+    def close(self) -> None:
+        """Stop the heartbeat thread (idempotent)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * self.heartbeat_interval)
+        self._thread = None
+
+    # ------------------------------------------------------------------ recording
+
+    def note(self, what: str | Callable[[], str]) -> None:
+        """Say what the next collectives are for (``"gathers `mid`"``; a callable is rendered only
+        when published or diagnosed); ``""`` clears it."""
+        self._label = what
+
+    def issued(self, op: str) -> int:
+        """Record one issued collective; returns its call number."""
+        self._call += 1
+        self._position = (op, self._call, self._label, time.time(), False)
+        return self._call
+
+    def position(self) -> RankPosition:
+        """This rank's current position."""
+        op, call, what, since, waiting = self._position
+        return RankPosition(self.rank, op, call, _render(what), since, self._beat, waiting)
+
+    def publish(self) -> None:
+        """Write this rank's position and the next heartbeat to the store (the thread, every interval)."""
+        if self.store is None:
+            return
+        self._beat += 1
+        op, call, what, since, waiting = self._position
+        record = {
+            "op": op,
+            "call": call,
+            "what": _render(what),
+            "since": since,
+            "beat": self._beat,
+            "waiting": waiting,
+        }
+        self.store.set(_KEY.format(self.rank), json.dumps(record))
+
+    # ------------------------------------------------------------------ waiting
+
+    def wait(self, work: Any, what: str = "") -> None:
+        """Wait for a ``torch.distributed`` work object; raise a diagnosis instead of hanging.
+
+        Raises:
+            CollectiveTimeoutError: the wait exceeded ``timeout``, a peer stopped sending
+                heartbeats, or the communication failed (message: every rank's position).
+        """
+        if work is None:
+            return
+        start = time.monotonic()
+        slice_s = datetime.timedelta(seconds=min(self.heartbeat_interval, self.timeout))
+        op, call, label, since, _ = self._position
+        self._position = (op, call, label, since, True)
+        try:
+            while True:
+                try:
+                    work.wait(slice_s)
+                    return
+                except RuntimeError as exc:
+                    if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
+                        raise CollectiveTimeoutError(self._failure(exc)) from exc
+                waited = time.monotonic() - start
+                silent = self._silent_peers()
+                if silent:
+                    raise CollectiveTimeoutError(self._dead_message(silent))
+                if waited >= self.timeout:
+                    raise CollectiveTimeoutError(self._timeout_message(waited))
+        finally:
+            op, call, label, since, _ = self._position
+            self._position = (op, call, label, since, False)
+
+    def check_same_path(self, op: str, call: int, group: Any) -> None:
+        """All-gather ``(op, call, digest of what)`` over ``group``; raise on every rank if they differ.
+
+        Raises:
+            RanksDivergedError: names every rank's position.
+        """
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world_size))
+        if len(ranks) == 1:
+            return
+        what = _render(self._position[2])
+        sig = torch.tensor([_OPS.index(op) if op in _OPS else -1, call, _digest(what)], dtype=torch.int64)
+        out = torch.empty(len(ranks) * 3, dtype=torch.int64)
+        self.wait(dist.all_gather_single(out, sig, group=group, async_op=True))
+        rows = out.view(len(ranks), 3)
+        if bool((rows == rows[0]).all()):
+            return
+        self.publish()  # every rank of the group sees the mismatch now: publish, then read the others
+        calls = {r: int(rows[i, 1]) for i, r in enumerate(ranks)}
+        deadline = time.monotonic() + 2 * self.heartbeat_interval + 1.0
+        while True:
+            positions = {r: p for r, p in self.peers().items() if p is not None}
+            fresh = all(
+                positions.get(r) is not None and positions[r].call == c
+                for r, c in calls.items()
+                if r != self.rank
+            )
+            if fresh or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        positions[self.rank] = self.position()
+        lines = []
+        for i, r in enumerate(ranks):
+            pos = positions.get(r)
+            if pos is not None and pos.call == int(rows[i, 1]) and r == self.rank:
+                lines.append(pos.describe())
+            else:
+                op_name = _OPS[int(rows[i, 0])] if 0 <= int(rows[i, 0]) < len(_OPS) else "?"
+                lines.append(_describe_remote(r, op_name, int(rows[i, 1]), pos))
+        raise RanksDivergedError(
+            f"{' while '.join(lines)}: ranks took different paths (a module or collective called on some "
+            "ranks only, or a different number of times). Make every rank run the same forward / backward"
+        )
+
+    def peers(self) -> dict[int, RankPosition | None]:
+        """Every other rank's last published position (``None``: never published)."""
+        found: dict[int, RankPosition | None] = {}
+        for r in range(self.world_size):
+            if r == self.rank:
+                continue
+            found[r] = self._read(r)
+        return found
+
+    def _read(self, r: int) -> RankPosition | None:
+        key = _KEY.format(r)
+        try:
+            if self.store is None or not self.store.check([key]):
+                return None
+            d = json.loads(self.store.get(key))
+        except (RuntimeError, ValueError, OSError):
+            return None
+        return RankPosition(r, d["op"], d["call"], d["what"], d["since"], d["beat"], d["waiting"])
+
+    def _silent_peers(self) -> list[tuple[int, float, RankPosition | None]]:
+        """Peers whose heartbeat did not change for :attr:`dead_after` seconds (my clock)."""
+        now = time.monotonic()
+        silent = []
+        for r, pos in self.peers().items():
+            beat = pos.beat if pos is not None else -1
+            last = self._seen.get(r)
+            if last is None or last[0] != beat:
+                self._seen[r] = (beat, now)
+            elif now - last[1] >= self.dead_after:
+                silent.append((r, now - last[1], pos))
+        return silent
+
+    # ------------------------------------------------------------------ messages
+
+    def _dead_message(self, silent: list[tuple[int, float, RankPosition | None]]) -> str:
+        me = self.position()
+        parts = []
+        for r, quiet, pos in silent:
+            if pos is None:
+                parts.append(
+                    f"rank {r} sent no heartbeat in {quiet:.0f} s: it never reached zero (not in "
+                    "initialize: it died early, or took another path before it)"
+                )
+                continue
+            parts.append(
+                f"rank {r} sent no heartbeat for {quiet:.0f} s: it died or is stuck; "
+                f"it was at: {pos.describe()}"
+            )
+        return (
+            "; ".join(parts)
+            + f". This rank ({me.describe()}) waited for it. Check that process (killed, stopped, "
+            "out of memory, blocked in I/O); the job cannot continue: restart it from the last checkpoint"
+        )
+
+    def _timeout_message(self, waited: float) -> str:
+        me = self.position()
+        others = [p for p in self.peers().values() if p is not None]
+        lines = [p.describe() for p in others]
+        diverged = [p for p in others if (p.op, p.call, p.what) != (me.op, me.call, me.what)]
+        verdict = (
+            "ranks took different paths (a module or collective called on some ranks only, or a "
+            "different number of times)"
+            if diverged
+            else "every rank is in the same collective: the communication itself is stuck or very slow"
+        )
+        head = f"{me.describe()} while " + ", ".join(lines) if lines else me.describe()
+        return (
+            f"collective did not complete within {waited:.0f} s "
+            f"(robustness.comm_timeout = {self.timeout:g}): "
+            f"{head}: {verdict}. Make every rank run the same forward / backward (same modules, same "
+            "number of calls), or raise robustness.comm_timeout for a slow link"
+        )
+
+    def _failure(self, exc: BaseException) -> str:
+        # a peer that died shows as a reset / closed connection: wait briefly for the heartbeats to tell
+        deadline = time.monotonic() + self.dead_after + self.heartbeat_interval
+        silent = self._silent_peers()
+        while not silent and time.monotonic() < deadline:
+            time.sleep(min(self.heartbeat_interval, 0.5))
+            silent = self._silent_peers()
+        if silent:
+            return self._dead_message(silent) + f" (communication error: {exc})"
+        me = self.position()
+        return (
+            f"{me.describe()} failed: {exc}. Every peer still sends heartbeats; see the other ranks' errors"
+        )
+
+
+_OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all")
+
+
+def _digest(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=7).digest(), "little")
+
+
+def _describe_remote(rank: int, op: str, call: int, pos: RankPosition | None) -> str:
+    """A peer's position from its signature row, with its published label when it matches."""
+    if pos is not None and pos.call == call and pos.what:
+        return RankPosition(rank, op, call, pos.what, pos.since).describe()
+    return RankPosition(rank, op, call, "", 0.0).describe()
+
+
+def _render(what: str | Callable[[], str]) -> str:
+    if callable(what):
+        try:
+            return str(what())
+        except Exception:  # noqa: BLE001 - a label must never break a wait
+            return ""
+    return what
+
+
+def label(verb: str, names: Sequence[str], limit: int = 3) -> str:
+    """``"gathers `mid`"`` from parameter names (their modules, in order, at most ``limit``)."""
+    modules = list(dict.fromkeys(n.rpartition(".")[0] or n for n in names))
+    shown = ", ".join(f"`{m}`" for m in modules[:limit])
+    more = f" and {len(modules) - limit} more" if len(modules) > limit else ""
+    return f"{verb} {shown}{more}"
+
+
+def _heartbeat_loop(ref: weakref.ref[CommWatchdog], stop: threading.Event, interval: float) -> None:
+    while not stop.wait(interval):
+        wd = ref()
+        if wd is None:
+            return
+        try:
+            wd.publish()
+        except Exception:  # noqa: BLE001 - the store is gone (shutdown): stop beating
+            return
+        del wd
+
+
+def _default_store() -> Any | None:
+    """The default process group's store (``None`` when there is none)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, AttributeError, ValueError):
+        return None
+
+
+# ---------------------------------------------------------------------------- hooks for the collectives
+
+
+def note(what: str | Callable[[], str]) -> None:
+    """Tell the active watchdog (if any) what the next collectives are for, e.g. ``"gathers `mid`"``."""
+    wd = active_watchdog()
+    if wd is not None:
+        wd.note(what)
+
+
+def watched_call(
+    kind: str, fn: Callable[..., Any], /, *args: Any, async_op: bool = False, **kwargs: Any
+) -> Any:
+    """Issue ``fn(*args, async_op=..., **kwargs)`` (a ``torch.distributed`` collective).
+
+    Without an active watchdog this is the plain call. With one, the collective is recorded
+    and issued asynchronously; a synchronous request waits through the watchdog and returns
+    ``None``, as torch does.
+    """
+    wd = active_watchdog()
+    if wd is None:
+        return fn(*args, async_op=async_op, **kwargs)
+    call = wd.issued(kind)
+    if wd.check_paths:
+        wd.check_same_path(kind, call, kwargs.get("group"))
+    work = fn(*args, async_op=True, **kwargs)
+    if async_op:
+        return work
+    wd.wait(work)
+    return None
+
+
+def watched_wait(work: Any) -> bool:
+    """Wait for ``work`` through the active watchdog; ``False`` (nothing done) when none is active."""
+    wd = active_watchdog()
+    if wd is None:
+        return False
+    wd.wait(work)
+    return True

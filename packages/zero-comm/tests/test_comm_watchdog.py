@@ -1,0 +1,149 @@
+"""CommWatchdog: positions, heartbeats through a store, and the diagnosis of a stuck wait.
+
+The store is a ``torch.distributed.HashStore`` shared by "ranks" that are watchdog objects in
+this process; the collective is a fake work object that never completes (``wait(timeout)``
+raises like gloo's), so every path is exercised without a process group.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+import zero_comm
+from zero_comm import CollectiveTimeoutError, CommLedger, CommWatchdog, Topology
+from zero_comm.ledger import active_watchdog
+from zero_comm.watchdog import label, watched_call
+
+
+class _NeverDone:
+    def __init__(self, error: str = "") -> None:
+        self.error = error
+
+    def wait(self, timeout=None):
+        time.sleep(min(timeout.total_seconds(), 0.05))
+        raise RuntimeError(self.error or "[../gloo/work.cc] Operation timed out!")
+
+
+class _Done:
+    waited = 0
+
+    def wait(self, timeout=None):
+        _Done.waited += 1
+        return True
+
+
+def _pair(timeout=0.6, interval=0.05, beat_peer=True):
+    store = dist.HashStore()
+    me = CommWatchdog(store, 0, 2, timeout=timeout, heartbeat_interval=interval)
+    peer = CommWatchdog(store, 1, 2, timeout=timeout, heartbeat_interval=interval)
+    if not beat_peer:
+        peer.close()  # its last report stays in the store, its heartbeat stops
+    return me, peer
+
+
+def test_label_names_modules_in_order():
+    assert label("gathers", ["mid.weight", "mid.bias", "out.weight"]) == "gathers `mid`, `out`"
+    assert label("gathers", ["a.w", "b.w", "c.w", "d.w"], limit=2) == "gathers `a`, `b` and 2 more"
+    assert label("gathers", ["bias"]) == "gathers `bias`"
+
+
+def test_positions_are_recorded_and_published():
+    me, peer = _pair()
+    try:
+        peer.note(lambda: "gathers `mid`")  # rendered only when published
+        peer.issued("all_gather")
+        peer.issued("all_gather")
+        peer.publish()
+        seen = me.peers()[1]
+        assert seen is not None and seen.call == 2 and seen.op == "all_gather"
+        assert seen.describe() == "rank 1 gathers `mid` (call 2)"
+    finally:
+        me.close()
+        peer.close()
+
+
+def test_a_different_position_after_the_timeout_is_a_diverged_path():
+    me, peer = _pair(timeout=0.5)
+    try:
+        me.note("gathers `out`")
+        me.issued("all_gather")
+        peer.note("reduces the gradients of `mid`")
+        peer.issued("reduce_scatter")
+        peer.issued("reduce_scatter")
+        start = time.monotonic()
+        with pytest.raises(CollectiveTimeoutError) as info:
+            me.wait(_NeverDone())
+        assert time.monotonic() - start < 3
+        message = str(info.value)
+        assert "rank 0 gathers `out` (call 1) while rank 1 reduces the gradients of `mid` (call 2)" in message
+        assert "ranks took different paths" in message and "comm_timeout = 0.5" in message
+    finally:
+        me.close()
+        peer.close()
+
+
+def test_a_silent_peer_is_named_before_the_timeout():
+    me, peer = _pair(timeout=60, interval=0.05, beat_peer=False)
+    try:
+        start = time.monotonic()
+        with pytest.raises(
+            CollectiveTimeoutError, match=r"rank 1 sent no heartbeat for \d+ s: it died or is stuck"
+        ):
+            me.wait(_NeverDone())
+        assert time.monotonic() - start < 5  # 5 heartbeat intervals, not the 60 s timeout
+    finally:
+        me.close()
+
+
+def test_a_connection_error_names_the_dead_rank_not_the_socket():
+    me, peer = _pair(timeout=60, interval=0.05, beat_peer=False)
+    try:
+        with pytest.raises(CollectiveTimeoutError) as info:
+            me.wait(_NeverDone("Connection reset by peer [127.0.0.1]:56473"))
+        assert str(info.value).startswith("rank 1 sent no heartbeat")
+        assert "Connection reset by peer" in str(info.value)  # the original, after the diagnosis
+    finally:
+        me.close()
+
+
+def test_collectives_run_under_the_watchdog_of_the_active_ledger():
+    me, peer = _pair()
+    calls = []
+
+    def fake_collective(*args, async_op=False, **kwargs):
+        calls.append(async_op)
+        return _Done()
+
+    try:
+        assert active_watchdog() is None
+        assert isinstance(watched_call("all_reduce", fake_collective, 1, async_op=False), _Done)
+        with CommLedger(Topology.__new__(Topology), watchdog=me):
+            assert active_watchdog() is me
+            with CommLedger(Topology.__new__(Topology)):  # an inner ledger without one inherits it
+                assert active_watchdog() is me
+                zero_comm.note("all-reduces the gradient norm")
+                assert watched_call("all_reduce", fake_collective, 1, async_op=False) is None
+                assert isinstance(watched_call("all_reduce", fake_collective, 1, async_op=True), _Done)
+        assert calls == [False, True, True]  # under the watchdog every collective is issued async
+        assert me.position().call == 2 and me.position().what == "all-reduces the gradient norm"
+    finally:
+        me.close()
+        peer.close()
+
+
+def test_the_heartbeat_thread_stops_with_close_and_with_the_watchdog():
+    me, peer = _pair()
+    before = {t.name for t in threading.enumerate()}
+    assert "zero-watchdog-rank0" in before
+    me.close()
+    peer.close()
+    assert not {"zero-watchdog-rank0", "zero-watchdog-rank1"} & {t.name for t in threading.enumerate()}
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="must be > 0"):
+        CommWatchdog(dist.HashStore(), 0, 2, timeout=0)

@@ -1,0 +1,295 @@
+"""Misuse, non-finite gradients and rank agreement: errors on every rank instead of silent damage."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+from torch import nn
+
+import zero_full
+from zero_full import checkpoint
+
+BATCH = 6
+
+
+class Net(nn.Module):
+    def __init__(self, hidden=13):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(11, hidden)
+        self.b = nn.Linear(hidden, 3)
+
+    def forward(self, x, y):
+        return ((self.b(torch.tanh(self.a(x))) - y) ** 2).mean()
+
+
+def _data(step, rank=0):
+    g = torch.Generator().manual_seed(step * 100 + rank)
+    return torch.randn(BATCH, 11, generator=g), torch.randn(BATCH, 3, generator=g)
+
+
+def _config(stage=3, **extra):
+    return {
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.1}},
+        **extra,
+    }
+
+
+def _weights(engine):
+    return {n: t.clone() for n, t in engine.consolidated_state_dict().items()}
+
+
+# --------------------------------------------------------------------------- step() without backward
+
+
+def _step_without_backward(rank, accumulation):
+    engine = zero_full.initialize(Net(), _config(gradient_accumulation_steps=accumulation))
+    x, y = _data(0, rank.rank)
+    for _ in range(accumulation):
+        engine.backward(engine(x, y))
+        engine.step()
+    before = _weights(engine)
+    counters = (engine.micro_steps, engine.global_steps)
+    if accumulation > 1:  # one proper micro-step, then a step() with no backward before it
+        engine.backward(engine(x, y))
+        engine.step()
+        counters = (engine.micro_steps, engine.global_steps)
+    try:
+        engine.step()
+    except RuntimeError as exc:
+        message = str(exc)
+    else:
+        message = None
+    after = _weights(engine)
+    engine.close()
+    same = all(torch.equal(before[k], after[k]) for k in before) if before else True
+    return message, counters == (engine.micro_steps, engine.global_steps), same
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("accumulation", [1, 3])
+def test_step_without_backward_raises_and_changes_nothing(dist, world, accumulation):
+    for message, counters_kept, weights_kept in dist.run(world, _step_without_backward, accumulation):
+        assert message is not None and "no engine.backward(loss) since the last step()" in message
+        assert counters_kept and weights_kept  # no counter moved, no weight decay applied
+
+
+# --------------------------------------------------------------------------- non-finite gradients
+
+
+def _nan_on_rank1(rank, precision, policy, clip, stage):
+    config = _config(stage, robustness={"nonfinite_gradients": policy}, gradient_clipping=clip)
+    if precision != "fp32":
+        config[precision] = {"enabled": True}
+    engine = zero_full.initialize(Net(), config)
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("zero.engine").addHandler(handler)
+    error = None
+    try:
+        for step in range(4):
+            x, y = (
+                t.to(torch.bfloat16 if precision == "bf16" else torch.float32) for t in _data(step, rank.rank)
+            )
+            if step == 2 and rank.rank == 1:
+                x[0, 0] = float("nan")
+            engine.backward(engine(x, y))
+            if step == 2:
+                before = _weights(engine)
+                state_steps = [s["step"].item() for s in engine.optimizer.torch_optimizer.state.values()]
+            try:
+                engine.step()
+            except zero_full.NonFiniteGradientError as exc:
+                error = str(exc)
+                break
+            if step == 2:
+                after = _weights(engine)
+                unchanged = all(torch.equal(before[k], after[k]) for k in before)
+                steps_after = [s["step"].item() for s in engine.optimizer.torch_optimizer.state.values()]
+        finite = all(torch.isfinite(t).all() for t in _weights(engine).values())
+    finally:
+        logging.getLogger("zero.engine").removeHandler(handler)
+    result = {
+        "error": error,
+        "warnings": [m for m in records if "non-finite" in m],
+        "finite": bool(finite),
+        "skipped": engine.stats.skipped_steps,
+    }
+    if error is None:
+        result.update(unchanged=unchanged, adam_steps=(state_steps, steps_after))
+    engine.close()
+    return result
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("clip", [0.0, 1.0])
+def test_nan_on_one_rank_skips_the_step_on_every_rank_with_one_warning(dist, precision, clip):
+    results = dist.run(2, _nan_on_rank1, precision, "skip", clip, 3)
+    for r, res in enumerate(results):
+        assert res["error"] is None and res["finite"] and res["unchanged"], res
+        assert res["skipped"] == 1
+        before, after = res["adam_steps"]
+        assert before == after  # the skipped step is not an optimizer step
+        expected = 1 if r == 0 else 0  # one warning, on rank 0, naming the parameter and the rank
+        assert len(res["warnings"]) == expected, res
+    assert "`a.weight` on rank 1" in results[0]["warnings"][0] and "step 3" in results[0]["warnings"][0]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_nan_on_one_rank_raises_on_every_rank_with_the_raise_policy(dist, precision):
+    for res in dist.run(2, _nan_on_rank1, precision, "raise", 0.0, 2):
+        assert res["error"] is not None and "`a.weight` on rank 1" in res["error"], res
+        assert "nonfinite_gradients" in res["error"]
+
+
+def _fp16_overflow(rank):
+    config = _config(fp16={"enabled": True, "initial_scale_power": 40, "hysteresis": 1})
+    engine = zero_full.initialize(Net(), config)
+    for step in range(3):
+        engine.backward(engine(*(t.half() for t in _data(step, rank.rank))))
+        engine.step()
+    adam = [s["step"].item() for s in engine.optimizer.torch_optimizer.state.values()]
+    out = (engine.global_steps, engine.stats.skipped_steps, adam)
+    engine.close()
+    return out
+
+
+def test_fp16_skipped_steps_are_not_optimizer_steps(dist):
+    for global_steps, skipped, adam in dist.run(2, _fp16_overflow):
+        assert global_steps == 3 and skipped >= 1
+        assert all(s == global_steps - skipped for s in adam)  # Adam's own counter skips them too
+
+
+# --------------------------------------------------------------------------- agreement at initialize
+
+
+def _mismatch(rank, what):
+    hidden = 64 + (rank.rank if what == "hidden" else 0)
+    config = _config()
+    if what == "config":
+        config["optimizer"]["params"]["lr"] = 0.01 * (1 + rank.rank)
+    if what == "frozen":
+        model = Net(hidden)
+        model.b.bias.requires_grad_(rank.rank == 0)
+    else:
+        model = Net(hidden)
+    try:
+        engine = zero_full.initialize(model, config)
+    except zero_full.RankMismatchError as exc:
+        return str(exc)
+    engine.close()
+    return None
+
+
+@pytest.mark.parametrize(
+    "what,fragment",
+    [
+        ("hidden", "parameter 'a.weight' differs on rank(s) 1"),
+        ("frozen", "parameter 'b.bias' differs on rank(s) 1"),
+        ("config", "config key 'optimizer.params.lr' differs on rank(s) 1"),
+    ],
+)
+def test_ranks_that_disagree_raise_at_initialize_naming_the_first_difference(dist, what, fragment):
+    for message in dist.run(2, _mismatch, what):
+        assert message is not None and fragment in message, message
+    if what == "hidden":
+        assert "rank 0: shape (64, 11)" in message and "rank 1: shape (65, 11)" in message
+
+
+def _agree(rank):
+    engine = zero_full.initialize(Net(), _config())
+    engine.close()
+    return True
+
+
+def test_ranks_that_agree_start(dist):
+    assert dist.run(2, _agree) == [True, True]
+
+
+# --------------------------------------------------------------------------- checkpoint hygiene
+
+
+def _stale_cleanup(rank, root, leftover):
+    engine = zero_full.initialize(Net(), _config())
+    engine.backward(engine(*_data(0, rank.rank)))
+    engine.step()
+    engine.save_checkpoint(root)
+    engine.load_checkpoint(root)
+    engine.close()
+    return True
+
+
+@pytest.mark.parametrize("when", ["save", "load"])
+def test_leftovers_of_interrupted_saves_are_removed(dist, tmp_path, when):
+    stale = tmp_path / "global_step7.tmp-0123456789ab"
+    stale.mkdir()
+    (stale / "rank00000.pt").write_bytes(b"x" * 1000)
+    (tmp_path / ".latest.tmp-4242").write_text("global_step7")
+    dist.run(2, _stale_cleanup, str(tmp_path), when)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step1", "latest"]
+
+
+def _disk_full(rank, root, fake_free):
+    from zero_full import ckpt_hygiene
+
+    engine = zero_full.initialize(Net(300), _config())
+    engine.backward(engine(*_data(0, rank.rank)))
+    engine.step()
+    engine.save_checkpoint(root)  # fits
+    engine.backward(engine(*_data(1, rank.rank)))
+    engine.step()
+    filler = os.path.join(root, "filler")
+    if rank.rank == 0 and not fake_free:  # leave 20 kB: less than the next checkpoint needs
+        free = shutil.disk_usage(root).free
+        with open(filler, "wb") as f:
+            f.write(b"\0" * max(free - 20_000, 0))
+    real = ckpt_hygiene.shutil.disk_usage
+    if fake_free:  # no tmpfs could be mounted: the file system says 20 kB are free
+        ckpt_hygiene.shutil = _FakeShutil(real)  # type: ignore[assignment]
+    try:
+        engine.save_checkpoint(root)
+    except checkpoint.CheckpointError as exc:
+        message = str(exc)
+    else:
+        message = None
+    finally:
+        ckpt_hygiene.shutil = shutil
+    loaded = engine.load_checkpoint(root).name  # the previous checkpoint still loads
+    engine.close()
+    return message, loaded
+
+
+class _FakeShutil:
+    def __init__(self, real):
+        self._real = real
+
+    def disk_usage(self, path):
+        usage = self._real(path)
+        return type(usage)(usage.total, usage.total - 20_000, 20_000)
+
+    def __getattr__(self, name):
+        return getattr(shutil, name)
+
+
+def test_a_full_disk_is_an_error_before_writing_and_the_previous_checkpoint_loads(dist, tmp_path):
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)]).returncode == 0
+    try:
+        results = dist.run(2, _disk_full, str(disk), not mounted)
+        names = sorted(p.name for p in disk.iterdir() if p.name != "filler")
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(disk)], check=True)
+    for message, loaded in results:
+        assert message is not None and "not enough free space for checkpoint" in message, message
+        assert f"to {disk}/global_step2.tmp-" in message and "Nothing was written" in message
+        assert loaded == "global_step1"
+    assert names == ["global_step1", "latest"]  # no leftover of the failed save
