@@ -6,8 +6,8 @@ For each package, an AST scan of ``src/``:
 * an import inside a function, a ``try`` or an ``if`` may instead come from an optional extra (``test``
   does not count), and then the package's source must name the extra (``zero-full[demo]``) so
   the error a user sees says what to install;
-* ``import torch.distributed`` or a ``Tensor.numpy()`` call needs ``numpy``: without it torch
-  warns "Failed to initialize NumPy" (torch.distributed) or raises "Numpy is not available";
+* importing torch, or calling ``Tensor.numpy()``, needs ``numpy``: without it ``import torch``
+  warns "Failed to initialize NumPy" and ``.numpy()`` raises "Numpy is not available";
 * a required third-party dependency must be imported somewhere (numpy counts as imported by
   the rule above).
 
@@ -112,7 +112,7 @@ class _Scanner(ast.NodeVisitor):
         top = module.split(".")[0]
         if top in sys.stdlib_module_names:
             return
-        if module == "torch.distributed" or module.startswith("torch.distributed."):
+        if top == "torch":
             self.found.numpy_needed.add(self.name)
         bucket = self.found.guarded if self.depth else self.found.unconditional
         bucket.setdefault(_dist_of(module, self.mapping), set()).add(self.name)
@@ -124,8 +124,6 @@ class _Scanner(ast.NodeVisitor):
     def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
         if node.level == 0 and node.module:
             self._record(node.module)
-            if node.module == "torch" and any(a.name == "distributed" for a in node.names):
-                self.found.numpy_needed.add(self.name)
 
     def visit_Call(self, node: ast.Call) -> None:
         if isinstance(node.func, ast.Attribute) and node.func.attr == "numpy" and not node.args:
@@ -183,20 +181,22 @@ def test_declared_dependencies_match_imports(dist: str) -> None:
 
 
 def test_the_scan_catches_an_undeclared_import_and_numpy() -> None:
-    # zero-comm imports torch.distributed: without numpy (or torch) declared, both are reported
+    # made-up imports of zero-comm: reported as undeclared
     found, text = scan("zero-comm")
     found.unconditional["pydantic"] = {"x.py"}
     found.guarded["tqdm"] = {"y.py"}
     meta_problems = problems("zero-comm", found, text)
     assert any("pydantic is imported at module level" in p for p in meta_problems)
     assert any("tqdm is imported" in p and "neither a dependency nor in an extra" in p for p in meta_problems)
-    assert found.numpy_needed, "zero-comm imports torch.distributed"
+    assert found.numpy_needed, "zero-comm imports torch"
 
 
-def test_tensor_numpy_call_needs_numpy() -> None:
+def test_tensor_numpy_call_and_torch_import_need_numpy(monkeypatch: pytest.MonkeyPatch) -> None:
     found = Imports()
-    _Scanner("m.py", found, {}).visit(ast.parse("import torch\ndef f(t):\n    return t.numpy().tobytes()\n"))
-    assert found.numpy_needed == {"m.py"}
+    _Scanner("m.py", found, {}).visit(ast.parse("def f(t):\n    return t.numpy().tobytes()\n"))
+    _Scanner("n.py", found, {}).visit(ast.parse("import torch\n"))
+    assert found.numpy_needed == {"m.py", "n.py"}
+    monkeypatch.setattr(sys.modules[__name__], "project", lambda dist: {"dependencies": ["torch>=2.13"]})
     assert problems("zero-kernels", found, "") == [
-        "zero-kernels: numpy is needed by torch (['m.py']) but not a dependency"
+        "zero-kernels: numpy is needed by torch (['m.py', 'n.py']) but not a dependency"
     ]
