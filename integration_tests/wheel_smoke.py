@@ -94,7 +94,7 @@ def smoke_full(readme: Path, source: Path, work: Path) -> None:
     check_installed(ZERO, source)
     imports = "; ".join(f"import {d.replace('-', '_')}" for d in ZERO)
     run([sys.executable, "-c", imports], work)
-    run(["zero", "report"], work)
+    run(["zero", "report", "--timeout", "180"], work)  # its gloo check spawns 2 processes: slow when loaded
     (work / "train.py").write_text(readme_train_script(readme), encoding="utf-8")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone"]
     run([*torchrun, "train.py"], work)
