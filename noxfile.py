@@ -6,7 +6,9 @@
     nox -s kernels            Triton kernels vs their torch twins under TRITON_INTERPRET=1
     nox -s integration        multi-process end-to-end trainings (gloo on CPU)
     nox -s lint               ruff + import-linter layer contracts
-    nox -s docs               mkdocs build --strict
+    nox -s docs               mkdocs build --strict (prints where the site is); -- serve: serve it
+    nox -s build              every package's wheel and sdist into dist/
+    nox -s wheels             install zero-full / zero-comm by name from freshly built wheels, smoke test
     nox -s demo               the demo, zero train (README's demo command)
     nox -s bench              benchmarks, results under benchmarks/results/
 
@@ -90,6 +92,31 @@ def _install(session: nox.Session, *dists: str, extras: str = "test", editable: 
     session.install("-c", CONSTRAINTS, *args)
 
 
+# Build order does not matter (each package builds alone); this one is the layer order.
+BUILD_ORDER = list(PACKAGE_DIRS)
+
+
+def _build_dists(
+    session: nox.Session, outdir: pathlib.Path, dists: list[str] = BUILD_ORDER
+) -> list[pathlib.Path]:
+    """Build each package's sdist, then its wheel from that sdist, into ``outdir`` (hatchling).
+
+    Building the wheel from the sdist checks that the sdist holds everything the wheel needs.
+    ``--no-isolation``: hatchling is installed once in this session instead of once per build.
+    """
+    session.install("build>=1.2", "hatchling>=1.24")
+    outdir.mkdir(parents=True, exist_ok=True)
+    for old in [*outdir.glob("zero_*.whl"), *outdir.glob("zero_*.tar.gz")]:
+        old.unlink()
+    for dist in dists:
+        session.run(
+            "python", "-m", "build", "--no-isolation", "--outdir", str(outdir), str(ROOT / PACKAGE_DIRS[dist])
+        )
+    built = sorted(outdir.iterdir())
+    session.log("built into " + str(outdir) + ":\n  " + "\n  ".join(p.name for p in built))
+    return built
+
+
 def _has_tests(path: pathlib.Path) -> bool:
     return any(path.rglob("test_*.py"))
 
@@ -158,6 +185,9 @@ def lint(session: nox.Session) -> None:
 def docs(session: nox.Session) -> None:
     """The documentation site, built with --strict (broken links, API refs or undocumented names fail).
 
+    The log's last line says where the site is. ``nox -s docs -- serve`` serves it instead at
+    http://127.0.0.1:8000 (rebuilt on change); options after ``serve`` go to ``mkdocs serve``.
+
     zero-full is installed because a hook (docs/hooks/config_reference.py) renders the
     configuration reference from its config classes at build time.
     """
@@ -165,6 +195,10 @@ def docs(session: nox.Session) -> None:
     session.install("mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26")
     site = pathlib.Path(session.create_tmp()) / "site"
     env = {"NO_MKDOCS_2_WARNING": "1"}
+    if session.posargs[:1] == ["serve"]:  # nox -s docs -- serve [mkdocs serve options]
+        config = str(ROOT / "mkdocs.yml")
+        session.run("mkdocs", "serve", "--strict", "--config-file", config, *session.posargs[1:], env=env)
+        return
     session.run(
         "mkdocs",
         "build",
@@ -174,6 +208,59 @@ def docs(session: nox.Session) -> None:
         "--site-dir",
         str(site),
         env=env,
+    )
+    session.log(f"site built: {site / 'index.html'} (serve it with: nox -s docs -- serve)")
+
+
+@nox.session
+def build(session: nox.Session) -> None:
+    """Every package's wheel and sdist into dist/ (versions from each package's pyproject.toml).
+
+    Then, in any fresh venv: ``pip install -c constraints.txt --find-links dist zero-full``.
+    """
+    _build_dists(session, ROOT / "dist")
+
+
+@nox.session(tags=["ci"])
+@nox.parametrize("dist", ["zero-full", "zero-comm"], ids=["zero-full", "zero-comm"])
+def wheels(session: nox.Session, dist: str) -> None:
+    """Install ``dist`` by name from freshly built wheels (not editable, not the source tree); smoke test.
+
+    zero-full: every package imports, ``zero report``, README's ``train.py`` under torchrun on 2 ranks,
+    ``zero consolidate``; zero-comm alone: it imports, no other zero package came with it, its
+    2-rank demo. Every command must exit 0 with nothing that looks like a warning on stderr
+    (integration_tests/wheel_smoke.py).
+    """
+    wheelhouse = pathlib.Path(session.create_tmp()) / "dist"
+    # zero-full's wheelhouse holds every product package; zero-comm's only zero-comm, so any zero
+    # dependency it gained would fail the install.
+    _build_dists(
+        session,
+        wheelhouse,
+        [d for d in BUILD_ORDER if d != "zero-testing"] if dist == "zero-full" else [dist],
+    )
+    session.install("-c", CONSTRAINTS, TORCH)
+    # The built wheels are found by name; every other requirement comes from the index.
+    session.install("-c", CONSTRAINTS, "--find-links", str(wheelhouse), dist)
+    if (
+        dist == "zero-full"
+    ):  # the demo extra resolves too (not installed: the smoke test needs no transformers)
+        session.run(
+            "python",
+            "-m",
+            "pip",
+            "install",
+            "--dry-run",
+            "-q",
+            "-c",
+            CONSTRAINTS,
+            "--find-links",
+            str(wheelhouse),
+            "zero-full[demo]",
+        )
+    smoke = str(ROOT / "integration_tests" / "wheel_smoke.py")
+    session.run(
+        "python", smoke, dist, "--readme", str(ROOT / "README.md"), "--source", str(ROOT), env=TEST_ENV
     )
 
 

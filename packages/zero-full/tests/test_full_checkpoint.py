@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import re
 import socket
 from pathlib import Path
 
@@ -369,7 +370,11 @@ def test_consolidate_cli_output_loads_into_a_plain_model(dist, tmp_path, capsys)
     sd = dist.run(2, _save_plain, str(tmp_path))[0]
     out = tmp_path / "model.safetensors"
     assert cli_main(["consolidate", str(tmp_path), str(out), "--tag", "global_step2"]) == 0
-    assert "7 tensors" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "7 tensors" in printed
+    nbytes = out.stat().st_size  # a few kB: shown as such, not as "0.00 MiB"
+    assert re.search(r"7 tensors, \d+(\.\d)? (B|kB) from checkpoint tag", printed), printed
+    assert "MiB" not in printed and nbytes < 100_000
     loaded = safetensors.torch.load_file(str(out))
     assert list(loaded) == list(Odd().state_dict())
     assert loaded.keys() == sd.keys()

@@ -251,3 +251,25 @@ def test_estimate_cli_mics_row_and_bad_shard(capsys: pytest.CaptureFixture[str])
     err = capsys.readouterr().err
     assert code == 2
     assert "mics_shard_size=4 does not divide world size 6" in err
+
+
+def test_report_names_a_missing_requirement_and_fails(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib.metadata
+
+    real = importlib.metadata.requires
+
+    def requires(name: str) -> list[str] | None:
+        extra = (
+            ["zero-no-such-dist>=1", 'zero-no-such-extra>=1; extra == "demo"'] if name == "zero-full" else []
+        )
+        return [*(real(name) or []), *extra]
+
+    monkeypatch.setattr(importlib.metadata, "requires", requires)
+    code, out = run(capsys, "report", "--no-smoke")
+    assert code == 1
+    assert "MISSING" in out and "zero-full needs zero-no-such-dist>=1: pip install the package" in out
+    assert "zero-no-such-extra" not in out  # an extra's requirement is optional
+    data = json.loads(run(capsys, "report", "--json", "--no-smoke")[1])
+    assert data["missing"] == ["zero-full needs zero-no-such-dist>=1"]

@@ -650,21 +650,52 @@ def test_resolve_batch_inconsistent_names_the_numbers() -> None:
         "train_batch_size=64, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=8, world_size=4"
         in msg
     )
-    assert "4 * 8 * 4 = 128" in msg
+    assert (
+        "with world size 4, micro-batch 4 and gradient accumulation 8, "
+        "train_batch_size must be 4 * 8 * 4 = 128" in msg
+    )
 
 
 @pytest.mark.parametrize(
-    ("given", "world"),
+    ("given", "world", "hint"),
     [
-        ({"train_batch_size": 10, "train_micro_batch_size_per_gpu": 3}, 1),
-        ({"train_batch_size": 10, "gradient_accumulation_steps": 3}, 2),
-        ({"train_batch_size": 7}, 2),
-        ({"train_batch_size": 2, "train_micro_batch_size_per_gpu": 4}, 1),
+        (
+            {"train_batch_size": 10, "train_micro_batch_size_per_gpu": 3},
+            1,
+            "with world size 1 and micro-batch 3, train_batch_size must be a multiple of 3 (e.g. 9 or 12), "
+            "got 10",
+        ),
+        (
+            {"train_batch_size": 10, "gradient_accumulation_steps": 3},
+            2,
+            "with world size 2 and gradient accumulation 3, train_batch_size must be a multiple of 6 "
+            "(e.g. 6 or 12), got 10",
+        ),
+        (
+            {"train_batch_size": 7},
+            2,
+            "with world size 2 and gradient accumulation 1, train_batch_size must be a multiple of 2 "
+            "(e.g. 6 or 8), got 7",
+        ),
+        (
+            {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 4},
+            1,
+            "with world size 1 and micro-batch 4, train_batch_size must be a multiple of 4 (e.g. 4 or 8), "
+            "got 2",
+        ),
+        (
+            {"train_batch_size": 20, "train_micro_batch_size_per_gpu": 8},
+            3,
+            "with world size 3 and micro-batch 8, train_batch_size must be a multiple of 24 (e.g. 24 or 48), "
+            "got 20",
+        ),
     ],
 )
-def test_resolve_batch_rejects_non_whole_results(given: dict, world: int) -> None:
-    with pytest.raises(ValueError, match="is not a whole number >= 1"):
+def test_resolve_batch_says_which_values_work(given: dict, world: int, hint: str) -> None:
+    with pytest.raises(ValueError) as info:
         ZeroConfig.model_validate(given).resolve_batch(world)
+    assert hint in str(info.value)
+    assert "inconsistent batch sizes (train_batch_size=" in str(info.value)  # the numbers given, too
 
 
 def test_resolve_batch_needs_a_batch_size() -> None:

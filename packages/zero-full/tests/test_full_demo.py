@@ -12,7 +12,7 @@ import time
 import pytest
 
 from zero_full.cli import main
-from zero_full.demo import TrainError, TrainOptions, build_config, run_training, synthetic_batch
+from zero_full.demo import TrainError, TrainOptions, _Progress, build_config, run_training, synthetic_batch
 
 TINY = "--layers 1 --hidden 32 --heads 2 --vocab 97 --seq 16 --micro-batch 2".split()
 
@@ -54,7 +54,10 @@ def test_train_prints_the_summary_and_the_loss_goes_down(capsys: pytest.CaptureF
     assert "elements" in rows["peak live parameters"]
     assert re.match(r"\d+\.\d% \(\d+ hits, \d+ misses, steps 2-4\)", rows["prefetch hit rate"])
     first, final = (float(x) for x in rows["loss (first -> final step)"].split(" -> "))
-    assert math.isfinite(final) and float(rows["final loss"]) == final
+    assert math.isfinite(final) and "final loss" not in rows  # the row above already says it
+    assert re.fullmatch(r"\d+\.\d s", rows["start-up (processes, model, initialize)"])
+    assert re.fullmatch(r"[\d,]+ tokens/s \(4 steps in \d+\.\d s\)", rows["throughput"])
+    assert "wall time" not in out
     assert abs(first - math.log(97)) < 0.5  # a random init predicts about uniformly
     assert final < first and rows["loss went down"] == "yes"  # seeded: the same curve on every run
 
@@ -129,3 +132,23 @@ def test_without_transformers_the_command_says_what_to_install(
     )
     assert main(["train", "--steps", "2"]) == 2
     assert "pip install zero-full[demo]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("with_tqdm", [True, False])
+def test_progress_reports_start_up_apart_and_one_average_throughput(
+    with_tqdm: bool, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not with_tqdm:  # the plain line the launcher draws without tqdm
+        real = importlib.util.find_spec
+        monkeypatch.setattr(
+            importlib.util, "find_spec", lambda name, *a: None if name == "tqdm" else real(name, *a)
+        )
+    progress = _Progress(total=3, enabled=True, tokens_per_step=100)
+    progress.start(2, 12.34)
+    progress.update(1, 2.5, 1.0)
+    progress.update(2, 2.0, 3.0)  # 200 tokens in 4 s: 50 tokens/s on average (the last step alone: 33)
+    progress.close()
+    err = capsys.readouterr().err
+    assert "zero train: 2 ranks started in 12.3 s (processes, model, initialize)" in err
+    assert "50 tokens/s" in err.splitlines()[-1] or "50 tokens/s" in err.split("\r")[-1]
+    assert "33 tokens/s" not in err and "step/s" not in err and "s/step" not in err

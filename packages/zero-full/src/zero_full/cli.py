@@ -206,7 +206,7 @@ def format_report(rep: EnvironmentReport) -> str:
         ["backends", ", ".join(f"{name} {yes[ok]}" for name, ok in rep.backends.items()) or "none"],
         ["accelerator", accel],
         ["cuda (torch build)", rep.cuda or "none"],
-        ["triton", rep.triton or "not installed"],
+        ["triton", rep.triton or "not installed (optional: pip install zero-full[triton])"],
     ]
     rows += [[name, version or "not installed"] for name, version in rep.packages.items()]
     width = max(len(r[0]) for r in rows)
@@ -218,6 +218,8 @@ def format_report(rep: EnvironmentReport) -> str:
         lines.append(
             f"  {'gloo smoke check'.ljust(width)}  {status} in {rep.smoke.seconds:.1f} s: {rep.smoke.detail}"
         )
+    for text in rep.missing:
+        lines.append(f"  {'MISSING'.ljust(width)}  {text}: pip install the package")
     return "\n".join(lines)
 
 
@@ -230,7 +232,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
         print(json.dumps(rep.to_dict(), indent=2))
     else:
         print(format_report(rep))
-    return 0 if rep.smoke is None or rep.smoke.ok else 1
+    return 0 if (rep.smoke is None or rep.smoke.ok) and not rep.missing else 1
 
 
 if __name__ == "__main__":  # pragma: no cover - ``python -m zero_full.cli``

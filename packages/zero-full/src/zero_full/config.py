@@ -290,8 +290,9 @@ class ZeroConfig(_Section):
             product = micro * accum * world_size
             if train is not None and train != product:
                 raise ValueError(
-                    f"inconsistent batch sizes ({given}): train_batch_size must equal "
-                    f"micro * accumulation * world = {micro} * {accum} * {world_size} = {product}"
+                    f"inconsistent batch sizes ({given}): with world size {world_size}, micro-batch {micro} "
+                    f"and gradient accumulation {accum}, train_batch_size must be {micro} * {accum} * "
+                    f"{world_size} = {product}; or drop one of the three and it is derived"
                 )
             return BatchSizes(product, micro, accum, world_size)
         if train is None:  # micro only
@@ -300,12 +301,14 @@ class ZeroConfig(_Section):
             accum = 1
         if micro is None:
             micro, rest = divmod(train, accum * world_size)
-            what = f"train_batch_size / (accumulation * world_size) = {train} / {accum * world_size}"
+            step, fixed = accum * world_size, f"gradient accumulation {accum}"
         else:
             accum, rest = divmod(train, micro * world_size)
-            what = f"train_batch_size / (micro * world_size) = {train} / {micro * world_size}"
+            step, fixed = micro * world_size, f"micro-batch {micro}"
         if rest or micro == 0 or accum == 0:
-            raise ValueError(f"inconsistent batch sizes ({given}): {what} is not a whole number >= 1")
+            raise ValueError(
+                f"inconsistent batch sizes ({given}): {_batch_hint(train, world_size, step, fixed)}"
+            )
         return BatchSizes(train, micro, accum, world_size)
 
     def unsupported_features(self) -> list[str]:
@@ -400,3 +403,14 @@ def _retitled(exc: ValidationError, title: str) -> ValidationError:
         for err in exc.errors()
     ]
     return ValidationError.from_exception_data(title, details, hide_input=True)
+
+
+def _batch_hint(train: int, world_size: int, step: int, fixed: str) -> str:
+    """Which ``train_batch_size`` values work: the multiples of ``step`` (= fixed size x world size)."""
+    lower = max(step, train // step * step)
+    near = sorted({lower, lower + step} - {train})
+    values = " or ".join(str(v) for v in near)
+    return (
+        f"with world size {world_size} and {fixed}, train_batch_size must be a multiple of {step} "
+        f"(e.g. {values}), got {train}"
+    )

@@ -152,13 +152,18 @@ class RankResult:
 
 @dataclasses.dataclass(frozen=True)
 class TrainSummary:
-    """The outcome of :func:`run_training`: the options, the config used and every rank's result."""
+    """The outcome of :func:`run_training`: the options, the config used and every rank's result.
+
+    ``seconds`` is the whole run's wall time; ``startup_seconds`` the part before every rank
+    was ready to train (processes spawned, model built, engine initialized).
+    """
 
     options: TrainOptions
     config: ZeroConfig
     ranks_per_node: int
     results: tuple[RankResult, ...]
     seconds: float
+    startup_seconds: float = 0.0
 
     @property
     def losses(self) -> tuple[float, ...]:
@@ -281,7 +286,8 @@ def synthetic_batch(opts: TrainOptions, index: int, rows: int) -> torch.Tensor:
 
 
 def _train_rank(rank: int, opts: TrainOptions, config: dict[str, Any], conn: Connection) -> RankResult:
-    """Train on this rank; sends ``("step", rank, step, loss, seconds)`` after every optimizer step."""
+    """Train on this rank; sends ``("ready", rank)`` once initialized, then ``("step", rank, step,
+    loss, seconds)`` after every optimizer step."""
     world = dist.get_world_size()
     model = build_model(opts)
     num_params = sum(p.numel() for p in model.parameters())
@@ -289,6 +295,7 @@ def _train_rank(rank: int, opts: TrainOptions, config: dict[str, Any], conn: Con
     accumulation = engine.gradient_accumulation_steps
     micro = ZeroConfig.model_validate(config).resolve_batch(world).train_micro_batch_size_per_gpu
     zero3 = engine.config.stage == 3  # only stage 3 gathers parameters (coordinator statistics)
+    conn.send(("ready", rank))  # start-up is over: the progress bar starts with the first step
     losses: list[float] = []
     comm, params, peak = CommTotals(), StepStats(), 0
     start = time.perf_counter()
@@ -355,23 +362,47 @@ def _rank_main(rank: int, opts: TrainOptions, config: dict[str, Any], store: str
 
 
 class _Progress:
-    """Rank 0's progress: a tqdm bar when tqdm is importable, else one carriage-return line."""
+    """Rank 0's progress: a tqdm bar when tqdm is importable, else one carriage-return line.
+
+    Start-up (spawning the ranks, building the model, ``initialize``) is reported on its own
+    line by :meth:`start`; the bar starts then, so its times and ETA count training steps only.
+    Its one throughput figure is the average since the first step, as in the closing table.
+    """
+
+    _BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]"
 
     def __init__(self, total: int, enabled: bool, tokens_per_step: int) -> None:
         self.total = total
         self.enabled = enabled
         self.tokens_per_step = tokens_per_step
         self._bar: Any = None
-        if enabled and importlib.util.find_spec("tqdm") is not None:
+        self._step_seconds = 0.0
+        self._started = False
+
+    def start(self, world: int, startup_seconds: float) -> None:
+        """Every rank is initialized after ``startup_seconds``: say so and start the bar."""
+        if not self.enabled or self._started:
+            return
+        self._started = True
+        print(
+            f"zero train: {world} ranks started in {startup_seconds:.1f} s (processes, model, initialize)",
+            file=sys.stderr,
+            flush=True,
+        )
+        if importlib.util.find_spec("tqdm") is not None:
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, desc="zero train", unit="step", file=sys.stderr, leave=True)
+            self._bar = tqdm(
+                total=self.total, desc="zero train", unit="step", file=sys.stderr, bar_format=self._BAR_FORMAT
+            )
 
     def update(self, step: int, loss: float, seconds: float) -> None:
         """Rank 0 finished optimizer step ``step`` (1-based) in ``seconds`` with this mean ``loss``."""
         if not self.enabled:
             return
-        rate = self.tokens_per_step / seconds if seconds > 0 else float("inf")
+        self._step_seconds += seconds
+        done = self.tokens_per_step * step
+        rate = done / self._step_seconds if self._step_seconds > 0 else float("inf")
         if self._bar is not None:
             self._bar.set_postfix_str(f"loss {loss:.4f}, {rate:,.0f} tokens/s", refresh=False)
             self._bar.update(step - self._bar.n)
@@ -383,7 +414,7 @@ class _Progress:
         """End the bar (or the line)."""
         if self._bar is not None:
             self._bar.close()
-        elif self.enabled:
+        elif self.enabled and self._started:
             print(file=sys.stderr, flush=True)
 
 
@@ -396,6 +427,9 @@ class _Watch:
     results: dict[int, RankResult] = dataclasses.field(default_factory=dict)
     failures: list[tuple[int, str, str]] = dataclasses.field(default_factory=list)  # rank, text, traceback
     died: set[int] = dataclasses.field(default_factory=set)
+    ready: set[int] = dataclasses.field(default_factory=set)
+    launched: float = dataclasses.field(default_factory=time.monotonic)
+    startup_seconds: float = 0.0
 
 
 def _receive(watch: _Watch, rank: int, procs: list[Any], progress: _Progress) -> None:
@@ -413,7 +447,12 @@ def _receive(watch: _Watch, rank: int, procs: list[Any], progress: _Progress) ->
         watch.died.add(rank)
         return
     kind = msg[0]
-    if kind == "step":
+    if kind == "ready":
+        watch.ready.add(rank)
+        if len(watch.ready) == len(procs):
+            watch.startup_seconds = time.monotonic() - watch.launched
+            progress.start(len(procs), watch.startup_seconds)
+    elif kind == "step":
         watch.last_step[rank] = msg[2]
         if rank == 0:
             progress.update(msg[2], msg[3], msg[4])
@@ -427,9 +466,11 @@ def _receive(watch: _Watch, rank: int, procs: list[Any], progress: _Progress) ->
         del watch.pending[rank]
 
 
-def _supervise(procs: list[Any], conns: list[Connection], opts: TrainOptions, progress: _Progress) -> _Watch:
+def _supervise(
+    procs: list[Any], conns: list[Connection], opts: TrainOptions, progress: _Progress, launched: float
+) -> _Watch:
     """Follow every rank until all are done, one failed (plus a short grace) or all went silent."""
-    watch = _Watch(dict(enumerate(conns)), dict.fromkeys(range(opts.world), 0))
+    watch = _Watch(dict(enumerate(conns)), dict.fromkeys(range(opts.world), 0), launched=launched)
     last_news = time.monotonic()
     give_up: float | None = None
     # Ranks bound each distributed wait by opts.timeout; silence beyond that (plus start-up) is a hang.
@@ -530,7 +571,7 @@ def run_training(opts: TrainOptions) -> TrainSummary:
                     child.close()
                     procs.append(proc)
                     conns.append(parent)
-            watch = _supervise(procs, conns, opts, progress)
+            watch = _supervise(procs, conns, opts, progress, start)
             finished = not watch.failures and not watch.pending
         finally:
             progress.close()
@@ -541,7 +582,7 @@ def run_training(opts: TrainOptions) -> TrainSummary:
     if watch.failures:
         _raise_failure(watch)
     results = tuple(watch.results[r] for r in range(opts.world))
-    return TrainSummary(opts, cfg, rpn, results, time.monotonic() - start)
+    return TrainSummary(opts, cfg, rpn, results, time.monotonic() - start, watch.startup_seconds)
 
 
 # ---------------------------------------------------------------------------- the summary
@@ -596,7 +637,7 @@ def format_summary(summary: TrainSummary) -> str:
     opts, r0 = summary.options, summary.results[0]
     losses = summary.losses
     tokens = sum(r.tokens for r in summary.results)
-    loop = max(r.seconds for r in summary.results)
+    loop = r0.seconds  # rank 0's clock, like the progress bar's figure
     nodes = opts.world // summary.ranks_per_node
     head = (
         f"zero train: ZeRO stage {summary.config.stage}, {opts.world} ranks ({nodes} node(s) x "
@@ -607,10 +648,9 @@ def format_summary(summary: TrainSummary) -> str:
     rows = [*_memory_rows(summary), *_comm_rows(summary)]
     rows += [
         ("loss (first -> final step)", f"{losses[0]:.4f} -> {losses[-1]:.4f}"),
-        ("final loss", f"{losses[-1]:.4f}"),
         ("loss went down", "yes" if summary.loss_went_down else "NO"),
+        ("start-up (processes, model, initialize)", f"{summary.startup_seconds:.1f} s"),
         ("throughput", f"{tokens / loop:,.0f} tokens/s ({opts.steps} steps in {loop:.1f} s)"),
-        ("wall time (with start-up)", f"{summary.seconds:.1f} s"),
     ]
     width = max(len(k) for k, _ in rows)
     lines = [head, "", f"  {'metric'.ljust(width)}  value", f"  {'-' * width}  {'-' * 5}"]

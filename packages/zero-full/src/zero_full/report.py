@@ -4,7 +4,8 @@
 the machine, the ``torch.distributed`` backends and the accelerator, and runs
 :func:`gloo_smoke_check`: two local processes (``multiprocessing`` spawn) meet through a
 file store in a temporary directory and do one ``all_reduce`` over gloo. The check is
-bounded by its timeout (the processes are killed when it expires), so it never hangs.
+bounded by its timeout (the processes are killed when it expires), so it never hangs. A
+requirement of an installed zero package that is not installed is listed (and fails the check).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import importlib.util
 import multiprocessing as mp
 import os
 import platform
+import re
 import sys
 import tempfile
 import time
@@ -70,6 +72,8 @@ class EnvironmentReport:
         triton: Triton version, ``None`` when not importable.
         packages: Distribution name -> installed version, or ``None`` when not installed.
         smoke: The gloo smoke check, or ``None`` when skipped.
+        missing: Requirements of the installed zero packages that are not installed
+            (``"zero-full needs numpy>=1.24"``); optional extras are not counted.
     """
 
     python: str
@@ -85,6 +89,7 @@ class EnvironmentReport:
     triton: str | None
     packages: dict[str, str | None]
     smoke: SmokeResult | None
+    missing: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, object]:
         """A JSON-ready dict."""
@@ -121,6 +126,26 @@ def _package_versions() -> dict[str, str | None]:
     return versions
 
 
+def _missing_requirements() -> tuple[str, ...]:
+    missing = []
+    for name in ZERO_DISTRIBUTIONS:
+        try:
+            requires = importlib.metadata.requires(name) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for req in requires:
+            if "extra ==" in req.replace('"', " ").replace("'", " "):
+                continue
+            dep = re.match(r"[A-Za-z0-9_.-]+", req.strip())
+            if dep is None:
+                continue
+            try:
+                importlib.metadata.version(dep.group(0))
+            except importlib.metadata.PackageNotFoundError:
+                missing.append(f"{name} needs {req.split(';')[0].strip()}")
+    return tuple(missing)
+
+
 def collect_report(smoke: bool = True, smoke_timeout: float = 30.0) -> EnvironmentReport:
     """Gather the environment report.
 
@@ -150,6 +175,7 @@ def collect_report(smoke: bool = True, smoke_timeout: float = 30.0) -> Environme
         triton=_triton_version(),
         packages=_package_versions(),
         smoke=gloo_smoke_check(smoke_timeout) if smoke and available else None,
+        missing=_missing_requirements(),
     )
 
 

@@ -27,6 +27,7 @@ import torch
 
 from zero_full import ckpt_io
 from zero_full.ckpt_io import CheckpointError
+from zero_full.estimate import format_bytes
 
 __all__ = ["ConsolidateResult", "SafetensorsWriter", "add_consolidate_parser", "consolidate_checkpoint"]
 
@@ -268,7 +269,7 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
         print(f"zero consolidate: {exc}", file=sys.stderr)
         return 1
     print(
-        f"wrote {res.path}: {res.tensors} tensors, {res.nbytes / 2**20:.2f} MiB from checkpoint tag "
-        f"{res.tag!r} (largest tensor {res.max_tensor_bytes / 2**20:.2f} MiB)"
+        f"wrote {res.path}: {res.tensors} tensors, {format_bytes(res.nbytes)} from checkpoint tag "
+        f"{res.tag!r} (largest tensor {format_bytes(res.max_tensor_bytes)})"
     )
     return 0
