@@ -17,6 +17,8 @@ engine.step()
 from zero_full.checkpoint import CheckpointError
 from zero_full.config import ZeroConfig
 from zero_full.engine import Engine, EngineStats, Init, initialize
+from zero_full.hf_save import SavedPretrained
+from zero_full.pretrained import LoadReport, from_pretrained, load_safetensors_into
 from zero_params import GatheredParameters, register_external_parameter
 
 __all__ = [
@@ -25,7 +27,11 @@ __all__ = [
     "EngineStats",
     "GatheredParameters",
     "Init",
+    "LoadReport",
+    "SavedPretrained",
     "ZeroConfig",
+    "from_pretrained",
     "initialize",
+    "load_safetensors_into",
     "register_external_parameter",
 ]
