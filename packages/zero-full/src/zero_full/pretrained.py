@@ -412,13 +412,21 @@ class MetaParameters:
     parameter registered again) are left alone. Enter it before :class:`zero_full.Init` so
     that Init partitions the meta parameters (zero-filled shards, see
     ``zero_params.ops._partition_one``).
+
+    Args:
+        skip_hf_init: Mark each module that registers a parameter as initialised the way
+            ``transformers`` marks the modules it loads (``module._is_hf_initialized``), so a
+            ``PreTrainedModel``'s ``post_init`` does not initialise weights the loader is about
+            to overwrite (under ``Init`` that would materialise each one whole in turn).
+            Modules without parameters (rotary embeddings) are initialised as usual.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, skip_hf_init: bool = False) -> None:
+        self.skip_hf_init = skip_hf_init
         self._handle: Any = None
 
     def __enter__(self) -> MetaParameters:
-        self._handle = register_module_parameter_registration_hook(_to_meta)
+        self._handle = register_module_parameter_registration_hook(self._to_meta)
         return self
 
     def __exit__(
@@ -428,11 +436,12 @@ class MetaParameters:
             self._handle.remove()
             self._handle = None
 
-
-def _to_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
-    if param is None or type(param) is not nn.Parameter or param.is_meta or "_zero" in param.__dict__:
-        return None
-    return nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+    def _to_meta(self, module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
+        if param is None or type(param) is not nn.Parameter or param.is_meta or "_zero" in param.__dict__:
+            return None
+        if self.skip_hf_init:
+            module._is_hf_initialized = True
+        return nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
 
 
 def materialize_meta(model: nn.Module, device: torch.device | None = None) -> None:
@@ -518,7 +527,11 @@ def from_pretrained(
 
     path = Path(path)
     with record_function("zero.pretrained.build"):
-        with MetaParameters(), Init(config=config) if config is not None else contextlib.nullcontext():
+        hf = any(c.__name__ == "PreTrainedModel" for c in getattr(model_class_or_callable, "__mro__", ()))
+        with (
+            MetaParameters(skip_hf_init=hf),
+            Init(config=config) if config is not None else contextlib.nullcontext(),
+        ):
             model = _build(model_class_or_callable, path, model_config)
         materialize_meta(model)
     load_safetensors_into(model, path, strict=strict)
