@@ -27,6 +27,7 @@ import torch
 from safetensors.torch import load_file
 
 import zero_full
+from zero_full.cli import main as cli_main
 
 VOCAB = 97
 
@@ -161,6 +162,7 @@ def _train_save(kind: str, path: str, out: str, steps: int) -> dict:
             engine.step()
             losses.append(loss.item())
         saved = engine.save_pretrained(out, max_shard_size="8KB")
+        engine.save_checkpoint(out + "-zero", tag="final")  # for `zero consolidate --hf`
         engine.eval()
         with torch.no_grad():
             x = _batch(steps)
@@ -192,6 +194,14 @@ def test_train_save_pretrained_reload_with_plain_transformers(dist, checkpoints,
         x = _batch(20)
         next_loss = reloaded(input_ids=x, labels=x).loss.item()
     assert next_loss == pytest.approx(res["next_loss"], rel=1e-6, abs=0)
+
+    # the same from the zero checkpoint, offline: `zero consolidate CKPT OUT --hf --config DIR`
+    hf = tmp_path / "consolidated"
+    args = [f"{out}-zero", str(hf), "--hf", "--config", str(out), "--max-shard-size", "8KB"]
+    assert cli_main(["consolidate", *args]) == 0
+    assert (hf / "model.safetensors.index.json").is_file()
+    offline = AutoModelForCausalLM.from_pretrained(hf).state_dict()
+    assert [k for k, v in offline.items() if not torch.equal(v, plain[k])] == []
 
 
 # ---------------------------------------------------------------------------- mismatches

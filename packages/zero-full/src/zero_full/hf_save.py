@@ -36,7 +36,14 @@ from zero_full.safetensors_io import SafetensorsWriter
 if TYPE_CHECKING:
     from zero_full.engine import Engine
 
-__all__ = ["DEFAULT_MAX_SHARD_SIZE", "SavedPretrained", "parse_size", "plan_shards", "save_pretrained"]
+__all__ = [
+    "DEFAULT_MAX_SHARD_SIZE",
+    "SavedPretrained",
+    "consolidate_checkpoint_hf",
+    "parse_size",
+    "plan_shards",
+    "save_pretrained",
+]
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9  # transformers' default ("5GB")
 
@@ -214,3 +221,117 @@ def _save_configs(module: Any, directory: Path) -> None:
         save = getattr(cfg, "save_pretrained", None)
         if callable(save):
             save(directory)
+
+
+def _write_shards(
+    directory: Path,
+    entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+    produce: Any,
+    limit: int,
+) -> SavedPretrained:
+    """Write ``entries`` (produced one at a time by ``produce(i)``) as HF weight files + index."""
+    sizes = [_numel(shape) * torch.empty((), dtype=dt).element_size() for _, dt, shape in entries]
+    shards = plan_shards(sizes, limit)
+    names = shard_file_names(len(shards))
+    directory.mkdir(parents=True, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    for fname, idx in zip(names, shards, strict=True):
+        tmp = directory / f".{fname}.tmp-{os.getpid()}"
+        try:
+            with open(tmp, "wb") as f:
+                writer = SafetensorsWriter(f, [entries[i] for i in idx], {"format": "pt"})
+                for i in idx:
+                    key, dt, shape = entries[i]
+                    writer.write(key, produce(i).to("cpu", dt).reshape(shape))
+                    weight_map[key] = fname
+                writer.finish()
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, directory / fname)
+        finally:
+            tmp.unlink(missing_ok=True)
+    index = directory / INDEX_FILE
+    if len(names) > 1:
+        body = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
+        index.write_text(json.dumps(body, indent=2, sort_keys=True) + "\n")
+    else:
+        index.unlink(missing_ok=True)
+    return SavedPretrained(directory, tuple(names), len(entries), sum(sizes), max(sizes, default=0))
+
+
+def consolidate_checkpoint_hf(
+    checkpoint: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    tag: str | None = None,
+    *,
+    config: str | os.PathLike[str] | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    verify: bool = True,
+) -> SavedPretrained:
+    """``zero consolidate --hf``: a sharded zero checkpoint -> a Hugging Face model directory, offline.
+
+    Like :func:`zero_full.safetensors_io.consolidate_checkpoint` (no process group; one full
+    parameter in memory at a time, assembled from the memory-mapped shard files), but written
+    in the HF layout: weight files split at ``max_shard_size`` with an index, tied parameters
+    once (under their first ``state_dict`` key), and ``config.json`` copied from ``config``
+    (a ``config.json`` file or a directory holding one, e.g. the checkpoint the model was
+    fine-tuned from) so that ``AutoModelForCausalLM.from_pretrained(out)`` loads it.
+
+    Raises:
+        CheckpointError: see ``consolidate_checkpoint``; ``config`` has no ``config.json``.
+    """
+    import shutil
+
+    from zero_full import ckpt_io
+    from zero_full.ckpt_io import CheckpointError
+    from zero_full.safetensors_io import _assemble
+
+    checkpoint, out = Path(checkpoint), Path(out)
+    cfg_file = None
+    if config is not None:
+        cfg_file = Path(config) / "config.json" if Path(config).is_dir() else Path(config)
+        if not cfg_file.is_file():
+            raise CheckpointError(f"--config {config}: no config.json there")
+    tag = ckpt_io.resolve_tag(checkpoint, tag)
+    path = checkpoint / tag
+    manifest = ckpt_io.read_manifest(path)
+    files = ckpt_io.manifest_files(manifest)
+    if verify:
+        for f in files:
+            ckpt_io.verify_file(path / f.name, f)
+    params = {p["name"]: p for p in manifest["params"]}
+    buffers = {b["name"]: b for b in manifest["buffers"]}
+    where: dict[str, list[tuple[str, int, int]]] = {}
+    for f in files:
+        for name, a, b in f.pieces:
+            where.setdefault(name, []).append((f.name, a, b))
+    chosen, seen = [], set()
+    for e in manifest["state_dict_keys"]:
+        if e["kind"] == "param" and e["source"] in seen:
+            continue  # a tied alias: saved once, as transformers does
+        seen.add(e["source"])
+        chosen.append(e)
+    entries = []
+    for e in chosen:
+        src = params[e["source"]] if e["kind"] == "param" else buffers[e["source"]]
+        dtype = ckpt_io.dtype_from_name(src["dtype"])
+        if e["kind"] == "param" and dtype.is_floating_point:
+            dtype = torch.float32
+        entries.append((e["key"], dtype, tuple(src["shape"])))
+    opened: dict[str, Any] = {}
+
+    def shard(fname: str) -> Any:
+        if fname not in opened:
+            opened[fname] = ckpt_io.open_shard(path / fname)
+        return opened[fname]
+
+    def produce(i: int) -> torch.Tensor:
+        e, (_, dtype, _) = chosen[i], entries[i]
+        if e["kind"] == "param":
+            return _assemble(e["source"], params[e["source"]], where.get(e["source"], []), shard, dtype)
+        return shard(ckpt_io.BUFFERS_FILE)["buffers"][e["source"]]
+
+    saved = _write_shards(out, entries, produce, parse_size(max_shard_size))
+    if cfg_file is not None:
+        shutil.copyfile(cfg_file, out / "config.json")
+    return saved
