@@ -12,7 +12,7 @@
 """
 
 from zero_offload.cpu_adam import AdamHyper, AdamKernel, CpuAdam, adam_hyper_from_group, check_offloadable
-from zero_offload.host_optimizer import HostOptimizer, offload_optimizer_for
+from zero_offload.host_optimizer import HostOptimizer, PartialOffload, offload_optimizer_for, twin_optimizer
 from zero_offload.optimizer import OffloadedOptimizer, OffloadTarget, OptimizerOffloadConfig, TransferStats
 from zero_offload.params import ParamOffloadConfig, ParamSwapper, ParamTransferStats, ShardResidence
 from zero_offload.pool import ALIGNMENT, BufferPool, align_up, aligned_empty
@@ -29,7 +29,9 @@ from zero_offload.swap import (
 
 __all__ = [
     "HostOptimizer",
+    "PartialOffload",
     "offload_optimizer_for",
+    "twin_optimizer",
     "ALIGNMENT",
     "AdamHyper",
     "AdamKernel",

@@ -23,7 +23,22 @@ from torch.profiler import record_function
 
 from zero_offload.optimizer import OffloadedOptimizer, OffloadTarget, OptimizerOffloadConfig
 
-__all__ = ["HostOptimizer", "offload_optimizer_for"]
+__all__ = ["HostOptimizer", "PartialOffload", "offload_optimizer_for", "twin_optimizer"]
+
+
+def twin_optimizer(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    """A new optimizer of ``optimizer``'s class over ``groups`` with its constructor options.
+
+    ``optimizer.defaults`` may hold keys its constructor does not take (``AdamW`` records
+    ``decoupled_weight_decay``); only the constructor's own keyword arguments are passed (the
+    group dicts carry every option anyway).
+    """
+    import inspect
+
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    kwargs = {k: v for k, v in optimizer.defaults.items() if takes_any or k in accepted}
+    return type(optimizer)(groups, **kwargs)
 
 
 def _is_fast_path(optimizer: torch.optim.Optimizer) -> bool:
@@ -40,7 +55,10 @@ def offload_optimizer_for(
     *,
     rank: int = 0,
 ) -> OffloadedOptimizer | HostOptimizer:
-    """:class:`OffloadedOptimizer` (CPU Adam) for ``Adam`` / ``AdamW``, :class:`HostOptimizer` otherwise."""
+    """:class:`OffloadedOptimizer` (CPU Adam) for ``Adam`` / ``AdamW``, :class:`HostOptimizer`
+    otherwise; wrapped in :class:`PartialOffload` when ``config.ratio < 1``."""
+    if config.ratio < 1.0:
+        return PartialOffload(optimizer, masters, grads, config, rank=rank)
     if _is_fast_path(optimizer):
         return OffloadedOptimizer(optimizer, masters, grads, config, rank=rank)
     return HostOptimizer(optimizer, masters, grads, config)
@@ -91,7 +109,7 @@ class HostOptimizer:
             {**_hyper(g), "params": [h]}
             for g, h in zip(optimizer.param_groups, self.host_masters, strict=True)
         ]
-        self.host_optimizer = type(optimizer)(groups, **optimizer.defaults)
+        self.host_optimizer = twin_optimizer(optimizer, groups)
         optimizer.state.clear()  # constructor-made state (Adagrad's sum) lives on the host twin only
         self.step_count = 0
 
@@ -159,4 +177,129 @@ def _hyper(group: dict[str, Any]) -> dict[str, Any]:
 def _host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
     out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
     out.copy_(t)
+    return out
+
+
+def offloaded_split(numel: int, sub_group_size: int, ratio: float) -> int:
+    """Elements of a flat group offloaded at ``ratio``: the first ``round(ratio * n)`` of its
+    ``n`` sub-groups of ``sub_group_size`` elements (the last one may be shorter)."""
+    n = -(-numel // sub_group_size)
+    return min(numel, round(ratio * n) * sub_group_size)
+
+
+class PartialOffload:
+    """Partial optimizer offload (``offload_optimizer.ratio`` < 1): each group's flat master is
+    split at a sub-group boundary (:func:`offloaded_split`); the first part is offloaded
+    (:class:`OffloadedOptimizer` or :class:`HostOptimizer`, over views of the masters), the rest
+    is stepped on the device by a twin of the optimizer (same class and ``defaults``) whose state
+    lives with the masters.
+
+    Attributes:
+        offloaded_numel: Master elements whose optimizer step and state are offloaded.
+        device_numel: Master elements stepped on the device.
+        offloaded: The offloaded part's optimizer (``None`` when nothing is offloaded).
+        device_optimizer: The device part's twin (``None`` when everything is offloaded).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        masters: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor],
+        config: OptimizerOffloadConfig,
+        *,
+        rank: int = 0,
+    ) -> None:
+        import dataclasses
+
+        self.optimizer = optimizer
+        self.masters = tuple(masters)
+        self.splits = tuple(offloaded_split(m.numel(), config.sub_group_size, config.ratio) for m in masters)
+        self.offloaded_numel = sum(self.splits)
+        self.device_numel = sum(m.numel() for m in masters) - self.offloaded_numel
+        whole = dataclasses.replace(config, ratio=1.0)
+        self.offloaded: OffloadedOptimizer | HostOptimizer | None = None
+        if self.offloaded_numel:
+            head = [m.narrow(0, 0, k) for m, k in zip(masters, self.splits, strict=True)]
+            head_grads = [g.narrow(0, 0, k) for g, k in zip(grads, self.splits, strict=True)]
+            self.offloaded = offload_optimizer_for(optimizer, head, head_grads, whole, rank=rank)
+        self.tails = tuple(m.narrow(0, k, m.numel() - k) for m, k in zip(masters, self.splits, strict=True))
+        for tail, g, k in zip(self.tails, grads, self.splits, strict=True):
+            tail.grad = g.narrow(0, k, g.numel() - k)
+        self.device_optimizer: torch.optim.Optimizer | None = None
+        if self.device_numel:
+            groups = [
+                {**_hyper(g), "params": [t]} for g, t in zip(optimizer.param_groups, self.tails, strict=True)
+            ]
+            self.device_optimizer = twin_optimizer(optimizer, groups)
+        optimizer.state.clear()
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Host tensors of the offloaded part (the device part's state is on the device)."""
+        return self.offloaded.state_tensors() if self.offloaded is not None else []
+
+    def step(self) -> None:
+        """Step the offloaded part, then the device part."""
+        with record_function("zero.offload.partial_step"), torch.no_grad():
+            if self.offloaded is not None:
+                self.offloaded.step()
+            if self.device_optimizer is not None:
+                for dg, g in zip(
+                    self.device_optimizer.param_groups, self.optimizer.param_groups, strict=True
+                ):
+                    dg.update(_hyper(g))
+                self.device_optimizer.step()
+
+    def export_state(self) -> list[dict[str, Any]]:
+        """Each group's state in torch's format over the whole master (the two parts joined)."""
+        heads = self.offloaded.export_state() if self.offloaded is not None else [{} for _ in self.masters]
+        out = []
+        for head, tail_param, k in zip(heads, self.tails, self.splits, strict=True):
+            tail = (
+                self.device_optimizer.state.get(tail_param, {}) if self.device_optimizer is not None else {}
+            )
+            out.append(_join(head, tail, k, tail_param.numel()))
+        return out
+
+    def import_state(self, state: Sequence[dict[str, Any]]) -> None:
+        """Split each group's torch-format state between the offloaded and the device part."""
+        if len(state) != len(self.masters):
+            raise ValueError(f"{len(state)} saved optimizer groups, this optimizer has {len(self.masters)}")
+        heads, n = [], 0
+        for s, master, tail, k in zip(state, self.masters, self.tails, self.splits, strict=True):
+            heads.append({key: _part(v, master.numel(), 0, k) for key, v in s.items()})
+            if self.device_optimizer is not None:
+                if s:
+                    self.device_optimizer.state[tail] = {
+                        key: _part(v, master.numel(), k, master.numel()) for key, v in s.items()
+                    }
+                else:
+                    self.device_optimizer.state.pop(tail, None)
+            n += 1
+        if self.offloaded is not None:
+            self.offloaded.import_state(heads)
+
+    def close(self) -> None:
+        """Release the offloaded part's resources."""
+        if self.offloaded is not None:
+            self.offloaded.close()
+
+
+def _part(value: Any, numel: int, start: int, stop: int) -> Any:
+    if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == numel:
+        return value.narrow(0, start, stop - start).clone()
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def _join(head: dict[str, Any], tail: dict[str, Any], k: int, tail_numel: int) -> dict[str, Any]:
+    if not head or not tail:
+        return dict(head or tail)
+    out = {}
+    for key, h in head.items():
+        t = tail.get(key)
+        elementwise = isinstance(h, torch.Tensor) and h.dim() == 1 and h.numel() == k
+        if elementwise and isinstance(t, torch.Tensor) and t.numel() == tail_numel:
+            out[key] = torch.cat([h.to(t.device), t])
+        else:
+            out[key] = h
     return out

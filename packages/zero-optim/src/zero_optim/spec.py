@@ -25,6 +25,7 @@ import torch._dynamo  # noqa: F401, E402 - for its side effect, see above
 from torch import nn
 
 import zero_params
+from zero_offload import twin_optimizer
 
 __all__ = [
     "OptimizerSpec",
@@ -178,7 +179,7 @@ def remap_onto_flat(opt: torch.optim.Optimizer, masters: Sequence[torch.Tensor])
             {**{k: v for k, v in g.items() if k != "params"}, "params": [m]}
             for g, m in zip(opt.param_groups, masters)
         ]
-        fresh = type(opt)(groups, **opt.defaults)
+        fresh = twin_optimizer(opt, groups)
         opt.state.clear()
         for master in masters:
             if master in fresh.state:
