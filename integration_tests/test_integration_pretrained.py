@@ -11,6 +11,8 @@
 * Train 20 steps from the loaded weights, ``engine.save_pretrained``, reload with plain
   ``transformers`` in this process: the same weights bit for bit and the same next loss.
 * A missing / unexpected / misshaped tensor is an error naming it; ``strict=False`` reports.
+* ``transformers``' own ``from_pretrained`` inside ``zero_full.Init`` (meta parameters are
+  partitioned, then loaded) gives the saved weights too.
 """
 
 from __future__ import annotations
@@ -335,3 +337,24 @@ def test_peak_rss_while_loading_stays_below_two_largest_tensors(tmp_path):
         f"(kept {zero[0]['kept'] / 2**20:.2f}); "
         f"whole (stage 0) peak-base {[round((r['peak'] - r['base']) / 2**20, 2) for r in whole]} MiB"
     )
+
+
+def _hf_from_pretrained_under_init(kind: str, path: str) -> tuple[int, list[str]]:
+    config = CONFIGS["stage3"]
+    with zero_full.Init(config=config):  # parameters on meta become partitioned; HF then loads them
+        model = _model_class(kind).from_pretrained(path)
+    engine = zero_full.initialize(model, config, lambda ps: torch.optim.SGD(ps, lr=0.1))
+    try:
+        got = engine.consolidated_state_dict()
+    finally:
+        engine.close()
+    if not got:
+        return 0, []
+    saved = _saved_tensors(path)
+    return len(saved), [k for k, v in saved.items() if not torch.equal(got[k], v)]
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_transformers_own_from_pretrained_works_under_init(dist, checkpoints, kind):
+    compared, bad = dist.run(2, _hf_from_pretrained_under_init, kind, checkpoints[kind])[0]
+    assert compared > 0 and bad == []
