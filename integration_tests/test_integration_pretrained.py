@@ -11,6 +11,7 @@
 * Train 20 steps from the loaded weights, ``engine.save_pretrained``, reload with plain
   ``transformers`` in this process: the same weights bit for bit and the same next loss.
 * A missing / unexpected / misshaped tensor is an error naming it; ``strict=False`` reports.
+* ``engine.load_pretrained`` fills an initialised engine (stage 3 and 2): consolidated = saved.
 * ``transformers``' own ``from_pretrained`` inside ``zero_full.Init`` (meta parameters are
   partitioned, then loaded) gives the saved weights too.
 """
@@ -358,3 +359,36 @@ def _hf_from_pretrained_under_init(kind: str, path: str) -> tuple[int, list[str]
 def test_transformers_own_from_pretrained_works_under_init(dist, checkpoints, kind):
     compared, bad = dist.run(2, _hf_from_pretrained_under_init, kind, checkpoints[kind])[0]
     assert compared > 0 and bad == []
+
+
+def _engine_load_pretrained(kind: str, path: str, config: dict) -> tuple[int, list[str], bool]:
+    torch.manual_seed(99)  # other weights than the checkpoint's
+    config_hf = _gpt2_config() if kind == "gpt2" else _llama_config()
+    engine = zero_full.initialize(
+        _model_class(kind)(config_hf), config, lambda ps: torch.optim.SGD(ps, lr=0.1)
+    )
+    try:
+        before = engine.consolidated_state_dict()
+        report = engine.load_pretrained(path)
+        got = engine.consolidated_state_dict()
+        x = _batch(0)
+        loss = engine(input_ids=x, labels=x).loss  # the working parameters see the loaded values
+        engine.backward(loss)
+        engine.step()
+    finally:
+        engine.close()
+    if not got:
+        return 0, [], report.ok
+    saved = _saved_tensors(path)
+    changed = any(not torch.equal(before[k], v) for k, v in saved.items())
+    return (
+        len(saved),
+        [k for k, v in saved.items() if not torch.equal(got[k], v)] + ([] if changed else ["?"]),
+        report.ok,
+    )
+
+
+@pytest.mark.parametrize("setup", ["stage3", "stage2"])
+def test_engine_load_pretrained_fills_an_initialized_engine(dist, checkpoints, setup):
+    compared, bad, ok = dist.run(2, _engine_load_pretrained, "llama", checkpoints["llama"], CONFIGS[setup])[0]
+    assert compared > 0 and bad == [] and ok
