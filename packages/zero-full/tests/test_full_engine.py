@@ -48,8 +48,8 @@ def _full(model):
     "config,fragment",
     [
         (
-            {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.5}}},
-            "offload_optimizer.ratio = 0.5",
+            {"zero_optimization": {"stage": 3, "zero_quantized_weights": True}},
+            "zero_quantized_weights = true",
         ),
     ],
 )

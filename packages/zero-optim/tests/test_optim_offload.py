@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_optim_core import OddModel, WholeParams
 
-from zero_offload import AdamKernel, OffloadTarget, OptimizerOffloadConfig
+from zero_offload import AdamKernel, HostOptimizer, OffloadTarget, OptimizerOffloadConfig, PartialOffload
 from zero_optim import PartitionedOptimizer
 
 
@@ -73,11 +73,86 @@ def test_offloaded_partitioned_optimizer_matches_torch_and_round_trips_state(tmp
     assert list(tmp_path.rglob("*.zswap")) == []
 
 
-def test_offload_refuses_other_optimizers():
-    with pytest.raises(TypeError, match="supports torch.optim.Adam and torch.optim.AdamW only, got .*SGD"):
+OTHER_OPTIMIZERS = {
+    "sgd-momentum": lambda ps: torch.optim.SGD(
+        [{"params": ps[:3]}, {"params": ps[3:], "weight_decay": 0.1}], lr=0.05, momentum=0.9, nesterov=True
+    ),
+    "adagrad": lambda ps: torch.optim.Adagrad(
+        [{"params": ps[:3]}, {"params": ps[3:], "lr": 0.02}], lr=0.05, initial_accumulator_value=0.1
+    ),
+    "adam-amsgrad": lambda ps: torch.optim.Adam(ps, lr=1e-2, amsgrad=True),
+}
+
+
+@pytest.mark.parametrize("name", list(OTHER_OPTIMIZERS))
+def test_any_torch_optimizer_is_offloaded_to_host_and_steps_as_torch_does(name):
+    make = OTHER_OPTIMIZERS[name]
+    ref = OddModel()
+    for p in ref.parameters():
+        p.grad = torch.zeros_like(p)
+    ref_opt = make(list(ref.parameters()))
+    model = copy.deepcopy(ref)
+    opt = PartitionedOptimizer(model, make, WholeParams(), offload=OptimizerOffloadConfig())
+    assert isinstance(opt.offload, HostOptimizer) and len(opt.torch_optimizer.state) == 0
+    for s in range(3):
+        _step(ref, ref_opt, s)
+        _step(model, opt, s)
+    opt.param_groups[0]["lr"] *= 0.5  # a scheduler's change reaches the host twin
+    for g in ref_opt.param_groups[:1]:
+        g["lr"] *= 0.5
+    _step(ref, ref_opt, 3)
+    _step(model, opt, 3)
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    assert opt.offload.host_optimizer.state  # the state lives on the host twin
+    saved = copy.deepcopy(opt.state_dict())  # torch's format, as without offload
+    twin = copy.deepcopy(ref)
+    twin_opt = PartitionedOptimizer(twin, make, WholeParams(), offload=OptimizerOffloadConfig())
+    twin_opt.load_state_dict(saved)
+    for s in range(4, 6):
+        _step(ref, ref_opt, s)
+        _step(twin, twin_opt, s)
+    for a, b in zip(ref.parameters(), twin.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_nvme_offload_of_other_optimizers_is_refused_naming_it(tmp_path):
+    with pytest.raises(ValueError, match=r"nvme swaps Adam / AdamW state only, got torch\.optim\.sgd\.SGD"):
         PartitionedOptimizer(
             OddModel(),
             lambda ps: torch.optim.SGD(ps, lr=0.1),
             WholeParams(),
-            offload=OptimizerOffloadConfig(),
+            offload=OptimizerOffloadConfig(device=OffloadTarget.NVME, nvme_path=tmp_path),
         )
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd-momentum"])
+def test_partial_offload_matches_torch_and_round_trips_state(name):
+    make = _make if name == "adamw" else OTHER_OPTIMIZERS[name]
+    cfg = OptimizerOffloadConfig(sub_group_size=7, ratio=0.5, kernel=AdamKernel.EXACT)
+    ref = OddModel()
+    for p in ref.parameters():
+        p.grad = torch.zeros_like(p)
+    ref_opt = make(list(ref.parameters()))
+    model = copy.deepcopy(ref)
+    opt = PartitionedOptimizer(model, make, WholeParams(), offload=cfg)
+    assert isinstance(opt.offload, PartialOffload)
+    total = sum(g.master.numel() for g in opt.groups)
+    assert opt.offload.offloaded_numel + opt.offload.device_numel == total
+    assert 0 < opt.offload.offloaded_numel < total
+    for s in range(3):
+        _step(ref, ref_opt, s)
+        _step(model, opt, s)
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+    saved = copy.deepcopy(opt.state_dict())  # one torch-format state over each whole master
+    key = "exp_avg" if name == "adamw" else "momentum_buffer"
+    assert saved["torch_optimizer"]["state"][0][key].numel() == opt.groups[0].numel
+    twin = copy.deepcopy(ref)
+    twin_opt = PartitionedOptimizer(twin, make, WholeParams(), offload=cfg)
+    twin_opt.load_state_dict(saved)
+    for s in range(3, 5):
+        _step(ref, ref_opt, s)
+        _step(twin, twin_opt, s)
+    for a, b in zip(ref.parameters(), twin.parameters()):
+        assert torch.equal(a, b)

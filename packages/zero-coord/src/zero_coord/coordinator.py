@@ -25,6 +25,7 @@ sizes, never on timing, so all ranks issue the same collectives in the same orde
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -121,6 +122,7 @@ class Coordinator:
         self._shard_prefetch = shard_prefetch
         self._hooks = HookSet()
         self._installed = False
+        self._paused = False
         self._states: list[ModuleHookState] = []
         self._state_of: dict[nn.Module, ModuleHookState] = {}
         self._manual_states: dict[nn.Module, ModuleHookState] = {}
@@ -227,6 +229,26 @@ class Coordinator:
         self._names = []
         self._traces = {}
         self._step = None
+
+    @property
+    def paused(self) -> bool:
+        """Whether the hooks are paused (see :meth:`pause`)."""
+        return self._paused
+
+    @contextlib.contextmanager
+    def pause(self) -> Iterator[None]:
+        """Suspend the hooks without removing them: inside the block forwards gather and
+        release nothing (parameters must be gathered by the caller, e.g. with
+        ``zero_params.gather``; a forward reaching one that is not raises
+        ``zero_params.PartitionedParameterError``). Every parameter the coordinator holds is
+        released on entry; traces are kept. For inference: no backward may run inside.
+        """
+        self.release_all()
+        previous, self._paused = self._paused, True
+        try:
+            yield
+        finally:
+            self._paused = previous
 
     def fetch(self, module: nn.Module) -> None:
         """Gather ``module``'s parameters now and hold them until :meth:`release`.

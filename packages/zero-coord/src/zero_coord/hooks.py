@@ -238,6 +238,8 @@ class ModuleHookState:
 
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """Forward pre-hook: start a step if none runs, fetch, arm the post-backward node."""
+        if self.coord.paused:
+            return None
         recompute = in_backward()
         self.coord.on_pre_forward(self, recompute)
         if self.slots and not recompute and torch.is_grad_enabled():
@@ -250,6 +252,8 @@ class ModuleHookState:
         Also runs when the forward raised (``output`` is ``None`` and the exception is being
         handled): the parameters are released all the same and the error is annotated.
         """
+        if self.coord.paused:
+            return output
         error = sys.exc_info()[1] if output is None else None
         if error is not None:
             self.coord.on_forward_error(self, error)

@@ -18,7 +18,9 @@ from zero_full.agreement import RankMismatchError
 from zero_full.checkpoint import CheckpointError
 from zero_full.config import ZeroConfig
 from zero_full.engine import Engine, EngineStats, Init, initialize
+from zero_full.hf_save import SavedPretrained
 from zero_full.nonfinite import NonFiniteGradientError
+from zero_full.pretrained import LoadReport, from_pretrained, load_safetensors_into
 from zero_params import GatheredParameters, register_external_parameter
 
 __all__ = [
@@ -27,9 +29,13 @@ __all__ = [
     "EngineStats",
     "GatheredParameters",
     "Init",
+    "LoadReport",
     "NonFiniteGradientError",
     "RankMismatchError",
+    "SavedPretrained",
     "ZeroConfig",
+    "from_pretrained",
     "initialize",
+    "load_safetensors_into",
     "register_external_parameter",
 ]

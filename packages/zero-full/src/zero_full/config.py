@@ -323,11 +323,6 @@ class ZeroConfig(_Section):
         """
         z = self.zero_optimization
         found: list[str] = []
-        if z.stage >= 1 and z.offload_optimizer.enabled and z.offload_optimizer.ratio < 1.0:
-            found.append(
-                f"zero_optimization.offload_optimizer.ratio = {z.offload_optimizer.ratio:g} (partial "
-                "optimizer offload; only ratio 1.0, the whole optimizer state, is implemented)"
-            )
         if z.stage == 3:
             flags = {
                 "zero_quantized_weights": "ZeRO++ quantized weight all-gather, qwZ",

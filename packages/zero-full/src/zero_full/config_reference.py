@@ -143,8 +143,9 @@ _NOTES: dict[tuple[str, str], str] = {
     ("OffloadOptimizerConfig", "pipeline_read"): "Overlap reading swapped state with the step.",
     ("OffloadOptimizerConfig", "pipeline_write"): "Overlap writing swapped state with the step.",
     ("OffloadOptimizerConfig", "fast_init"): "Skip initialising swap files on creation.",
-    ("OffloadOptimizerConfig", "ratio"): "Fraction of the optimizer state to offload (< 1: partial "
-    "offload, stage 3 only).",
+    ("OffloadOptimizerConfig", "ratio"): "Fraction of each group's sub-groups whose optimizer step and "
+    "state are offloaded (< 1: partial offload, stage 3 only; the rest is stepped on the device; the split "
+    "is `engine.optimizer.offload.offloaded_numel` / `device_numel`).",
 }
 
 # Defaults the field cannot state because the section computes them.

@@ -677,6 +677,7 @@ class OffloadOptimizerConfig(_Section):
             pipeline_read=self.pipeline_read,
             pipeline_write=self.pipeline_write,
             sub_group_size=sub_group_size,
+            ratio=self.ratio,
         )
 
 

@@ -319,6 +319,50 @@ class Engine:
         """
         return _checkpoint.consolidated_state_dict(self)
 
+    # ------------------------------------------------------------------ Hugging Face checkpoints
+
+    def save_pretrained(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        max_shard_size: int | str = "5GB",
+        dtype: torch.dtype | None = None,
+    ) -> Any:
+        """Write the trained weights (and the model's HF config) in the Hugging Face layout.
+
+        ``model.safetensors``, or ``model-0000x-of-0000y.safetensors`` + index above
+        ``max_shard_size``; streamed one tensor at a time. Collective: call on every rank.
+        See :func:`zero_full.hf_save.save_pretrained`.
+        """
+        from zero_full import hf_save
+
+        return hf_save.save_pretrained(self, directory, max_shard_size=max_shard_size, dtype=dtype)
+
+    def load_pretrained(self, path: str | os.PathLike[str], *, strict: bool = True) -> Any:
+        """Fill the model from a safetensors checkpoint (a ``save_pretrained`` directory or file).
+
+        Each rank reads only its own partition of each tensor into the fp32 master (or the
+        working tensor of frozen parameters); the optimizer state is left as it is.
+        Collective: call on every rank. Returns a :class:`zero_full.LoadReport`.
+        """
+        from zero_full import pretrained
+
+        return pretrained.load_into_engine(self, path, strict=strict)
+
+    def gathered_for_inference(
+        self, budget_bytes: int | None = None
+    ) -> contextlib.AbstractContextManager[None]:
+        """Gather every parameter once for many forwards (``model.generate``), hooks paused.
+
+        ``with engine.gathered_for_inference(): out = engine.module.generate(...)``: one
+        all-gather on entry instead of one per layer and token, ``torch.no_grad()`` inside,
+        released on exit. ``budget_bytes`` smaller than the gathered model raises (naming
+        the bytes needed) before gathering. Collective. See :mod:`zero_full.inference`.
+        """
+        from zero_full import inference
+
+        return inference.gathered_for_inference(self, budget_bytes)
+
     # ------------------------------------------------------------------ measurements
 
     @property

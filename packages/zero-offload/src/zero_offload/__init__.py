@@ -12,6 +12,7 @@
 """
 
 from zero_offload.cpu_adam import AdamHyper, AdamKernel, CpuAdam, adam_hyper_from_group, check_offloadable
+from zero_offload.host_optimizer import HostOptimizer, PartialOffload, offload_optimizer_for, twin_optimizer
 from zero_offload.optimizer import OffloadedOptimizer, OffloadTarget, OptimizerOffloadConfig, TransferStats
 from zero_offload.params import ParamOffloadConfig, ParamSwapper, ParamTransferStats, ShardResidence
 from zero_offload.pool import ALIGNMENT, BufferPool, align_up, aligned_empty
@@ -27,6 +28,10 @@ from zero_offload.swap import (
 )
 
 __all__ = [
+    "HostOptimizer",
+    "PartialOffload",
+    "offload_optimizer_for",
+    "twin_optimizer",
     "ALIGNMENT",
     "AdamHyper",
     "AdamKernel",

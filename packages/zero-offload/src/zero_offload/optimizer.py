@@ -65,6 +65,9 @@ class OptimizerOffloadConfig:
         sub_group_size: Elements per sub-group.
         io_threads: Threads of the swapper.
         kernel: The :class:`AdamKernel` of the CPU Adam.
+        ratio: Fraction of each group's sub-groups offloaded (DeepSpeed's partial offload,
+            ``offload_optimizer.ratio``); the rest is stepped on the device by the optimizer
+            itself (see :class:`zero_offload.PartialOffload`). 1: everything.
     """
 
     device: OffloadTarget = OffloadTarget.CPU
@@ -76,10 +79,13 @@ class OptimizerOffloadConfig:
     sub_group_size: int = 1_000_000_000
     io_threads: int = 2
     kernel: AdamKernel = AdamKernel.FUSED
+    ratio: float = 1.0
 
     def __post_init__(self) -> None:
         if self.sub_group_size < 1:
             raise ValueError(f"sub_group_size must be >= 1, got {self.sub_group_size}")
+        if not 0.0 <= self.ratio <= 1.0:
+            raise ValueError(f"offload ratio must be within [0, 1], got {self.ratio}")
         if self.device is OffloadTarget.NVME:
             if self.nvme_path is None:
                 raise ValueError("optimizer offload to nvme needs nvme_path (a directory on the NVMe drive)")

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
-from zero_offload import OffloadedOptimizer, OptimizerOffloadConfig
+from zero_offload import HostOptimizer, OffloadedOptimizer, OptimizerOffloadConfig, offload_optimizer_for
 from zero_optim.flat import FlatGroup, Segment
 from zero_optim.spec import OptimizerSpec, build_torch_optimizer, remap_onto_flat, trainable_groups
 
@@ -80,13 +80,14 @@ class PartitionedOptimizer:
         working_dtype: dtype of the values the model computes with. ``torch.float32``: the
             master is the working copy (one fp32 copy of the parameters); a 16-bit dtype
             gets its own flat working buffer, refreshed from the fp32 master after each step.
-        offload: Offload the optimizer state (``zero_offload.OptimizerOffloadConfig``; Adam /
-            AdamW only), or ``None``.
+        offload: Offload the optimizer state (``zero_offload.OptimizerOffloadConfig``; any torch
+            optimizer, Adam / AdamW through the CPU Adam, NVMe for those only), or ``None``.
 
     Attributes:
         torch_optimizer: The user's optimizer, now over one flat master per group.
         groups: One :class:`FlatGroup` per optimizer parameter group.
-        offload: The ``zero_offload.OffloadedOptimizer`` stepping the masters, or ``None``.
+        offload: The ``zero_offload.OffloadedOptimizer`` (Adam / AdamW) or
+            ``zero_offload.HostOptimizer`` (any other torch optimizer) stepping the masters, or ``None``.
     """
 
     __slots__ = ("groups", "offload", "partitioning", "torch_optimizer")
@@ -120,11 +121,12 @@ class PartitionedOptimizer:
                     partitioning.bind(seg.param, group.working_view(seg), group.grad_view(seg))
         remap_onto_flat(opt, [g.master for g in self.groups])
         self.torch_optimizer = opt
-        self.offload: OffloadedOptimizer | None = None
+        self.offload: OffloadedOptimizer | HostOptimizer | None = None
         if offload is not None:
             rank = dist.get_rank() if dist.is_initialized() else 0
             masters = [g.master for g in self.groups]
-            self.offload = OffloadedOptimizer(opt, masters, [g.grad for g in self.groups], offload, rank=rank)
+            grads = [g.grad for g in self.groups]
+            self.offload = offload_optimizer_for(opt, masters, grads, offload, rank=rank)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:

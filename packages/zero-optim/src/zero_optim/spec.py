@@ -12,6 +12,7 @@ dicts (an LR scheduler built on it keeps working), steps one tensor per group.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -22,6 +23,9 @@ import torch
 # (torch 2.13, measured here). Imported before the group exists, it keeps none.
 import torch._dynamo  # noqa: F401, E402 - for its side effect, see above
 from torch import nn
+
+import zero_params
+from zero_offload import twin_optimizer
 
 __all__ = [
     "OptimizerSpec",
@@ -54,15 +58,18 @@ def build_torch_optimizer(spec: OptimizerSpec, params: Sequence[nn.Parameter]) -
 
     Raises:
         TypeError: ``spec`` is neither, or the callable did not return a torch optimizer.
-        ValueError: the optimizer already has state, or it is ``torch.optim.LBFGS`` (its
+        ValueError: an optimizer instance already has state (one the callable built may have
+            the state its constructor makes, e.g. Adagrad's), or it is ``torch.optim.LBFGS`` (its
             step needs a closure and it caches its parameter list).
     """
     if spec is None:
         spec = default_optimizer
+    built_here = False
     if isinstance(spec, torch.optim.Optimizer):
         opt = spec
     elif callable(spec):
-        opt = spec(list(params))
+        built_here = True
+        opt = _build_over_stand_ins(spec, list(params))
         if not isinstance(opt, torch.optim.Optimizer):
             raise TypeError(
                 f"the optimizer callable returned a {type(opt).__name__}, not a torch.optim.Optimizer; "
@@ -78,11 +85,40 @@ def build_torch_optimizer(spec: OptimizerSpec, params: Sequence[nn.Parameter]) -
             "torch.optim.LBFGS cannot drive a partitioned optimizer (its step re-evaluates a closure "
             "over full parameters); use a first-order optimizer such as AdamW or SGD"
         )
-    if len(opt.state) > 0:
+    if len(opt.state) > 0 and not built_here:  # state made by a constructor we ran (Adagrad) is re-made
         raise ValueError(
             f"the {type(opt).__name__} passed as optimizer already has state for {len(opt.state)} "
             "tensor(s); pass a fresh optimizer (or a callable that builds one), state cannot be re-mapped"
         )
+    return opt
+
+
+def _build_over_stand_ins(spec: Callable[..., Any], params: list[nn.Parameter]) -> Any:
+    """Call ``spec`` with ``meta`` stand-ins for partitioned parameters, then put the real ones back.
+
+    A constructor that makes per-parameter state (Adagrad's ``sum = full_like(p)``) cannot
+    touch a partitioned parameter; on a ``meta`` stand-in of its full shape it allocates
+    nothing, and :func:`remap_onto_flat` makes that state again for the flat masters.
+    """
+    stand = {
+        id(p): nn.Parameter(
+            torch.empty(zero_params.full_shape(p), dtype=p.dtype, device="meta"),
+            requires_grad=p.requires_grad,
+        )
+        for p in params
+        if zero_params.is_partitioned(p)
+    }
+    if not stand:
+        return spec(params)
+    opt = spec([stand.get(id(p), p) for p in params])
+    if not isinstance(opt, torch.optim.Optimizer):
+        return opt
+    back = {id(stand[id(p)]): p for p in params if id(p) in stand}
+    for group in opt.param_groups:
+        group["params"] = [back.get(id(q), q) for q in group["params"]]
+    for q in list(opt.state):
+        if id(q) in back:
+            opt.state[back[id(q)]] = opt.state.pop(q)
     return opt
 
 
@@ -125,7 +161,8 @@ def remap_onto_flat(opt: torch.optim.Optimizer, masters: Sequence[torch.Tensor])
     """Point each of ``opt``'s groups at its one flat master tensor (options untouched).
 
     Args:
-        opt: A torch optimizer without state.
+        opt: A torch optimizer without state, or with only the state its constructor made
+            (re-made for the masters).
         masters: One flat tensor per group, in group order.
 
     Raises:
@@ -135,3 +172,15 @@ def remap_onto_flat(opt: torch.optim.Optimizer, masters: Sequence[torch.Tensor])
         raise ValueError(f"{len(masters)} flat tensors for {len(opt.param_groups)} param groups")
     for group, master in zip(opt.param_groups, masters):
         group["params"] = [master]
+    if opt.state:
+        # state its constructor created (e.g. Adagrad's ``sum``): made again for the flat masters
+        # by a fresh instance of the same class with the same options
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [m]}
+            for g, m in zip(opt.param_groups, masters)
+        ]
+        fresh = twin_optimizer(opt, groups)
+        opt.state.clear()
+        for master in masters:
+            if master in fresh.state:
+                opt.state[master] = fresh.state[master]

@@ -104,6 +104,12 @@ class Init:
     as long as the view is used before the write-back point, which is how init code uses
     them. Constructors of other threads are not seen by the mode.
 
+    Parameters created on the ``meta`` device (``with torch.device("meta"), Init(): ...``, or
+    ``transformers``' ``from_pretrained``, which builds on meta) are partitioned without ever
+    being allocated whole: their shards are zero-filled and they are uninitialised (zero)
+    until a loader fills them (``zero_full.from_pretrained`` reads each rank's byte ranges)
+    or init code running inside the block overwrites them as described above.
+
     Nested ``Init`` blocks are fine: the innermost one owns the modules built while it is
     innermost. ``enabled=False`` makes the block a no-op.
 

@@ -157,36 +157,62 @@ def _check_param(name: str, p: Any) -> None:
         raise TypeError(
             f"parameter {label}: zero_params partitions plain nn.Parameter objects, got {type(p).__name__}"
         )
-    if p.is_meta or p.layout != torch.strided:
+    if p.layout != torch.strided:
         raise TypeError(
-            f"parameter {label}: cannot partition a meta or non-strided ({p.layout}) tensor; "
-            "materialise it first"
+            f"parameter {label}: cannot partition a non-strided ({p.layout}) tensor; "
+            "convert it to a dense (torch.strided) tensor first"
         )
 
 
+def meta_target_device() -> torch.device:
+    """Where a parameter built on the ``meta`` device lives once partitioned: the current
+    accelerator when there is one, else the CPU."""
+    if torch.accelerator.is_available():
+        acc = torch.accelerator.current_accelerator()
+        if acc is not None:
+            return torch.device(acc.type, torch.accelerator.current_device_index())
+    return torch.device("cpu")
+
+
 def _partition_one(spec: ShardingSpec, name: str, p: nn.Parameter) -> ShardedParam:
-    """Partition one plain parameter (torch function handling disabled by the caller)."""
+    """Partition one plain parameter (torch function handling disabled by the caller).
+
+    A parameter on the ``meta`` device (built under ``torch.device("meta")``) has no values:
+    its shard is allocated zero-filled on :func:`meta_target_device` (or ``remote_device``)
+    and it gathers to that device; a persistent one is allocated whole (zeros). It stays
+    zero until a loader fills the shards (``zero_full.from_pretrained``) or init code run
+    under ``Init`` overwrites it. The full parameter is never allocated.
+    """
     _check_param(name, p)
     data = p.data
     if spec.dtype is not None and data.is_floating_point() and data.dtype != spec.dtype:
         data = data.to(spec.dtype)
     size, rank = spec.group_size, spec.group_rank
     numel = data.numel()
-    part = partition_numel(numel, size)
     persistent = numel <= spec.persistence_threshold
-    shard_device = spec.remote_device if spec.remote_device is not None else data.device
+    device = data.device
+    if data.is_meta:
+        device = meta_target_device()
+        # a meta tensor's .data cannot be re-pointed to another device: swap in a real (empty) one
+        torch.utils.swap_tensors(
+            p, nn.Parameter(torch.empty(0, dtype=data.dtype, device=device), requires_grad=p.requires_grad)
+        )
+        if persistent:
+            data = torch.zeros(data.shape, dtype=data.dtype, device=device)
+    shard_device = spec.remote_device if spec.remote_device is not None else device
     if persistent:
         shard = torch.empty(0, dtype=data.dtype, device=shard_device)  # replaced below
     else:
-        start, stop = shard_range(numel, size, rank)
-        shard = torch.zeros(part, dtype=data.dtype, device=shard_device)
-        shard[: stop - start].copy_(data.reshape(-1)[start:stop])
+        shard = torch.zeros(partition_numel(numel, size), dtype=data.dtype, device=shard_device)
+        if not data.is_meta:
+            start, stop = shard_range(numel, size, rank)
+            shard[: stop - start].copy_(data.reshape(-1)[start:stop])
     state = ShardedParam(
         id=0,
         name=name,
         shape=data.shape,
         dtype=data.dtype,
-        device=data.device,
+        device=device,
         numel=numel,
         group=spec.group,
         group_ranks=spec.group_ranks,
@@ -204,7 +230,7 @@ def _partition_one(spec: ShardingSpec, name: str, p: nn.Parameter) -> ShardedPar
     if persistent:
         state.shard = _persistent_storage(p, state, data, shard_device)
     else:
-        p.data = torch.empty(0, dtype=data.dtype, device=data.device)
+        p.data = torch.empty(0, dtype=data.dtype, device=device)
         p.__class__ = PartitionedParameter
     return state
 

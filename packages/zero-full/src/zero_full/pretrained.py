@@ -1,0 +1,538 @@
+"""Hugging Face checkpoints straight into ZeRO shards (and whole parameters for stages 0/1/2).
+
+:func:`from_pretrained` builds the model without allocating its full weights — every
+parameter is registered on the ``meta`` device (a public
+``register_module_parameter_registration_hook`` swaps it as the constructor registers it;
+buffers stay real, so computed non-persistent buffers such as rotary frequencies are
+right) and, at stage 3, partitioned by :class:`zero_full.Init` as it is built — then fills
+each rank's part of every tensor from the checkpoint's safetensors files: one
+``model.safetensors`` or a sharded checkpoint with ``model.safetensors.index.json``.
+
+Each rank reads only the element range it keeps (``safe_open(...).get_slice``, memory
+mapped; the file is reopened per tensor so the mapped pages are dropped after each read),
+converts the dtype while copying into place, and frees the read. Peak extra memory per
+rank: about one tensor's shard (a whole tensor for parameters that stay whole).
+
+Key conventions follow ``transformers``' own ``from_pretrained`` for the class given: a tied
+parameter (``lm_head.weight`` tied to the input embedding) is read from whichever of its
+names the file holds; a checkpoint of the base model loads into a model with a head (and
+the other way round) by adding / stripping ``base_model_prefix``; the class's
+``_keys_to_ignore_on_load_missing`` / ``_keys_to_ignore_on_load_unexpected`` patterns are
+honoured.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import re
+import struct
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.nn.modules.module import register_module_parameter_registration_hook
+from torch.profiler import record_function
+
+import zero_params
+from zero_full.ckpt_io import CheckpointError
+from zero_params.ops import meta_target_device, reshard_from_full
+
+if TYPE_CHECKING:
+    from zero_full.engine import ConfigLike, Engine
+
+__all__ = ["LoadReport", "from_pretrained", "load_safetensors_into"]
+
+logger = logging.getLogger("zero.pretrained")
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+_ST_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadReport:
+    """What a load read and what did not match.
+
+    Attributes:
+        loaded: State-dict keys filled from the checkpoint (one per distinct tensor; a tied
+            parameter is listed under the key it was read from).
+        missing: Model keys the checkpoint does not hold (tied aliases of a loaded
+            parameter and ignored patterns are not missing).
+        unexpected: Checkpoint keys the model has no place for.
+        mismatched: ``"key: model [shape] vs checkpoint [shape]"`` for tensors of another shape.
+        max_read_bytes: The largest single read (bytes, in the file's dtype): this rank's
+            peak extra memory while loading.
+    """
+
+    loaded: tuple[str, ...]
+    missing: tuple[str, ...]
+    unexpected: tuple[str, ...]
+    mismatched: tuple[str, ...]
+    max_read_bytes: int
+
+    @property
+    def ok(self) -> bool:
+        """Nothing missing, unexpected or mismatched."""
+        return not (self.missing or self.unexpected or self.mismatched)
+
+    def describe(self) -> str:
+        """The problems, one per line."""
+        lines = [f"missing in the checkpoint: {k!r}" for k in self.missing]
+        lines += [f"unexpected in the checkpoint (not in the model): {k!r}" for k in self.unexpected]
+        lines += [f"shape mismatch: {m}" for m in self.mismatched]
+        return "\n  ".join(lines)
+
+
+# ---------------------------------------------------------------------------- checkpoint index
+
+
+@dataclasses.dataclass(frozen=True)
+class _TensorInfo:
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def _read_header(path: Path) -> dict[str, Any]:
+    """The JSON header of a safetensors file (8-byte length + JSON; no tensor data is read)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(8)
+            if len(raw) != 8:
+                raise CheckpointError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+            (n,) = struct.unpack("<Q", raw)
+            return json.loads(f.read(n))
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{path}: cannot read its safetensors header ({exc})") from exc
+
+
+def checkpoint_index(path: str | os.PathLike[str]) -> dict[str, _TensorInfo]:
+    """Every tensor of a safetensors checkpoint: key -> file, dtype, shape (headers only).
+
+    Args:
+        path: A directory with ``model.safetensors`` or ``model.safetensors.index.json``, or
+            one ``.safetensors`` file.
+
+    Raises:
+        CheckpointError: no safetensors checkpoint there; a file the index names is missing.
+    """
+    path = Path(path)
+    if path.is_file():
+        files = [path]
+    elif (path / INDEX_FILE).is_file():
+        weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+        files = [path / f for f in dict.fromkeys(weight_map.values())]
+    elif (path / SINGLE_FILE).is_file():
+        files = [path / SINGLE_FILE]
+    else:
+        raise CheckpointError(
+            f"{path}: no {SINGLE_FILE} or {INDEX_FILE} (save the model with save_pretrained(..., "
+            "safe_serialization=True), or pass the .safetensors file)"
+        )
+    out: dict[str, _TensorInfo] = {}
+    for f in files:
+        if not f.is_file():
+            raise CheckpointError(f"{f}: named by {INDEX_FILE} but missing")
+        for key, meta in _read_header(f).items():
+            if key == "__metadata__":
+                continue
+            if meta["dtype"] not in _ST_DTYPES:
+                raise CheckpointError(f"{f}: tensor {key!r} has dtype {meta['dtype']} that zero cannot load")
+            out[key] = _TensorInfo(f, _ST_DTYPES[meta["dtype"]], tuple(meta["shape"]))
+    return out
+
+
+# ---------------------------------------------------------------------------- range reads
+
+
+def read_flat_range(info: _TensorInfo, key: str, start: int, stop: int) -> torch.Tensor:
+    """Elements ``[start, stop)`` of the flattened tensor ``key``, reading only those bytes.
+
+    The range is cut into at most ``2 * ndim - 1`` rectangular slices (partial first row,
+    whole middle rows, partial last row, recursively), each read with ``get_slice``.
+    """
+    from safetensors import safe_open
+
+    if stop <= start:
+        return torch.empty(0, dtype=info.dtype)
+    with safe_open(str(info.file), framework="pt") as f:
+        sl = f.get_slice(key)
+        parts = list(_range_slices(sl, (), info.shape, start, stop))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _range_slices(sl: Any, prefix: tuple[Any, ...], shape: Sequence[int], start: int, stop: int) -> Iterator:
+    if len(shape) == 0:
+        yield sl[prefix].reshape(-1) if prefix else sl[...].reshape(-1)
+        return
+    if len(shape) == 1:
+        yield sl[(*prefix, slice(start, stop))].reshape(-1)
+        return
+    row = 1
+    for d in shape[1:]:
+        row *= d
+    r0, r1 = start // row, (stop - 1) // row  # first and last row touched
+    if r0 == r1:
+        yield from _range_slices(sl, (*prefix, r0), shape[1:], start - r0 * row, stop - r0 * row)
+        return
+    first_whole = r0 if start == r0 * row else r0 + 1
+    last_whole = r1 if stop == (r1 + 1) * row else r1 - 1
+    if first_whole != r0:
+        yield from _range_slices(sl, (*prefix, r0), shape[1:], start - r0 * row, row)
+    if first_whole <= last_whole:
+        yield sl[(*prefix, slice(first_whole, last_whole + 1))].reshape(-1)
+    if last_whole != r1:
+        yield from _range_slices(sl, (*prefix, r1), shape[1:], 0, stop - r1 * row)
+
+
+# ---------------------------------------------------------------------------- key mapping
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    """One distinct model tensor and where its values go on this rank."""
+
+    keys: tuple[str, ...]  # every state-dict key naming it (tied aliases)
+    shape: tuple[int, ...]
+    dest: torch.Tensor  # 1-D, ``stop - start`` elements
+    start: int
+    stop: int
+    after: Callable[[], None] | None = None  # e.g. re-sync a persistent parameter's shard
+
+
+def _file_key_for(model: nn.Module, model_keys: Sequence[str], file_keys: set[str]) -> Callable[[str], str]:
+    """HF's prefix rule: add or strip ``base_model_prefix`` when model and file disagree on it."""
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    if not prefix:
+        return lambda k: k
+    dotted = prefix + "."
+    file_has = any(k.startswith(dotted) for k in file_keys)
+    model_has = any(k.startswith(dotted) for k in model_keys)
+    if model_has and not file_has:
+        return lambda k: k[len(dotted) :] if k.startswith(dotted) else k
+    if file_has and not model_has:
+        return lambda k: dotted + k
+    return lambda k: k
+
+
+def _patterns(model: nn.Module, attr: str) -> list[re.Pattern[str]]:
+    return [re.compile(p) for p in (getattr(model, attr, None) or ())]
+
+
+def _fill(model: nn.Module, slots: list[_Slot], path: str | os.PathLike[str], *, strict: bool) -> LoadReport:
+    """Read every slot's range from the checkpoint at ``path``; check names and shapes first."""
+    index = checkpoint_index(path)
+    model_keys = [k for s in slots for k in s.keys]
+    to_file = _file_key_for(model, model_keys, set(index))
+    ignore_missing = _patterns(model, "_keys_to_ignore_on_load_missing")
+    ignore_unexpected = _patterns(model, "_keys_to_ignore_on_load_unexpected")
+    used: set[str] = set()
+    missing: list[str] = []
+    mismatched: list[str] = []
+    plan: list[tuple[_Slot, str]] = []
+    for slot in slots:
+        found = [k for k in slot.keys if to_file(k) in index]
+        used.update(to_file(k) for k in found)
+        if not found:
+            missing.extend(k for k in slot.keys[:1] if not any(p.search(k) for p in ignore_missing))
+            continue
+        fk = to_file(found[0])
+        if index[fk].shape != slot.shape:
+            mismatched.append(f"{found[0]!r}: model {list(slot.shape)} vs checkpoint {list(index[fk].shape)}")
+            continue
+        plan.append((slot, fk))
+    unexpected = sorted(k for k in index if k not in used and not any(p.search(k) for p in ignore_unexpected))
+    biggest = 0
+    loaded = []
+    with record_function("zero.pretrained.load"), torch.no_grad():
+        for slot, fk in plan:
+            info = index[fk]
+            values = read_flat_range(info, fk, slot.start, slot.stop)
+            biggest = max(biggest, values.numel() * values.element_size())
+            slot.dest.copy_(values)
+            del values
+            if slot.after is not None:
+                slot.after()
+            loaded.append(fk)
+    report = LoadReport(tuple(loaded), tuple(missing), tuple(unexpected), tuple(mismatched), biggest)
+    if not report.ok:
+        if strict:
+            raise CheckpointError(
+                f"checkpoint {path} does not match {type(model).__name__}:\n  {report.describe()}\n"
+                "(pass strict=False to load what matches and get these in the returned LoadReport)"
+            )
+        logger.warning("zero: loading %s: %s", path, report.describe())
+    return report
+
+
+# ---------------------------------------------------------------------------- slots of a model
+
+
+def _named_tensors(model: nn.Module) -> Iterator[tuple[torch.Tensor, list[str]]]:
+    """Each distinct parameter / persistent buffer with every state-dict key naming it."""
+    names: dict[int, tuple[torch.Tensor, list[str]]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), (p, []))[1].append(name)
+    for mod_name, mod in model.named_modules(remove_duplicate=False):
+        for bname, b in mod._buffers.items():
+            if b is None or bname in mod._non_persistent_buffers_set:
+                continue
+            key = f"{mod_name}.{bname}" if mod_name else bname
+            names.setdefault(id(b), (b, []))[1].append(key)
+    yield from names.values()
+
+
+def _model_slots(model: nn.Module) -> list[_Slot]:
+    """Where each tensor of a model (partitioned or whole, not inside an engine) is filled."""
+    slots = []
+    for t, keys in _named_tensors(model):
+        if zero_params.is_partitioned(t):
+            st = zero_params.state_of(t)
+            shape = tuple(st.shape)
+            if st.persistent:
+                full = t.detach().reshape(-1)
+                slots.append(_Slot(tuple(keys), shape, full, 0, st.numel, _resync(t, st)))
+                continue
+            start, stop = st.shard_range
+            if st.offload is not None:
+                values = torch.zeros(st.partition_numel, dtype=st.dtype, device=st.device)
+                slots.append(
+                    _Slot(tuple(keys), shape, values[: stop - start], start, stop, _replace(st, values))
+                )
+            else:
+                slots.append(_Slot(tuple(keys), shape, st.shard[: stop - start], start, stop))
+            continue
+        if t.is_meta:
+            raise CheckpointError(
+                f"{keys[0]!r} is on the meta device: materialise the model first (zero_full.from_pretrained "
+                "does it), or build it under zero_full.Init"
+            )
+        slots.append(_Slot(tuple(keys), tuple(t.shape), t.detach().reshape(-1), 0, t.numel()))
+    return slots
+
+
+def _resync(p: torch.Tensor, st: zero_params.ShardedParam) -> Callable[[], None]:
+    return lambda: reshard_from_full(p, st)
+
+
+def _replace(st: zero_params.ShardedParam, values: torch.Tensor) -> Callable[[], None]:
+    def run() -> None:
+        if st.offload is not None:
+            st.offload.replace(st, values)
+
+    return run
+
+
+def load_safetensors_into(
+    model: nn.Module, path: str | os.PathLike[str], *, strict: bool = True
+) -> LoadReport:
+    """Fill an already built model (partitioned or whole) from a safetensors checkpoint.
+
+    Each rank reads only what it keeps: its shard of every partitioned parameter, whole
+    persistent parameters, whole parameters and persistent buffers of unpartitioned
+    modules. No communication. For a model inside an :class:`~zero_full.Engine` use
+    :meth:`Engine.load_pretrained` (it also refreshes the optimizer's fp32 master).
+
+    Args:
+        model: The model (e.g. built under :class:`zero_full.Init`).
+        path: A ``save_pretrained`` directory (single or sharded safetensors) or one file.
+        strict: Raise on any missing / unexpected / misshaped tensor (``False``: load what
+            matches, warn, and return the problems in the report).
+
+    Returns:
+        The :class:`LoadReport`.
+
+    Raises:
+        CheckpointError: no checkpoint at ``path``; with ``strict``, every mismatch named.
+    """
+    return _fill(model, _model_slots(model), path, strict=strict)
+
+
+def load_into_engine(engine: Engine, path: str | os.PathLike[str], *, strict: bool = True) -> LoadReport:
+    """:meth:`zero_full.Engine.load_pretrained`: fill the engine's fp32 masters (trainable
+    parameters) and working tensors (frozen ones, buffers) from a checkpoint, then publish
+    the new values to the working parameters (every stage; collective for replicated pieces).
+
+    The optimizer's state (e.g. Adam's moments) is left as it is.
+    """
+    from zero_full.ckpt_layout import local_pieces
+
+    module = engine.module
+    pieces = local_pieces(module, engine.optimizer)
+    by_id = {id(p): name for name, p in module.named_parameters()}
+    slots = []
+    for t, keys in _named_tensors(module):
+        name = by_id.get(id(t))
+        if name is None:  # a buffer
+            slots.append(_Slot(tuple(keys), tuple(t.shape), t.detach().reshape(-1), 0, t.numel()))
+            continue
+        pc = pieces[name]
+        slots.append(_Slot(tuple(keys), pc.shape, pc.padded[: pc.stop - pc.start], pc.start, pc.stop))
+    report = _fill(module, slots, path, strict=strict)
+    with torch.no_grad():
+        for group in engine.optimizer.groups:
+            group.publish()
+        engine.optimizer.partitioning.after_step(engine.optimizer.groups)
+        frozen = [p for n, p in module.named_parameters() if not pieces[n].trainable]
+        partitioned = [p for p in frozen if zero_params.is_partitioned(p)]
+        if partitioned:
+            zero_params.commit_shards(partitioned)
+    return report
+
+
+# ---------------------------------------------------------------------------- building on meta
+
+
+class MetaParameters:
+    """Inside the block, every parameter a module registers is replaced by a ``meta`` one.
+
+    Uses ``torch.nn.modules.module.register_module_parameter_registration_hook`` (a hook
+    may return the parameter to register). The constructor's own ``torch.empty`` is
+    replaced at registration, before its init runs, so the init touches no memory.
+    Buffers are left real. Parameters already on ``meta`` or already partitioned (a tied
+    parameter registered again) are left alone. Enter it before :class:`zero_full.Init` so
+    that Init partitions the meta parameters (zero-filled shards, see
+    ``zero_params.ops._partition_one``).
+
+    Args:
+        skip_hf_init: Mark each module that registers a parameter as initialised the way
+            ``transformers`` marks the modules it loads (``module._is_hf_initialized``), so a
+            ``PreTrainedModel``'s ``post_init`` does not initialise weights the loader is about
+            to overwrite (under ``Init`` that would materialise each one whole in turn).
+            Modules without parameters (rotary embeddings) are initialised as usual.
+    """
+
+    def __init__(self, skip_hf_init: bool = False) -> None:
+        self.skip_hf_init = skip_hf_init
+        self._handle: Any = None
+
+    def __enter__(self) -> MetaParameters:
+        self._handle = register_module_parameter_registration_hook(self._to_meta)
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def _to_meta(self, module: nn.Module, name: str, param: nn.Parameter | None) -> nn.Parameter | None:
+        if param is None or type(param) is not nn.Parameter or param.is_meta or "_zero" in param.__dict__:
+            return None
+        if self.skip_hf_init:
+            module._is_hf_initialized = True
+        return nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+
+
+def materialize_meta(model: nn.Module, device: torch.device | None = None) -> None:
+    """Give every ``meta`` parameter of a whole (unpartitioned) model real, uninitialised
+    storage on ``device`` (default: the accelerator or CPU), keeping tied parameters tied."""
+    device = device if device is not None else meta_target_device()
+    done: dict[int, nn.Parameter] = {}
+    for mod in model.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is None or not p.is_meta:
+                continue
+            new = done.get(id(p))
+            if new is None:
+                new = nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad)
+                done[id(p)] = new
+            mod._parameters[name] = new
+
+
+# ---------------------------------------------------------------------------- from_pretrained
+
+
+def _build(model_class_or_callable: Any, path: Path, model_config: Any) -> nn.Module:
+    if isinstance(model_class_or_callable, type):
+        config_class = getattr(model_class_or_callable, "config_class", None)
+        if config_class is not None:  # a transformers model class
+            hf_config = model_config if model_config is not None else config_class.from_pretrained(path)
+            return model_class_or_callable(hf_config)
+        if hasattr(model_class_or_callable, "from_config"):  # an AutoModel... class
+            if model_config is None:
+                from transformers import AutoConfig
+
+                model_config = AutoConfig.from_pretrained(path)
+            return model_class_or_callable.from_config(model_config)
+    if model_config is not None:
+        return model_class_or_callable(model_config)
+    return model_class_or_callable()
+
+
+def from_pretrained(
+    model_class_or_callable: type[nn.Module] | Callable[..., nn.Module],
+    path: str | os.PathLike[str],
+    config: ConfigLike = None,
+    *,
+    model_config: Any = None,
+    strict: bool = True,
+) -> nn.Module:
+    """Build a model and load a safetensors checkpoint straight into this rank's shards.
+
+    The model is built with its parameters on ``meta`` (no full weight is ever allocated);
+    at stage 3 (``config``) each parameter becomes a partitioned parameter as it is built
+    (:class:`zero_full.Init`, persistence threshold, MiCS groups and working dtype from the
+    config) and each rank then reads only its shards; at stages 0/1/2 the parameters get
+    whole storage and are read whole. Pass the result to :func:`zero_full.initialize`.
+
+    Parameters the checkpoint does not fill (``strict=False``) keep zeros (stage 3) or
+    uninitialised memory (stages 0-2); init code the constructor runs after a parameter was
+    partitioned (e.g. HF ``post_init``) runs on it as under :class:`zero_full.Init`, and
+    is then overwritten by the checkpoint.
+
+    Args:
+        model_class_or_callable: A ``transformers`` model class (built as
+            ``cls(cls.config_class.from_pretrained(path))``, or ``cls(model_config)``), an
+            ``AutoModel...`` class (``cls.from_config(AutoConfig.from_pretrained(path))``), or a
+            callable returning the model (called with ``model_config`` when given, else
+            without arguments).
+        path: A ``save_pretrained`` directory (``model.safetensors`` or sharded with
+            ``model.safetensors.index.json``) or one ``.safetensors`` file.
+        config: The zero config (:class:`zero_full.ZeroConfig`, dict or JSON path); ``None``
+            loads whole parameters.
+        model_config: The model's own config (e.g. a ``PretrainedConfig``) instead of the one
+            saved at ``path``.
+        strict: See :func:`load_safetensors_into`.
+
+    Returns:
+        The model, in ``eval()`` mode like ``transformers``' ``from_pretrained`` (call
+        ``engine.train()`` to fine-tune).
+
+    Raises:
+        CheckpointError: no checkpoint; with ``strict``, every missing / unexpected /
+            misshaped tensor named.
+    """
+    from zero_full.engine import Init
+
+    path = Path(path)
+    with record_function("zero.pretrained.build"):
+        hf = any(c.__name__ == "PreTrainedModel" for c in getattr(model_class_or_callable, "__mro__", ()))
+        with (
+            MetaParameters(skip_hf_init=hf),
+            Init(config=config) if config is not None else contextlib.nullcontext(),
+        ):
+            model = _build(model_class_or_callable, path, model_config)
+        materialize_meta(model)
+    load_safetensors_into(model, path, strict=strict)
+    return model.eval()

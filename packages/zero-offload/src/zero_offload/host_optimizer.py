@@ -1,0 +1,305 @@
+"""Optimizer offload for any ``torch.optim`` optimizer: host copies stepped by torch itself.
+
+:class:`zero_offload.OffloadedOptimizer` is the fast path for ``Adam`` / ``AdamW`` (its CPU
+Adam, sub-groups, NVMe swap). Every other optimizer (SGD, Adagrad, RMSprop, Adam with
+``amsgrad``, ...) is offloaded by :class:`HostOptimizer`: the flat fp32 masters are copied to
+host memory once, a twin of the user's optimizer (same class, same ``defaults``) is built
+over the host copies and holds all of the state there; each step copies the gradient
+partitions down, copies the user's current hyperparameters (an LR scheduler's ``lr``) into
+the twin's groups, runs the twin's ``step()`` — torch's own implementation, so the numbers
+are the ones torch computes — and copies the updated masters back. Host memory only:
+``offload_optimizer.device = nvme`` needs the Adam layout and is refused for other optimizers.
+
+:func:`offload_optimizer_for` picks the implementation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.profiler import record_function
+
+from zero_offload.optimizer import OffloadedOptimizer, OffloadTarget, OptimizerOffloadConfig
+
+__all__ = ["HostOptimizer", "PartialOffload", "offload_optimizer_for", "twin_optimizer"]
+
+
+def twin_optimizer(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
+    """A new optimizer of ``optimizer``'s class over ``groups`` with its constructor options.
+
+    ``optimizer.defaults`` may hold keys its constructor does not take (``AdamW`` records
+    ``decoupled_weight_decay``); only the constructor's own keyword arguments are passed (the
+    group dicts carry every option anyway).
+    """
+    import inspect
+
+    accepted = inspect.signature(type(optimizer).__init__).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    kwargs = {k: v for k, v in optimizer.defaults.items() if takes_any or k in accepted}
+    return type(optimizer)(groups, **kwargs)
+
+
+def _is_fast_path(optimizer: torch.optim.Optimizer) -> bool:
+    return type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and not any(
+        g.get("amsgrad") for g in optimizer.param_groups
+    )
+
+
+def offload_optimizer_for(
+    optimizer: torch.optim.Optimizer,
+    masters: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    config: OptimizerOffloadConfig,
+    *,
+    rank: int = 0,
+) -> OffloadedOptimizer | HostOptimizer:
+    """:class:`OffloadedOptimizer` (CPU Adam) for ``Adam`` / ``AdamW``, :class:`HostOptimizer`
+    otherwise; wrapped in :class:`PartialOffload` when ``config.ratio < 1``."""
+    if config.ratio < 1.0:
+        return PartialOffload(optimizer, masters, grads, config, rank=rank)
+    if _is_fast_path(optimizer):
+        return OffloadedOptimizer(optimizer, masters, grads, config, rank=rank)
+    return HostOptimizer(optimizer, masters, grads, config)
+
+
+class HostOptimizer:
+    """Steps host copies of flat fp32 masters with a twin of any torch optimizer (see the module doc).
+
+    Args:
+        optimizer: The user's torch optimizer, one flat master per group (its groups supply
+            the hyperparameters at every step; it keeps no state).
+        masters: One flat fp32 tensor per group (updated in place after each step).
+        grads: One flat fp32 gradient partition per group.
+        config: :class:`OptimizerOffloadConfig` (``device`` must be ``cpu``; ``pin_memory``
+            is honoured; the Adam-only knobs have no effect).
+
+    Raises:
+        ValueError: ``nvme`` offload, or mismatched masters / gradients / groups.
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        masters: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor],
+        config: OptimizerOffloadConfig,
+    ) -> None:
+        name = f"{type(optimizer).__module__}.{type(optimizer).__name__}"
+        if config.device is OffloadTarget.NVME:
+            raise ValueError(
+                f"offload_optimizer.device = nvme swaps Adam / AdamW state only, got {name}; use device "
+                "'cpu' (any torch optimizer steps in host memory) or Adam / AdamW"
+            )
+        if len(masters) != len(optimizer.param_groups) or len(grads) != len(masters):
+            raise ValueError(
+                f"{len(masters)} masters and {len(grads)} gradients for "
+                f"{len(optimizer.param_groups)} param groups"
+            )
+        pin = config.pin_memory and torch.cuda.is_available()
+        self.optimizer = optimizer
+        self.masters = tuple(masters)
+        self.grads = tuple(grads)
+        self.host_masters = tuple(_host_copy(m, pin) for m in masters)
+        self.host_grads = tuple(torch.zeros_like(h) for h in self.host_masters)
+        for h, g in zip(self.host_masters, self.host_grads, strict=True):
+            h.grad = g
+        groups = [
+            {**_hyper(g), "params": [h]}
+            for g, h in zip(optimizer.param_groups, self.host_masters, strict=True)
+        ]
+        self.host_optimizer = twin_optimizer(optimizer, groups)
+        optimizer.state.clear()  # constructor-made state (Adagrad's sum) lives on the host twin only
+        self.step_count = 0
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The host tensors this optimizer keeps (masters, gradients, the twin's state)."""
+        out = [*self.host_masters, *self.host_grads]
+        for state in self.host_optimizer.state.values():
+            out.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+        return out
+
+    @property
+    def resident_state_bytes(self) -> int:
+        """Host bytes held (from storages)."""
+        return sum(
+            {
+                t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.state_tensors()
+            }.values()
+        )
+
+    def step(self) -> None:
+        """Gradients down, the twin's ``step()`` on the host copies, masters back up."""
+        with record_function("zero.offload.host_step"), torch.no_grad():
+            for hg, g in zip(self.host_optimizer.param_groups, self.optimizer.param_groups, strict=True):
+                hg.update(_hyper(g))
+            for hgrad, grad in zip(self.host_grads, self.grads, strict=True):
+                hgrad.copy_(grad)
+            self.host_optimizer.step()
+            for master, host in zip(self.masters, self.host_masters, strict=True):
+                master.copy_(host)
+            self.step_count += 1
+
+    def export_state(self) -> list[dict[str, Any]]:
+        """Each group's state in the optimizer's own format (the twin's state, host tensors)."""
+        return [dict(self.host_optimizer.state.get(h, {})) for h in self.host_masters]
+
+    def import_state(self, state: Sequence[dict[str, Any]]) -> None:
+        """Replace the twin's state (torch format per group) and refresh the host masters.
+
+        Raises:
+            ValueError: another number of groups.
+        """
+        if len(state) != len(self.host_masters):
+            raise ValueError(
+                f"{len(state)} saved optimizer groups, this optimizer has {len(self.host_masters)}"
+            )
+        with torch.no_grad():
+            for host, master, s in zip(self.host_masters, self.masters, state, strict=True):
+                host.copy_(master)
+                if s:
+                    self.host_optimizer.state[host] = {
+                        k: v.detach().to(host.device, copy=True) if isinstance(v, torch.Tensor) else v
+                        for k, v in s.items()
+                    }
+                else:
+                    self.host_optimizer.state.pop(host, None)
+
+    def close(self) -> None:
+        """Nothing to release (no swap files)."""
+
+
+def _hyper(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def _host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+    out.copy_(t)
+    return out
+
+
+def offloaded_split(numel: int, sub_group_size: int, ratio: float) -> int:
+    """Elements of a flat group offloaded at ``ratio``: the first ``round(ratio * n)`` of its
+    ``n`` sub-groups of ``sub_group_size`` elements (the last one may be shorter)."""
+    n = -(-numel // sub_group_size)
+    return min(numel, round(ratio * n) * sub_group_size)
+
+
+class PartialOffload:
+    """Partial optimizer offload (``offload_optimizer.ratio`` < 1): each group's flat master is
+    split at a sub-group boundary (:func:`offloaded_split`); the first part is offloaded
+    (:class:`OffloadedOptimizer` or :class:`HostOptimizer`, over views of the masters), the rest
+    is stepped on the device by a twin of the optimizer (same class and ``defaults``) whose state
+    lives with the masters.
+
+    Attributes:
+        offloaded_numel: Master elements whose optimizer step and state are offloaded.
+        device_numel: Master elements stepped on the device.
+        offloaded: The offloaded part's optimizer (``None`` when nothing is offloaded).
+        device_optimizer: The device part's twin (``None`` when everything is offloaded).
+    """
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        masters: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor],
+        config: OptimizerOffloadConfig,
+        *,
+        rank: int = 0,
+    ) -> None:
+        import dataclasses
+
+        self.optimizer = optimizer
+        self.masters = tuple(masters)
+        self.splits = tuple(offloaded_split(m.numel(), config.sub_group_size, config.ratio) for m in masters)
+        self.offloaded_numel = sum(self.splits)
+        self.device_numel = sum(m.numel() for m in masters) - self.offloaded_numel
+        whole = dataclasses.replace(config, ratio=1.0)
+        self.offloaded: OffloadedOptimizer | HostOptimizer | None = None
+        if self.offloaded_numel:
+            head = [m.narrow(0, 0, k) for m, k in zip(masters, self.splits, strict=True)]
+            head_grads = [g.narrow(0, 0, k) for g, k in zip(grads, self.splits, strict=True)]
+            self.offloaded = offload_optimizer_for(optimizer, head, head_grads, whole, rank=rank)
+        self.tails = tuple(m.narrow(0, k, m.numel() - k) for m, k in zip(masters, self.splits, strict=True))
+        for tail, g, k in zip(self.tails, grads, self.splits, strict=True):
+            tail.grad = g.narrow(0, k, g.numel() - k)
+        self.device_optimizer: torch.optim.Optimizer | None = None
+        if self.device_numel:
+            groups = [
+                {**_hyper(g), "params": [t]} for g, t in zip(optimizer.param_groups, self.tails, strict=True)
+            ]
+            self.device_optimizer = twin_optimizer(optimizer, groups)
+        optimizer.state.clear()
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """Host tensors of the offloaded part (the device part's state is on the device)."""
+        return self.offloaded.state_tensors() if self.offloaded is not None else []
+
+    def step(self) -> None:
+        """Step the offloaded part, then the device part."""
+        with record_function("zero.offload.partial_step"), torch.no_grad():
+            if self.offloaded is not None:
+                self.offloaded.step()
+            if self.device_optimizer is not None:
+                for dg, g in zip(
+                    self.device_optimizer.param_groups, self.optimizer.param_groups, strict=True
+                ):
+                    dg.update(_hyper(g))
+                self.device_optimizer.step()
+
+    def export_state(self) -> list[dict[str, Any]]:
+        """Each group's state in torch's format over the whole master (the two parts joined)."""
+        heads = self.offloaded.export_state() if self.offloaded is not None else [{} for _ in self.masters]
+        out = []
+        for head, tail_param, k in zip(heads, self.tails, self.splits, strict=True):
+            tail = (
+                self.device_optimizer.state.get(tail_param, {}) if self.device_optimizer is not None else {}
+            )
+            out.append(_join(head, tail, k, tail_param.numel()))
+        return out
+
+    def import_state(self, state: Sequence[dict[str, Any]]) -> None:
+        """Split each group's torch-format state between the offloaded and the device part."""
+        if len(state) != len(self.masters):
+            raise ValueError(f"{len(state)} saved optimizer groups, this optimizer has {len(self.masters)}")
+        heads, n = [], 0
+        for s, master, tail, k in zip(state, self.masters, self.tails, self.splits, strict=True):
+            heads.append({key: _part(v, master.numel(), 0, k) for key, v in s.items()})
+            if self.device_optimizer is not None:
+                if s:
+                    self.device_optimizer.state[tail] = {
+                        key: _part(v, master.numel(), k, master.numel()) for key, v in s.items()
+                    }
+                else:
+                    self.device_optimizer.state.pop(tail, None)
+            n += 1
+        if self.offloaded is not None:
+            self.offloaded.import_state(heads)
+
+    def close(self) -> None:
+        """Release the offloaded part's resources."""
+        if self.offloaded is not None:
+            self.offloaded.close()
+
+
+def _part(value: Any, numel: int, start: int, stop: int) -> Any:
+    if isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == numel:
+        return value.narrow(0, start, stop - start).clone()
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def _join(head: dict[str, Any], tail: dict[str, Any], k: int, tail_numel: int) -> dict[str, Any]:
+    if not head or not tail:
+        return dict(head or tail)
+    out = {}
+    for key, h in head.items():
+        t = tail.get(key)
+        elementwise = isinstance(h, torch.Tensor) and h.dim() == 1 and h.numel() == k
+        if elementwise and isinstance(t, torch.Tensor) and t.numel() == tail_numel:
+            out[key] = torch.cat([h.to(t.device), t])
+        else:
+            out[key] = h
+    return out
