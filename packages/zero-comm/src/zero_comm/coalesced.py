@@ -187,7 +187,8 @@ def all_gather_coalesced_into(
     ``outputs[i]`` (contiguous, any shape, ``shards[i]``'s dtype and device) receives the
     first ``outputs[i].numel()`` elements of gathered tensor ``i`` — the padding beyond them
     is dropped. Every element is copied once, from the rank-major gathered buffer into its
-    destination (one strided copy per tensor), instead of through :func:`all_gather_coalesced`'s
+    destination (one strided copy per tensor; none for a single unpadded tensor, which the
+    collective fills directly), instead of through :func:`all_gather_coalesced`'s
     flat output and a second copy by the caller: e.g. whole parameters refreshed from their
     updated partitions.
 
@@ -225,6 +226,10 @@ def all_gather_coalesced_into(
             for shard, out in zip(shards, outs):
                 out.view(-1).copy_(shard[: out.numel()])
             return AllGatherHandle("all_gather", None, lambda: outs)
+        if len(shards) == 1 and outs[0].numel() == world * total:
+            # one tensor and no padding to drop: the collective writes straight into it
+            work = dist.all_gather_single(outs[0].view(-1), shards[0], group=group, async_op=async_op)
+            return AllGatherHandle("all_gather", work, lambda: outs, keepalive=(shards[0],))
         send = adjacent_flat_view(shards)
         if send is None:
             send = torch.cat(list(shards))
