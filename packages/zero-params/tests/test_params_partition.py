@@ -88,7 +88,7 @@ def _coalesced_and_deduplicated():
         zp.gather(params).wait()  # already AVAILABLE: nothing
         first.wait()
     assert all(torch.equal(p, r) for p, r in zip(params, ref))
-    expected = [p.numel() * p.element_size() for p in params]
+    expected = [zp.state_of(p).padded_numel * p.element_size() for p in params]  # the gather's padded size
     held_all = [zp.state_of(p).unsharded.nbytes for p in params]
     fills = [zp.state_of(p).unsharded.fills for p in params]
     zp.release(params[:3])  # each parameter has its own storage: these three are freed now

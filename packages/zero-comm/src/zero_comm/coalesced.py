@@ -264,7 +264,16 @@ def _check_outputs(
 
 
 def _copy_rows(staging: torch.Tensor, sizes: list[int], outputs: list[torch.Tensor]) -> None:
-    """Copy column block ``i`` of the rank-major ``staging`` (``(world, total)``) into ``outputs[i]``."""
+    """Copy column block ``i`` of the rank-major ``staging`` (``(world, total)``) into ``outputs[i]``.
+
+    Outputs that all hold their whole gathered tensor (padding included) take one fused
+    ``split_with_sizes_copy``; otherwise one strided copy per output.
+    """
+    world = staging.shape[0]
+    if all(out.numel() == world * n for n, out in zip(sizes, outputs)):
+        dests = [out.view(world, n) for n, out in zip(sizes, outputs)]
+        torch.split_with_sizes_copy(staging, sizes, dim=1, out=dests)
+        return
     offset = 0
     for n, out in zip(sizes, outputs):
         flat = out.view(-1)

@@ -22,6 +22,7 @@ from zero_comm import (
     ReduceScatterHandle,
     ReduceScatterStrategy,
     group_ranks,
+    padded_numel,
     partition_numel,
     shard_range,
 )
@@ -249,7 +250,7 @@ def materialize_uninitialized(p: nn.Parameter, state: ShardedParam) -> None:
     For callers that are about to overwrite every element (e.g. ``Init`` running
     ``normal_``); write the result back to the shard with :func:`reshard_from_full`.
     """
-    state.unsharded.allocate(state.numel, state.dtype, state.device)
+    _unsharded_dest(state, state.gather_strategy)
     make_available(p, state, unsharded_view(state))
 
 
@@ -494,7 +495,7 @@ def _issue_gather(
             # collective never reads and writes the same memory
             shards = [s.clone() if state.persistent else s for s, (_, state) in zip(shards, items)]
         else:
-            dests = [state.unsharded.allocate(state.numel, state.dtype, state.device) for _, state in items]
+            dests = [_unsharded_dest(state, strategy) for _, state in items]
         into = getattr(strategy, "all_gather_coalesced_into", None)
         if into is not None:
             comm = into(shards, dests, async_op=async_op)
@@ -506,6 +507,20 @@ def _issue_gather(
                 state.status = ParamStatus.INFLIGHT
                 state.handle = op
         return op
+
+
+def _unsharded_dest(state: ShardedParam, strategy: AllGatherStrategy) -> torch.Tensor:
+    """Refill ``state``'s storage; return the part the gather over ``strategy`` fills (padding included).
+
+    The storage holds the padded size of the larger of the primary and hpZ secondary gathers,
+    so a gather lands whole (one fused copy out of the rank-major buffer, or the collective
+    writing it directly) and the parameter is its first ``numel`` elements.
+    """
+    size = state.padded_numel
+    if state.secondary_strategy is not None:
+        size = max(size, padded_numel(state.numel, state.secondary_strategy.group_size))
+    flat = state.unsharded.allocate(size, state.dtype, state.device)
+    return flat[: padded_numel(state.numel, strategy.group_size)]
 
 
 def _upload_shards(items: list[tuple[nn.Parameter, ShardedParam]], use_secondary: bool) -> list[torch.Tensor]:

@@ -101,7 +101,8 @@ class UnshardedStorage:
     :func:`zero_params.check_released_reads` for the error when something else reads one).
 
     Attributes:
-        flat: 1-D tensor of ``numel`` elements over the storage, ``None`` until the first gather.
+        flat: 1-D tensor over the storage, ``None`` until the first gather: the padded size of
+            the gather (the parameter is its first ``numel`` elements).
         fills: How many times the storage was (re)filled by a gather, for diagnostics and tests.
     """
 
