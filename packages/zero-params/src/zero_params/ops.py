@@ -331,9 +331,9 @@ class _GatherOp:
     """One issued all-gather for a bucket of parameters.
 
     ``dests`` are the tensors the gather fills, one per item: the parameters' unsharded
-    storages (or, for a refresh, their current full data). ``flat`` is set only for a
-    strategy without ``all_gather_coalesced_into``: the gathered tensors then land in a
-    temporary flat buffer and are copied into ``dests`` on ``wait()``.
+    storages (or, for a refresh, their current full data). ``copy_out`` is set for a
+    strategy without ``all_gather_coalesced_into``: the gathered tensors then land in the
+    strategy's own flat buffer and are copied into ``dests`` on ``wait()``.
     """
 
     comm: AllGatherHandle | None
