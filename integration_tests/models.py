@@ -8,6 +8,7 @@ micro-step index; rank ``r`` trains on slice ``r`` of it, the reference on all o
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -156,14 +157,63 @@ def gpt2() -> nn.Module:
 
 
 class GPT2Loss(nn.Module):
-    """Wraps the HF model so that ``model(ids)`` returns the LM loss."""
+    """Wraps the HF model so that ``model(ids)`` returns the LM loss.
 
-    def __init__(self) -> None:
+    ``checkpointing``: ``"reentrant"`` / ``"non_reentrant"`` turns on HF's gradient
+    checkpointing of every block with that ``torch.utils.checkpoint`` flavour.
+    """
+
+    def __init__(self, build_lm: Callable[[], nn.Module] = gpt2, checkpointing: str = "none") -> None:
         super().__init__()
-        self.lm = gpt2()
+        self.lm = build_lm()
+        if checkpointing != "none":
+            self.lm.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"}
+            )
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.lm(input_ids=ids, labels=ids).loss
+
+
+def tied_llama() -> nn.Module:
+    """A 2-layer LLaMA from ``transformers`` whose lm_head is the input embedding (one Parameter)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=53,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=True,
+        attn_implementation="eager",
+    )
+    return LlamaForCausalLM(cfg)
+
+
+class BareStack(nn.Module):
+    """``depth`` bias-free ``Linear(29, 29)`` layers (uneven shards), optionally checkpointed.
+
+    ``checkpointing``: ``"reentrant"`` / ``"non_reentrant"`` runs each layer after the first
+    under ``torch.utils.checkpoint`` with that flavour.
+    """
+
+    def __init__(self, depth: int = 6, checkpointing: str = "none") -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(29, 29, bias=False) for _ in range(depth))
+        self.checkpointing = checkpointing
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        for i, layer in enumerate(self.layers):
+            if self.checkpointing == "none" or i == 0:  # a reentrant checkpoint needs a grad-requiring input
+                x = torch.tanh(layer(x))
+            else:
+                x = torch.tanh(checkpoint(layer, x, use_reentrant=self.checkpointing == "reentrant"))
+        return ((x - y) ** 2).mean()
 
 
 # --------------------------------------------------------------------------- data
@@ -179,6 +229,10 @@ def _tokens(gen: torch.Generator, n: int) -> tuple[torch.Tensor, ...]:
 
 def _stack(gen: torch.Generator, n: int) -> tuple[torch.Tensor, ...]:
     return torch.randn(n, 32, generator=gen), torch.randn(n, 32, generator=gen).tanh()
+
+
+def _bare(gen: torch.Generator, n: int) -> tuple[torch.Tensor, ...]:
+    return torch.randn(n, 29, generator=gen), torch.randn(n, 29, generator=gen).tanh()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,6 +253,11 @@ CASES: dict[str, Case] = {
     "external": Case(ExternalUse, _tokens),
     "stack": Case(Stack, _stack),
 }
+for _ckpt in ("none", "reentrant", "non_reentrant"):
+    _suffix = "" if _ckpt == "none" else f"_{_ckpt}"
+    CASES[f"bare{_suffix}"] = Case(functools.partial(BareStack, checkpointing=_ckpt), _bare)
+    CASES[f"gpt2{_suffix}"] = Case(functools.partial(GPT2Loss, checkpointing=_ckpt), _tokens)
+    CASES[f"llama{_suffix}"] = Case(functools.partial(GPT2Loss, tied_llama, _ckpt), _tokens)
 
 
 def build(name: str) -> nn.Module:

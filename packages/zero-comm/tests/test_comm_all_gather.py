@@ -7,7 +7,7 @@ import torch
 import torch.distributed as tdist
 from comm_cases import DTYPES, ODD_SIZES, over_worlds, rank_tensor, same_buffer
 
-from zero_comm import CommLedger, Topology, all_gather_coalesced
+from zero_comm import CommLedger, FlatAllGather, Topology, all_gather_coalesced
 from zero_comm.coalesced import adjacent_flat_view
 
 
@@ -163,7 +163,13 @@ def _gather_into_cases(rank):
         outs = [torch.empty(world * n) for n in sizes]
         all_gather_coalesced_into(shards, outs).wait()
         assert all(torch.equal(o, _reference(s)) for s, o in zip(shards, outs))
-    assert ledger.count("all_gather") == 7
+        # one tensor, no padding to drop: the collective fills the destination (through the strategy)
+        one = rank_tensor(11, rank.rank, (7,), torch.float32)
+        for async_op in (False, True):
+            out = torch.full((world, 7), 7.0)
+            FlatAllGather().all_gather_coalesced_into([one], [out], async_op=async_op).wait()
+            assert torch.equal(out.view(-1), _reference(one))
+    assert ledger.count("all_gather") == 9
     with pytest.raises(ValueError, match="more than"):
         all_gather_coalesced_into([shards[0]], [torch.empty(world * sizes[0] + 1)])
     with pytest.raises(ValueError, match="outputs for"):

@@ -149,13 +149,13 @@ class ReduceScatterSink:
 
     def __init__(self) -> None:
         self.ready: list[str] = []
-        self.buffers: dict[str, object] = {}  # the gathered buffer each parameter had when ready
+        self.fills: dict[str, int] = {}  # how often each parameter's storage was filled, when ready
         self.ends = 0
         self.problems: list[str] = []
 
     def on_grad_ready(self, param: nn.Parameter) -> None:
         state = zero_params.state_of(param)
-        self.buffers[state.name] = state.buffer
+        self.fills[state.name] = state.unsharded.fills
         if state.status is not zero_params.ParamStatus.AVAILABLE:
             self.problems.append(f"{state.name} is {state.status.name} in on_grad_ready")
         if param.grad is None or param.grad.shape != state.shape:

@@ -77,14 +77,15 @@ def _tied_branch_matches_reference(rank, config_name: str):
     for step, go_left in enumerate(branches):
         ids = rank_input(step, rank.rank, (3, 4), high=11)
         out = model(ids, go_left)
-        after_forward = zero_params.state_of(model.embed.weight).buffer
+        state = zero_params.state_of(model.embed.weight)
+        after_forward = state.unsharded.fills if state.status is zero_params.ParamStatus.AVAILABLE else None
         with torch.no_grad():
             ref_out = ref(ids, go_left)
         out_errors.append((out - ref_out).abs().max().item())
         loss_fn(out).backward()
         # The tied weight's gradient is complete only after embed's backward, long after
-        # out's and head's: it must stay gathered (the same buffer) until on_grad_ready.
-        kept.append(after_forward is not None and sink.buffers["embed.weight"] is after_forward)
+        # out's and head's: it must stay gathered (not refilled) until on_grad_ready.
+        kept.append(after_forward is not None and sink.fills["embed.weight"] == after_forward)
         leaks.append(gathered_params(model) + ([] if coord.live_elements == 0 else ["live"]))
         statuses.append(zero_params.state_of(model.frozen.weight).status.name)
     inputs = [

@@ -176,38 +176,56 @@ def test_manual_fetch_release_and_silent_invalidation(dist):
     assert released == (0, [])
 
 
-def _checkpointed(rank):
-    from torch.utils.checkpoint import checkpoint
+class _Checkpointed(OddMLP):
+    """Every layer under ``torch.utils.checkpoint`` (the first one plain when reentrant: a
+    reentrant checkpoint needs an input that requires grad)."""
 
-    class Checkpointed(OddMLP):
-        def forward(self, x):
-            for i, layer in enumerate(self.layers):
-                x = checkpoint(layer, x, use_reentrant=False)
-                if i < len(self.layers) - 1:
-                    x = torch.relu(x)
-            return x
+    reentrant = False
 
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        for i, layer in enumerate(self.layers):
+            if self.reentrant and i == 0:
+                x = layer(x)
+            else:
+                x = checkpoint(layer, x, use_reentrant=self.reentrant)
+            if i < len(self.layers) - 1:
+                x = torch.relu(x)
+        return x
+
+
+class _CheckpointedReentrant(_Checkpointed):
+    reentrant = True
+
+
+def _checkpointed(rank, reentrant: bool = False):
+    Checkpointed = _CheckpointedReentrant if reentrant else _Checkpointed
     model, ref = build(Checkpointed)
+    for m in (model, ref):
+        m.layers[2].requires_grad_(False)  # frozen inside a checkpoint: read by its backward, no gradient
     sink = ReduceScatterSink()
-    coord = coordinate(model, CoordinatorConfig(max_reuse_distance=0), sink)
+    coord = coordinate(model, CoordinatorConfig(max_reuse_distance=0, max_live_parameters=1), sink)
     outs = []
-    for step in range(2):
+    for step in range(3):
         x = rank_input(step, rank.rank, (3, 7))
         out = model(x)
         out.sum().backward()
         with torch.no_grad():
             outs.append((out - ref(x)).abs().max().item())
-    inputs = [(rank_input(step, r, (3, 7)),) for step in range(2) for r in range(rank.world_size)]
-    errors = grad_partition_errors(
-        model, reference_grads(ref, inputs, lambda out: out.sum(), rank.world_size)
-    )
+    inputs = [(rank_input(step, r, (3, 7)),) for step in range(3) for r in range(rank.world_size)]
+    expected = reference_grads(ref, inputs, lambda out: out.sum(), rank.world_size)
+    errors = grad_partition_errors(model, expected)
     trace_state = coord.trace(Phase.TRAIN).state
     coord.remove()
     return max(outs), max(errors.values()), sink.problems, trace_state, gathered_params(model)
 
 
-def test_activation_checkpointing_recompute_is_gathered(dist):
-    for out_err, grad_err, problems, trace_state, leaks in dist.run(2, _checkpointed):
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_activation_checkpointing_recompute_is_gathered(dist, reentrant):
+    # Released parameters' storages are empty: a recomputation must gather them again and keep
+    # them (frozen ones too) until the backward that reads what it saved is done.
+    for out_err, grad_err, problems, trace_state, leaks in dist.run(2, _checkpointed, reentrant):
         assert out_err == 0.0 and grad_err <= 1e-5
         assert problems == [] and leaks == []
         assert trace_state is TraceState.COMPLETE

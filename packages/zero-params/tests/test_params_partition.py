@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pickle
-import weakref
 
 import torch
 import torch.distributed as dist
@@ -11,7 +10,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
-from zero_params_testkit import build_tree, held_bytes, reference_partition, run, wait_freed
+from zero_params_testkit import build_tree, held_bytes, reference_partition, run
 
 import zero_params as zp
 from zero_comm import CommLedger, FlatAllGather, Topology
@@ -51,12 +50,13 @@ def _partition_gather_release(spec, seed, threshold):
         assert type(p) is nn.Parameter and zp.state_of(p).status is zp.ParamStatus.AVAILABLE
         assert p.shape == ref[name].shape and torch.equal(p, ref[name]), name
     gathered = held_bytes(params)
-    buffers = [
-        weakref.ref(zp.state_of(p).buffer.flat.untyped_storage()) for p in params if zp.state_of(p).buffer
-    ]
+    storages = [zp.state_of(p).unsharded for p in params if not zp.state_of(p).persistent]
+    views = [p.detach() for p in params]  # like autograd's saved views: they must not keep the bytes
     zp.release(params)
     released = held_bytes(params)
-    assert wait_freed(buffers), "a gathered buffer survived release"
+    assert all(u.nbytes == 0 for u in storages), "a gathered storage kept its bytes after release"
+    sharded = [v for v, p in zip(views, params) if not zp.state_of(p).persistent]
+    assert all(v.untyped_storage().nbytes() == 0 for v in sharded), "a view kept a released storage's bytes"
     return before_partition, partitioned, gathered, released
 
 
@@ -88,21 +88,22 @@ def _coalesced_and_deduplicated():
         zp.gather(params).wait()  # already AVAILABLE: nothing
         first.wait()
     assert all(torch.equal(p, r) for p, r in zip(params, ref))
-    buffers = {id(zp.state_of(p).buffer) for p in params}
-    held_all = zp.state_of(params[0]).buffer.nbytes
-    zp.release(params[:3])  # one viewer left: the buffer stays
-    held_one = zp.state_of(params[3]).buffer.nbytes
-    live = zp.state_of(params[3]).buffer.live
+    expected = [zp.state_of(p).padded_numel * p.element_size() for p in params]  # the gather's padded size
+    held_all = [zp.state_of(p).unsharded.nbytes for p in params]
+    fills = [zp.state_of(p).unsharded.fills for p in params]
+    zp.release(params[:3])  # each parameter has its own storage: these three are freed now
+    held_after = [zp.state_of(p).unsharded.nbytes for p in params]
     zp.release(params)
-    return ledger.count(op="all_gather"), inflight, len(buffers), held_all, held_one, live
+    return ledger.count(op="all_gather"), inflight, expected, held_all, held_after, fills
 
 
 def test_gathering_twice_issues_one_collective(dist, world):
-    for count, inflight, nbuf, held_all, held_one, live in run(dist, world, _coalesced_and_deduplicated):
+    results = run(dist, world, _coalesced_and_deduplicated)
+    for count, inflight, expected, held_all, held_after, fills in results:
         assert count == 1
         assert inflight == [zp.ParamStatus.INFLIGHT] * 4
-        assert nbuf == 1 and live == 1
-        assert held_one == held_all > 0
+        assert held_all == expected and fills == [1] * 4
+        assert held_after == [0, 0, 0, expected[3]]
 
 
 def _one_collective_per_group():

@@ -20,20 +20,29 @@ class StorageTracker(TorchDispatchMode):
     """Live and peak bytes of the tensor storages allocated by torch ops inside the block.
 
     Every op output whose storage is new (not the storage of one of the op's inputs) is
-    counted when it is created and uncounted when the storage is freed (a weakref
-    finalizer on the storage's Python object, which torch keeps alive exactly as long as
-    the storage). Storages that existed before the block are not counted.
+    tracked from its creation until the storage is freed (a weak reference to the storage's
+    Python object, which torch keeps alive exactly as long as the storage). A tracked
+    storage counts with its current size, so a storage resized to 0 bytes (a released
+    parameter's unsharded storage) counts 0. The peak is sampled after each op. Storages
+    that existed before the block are not counted.
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self.live = 0
         self.peak = 0
-        self._tracked: set[int] = set()
+        self._tracked: dict[int, weakref.ref] = {}
 
-    def _free(self, key: int, nbytes: int) -> None:
-        self._tracked.discard(key)
-        self.live -= nbytes
+    @property
+    def live(self) -> int:
+        """Bytes the tracked storages hold right now."""
+        total = 0
+        for key, ref in list(self._tracked.items()):
+            s = ref()
+            if s is None:
+                del self._tracked[key]
+            else:
+                total += s.nbytes()
+        return total
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -43,12 +52,11 @@ class StorageTracker(TorchDispatchMode):
                 continue
             s = t.untyped_storage()
             key = id(s)
-            if key in inputs or key in self._tracked or s.nbytes() == 0:
+            known = self._tracked.get(key)
+            if key in inputs or (known is not None and known() is s) or s.nbytes() == 0:
                 continue
-            self._tracked.add(key)
-            self.live += s.nbytes()
-            self.peak = max(self.peak, self.live)
-            weakref.finalize(s, self._free, key, s.nbytes())
+            self._tracked[key] = weakref.ref(s)
+        self.peak = max(self.peak, self.live)
         return out
 
 

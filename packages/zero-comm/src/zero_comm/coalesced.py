@@ -190,7 +190,8 @@ def all_gather_coalesced_into(
     ``outputs[i]`` (contiguous, any shape, ``shards[i]``'s dtype and device) receives the
     first ``outputs[i].numel()`` elements of gathered tensor ``i`` — the padding beyond them
     is dropped. Every element is copied once, from the rank-major gathered buffer into its
-    destination (one strided copy per tensor), instead of through :func:`all_gather_coalesced`'s
+    destination (one strided copy per tensor; none for a single unpadded tensor, which the
+    collective fills directly), instead of through :func:`all_gather_coalesced`'s
     flat output and a second copy by the caller: e.g. whole parameters refreshed from their
     updated partitions.
 
@@ -228,6 +229,10 @@ def all_gather_coalesced_into(
             for shard, out in zip(shards, outs):
                 out.view(-1).copy_(shard[: out.numel()])
             return AllGatherHandle("all_gather", None, lambda: outs)
+        if len(shards) == 1 and outs[0].numel() == world * total:
+            # one tensor and no padding to drop: the collective writes straight into it
+            work = dist.all_gather_single(outs[0].view(-1), shards[0], group=group, async_op=async_op)
+            return AllGatherHandle("all_gather", work, lambda: outs, keepalive=(shards[0],))
         send = adjacent_flat_view(shards)
         if send is None:
             send = torch.cat(list(shards))
@@ -264,7 +269,16 @@ def _check_outputs(
 
 
 def _copy_rows(staging: torch.Tensor, sizes: list[int], outputs: list[torch.Tensor]) -> None:
-    """Copy column block ``i`` of the rank-major ``staging`` (``(world, total)``) into ``outputs[i]``."""
+    """Copy column block ``i`` of the rank-major ``staging`` (``(world, total)``) into ``outputs[i]``.
+
+    Outputs that all hold their whole gathered tensor (padding included) take one fused
+    ``split_with_sizes_copy``; otherwise one strided copy per output.
+    """
+    world = staging.shape[0]
+    if all(out.numel() == world * n for n, out in zip(sizes, outputs)):
+        dests = [out.view(world, n) for n, out in zip(sizes, outputs)]
+        torch.split_with_sizes_copy(staging, sizes, dim=1, out=dests)
+        return
     offset = 0
     for n, out in zip(sizes, outputs):
         flat = out.view(-1)

@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch.distributed import ProcessGroup
 
-from zero_comm.coalesced import all_gather_coalesced, reduce_scatter_coalesced
+from zero_comm.coalesced import all_gather_coalesced, all_gather_coalesced_into, reduce_scatter_coalesced
 from zero_comm.handles import AllGatherHandle, ReduceScatterHandle
 from zero_comm.hierarchical import hierarchical_all_gather_coalesced
 from zero_comm.reduction import ReduceOpLike
@@ -88,6 +88,16 @@ class FlatAllGather:
     ) -> AllGatherHandle:
         """See :func:`zero_comm.all_gather_coalesced`."""
         return all_gather_coalesced(shards, self.group, async_op=async_op, out=out)
+
+    def all_gather_coalesced_into(
+        self, shards: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], *, async_op: bool = False
+    ) -> AllGatherHandle:
+        """See :func:`zero_comm.all_gather_coalesced_into`: each gathered tensor into its destination.
+
+        Optional for an :class:`AllGatherStrategy`: a parameter store that keeps one storage per
+        tensor uses it when the strategy has it, and gathers into a flat buffer plus a copy when not.
+        """
+        return all_gather_coalesced_into(shards, outputs, self.group, async_op=async_op)
 
 
 class HierarchicalAllGather:

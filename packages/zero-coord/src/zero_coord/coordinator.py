@@ -448,7 +448,7 @@ class Coordinator:
         """
         if ms.slots:
             with profile_range("zero.coord.release"):
-                self._release_module(ms, backward=recompute)
+                self._release_module(ms, backward=recompute, recompute=recompute)
         step = self._step
         if recompute or step is None or step.root is not ms or step.forward_done:
             return
@@ -706,8 +706,15 @@ class Coordinator:
             pos += 1
         step.prefetch_pos = pos
 
-    def _release_module(self, ms: ModuleHookState, backward: bool) -> None:
-        """One activation of ``ms`` ended: drop its holds, free or keep what nobody holds."""
+    def _release_module(self, ms: ModuleHookState, backward: bool, recompute: bool = False) -> None:
+        """One activation of ``ms`` ended: drop its holds, free or keep what nobody holds.
+
+        ``recompute``: the end of a forward re-run inside backward (activation checkpointing).
+        Its backward reads the views autograd just saved, and releasing empties their storage,
+        so nothing is freed here: trainable parameters wait for their gradient, frozen ones
+        for the end of backward (a reentrant checkpoint's re-run has no backward hooks of
+        its own to release them earlier).
+        """
         if ms.active == 0:
             return  # already reset (release_all) or never fetched
         ms.active -= 1
@@ -722,6 +729,8 @@ class Coordinator:
             if backward and not s.grad_ready and s.param.requires_grad:
                 self._set_release_on_grad(s, True)  # its gradient hook releases it
                 continue
+            if recompute:
+                continue  # frozen: live until the final callback releases it
             settle.append(s)
         if settle:
             self._settle(settle)
@@ -817,8 +826,7 @@ class Coordinator:
             s.batch = None
             del live_slots[s]
             batch.live -= 1
-            if batch.live == 0:
-                self._live -= batch.numel
+            self._live -= s.numel  # its own storage was emptied: the bytes are gone now
             if s.retained:
                 s.retained = False
                 del self._retained[s]

@@ -58,11 +58,11 @@ class HookSet:
 
 
 class GatherBatch:
-    """The parameters one gather call made live: they share one flat buffer.
+    """The parameters one gather call made live, until the gather was waited for.
 
-    Like the buffer itself, the batch's elements count as live until its last parameter is
-    released (releasing some of them frees nothing), which is what the live-element
-    accounting mirrors.
+    Each parameter has its own unsharded storage (``zero_params.UnshardedStorage``), so
+    releasing one frees its bytes at once; the live-element accounting counts per
+    parameter accordingly.
 
     Attributes:
         handle: The gather handle while not waited for, else ``None``.

@@ -33,12 +33,12 @@ from zero_params.ops import (
 )
 from zero_params.spec import ShardingSpec
 from zero_params.state import (
-    GatheredBuffer,
     ParamStatus,
     PartitionedParameter,
     PartitionedParameterError,
     ShardedParam,
     ShardHome,
+    UnshardedStorage,
     full_shape,
     is_partitioned,
     state_of,
@@ -46,7 +46,6 @@ from zero_params.state import (
 
 __all__ = [
     "GatherHandle",
-    "GatheredBuffer",
     "GatheredParameters",
     "GradReduceHandle",
     "Init",
@@ -58,6 +57,7 @@ __all__ = [
     "ShardHome",
     "ShardedParam",
     "ShardingSpec",
+    "UnshardedStorage",
     "commit_shards",
     "external_parameters",
     "full_shape",

@@ -30,7 +30,6 @@ from zero_params.ops import (
 from zero_params.spec import ShardingSpec
 from zero_params.state import (
     STATE_ATTR,
-    GatheredBuffer,
     ParamStatus,
     PartitionedParameter,
     ShardedParam,
@@ -318,7 +317,7 @@ class _InitMode(TorchFunctionMode):
         """``param.data = value`` on a NOT_AVAILABLE parameter: the new full value (any shape)."""
         self.flush(keep=(id(param),))
         with torch._C.DisableTorchFunction():
-            make_available(param, param._zero, value, GatheredBuffer(value, 1))
+            make_available(param, param._zero, value)
         self.materialized[id(param)] = param
 
     def flush(self, keep: Any = ()) -> None:

@@ -22,13 +22,13 @@ from zero_comm import (
     ReduceScatterHandle,
     ReduceScatterStrategy,
     group_ranks,
+    padded_numel,
     partition_numel,
     shard_range,
 )
 from zero_params.spec import ShardingSpec
 from zero_params.state import (
     STATE_ATTR,
-    GatheredBuffer,
     ParamStatus,
     PartitionedParameter,
     PartitionedParameterError,
@@ -240,33 +240,44 @@ def _partition_one(spec: ShardingSpec, name: str, p: nn.Parameter) -> ShardedPar
 # ----------------------------------------------------------------------------------------
 
 
-def make_available(p: nn.Parameter, state: ShardedParam, full: torch.Tensor, buffer: GatheredBuffer) -> None:
-    """Point ``p`` at ``full`` (a view of ``buffer`` with the full shape): ``AVAILABLE``."""
+def make_available(p: nn.Parameter, state: ShardedParam, full: torch.Tensor) -> None:
+    """Point ``p`` at ``full`` (full shape): ``AVAILABLE``.
+
+    ``full`` is normally a view of :attr:`ShardedParam.unsharded` (see
+    :func:`unsharded_view`); any other tensor (e.g. a value assigned with ``p.data = t``
+    under ``Init``) is used as it is and only dropped, never emptied, on release.
+    """
     p.data = full
     p.__class__ = nn.Parameter
     state.status = ParamStatus.AVAILABLE
-    state.buffer = buffer
     state.handle = None
 
 
+def unsharded_view(state: ShardedParam) -> torch.Tensor:
+    """The parameter's full shape over its (allocated) :class:`UnshardedStorage`."""
+    return state.unsharded.flat[: state.numel].view(state.shape)
+
+
 def make_not_available(p: nn.Parameter, state: ShardedParam) -> None:
-    """Drop ``p``'s full data (the buffer is freed with its last viewer): ``NOT_AVAILABLE``."""
+    """Drop ``p``'s full data and empty its unsharded storage: ``NOT_AVAILABLE``.
+
+    The storage is resized to 0 bytes, so the memory is freed even while autograd holds
+    views of the gathered parameter; the next gather refills the same storage.
+    """
     p.data = torch.empty(0, dtype=state.dtype, device=state.device)
     p.__class__ = PartitionedParameter
     state.status = ParamStatus.NOT_AVAILABLE
-    buffer, state.buffer = state.buffer, None
-    if buffer is not None:
-        buffer.drop_viewer()
+    state.unsharded.free()
 
 
 def materialize_uninitialized(p: nn.Parameter, state: ShardedParam) -> None:
-    """Give a ``NOT_AVAILABLE`` parameter an uninitialised full buffer, without communication.
+    """Give a ``NOT_AVAILABLE`` parameter its full storage, uninitialised, without communication.
 
     For callers that are about to overwrite every element (e.g. ``Init`` running
     ``normal_``); write the result back to the shard with :func:`reshard_from_full`.
     """
-    full = torch.empty(state.shape, dtype=state.dtype, device=state.device)
-    make_available(p, state, full, GatheredBuffer(full, 1))
+    _unsharded_dest(state, state.gather_strategy)
+    make_available(p, state, unsharded_view(state))
 
 
 def reshard_from_full(p: nn.Parameter, state: ShardedParam) -> None:
@@ -343,29 +354,38 @@ def _build_secondary(state: ShardedParam, full_flat: torch.Tensor) -> None:
 
 @dataclasses.dataclass(eq=False)
 class _GatherOp:
-    """One issued all-gather for a bucket of parameters."""
+    """One issued all-gather for a bucket of parameters.
+
+    ``dests`` are the tensors the gather fills, one per item: the parameters' unsharded
+    storages (or, for a refresh, their current full data). ``copy_out`` is set for a
+    strategy without ``all_gather_coalesced_into``: the gathered tensors then land in the
+    strategy's own flat buffer and are copied into ``dests`` on ``wait()``.
+    """
 
     comm: AllGatherHandle | None
     items: list[tuple[nn.Parameter, ShardedParam]]
-    buffer: GatheredBuffer | None
+    dests: list[torch.Tensor]
+    copy_out: bool
     secondary: bool
-    refresh: bool  # commit_shards: copy into the existing full data instead of re-pointing
+    refresh: bool  # commit_shards: the full data stays where it is, only its values change
 
     def wait(self) -> None:
         if self.comm is None:
             return
         with record_function("zero.params.gather.wait"), torch._C.DisableTorchFunction(), torch.no_grad():
             outputs = self.comm.wait()
-            for (p, state), full_flat in zip(self.items, outputs):
-                if self.refresh:
-                    p.data.copy_(full_flat[: state.numel].view_as(p.data))
-                    continue
-                make_available(p, state, full_flat[: state.numel].view(state.shape), self.buffer)
-                if not self.secondary and state.secondary_strategy is not None and not state.secondary_valid:
-                    _build_secondary(state, full_flat)
+            if self.copy_out:
+                for dest, gathered in zip(self.dests, outputs):
+                    dest.view(-1).copy_(gathered[: dest.numel()])
+            if not self.refresh:
+                build_secondary = not self.secondary
+                for p, state in self.items:
+                    make_available(p, state, unsharded_view(state))
+                    if build_secondary and state.secondary_strategy is not None and not state.secondary_valid:
+                        _build_secondary(state, state.unsharded.flat)
         self.comm = None
         self.items = []
-        self.buffer = None  # owned by the parameters' states now (or, for a refresh, garbage)
+        self.dests = []
 
     def is_completed(self) -> bool:
         return self.comm is None or self.comm.is_completed()
@@ -432,8 +452,9 @@ def gather(
     need it. Strategies are compared with ``==`` (identity for zero_comm's strategies
     today), so partition a model with one call, one :class:`Init`, or by passing the same
     strategy objects, and every gather is a single collective. Parameters become
-    ``INFLIGHT``, then ``AVAILABLE`` views (full shape) into one flat
-    :class:`GatheredBuffer` per collective on ``wait()``.
+    ``INFLIGHT``, then on ``wait()`` ``AVAILABLE`` views (full shape) of their own
+    :class:`UnshardedStorage`, which the collective fills directly (one copy per element
+    out of the rank-major gathered buffer, none for a lone unpadded parameter).
     ``AVAILABLE`` (and persistent) parameters cost nothing; ``INFLIGHT`` ones join the
     existing collective (the returned handle waits for it) — no duplicate traffic.
     Non-partitioned parameters are ignored.
@@ -493,17 +514,39 @@ def _issue_gather(
     refresh: bool = False,
 ) -> _GatherOp:
     with torch._C.DisableTorchFunction():
-        first = items[0][1]
         shards = _upload_shards(items, use_secondary)
-        total = strategy.group_size * sum(s.numel() for s in shards)
-        flat = torch.empty(total, dtype=first.dtype, device=first.device)
-        comm = strategy.all_gather_coalesced(shards, async_op=async_op, out=flat)
-        op = _GatherOp(comm, items, GatheredBuffer(flat, len(items)), use_secondary, refresh)
+        if refresh:
+            dests = [p.data for p, _ in items]
+            # a persistent parameter's shard is a view of its full data: send a copy, so the
+            # collective never reads and writes the same memory
+            shards = [s.clone() if state.persistent else s for s, (_, state) in zip(shards, items)]
+        else:
+            dests = [_unsharded_dest(state, strategy) for _, state in items]
+        into = getattr(strategy, "all_gather_coalesced_into", None)
+        if into is not None:
+            comm = into(shards, dests, async_op=async_op)
+        else:  # e.g. hierarchical or quantized: through their flat output, then one copy each
+            comm = strategy.all_gather_coalesced(shards, async_op=async_op)
+        op = _GatherOp(comm, items, dests, into is None, use_secondary, refresh)
         if not refresh:
             for _, state in items:
                 state.status = ParamStatus.INFLIGHT
                 state.handle = op
         return op
+
+
+def _unsharded_dest(state: ShardedParam, strategy: AllGatherStrategy) -> torch.Tensor:
+    """Refill ``state``'s storage; return the part the gather over ``strategy`` fills (padding included).
+
+    The storage holds the padded size of the larger of the primary and hpZ secondary gathers,
+    so a gather lands whole (one fused copy out of the rank-major buffer, or the collective
+    writing it directly) and the parameter is its first ``numel`` elements.
+    """
+    size = state.padded_numel
+    if state.secondary_strategy is not None:
+        size = max(size, padded_numel(state.numel, state.secondary_strategy.group_size))
+    flat = state.unsharded.allocate(size, state.dtype, state.device)
+    return flat[: padded_numel(state.numel, strategy.group_size)]
 
 
 def _upload_shards(items: list[tuple[nn.Parameter, ShardedParam]], use_secondary: bool) -> list[torch.Tensor]:
@@ -531,7 +574,9 @@ def _upload_shards(items: list[tuple[nn.Parameter, ShardedParam]], use_secondary
 def release(params: nn.Parameter | Iterable[nn.Parameter]) -> None:
     """Drop the full data of gathered parameters: back to ``NOT_AVAILABLE``.
 
-    A gathered buffer is freed when the last parameter viewing it is released.
+    Each parameter's unsharded storage is resized to 0 bytes: the memory is freed at once,
+    also where autograd saved views of the parameter for backward (they read the storage
+    again once a gather refilled it — the coordinator's backward hooks do that).
     ``INFLIGHT`` parameters are waited for first; persistent, ``NOT_AVAILABLE`` and
     non-partitioned parameters are left alone. Edits made to the full data are discarded
     (use :class:`GatheredParameters` with ``modifier_rank`` to keep them). Local, no
