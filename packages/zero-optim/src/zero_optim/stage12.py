@@ -112,6 +112,32 @@ class ReplicaPartitioning:
         master.zero_()
         master[:n].copy_(flat[start : start + n])
 
+    def working_views(
+        self, params: Sequence[nn.Parameter], dtype: torch.dtype, device: torch.device
+    ) -> list[torch.Tensor] | None:
+        """Move the whole parameters into one flat buffer; return this rank's partition of each.
+
+        Each parameter is padded to ``world * local_numel`` elements in the buffer and its
+        ``.data`` becomes a view of it, so the partition views hold this rank's working
+        values: in fp32 the parameters are the optimizer's master copy, and the all-gather
+        after a step writes the other ranks' partitions into the same buffer. A one-rank
+        world (stage 0) returns ``None`` (:meth:`bind` makes the parameters views of the
+        flat group's buffer instead).
+        """
+        if self.world == 1:
+            return None
+        sizes = [self.local_numel(p) for p in params]
+        full = torch.zeros(sum(sizes) * self.world, dtype=dtype, device=device)
+        views: list[torch.Tensor] = []
+        offset = 0
+        for p, size in zip(params, sizes, strict=True):
+            region = full.narrow(0, offset, size * self.world)
+            region[: p.numel()].copy_(p.detach().reshape(-1))
+            p.data = region[: p.numel()].view(p.shape)
+            views.append(region.narrow(0, self.rank * size, size))
+            offset += size * self.world
+        return views
+
     def bind(self, param: nn.Parameter, working: torch.Tensor, grad: torch.Tensor) -> None:
         """Remember the parameter's working and gradient-partition views (the parameter stays whole).
 
@@ -366,6 +392,7 @@ def replicated_optimizer(
     working_dtype: torch.dtype = torch.float32,
     group: ProcessGroup | None = None,
     offload: OptimizerOffloadConfig | None = None,
+    sub_group_size: int = 1_000_000_000,
 ) -> tuple[PartitionedOptimizer, GradientReduction]:
     """Build the optimizer and gradient reduction of ZeRO stage 0, 1 or 2 for a whole model.
 
@@ -381,6 +408,12 @@ def replicated_optimizer(
         working_dtype: The parameters' dtype (fp32 masters are kept in any case).
         group: The data-parallel group (``None``: the world).
         offload: Offload the optimizer state (``zero_offload.OptimizerOffloadConfig``), or ``None``.
+        sub_group_size: Elements of the flat partition stepped at once (bounds the step's
+            temporaries; see :class:`zero_optim.PartitionedOptimizer`).
+
+    Stages 1 and 2 (without offload) move the whole parameters into one flat buffer per
+    parameter group (``param.data`` becomes a view of it; see
+    :meth:`ReplicaPartitioning.working_views`): in fp32 the parameters are the master copy.
 
     Returns:
         ``(optimizer, reduction)``: call ``reduction.at_boundary()`` before
@@ -407,7 +440,13 @@ def replicated_optimizer(
     devices = {p.device for p in model.parameters()}
     device = devices.pop() if len(devices) == 1 else None
     opt = PartitionedOptimizer(
-        model, optimizer, part, device=device, working_dtype=working_dtype, offload=offload
+        model,
+        optimizer,
+        part,
+        device=device,
+        working_dtype=working_dtype,
+        offload=offload,
+        sub_group_size=sub_group_size,
     )
     order = [(n, p) for n, p in reversed(list(model.named_parameters())) if part.owns(p)]
     plan = BucketPlan(
