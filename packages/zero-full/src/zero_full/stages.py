@@ -227,7 +227,8 @@ class StepPipeline:
             else:
                 with record_function("zero.optim.unscale"), torch.no_grad():
                     for g in opt.groups:
-                        g.grad.mul_(1.0 / scale)
+                        for grad in g.grads():
+                            grad.mul_(1.0 / scale)
         if applied:
             if self._clip > 0:
                 self.last_grad_norm = clip_grad_norm_(

@@ -73,6 +73,17 @@ class Partitioning(Protocol):
         """
         ...
 
+    def grad_views(
+        self, params: Sequence[nn.Parameter], dtype: torch.dtype, device: torch.device
+    ) -> list[torch.Tensor] | None:
+        """Per parameter, the fp32 view of storage this component owns that is its gradient partition.
+
+        Optional, as :meth:`working_views`: ``None`` (or no such method) gives the flat group
+        its own flat gradient partition. Stage 1 in fp32 returns this rank's partition of the
+        flat buffer the whole gradients accumulate in (reduced in place).
+        """
+        ...
+
 
 class PartitionedOptimizer:
     """A torch optimizer stepping flat fp32 partitions of a model's parameters.
@@ -129,10 +140,21 @@ class PartitionedOptimizer:
         groups = []
         with torch.no_grad():
             for ps in trainable_groups(opt, names):
-                views = _working_views(partitioning, ps, working_dtype, device) if offload is None else None
+                views = grads = None
+                if offload is None:
+                    views = _optional(partitioning, "working_views", ps, working_dtype, device)
+                    grads = _optional(partitioning, "grad_views", ps, working_dtype, device)
                 numels = [partitioning.local_numel(p) for p in ps]
                 groups.append(
-                    FlatGroup(ps, [names[p] for p in ps], numels, device, working_dtype, working_views=views)
+                    FlatGroup(
+                        ps,
+                        [names[p] for p in ps],
+                        numels,
+                        device,
+                        working_dtype,
+                        working_views=views,
+                        grad_views=grads,
+                    )
                 )
         self.groups: tuple[FlatGroup, ...] = tuple(groups)
         with torch.no_grad():
@@ -178,7 +200,7 @@ class PartitionedOptimizer:
         """Zero the flat gradient partitions in place (views into them stay valid)."""
         with record_function("zero.optim.zero_grad"):
             for group in self.groups:
-                group.grad.zero_()
+                group.zero_grad()
 
     def state_tensors(self) -> Iterator[torch.Tensor]:
         """Every tensor this optimizer owns: flat masters, gradients, working copies, optimizer state."""
@@ -270,11 +292,15 @@ def _first_difference(saved: list[list[tuple[Any, ...]]], mine: list[list[tuple[
     return "unknown"
 
 
-def _working_views(
-    partitioning: Partitioning, params: Sequence[nn.Parameter], dtype: torch.dtype, device: torch.device
+def _optional(
+    partitioning: Partitioning,
+    name: str,
+    params: Sequence[nn.Parameter],
+    dtype: torch.dtype,
+    device: torch.device,
 ) -> list[torch.Tensor] | None:
-    """:meth:`Partitioning.working_views`, ``None`` for a partitioning that does not define it."""
-    method = getattr(partitioning, "working_views", None)
+    """``partitioning.working_views`` / ``grad_views``; ``None`` for a partitioning without it."""
+    method = getattr(partitioning, name, None)
     return method(params, dtype, device) if callable(method) else None
 
 

@@ -21,6 +21,11 @@ Where the values live comes in two layouts:
   state are registered under. In bf16 / fp16 ``master`` is the fp32 flat partition, the only
   fp32 copy of the parameters.
 
+The gradient partition likewise: the flat fp32 ``grad``, or (stage 1 in fp32, ``grad_views``
+given) this rank's partition of the flat buffer the whole gradients accumulate in, reduced in
+place — no fp32 gradient partition beside the whole gradients. Read and write gradients
+through :meth:`FlatGroup.grads` / :meth:`FlatGroup.grad_view`, which work in both layouts.
+
 Either way :meth:`FlatGroup.pieces` hands out the master and gradient elements of any range
 of the flat partition, which is how the optimizer steps in sub-groups.
 """
@@ -67,6 +72,8 @@ class FlatGroup:
             of storage owned elsewhere that holds this rank's working values (stages 1 and 2:
             its partition of the flat buffer the whole parameters live in); ``None``: the
             group allocates its own flat working buffer.
+        grad_views: Per parameter, the 1-D fp32 view (``numels[i]`` elements) of storage owned
+            elsewhere that is its gradient partition; ``None``: a flat ``grad`` is allocated.
 
     Attributes:
         segments: One per parameter, in order.
@@ -74,12 +81,13 @@ class FlatGroup:
             fp32 flat partition, or (fp32 values in the parameters) a stride-0 placeholder of
             the same shape that owns no memory — read and write the values through
             :meth:`master_view`, :meth:`pieces`, :meth:`master_copy` and :meth:`load_master`.
-        grad: fp32 flat gradient partition (``master.grad`` is this tensor).
+        grad: fp32 flat gradient partition (``master.grad`` is this tensor), or with
+            ``grad_views`` a stride-0 placeholder of that shape: use :meth:`grads`.
         working: The flat working buffer (``master`` itself in flat fp32), or ``None`` when
             the working values live in ``working_views``.
     """
 
-    __slots__ = ("_in_params", "_offsets", "_views", "grad", "master", "segments", "working")
+    __slots__ = ("_grad_views", "_in_params", "_offsets", "_views", "grad", "master", "segments", "working")
 
     def __init__(
         self,
@@ -90,6 +98,7 @@ class FlatGroup:
         working_dtype: torch.dtype = torch.float32,
         *,
         working_views: Sequence[torch.Tensor] | None = None,
+        grad_views: Sequence[torch.Tensor] | None = None,
     ) -> None:
         segments: list[Segment] = []
         offset = 0
@@ -107,7 +116,18 @@ class FlatGroup:
                         f"working view of {seg.name!r} is {view.dtype} of shape {tuple(view.shape)}, "
                         f"expected 1-D {working_dtype} of {seg.numel} elements"
                     )
-        self.grad = torch.zeros(offset, dtype=torch.float32, device=device)
+        self._grad_views: tuple[torch.Tensor, ...] | None = None
+        if grad_views is not None:
+            self._grad_views = tuple(grad_views)
+            for seg, view in zip(self.segments, self._grad_views, strict=True):
+                if view.dim() != 1 or view.numel() != seg.numel or view.dtype != torch.float32:
+                    raise ValueError(
+                        f"gradient view of {seg.name!r} is {view.dtype} of shape {tuple(view.shape)}, "
+                        f"expected 1-D float32 of {seg.numel} elements"
+                    )
+            self.grad = torch.zeros(1, dtype=torch.float32, device=device).expand(offset)
+        else:
+            self.grad = torch.zeros(offset, dtype=torch.float32, device=device)
         self._in_params = self._views is not None and working_dtype == torch.float32
         if self._in_params:
             self.master = torch.zeros(1, dtype=torch.float32, device=device).expand(offset)
@@ -140,7 +160,20 @@ class FlatGroup:
 
     def grad_view(self, seg: Segment) -> torch.Tensor:
         """The 1-D fp32 gradient-partition view of one segment."""
+        if self._grad_views is not None:
+            return self._grad_views[self._index(seg)]
         return self.grad.narrow(0, seg.offset, seg.numel)
+
+    def grads(self) -> tuple[torch.Tensor, ...]:
+        """The gradient partition as writable 1-D fp32 tensors: ``(grad,)``, or one view per segment."""
+        if self._grad_views is not None:
+            return tuple(v for v in self._grad_views if v.numel())
+        return (self.grad,) if self.grad.numel() else ()
+
+    def zero_grad(self) -> None:
+        """Zero the gradient partition in place (views into it stay valid)."""
+        for g in self.grads():
+            g.zero_()
 
     def working_view(self, seg: Segment) -> torch.Tensor:
         """The 1-D working-precision view of one segment (the master view in fp32)."""
@@ -161,21 +194,19 @@ class FlatGroup:
         One piece in the flat layout; one per overlapped segment when the master lives in
         the parameters. The master pieces are writable views of where the values live.
         """
-        if not self._in_params:
-            if stop > start:
-                yield (
-                    start,
-                    self.master.narrow(0, start, stop - start),
-                    self.grad.narrow(0, start, stop - start),
-                )
+        if not self._in_params and self._grad_views is None:
+            n = stop - start
+            if n > 0:
+                yield start, self.master.narrow(0, start, n), self.grad.narrow(0, start, n)
             return
         i = max(bisect.bisect_right(self._offsets, start) - 1, 0)
-        for seg, view in zip(self.segments[i:], self._views[i:]):
+        for seg in self.segments[i:]:
             if seg.offset >= stop:
                 break
             lo, hi = max(start, seg.offset), min(stop, seg.offset + seg.numel)
             if hi > lo:
-                yield lo, view.narrow(0, lo - seg.offset, hi - lo), self.grad.narrow(0, lo, hi - lo)
+                a, n = lo - seg.offset, hi - lo
+                yield lo, self.master_view(seg).narrow(0, a, n), self.grad_view(seg).narrow(0, a, n)
 
     def master_copy(self) -> torch.Tensor:
         """A flat fp32 tensor of this rank's master values (the master itself in the flat layout)."""
@@ -198,9 +229,15 @@ class FlatGroup:
         self.publish()
 
     def owned_tensors(self) -> Iterator[torch.Tensor]:
-        """The tensors this group allocated (master, gradient partition, flat working copy)."""
-        yield self.master
-        yield self.grad
+        """The tensors holding this group's values (master, gradient partition, flat working copy).
+
+        Placeholders (the master when it lives in the parameters, the flat gradient when the
+        gradient partition is a set of views) are left out: they hold no model state.
+        """
+        if not self._in_params:  # else a storage-less placeholder (one element)
+            yield self.master
+        if self._grad_views is None:
+            yield self.grad
         if self.working is not None and self.working is not self.master:
             yield self.working
 

@@ -76,12 +76,14 @@ class SubGroupStepper:
                 pg["params"] = []
             return
         flat_state = opt.state[group.master]
+        # what each sub-group starts from: the state as it was before this step (none at the first)
         scalars = {k: _copy_scalar(v) for k, v in flat_state.items() if not _per_element(v, group.numel)}
+        elementwise = [k for k, v in flat_state.items() if _per_element(v, group.numel)]
         after: dict[str, Any] | None = None
         for start in range(0, group.numel, self.sub_group_size):
             stop = min(start + self.sub_group_size, group.numel)
             with record_function("zero.optim.sub_group_step"):
-                after = self._step_range(group, pg, flat_state, scalars, start, stop)
+                after = self._step_range(group, pg, flat_state, scalars, elementwise, start, stop)
         if after is not None:
             flat_state.update(after)
 
@@ -91,6 +93,7 @@ class SubGroupStepper:
         pg: dict[str, Any],
         flat_state: dict[str, Any],
         scalars: dict[str, Any],
+        elementwise: list[str],
         start: int,
         stop: int,
     ) -> dict[str, Any]:
@@ -99,9 +102,8 @@ class SubGroupStepper:
         for off, master, grad in pieces:
             master.grad = grad
             state = {k: _copy_scalar(v) for k, v in scalars.items()}
-            for k, v in flat_state.items():
-                if _per_element(v, group.numel):
-                    state[k] = v.narrow(0, off, master.numel())
+            for k in elementwise:
+                state[k] = flat_state[k].narrow(0, off, master.numel())
             opt.state[master] = state
         pg["params"] = [m for _, m, _ in pieces]
         try:
