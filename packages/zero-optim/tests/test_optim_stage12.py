@@ -60,7 +60,9 @@ def _make(kind):
 def _train(rank, stage, kind, steps, accumulate, bucket, overlap):
     model = Odd()
     cfg = ReduceConfig(reduce_bucket_size=bucket, overlap_comm=overlap)
-    opt, reduction = replicated_optimizer(model, _make(kind), stage, cfg, allgather_bucket_size=bucket)
+    opt, reduction = replicated_optimizer(
+        model, _make(kind), stage, cfg, allgather_bucket_size=bucket, sub_group_size=max(bucket // 7, 1)
+    )
     world, r = rank.world_size, rank.rank
     for step in range(steps):
         for micro in range(accumulate):
