@@ -586,6 +586,12 @@ def test_stage3_knobs_under_stage_2_are_ignored_not_unsupported() -> None:
     ]
 
 
+def test_sub_group_size_has_an_effect_at_every_stage() -> None:
+    for stage in range(4):
+        cfg = ZeroConfig.model_validate(zero_opt(stage=stage, sub_group_size=1000))
+        assert cfg.ignored_keys() == [], stage
+
+
 def test_other_ignored_keys() -> None:
     cfg = ZeroConfig.model_validate(
         {

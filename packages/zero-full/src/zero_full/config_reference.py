@@ -99,9 +99,6 @@ _NOTES: dict[tuple[str, str], str] = {
     "all-gathered in one collective after the step.",
     ("ZeroOptimizationConfig", "round_robin_gradients"): "Accepted for DeepSpeed compatibility "
     "(its gradient placement for CPU offload); no effect in zero.",
-    ("ZeroOptimizationConfig", "sub_group_size"): "With `offload_optimizer` at stage 3: "
-    "elements of the flat partition stepped (and swapped) at a time; otherwise each parameter "
-    "group's partition is stepped at once.",
     ("ZeroOptimizationConfig", "prefetch_bucket_size"): "Stage 3: elements of upcoming modules' "
     "parameters gathered ahead of use, from the recorded trace; 0 turns prefetching off.",
     ("ZeroOptimizationConfig", "param_persistence_threshold"): "Stage 3: parameters with at most "

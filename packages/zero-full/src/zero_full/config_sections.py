@@ -701,7 +701,6 @@ KNOB_STAGES: dict[str, frozenset[int]] = {
     "max_live_parameters": _STAGE3,
     "max_reuse_distance": _STAGE3,
     "gather_16bit_weights_on_model_save": _STAGE3,
-    "sub_group_size": _STAGE3,
     "offload_param": _STAGE3,
     "zero_hpz_partition_size": _STAGE3,
     "zero_quantized_weights": _STAGE3,
@@ -758,6 +757,10 @@ class ZeroOptimizationConfig(_Section):
     allgather_bucket_size: _int(1) = 500_000_000
     round_robin_gradients: Flag = False
     sub_group_size: _int(1) = 1_000_000_000
+    """Every stage: elements of a flat optimizer partition stepped at once (and, with
+    `offload_optimizer`, swapped at once). The optimizer's temporaries (e.g. AdamW's
+    per-element intermediates, up to ~2 fp32 tensors of this size) are bounded by it, not by
+    the model; smaller values cost more Python calls per step."""
     load_from_fp32_weights: Flag = True
     """``false`` (initialise fp32 master weights from the 16-bit ones) is not supported yet."""
     ignore_unused_parameters: Flag = True

@@ -54,9 +54,6 @@ __all__ = ["StagePieces", "StepPipeline", "build_stage", "working_dtype"]
 
 logger = logging.getLogger("zero.engine")
 
-_WHOLE_GROUP = 1 << 62
-"""Sub-group size meaning "the whole flat group" (stages 1 and 2)."""
-
 _DTYPES = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
 
 
@@ -108,8 +105,8 @@ def build_stage(
     dtype = working_dtype(config)
     if dtype != torch.float32:
         _cast_whole(model, dtype)
-    # sub_group_size is a stage-3 knob (DeepSpeed's): below stage 3 a group is one sub-group
-    offload = z.offload_optimizer.to_offload_config(z.sub_group_size if config.stage == 3 else _WHOLE_GROUP)
+    # every stage steps its flat partitions sub_group_size elements at a time (offloaded or not)
+    offload = z.offload_optimizer.to_offload_config(z.sub_group_size)
     if config.stage == 3:
         mics = None
         if z.mics_enabled:
@@ -130,6 +127,7 @@ def build_stage(
             working_dtype=dtype,
             offload=offload,
             param_offload=z.offload_param.to_param_offload_config(),
+            sub_group_size=z.sub_group_size,
         )
         coordinator = Coordinator(
             model, z.to_coordinator_config(), sink, shard_prefetch=zero_optim.offloaded_shards(opt)
@@ -145,6 +143,7 @@ def build_stage(
         allgather_bucket_size=z.allgather_bucket_size,
         working_dtype=dtype,
         offload=offload if config.stage >= 1 else None,
+        sub_group_size=z.sub_group_size,
     )
     return StagePieces(opt, None, reduction)
 
@@ -244,7 +243,8 @@ class StepPipeline:
             else:
                 with record_function("zero.optim.unscale"), torch.no_grad():
                     for g in opt.groups:
-                        g.grad.mul_(1.0 / scale)
+                        for grad in g.grads():
+                            grad.mul_(1.0 / scale)
         if applied:
             finite = True
             if self._clip > 0:  # the norm reduces over every gradient: inf / nan shows in it

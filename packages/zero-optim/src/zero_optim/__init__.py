@@ -1,8 +1,9 @@
 """Partitioned optimizers: ZeRO stage 1/2, stage 3 and MiCS, loss scaling, clipping.
 
 * :class:`PartitionedOptimizer`: the core shared by every stage — per parameter group one
-  flat fp32 master partition, one flat fp32 gradient partition and the user's torch
-  optimizer re-mapped onto the flat masters (one optimizer call per step).
+  flat fp32 master partition (for stages 1 and 2 in fp32: the parameters themselves), one
+  fp32 gradient partition and the user's torch optimizer re-mapped onto the flat masters,
+  stepped ``sub_group_size`` elements at a time (:class:`SubGroupStepper`).
 * :class:`Partitioning`: the stage-specific component (which elements this rank owns, how
   the parameters' tensors view the flat buffers, what happens after a step);
   :class:`Stage3Partitioning` for ZeRO-3.
@@ -32,10 +33,12 @@ from zero_optim.stage12 import (
     BoundaryReduction,
     GradientReduction,
     HookedReduction,
+    ReduceScatterInPlace,
     ReduceScatterInto,
     ReplicaPartitioning,
     replicated_optimizer,
 )
+from zero_optim.subgroups import SubGroupStepper
 
 __all__ = [
     "AllReduceInto",
@@ -51,12 +54,14 @@ __all__ = [
     "PartitionedOptimizer",
     "Partitioning",
     "ReduceConfig",
+    "ReduceScatterInPlace",
     "ReduceScatterInto",
     "ReplicaGradientSync",
     "ReplicaMismatchError",
     "ReplicaPartitioning",
     "Segment",
     "Stage3Partitioning",
+    "SubGroupStepper",
     "check_replicas_consistent",
     "clip_grad_norm_",
     "found_overflow",

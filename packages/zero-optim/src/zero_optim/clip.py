@@ -24,6 +24,9 @@ from zero_optim.flat import FlatGroup
 
 __all__ = ["clip_grad_norm_", "global_grad_norm"]
 
+_CHUNK = 1 << 20
+"""Gradient elements squared in float64 at once (bounds the norm's temporaries)."""
+
 
 def global_grad_norm(
     groups: Sequence[FlatGroup], group: ProcessGroup | None = None, *, partitioned: bool = True
@@ -44,8 +47,9 @@ def global_grad_norm(
         device = groups[0].grad.device if groups else torch.device("cpu")
         sq = torch.zeros(1, dtype=torch.float64, device=device)
         for g in groups:
-            if g.grad.numel():
-                sq += g.grad.double().pow(2).sum()
+            for grad in g.grads():
+                for chunk in grad.split(_CHUNK):  # bounded float64 temporaries
+                    sq += chunk.double().pow(2).sum()
         if partitioned and dist.is_available() and dist.is_initialized():
             zero_comm.all_reduce(sq, group, op="sum").wait()
         return math.sqrt(sq.item()) if sq.item() >= 0 else float("nan")
@@ -79,5 +83,6 @@ def clip_grad_norm_(
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0:
             for g in groups:
-                g.grad.mul_(coef)
+                for grad in g.grads():
+                    grad.mul_(coef)
     return norm

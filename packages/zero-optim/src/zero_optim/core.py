@@ -37,6 +37,7 @@ from torch.profiler import record_function
 from zero_offload import HostOptimizer, OffloadedOptimizer, OptimizerOffloadConfig, offload_optimizer_for
 from zero_optim.flat import FlatGroup, Segment
 from zero_optim.spec import OptimizerSpec, build_torch_optimizer, remap_onto_flat, trainable_groups
+from zero_optim.subgroups import SubGroupStepper
 
 __all__ = ["PartitionedOptimizer", "Partitioning"]
 
@@ -60,6 +61,29 @@ class Partitioning(Protocol):
         """Make the updated partitions visible to the next forward."""
         ...
 
+    def working_views(
+        self, params: Sequence[nn.Parameter], dtype: torch.dtype, device: torch.device
+    ) -> list[torch.Tensor] | None:
+        """Per parameter, the view of storage this component owns that holds this rank's working values.
+
+        Optional: a partitioning without this method gets ``None``. ``None``: the flat group
+        allocates its own working buffer. Stages 1 and 2 return this
+        rank's partition of the flat buffer the whole parameters now live in, so that in fp32
+        the parameters are the master copy (see :class:`zero_optim.flat.FlatGroup`).
+        """
+        ...
+
+    def grad_views(
+        self, params: Sequence[nn.Parameter], dtype: torch.dtype, device: torch.device
+    ) -> list[torch.Tensor] | None:
+        """Per parameter, the fp32 view of storage this component owns that is its gradient partition.
+
+        Optional, as :meth:`working_views`: ``None`` (or no such method) gives the flat group
+        its own flat gradient partition. Stage 1 in fp32 returns this rank's partition of the
+        flat buffer the whole gradients accumulate in (reduced in place).
+        """
+        ...
+
 
 class PartitionedOptimizer:
     """A torch optimizer stepping flat fp32 partitions of a model's parameters.
@@ -81,16 +105,24 @@ class PartitionedOptimizer:
             master is the working copy (one fp32 copy of the parameters); a 16-bit dtype
             gets its own flat working buffer, refreshed from the fp32 master after each step.
         offload: Offload the optimizer state (``zero_offload.OptimizerOffloadConfig``; any torch
-            optimizer, Adam / AdamW through the CPU Adam, NVMe for those only), or ``None``.
+            optimizer, Adam / AdamW through the CPU Adam, NVMe for those only), or ``None``. With
+            offload the flat layout is used (the offloaded optimizer keeps its own host fp32
+            master), whatever the partitioning offers.
+        sub_group_size: Elements of a flat partition stepped at once (DeepSpeed's
+            ``sub_group_size``): the optimizer's temporaries are bounded by it, not by the
+            model (see :class:`zero_optim.subgroups.SubGroupStepper`); the offloaded step
+            uses the offload config's own ``sub_group_size``.
 
     Attributes:
         torch_optimizer: The user's optimizer, now over one flat master per group.
         groups: One :class:`FlatGroup` per optimizer parameter group.
         offload: The ``zero_offload.OffloadedOptimizer`` (Adam / AdamW) or
             ``zero_offload.HostOptimizer`` (any other torch optimizer) stepping the masters, or ``None``.
+        stepper: The :class:`zero_optim.subgroups.SubGroupStepper` stepping the masters
+            (without offload).
     """
 
-    __slots__ = ("groups", "offload", "partitioning", "torch_optimizer")
+    __slots__ = ("groups", "offload", "partitioning", "stepper", "torch_optimizer")
 
     def __init__(
         self,
@@ -101,26 +133,43 @@ class PartitionedOptimizer:
         device: torch.device | None = None,
         working_dtype: torch.dtype = torch.float32,
         offload: OptimizerOffloadConfig | None = None,
+        sub_group_size: int = 1_000_000_000,
     ) -> None:
         names = {p: n for n, p in model.named_parameters()}
         opt = build_torch_optimizer(optimizer, list(names))
         device = device if device is not None else _default_device()
         self.partitioning = partitioning
-        self.groups: tuple[FlatGroup, ...] = tuple(
-            FlatGroup(
-                ps, [names[p] for p in ps], [partitioning.local_numel(p) for p in ps], device, working_dtype
-            )
-            for ps in trainable_groups(opt, names)
-        )
+        groups = []
+        with torch.no_grad():
+            for ps in trainable_groups(opt, names):
+                views = grads = None
+                if offload is None:
+                    views = _optional(partitioning, "working_views", ps, working_dtype, device)
+                    grads = _optional(partitioning, "grad_views", ps, working_dtype, device)
+                numels = [partitioning.local_numel(p) for p in ps]
+                groups.append(
+                    FlatGroup(
+                        ps,
+                        [names[p] for p in ps],
+                        numels,
+                        device,
+                        working_dtype,
+                        working_views=views,
+                        grad_views=grads,
+                    )
+                )
+        self.groups: tuple[FlatGroup, ...] = tuple(groups)
         with torch.no_grad():
             for group in self.groups:
-                for seg in group.segments:
-                    partitioning.load(seg.param, group.master_view(seg))
+                if not group.master_in_params:  # else the values are in place already
+                    for seg in group.segments:
+                        partitioning.load(seg.param, group.master_view(seg))
                 group.publish()
                 for seg in group.segments:
                     partitioning.bind(seg.param, group.working_view(seg), group.grad_view(seg))
         remap_onto_flat(opt, [g.master for g in self.groups])
         self.torch_optimizer = opt
+        self.stepper = SubGroupStepper(opt, self.groups, sub_group_size)
         self.offload: OffloadedOptimizer | HostOptimizer | None = None
         if offload is not None:
             rank = dist.get_rank() if dist.is_initialized() else 0
@@ -145,7 +194,7 @@ class PartitionedOptimizer:
             if self.offload is not None:
                 self.offload.step()
             else:
-                self.torch_optimizer.step()
+                self.stepper.step()
             for group in self.groups:
                 group.publish()
             self.partitioning.after_step(self.groups)
@@ -154,14 +203,12 @@ class PartitionedOptimizer:
         """Zero the flat gradient partitions in place (views into them stay valid)."""
         with record_function("zero.optim.zero_grad"):
             for group in self.groups:
-                group.grad.zero_()
+                group.zero_grad()
 
     def state_tensors(self) -> Iterator[torch.Tensor]:
         """Every tensor this optimizer owns: flat masters, gradients, working copies, optimizer state."""
         for group in self.groups:
-            yield group.master
-            yield group.grad
-            yield group.working
+            yield from group.owned_tensors()
         for state in self.torch_optimizer.state.values():
             for value in state.values():
                 if isinstance(value, torch.Tensor):
@@ -206,12 +253,13 @@ class PartitionedOptimizer:
         """This rank's optimizer state: layout, flat masters and the torch optimizer's state.
 
         The tensors are the live buffers (not copies); save or clone them before stepping again
-        (with offload, the optimizer state is a copy read back from the offloaded store).
+        (with offload, the optimizer state is a copy read back from the offloaded store; when
+        the fp32 master lives in the parameters, ``master`` is a flat copy of it).
         """
         with self.materialized_state(write_back=False):
             return {
                 "layout": [[(s.name, s.numel) for s in g.segments] for g in self.groups],
-                "master": [g.master for g in self.groups],
+                "master": [g.master_copy() for g in self.groups],
                 "torch_optimizer": self.torch_optimizer.state_dict(),
             }
 
@@ -230,8 +278,7 @@ class PartitionedOptimizer:
             raise ValueError(f"optimizer state layout differs: {_first_difference(saved, mine)}")
         with torch.no_grad(), self.materialized_state():
             for group, master in zip(self.groups, state["master"]):
-                group.master.copy_(master)
-                group.publish()
+                group.load_master(master)
             self.torch_optimizer.load_state_dict(state["torch_optimizer"])
         self.partitioning.after_step(self.groups)
 
@@ -246,6 +293,18 @@ def _first_difference(saved: list[list[tuple[Any, ...]]], mine: list[list[tuple[
             if x != y:
                 return f"group {gi}, entry {i}: saved (name, numel) {x}, here {y}"
     return "unknown"
+
+
+def _optional(
+    partitioning: Partitioning,
+    name: str,
+    params: Sequence[nn.Parameter],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[torch.Tensor] | None:
+    """``partitioning.working_views`` / ``grad_views``; ``None`` for a partitioning without it."""
+    method = getattr(partitioning, name, None)
+    return method(params, dtype, device) if callable(method) else None
 
 
 def _default_device() -> torch.device:

@@ -1,20 +1,40 @@
 """Flat buffers of one parameter group: the fp32 master, the fp32 gradient partition, the working copy.
 
-Each parameter of a group owns one :class:`Segment` of this rank's flat buffers: the
+Each parameter of a group owns one :class:`Segment` of this rank's flat partition: the
 elements of its partition (a ZeRO-3 shard, padding included) laid out parameter after
-parameter. The optimizer steps the whole ``master`` tensor at once with ``grad`` as its
-gradient; per-parameter tensors (shards, gradient partitions) are views into the flat
-buffers, so nothing is copied per parameter on the hot path.
+parameter. The optimizer state is one flat tensor per kind (e.g. AdamW's ``exp_avg``) over
+that layout; ``grad`` is the flat fp32 gradient partition; per-parameter tensors (shards,
+gradient partitions) are views into the flat buffers, so nothing is copied per parameter
+on the hot path.
 
-``working`` is the tensor the forward pass reads this rank's values from. In fp32 training
-it *is* ``master`` (one fp32 copy of the parameters); a lower working precision gets its
-own flat buffer, refreshed from the master after each step (:meth:`FlatGroup.publish`).
+Where the values live comes in two layouts:
+
+* **flat** (stage 3, stage 0, optimizer offload): ``master`` is one flat fp32 tensor of this
+  rank's partitions. In fp32 training it *is* the working copy (one fp32 copy of the
+  parameters); a lower working precision gets its own flat buffer, refreshed from the
+  master after each step (:meth:`FlatGroup.publish`).
+* **in the parameters** (stages 1 and 2, ``working_views`` given): the whole parameters are
+  views of one flat buffer owned by the stage, and each segment's working values are this
+  rank's partition *of that buffer*. In fp32 the parameters are the master copy: the
+  optimizer updates the partition views in place and no second fp32 copy exists;
+  ``master`` is then only the (storage-less, stride-0) key the torch optimizer's group and
+  state are registered under. In bf16 / fp16 ``master`` is the fp32 flat partition, the only
+  fp32 copy of the parameters.
+
+The gradient partition likewise: the flat fp32 ``grad``, or (stage 1 in fp32, ``grad_views``
+given) this rank's partition of the flat buffer the whole gradients accumulate in, reduced in
+place — no fp32 gradient partition beside the whole gradients. Read and write gradients
+through :meth:`FlatGroup.grads` / :meth:`FlatGroup.grad_view`, which work in both layouts.
+
+Either way :meth:`FlatGroup.pieces` hands out the master and gradient elements of any range
+of the flat partition, which is how the optimizer steps in sub-groups.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
@@ -48,15 +68,26 @@ class FlatGroup:
         numels: Elements of each parameter's partition on this rank.
         device: Where the buffers live.
         working_dtype: dtype of the working copy; ``torch.float32`` shares the master.
+        working_views: Per parameter, the 1-D view (``numels[i]`` elements, ``working_dtype``)
+            of storage owned elsewhere that holds this rank's working values (stages 1 and 2:
+            its partition of the flat buffer the whole parameters live in); ``None``: the
+            group allocates its own flat working buffer.
+        grad_views: Per parameter, the 1-D fp32 view (``numels[i]`` elements) of storage owned
+            elsewhere that is its gradient partition; ``None``: a flat ``grad`` is allocated.
 
     Attributes:
         segments: One per parameter, in order.
-        master: fp32 flat tensor of this rank's partitions; what the torch optimizer steps.
-        grad: fp32 flat gradient partition (``master.grad`` is this tensor).
-        working: The values the model computes with (``master`` itself in fp32).
+        master: The tensor the torch optimizer's group holds and its state is keyed by: the
+            fp32 flat partition, or (fp32 values in the parameters) a stride-0 placeholder of
+            the same shape that owns no memory — read and write the values through
+            :meth:`master_view`, :meth:`pieces`, :meth:`master_copy` and :meth:`load_master`.
+        grad: fp32 flat gradient partition (``master.grad`` is this tensor), or with
+            ``grad_views`` a stride-0 placeholder of that shape: use :meth:`grads`.
+        working: The flat working buffer (``master`` itself in flat fp32), or ``None`` when
+            the working values live in ``working_views``.
     """
 
-    __slots__ = ("grad", "master", "segments", "working")
+    __slots__ = ("_grad_views", "_in_params", "_offsets", "_views", "grad", "master", "segments", "working")
 
     def __init__(
         self,
@@ -65,6 +96,9 @@ class FlatGroup:
         numels: Sequence[int],
         device: torch.device,
         working_dtype: torch.dtype = torch.float32,
+        *,
+        working_views: Sequence[torch.Tensor] | None = None,
+        grad_views: Sequence[torch.Tensor] | None = None,
     ) -> None:
         segments: list[Segment] = []
         offset = 0
@@ -72,33 +106,147 @@ class FlatGroup:
             segments.append(Segment(param, name, offset, int(numel)))
             offset += int(numel)
         self.segments: tuple[Segment, ...] = tuple(segments)
-        self.master = torch.zeros(offset, dtype=torch.float32, device=device)
-        self.grad = torch.zeros(offset, dtype=torch.float32, device=device)
+        self._offsets = [s.offset for s in self.segments]
+        self._views: tuple[torch.Tensor, ...] | None = None
+        if working_views is not None:
+            self._views = tuple(working_views)
+            for seg, view in zip(self.segments, self._views, strict=True):
+                if view.dim() != 1 or view.numel() != seg.numel or view.dtype != working_dtype:
+                    raise ValueError(
+                        f"working view of {seg.name!r} is {view.dtype} of shape {tuple(view.shape)}, "
+                        f"expected 1-D {working_dtype} of {seg.numel} elements"
+                    )
+        self._grad_views: tuple[torch.Tensor, ...] | None = None
+        if grad_views is not None:
+            self._grad_views = tuple(grad_views)
+            for seg, view in zip(self.segments, self._grad_views, strict=True):
+                if view.dim() != 1 or view.numel() != seg.numel or view.dtype != torch.float32:
+                    raise ValueError(
+                        f"gradient view of {seg.name!r} is {view.dtype} of shape {tuple(view.shape)}, "
+                        f"expected 1-D float32 of {seg.numel} elements"
+                    )
+            self.grad = torch.zeros(1, dtype=torch.float32, device=device).expand(offset)
+        else:
+            self.grad = torch.zeros(offset, dtype=torch.float32, device=device)
+        self._in_params = self._views is not None and working_dtype == torch.float32
+        if self._in_params:
+            self.master = torch.zeros(1, dtype=torch.float32, device=device).expand(offset)
+        else:
+            self.master = torch.zeros(offset, dtype=torch.float32, device=device)
         self.master.grad = self.grad
-        self.working = (
-            self.master
-            if working_dtype == torch.float32
-            else torch.zeros(offset, dtype=working_dtype, device=device)
-        )
+        self.working: torch.Tensor | None
+        if self._views is not None:
+            self.working = None
+        elif working_dtype == torch.float32:
+            self.working = self.master
+        else:
+            self.working = torch.zeros(offset, dtype=working_dtype, device=device)
 
     @property
     def numel(self) -> int:
-        """Elements of the flat buffers (sum of the partitions)."""
+        """Elements of the flat partition (sum of the segments)."""
         return self.master.numel()
 
+    @property
+    def master_in_params(self) -> bool:
+        """Whether the fp32 master values are the parameters' own storage (no separate master)."""
+        return self._in_params
+
     def master_view(self, seg: Segment) -> torch.Tensor:
-        """The 1-D fp32 master view of one segment."""
+        """The 1-D fp32 master view of one segment (writable: it is where the values live)."""
+        if self._in_params:
+            return self.working_view(seg)
         return self.master.narrow(0, seg.offset, seg.numel)
 
     def grad_view(self, seg: Segment) -> torch.Tensor:
         """The 1-D fp32 gradient-partition view of one segment."""
+        if self._grad_views is not None:
+            return self._grad_views[self._index(seg)]
         return self.grad.narrow(0, seg.offset, seg.numel)
+
+    def grads(self) -> tuple[torch.Tensor, ...]:
+        """The gradient partition as writable 1-D fp32 tensors: ``(grad,)``, or one view per segment."""
+        if self._grad_views is not None:
+            return tuple(v for v in self._grad_views if v.numel())
+        return (self.grad,) if self.grad.numel() else ()
+
+    def zero_grad(self) -> None:
+        """Zero the gradient partition in place (views into it stay valid)."""
+        for g in self.grads():
+            g.zero_()
 
     def working_view(self, seg: Segment) -> torch.Tensor:
         """The 1-D working-precision view of one segment (the master view in fp32)."""
+        if self._views is not None:
+            return self._views[self._index(seg)]
+        assert self.working is not None  # noqa: S101 - set whenever there are no views
         return self.working.narrow(0, seg.offset, seg.numel)
+
+    def _index(self, seg: Segment) -> int:
+        i = bisect.bisect_right(self._offsets, seg.offset) - 1
+        while self.segments[i] is not seg:  # zero-element segments share an offset
+            i -= 1
+        return i
+
+    def pieces(self, start: int, stop: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        """``(offset, master piece, gradient piece)`` covering flat elements ``[start, stop)``, in order.
+
+        One piece in the flat layout; one per overlapped segment when the master lives in
+        the parameters. The master pieces are writable views of where the values live.
+        """
+        if not self._in_params and self._grad_views is None:
+            n = stop - start
+            if n > 0:
+                yield start, self.master.narrow(0, start, n), self.grad.narrow(0, start, n)
+            return
+        i = max(bisect.bisect_right(self._offsets, start) - 1, 0)
+        for seg in self.segments[i:]:
+            if seg.offset >= stop:
+                break
+            lo, hi = max(start, seg.offset), min(stop, seg.offset + seg.numel)
+            if hi > lo:
+                a, n = lo - seg.offset, hi - lo
+                yield lo, self.master_view(seg).narrow(0, a, n), self.grad_view(seg).narrow(0, a, n)
+
+    def master_copy(self) -> torch.Tensor:
+        """A flat fp32 tensor of this rank's master values (the master itself in the flat layout)."""
+        if not self._in_params:
+            return self.master
+        return (
+            torch.cat([m for _, m, _ in self.pieces(0, self.numel)]) if self.numel else self.grad.new_zeros(0)
+        )
+
+    def load_master(self, values: torch.Tensor) -> None:
+        """Copy a flat fp32 tensor of this rank's master values in place, then :meth:`publish`."""
+        if values.numel() != self.numel:
+            raise ValueError(f"{values.numel()} master values for a flat partition of {self.numel} elements")
+        if not self._in_params:
+            self.master.copy_(values)
+        else:
+            flat = values.reshape(-1)
+            for off, m, _ in self.pieces(0, self.numel):
+                m.copy_(flat.narrow(0, off, m.numel()))
+        self.publish()
+
+    def owned_tensors(self) -> Iterator[torch.Tensor]:
+        """The tensors holding this group's values (master, gradient partition, flat working copy).
+
+        Placeholders (the master when it lives in the parameters, the flat gradient when the
+        gradient partition is a set of views) are left out: they hold no model state.
+        """
+        if not self._in_params:  # else a storage-less placeholder (one element)
+            yield self.master
+        if self._grad_views is None:
+            yield self.grad
+        if self.working is not None and self.working is not self.master:
+            yield self.working
 
     def publish(self) -> None:
         """Refresh the working copy from the master after a step (nothing to do in fp32)."""
-        if self.working is not self.master:
+        if self._in_params:
+            return
+        if self._views is not None:
+            for seg, view in zip(self.segments, self._views):
+                view.copy_(self.master.narrow(0, seg.offset, seg.numel))
+        elif self.working is not None and self.working is not self.master:
             self.working.copy_(self.master)

@@ -137,7 +137,12 @@ def found_overflow(groups: Sequence[FlatGroup], group: ProcessGroup | None = Non
     Every rank of ``group`` must call it; all of them get the same answer.
     """
     with record_function("zero.optim.overflow_check"):
-        local = any(bool((~torch.isfinite(g.grad)).any()) for g in groups if g.grad.numel())
+        local = any(
+            not bool(torch.isfinite(chunk).all())
+            for g in groups
+            for grad in g.grads()
+            for chunk in grad.split(1 << 20)  # bounded temporaries
+        )
         device = groups[0].grad.device if groups else torch.device("cpu")
         flag = torch.tensor([1.0 if local else 0.0], device=device)
 

@@ -55,6 +55,7 @@ __all__ = [
     "BoundaryReduction",
     "GradientReduction",
     "HookedReduction",
+    "ReduceScatterInPlace",
     "ReduceScatterInto",
     "ReplicaPartitioning",
     "replicated_optimizer",
@@ -75,12 +76,15 @@ class ReplicaPartitioning:
         rank: This rank's index among them.
         group: Process group of those ranks (``None``: the world; unused when ``world`` is 1).
         allgather_bucket_size: Full (padded) parameter elements per all-gather after a step.
+        grads_in_place: Stage 1: keep the whole fp32 gradients in one flat buffer (each
+            ``param.grad`` a view of it) whose partition views are the gradient partition,
+            reduced in place (see :meth:`grad_views`).
 
     Raises:
         ValueError: ``rank`` outside ``[0, world)`` or a bucket size below 1.
     """
 
-    __slots__ = ("_bound", "allgather_bucket_size", "group", "rank", "world")
+    __slots__ = ("_bound", "_grads", "allgather_bucket_size", "grads_in_place", "group", "rank", "world")
 
     def __init__(
         self,
@@ -89,6 +93,7 @@ class ReplicaPartitioning:
         group: ProcessGroup | None = None,
         *,
         allgather_bucket_size: int = 500_000_000,
+        grads_in_place: bool = False,
     ) -> None:
         if world < 1 or not 0 <= rank < world:
             raise ValueError(f"ReplicaPartitioning: rank {rank} is not in [0, {world})")
@@ -98,7 +103,9 @@ class ReplicaPartitioning:
         self.rank = rank
         self.group = group
         self.allgather_bucket_size = allgather_bucket_size
+        self.grads_in_place = grads_in_place
         self._bound: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._grads: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
 
     def local_numel(self, param: nn.Parameter) -> int:
         """``ceil(numel / world)``: this rank's partition, padding included."""
@@ -112,6 +119,81 @@ class ReplicaPartitioning:
         master.zero_()
         master[:n].copy_(flat[start : start + n])
 
+    def working_views(
+        self, params: Sequence[nn.Parameter], dtype: torch.dtype, device: torch.device
+    ) -> list[torch.Tensor] | None:
+        """Move the whole parameters into one flat buffer; return this rank's partition of each.
+
+        Each parameter is padded to ``world * local_numel`` elements in the buffer and its
+        ``.data`` becomes a view of it, so the partition views hold this rank's working
+        values: in fp32 the parameters are the optimizer's master copy, and the all-gather
+        after a step writes the other ranks' partitions into the same buffer. A one-rank
+        world (stage 0) returns ``None`` (:meth:`bind` makes the parameters views of the
+        flat group's buffer instead).
+        """
+        if self.world == 1:
+            return None
+        sizes = [self.local_numel(p) for p in params]
+        full = torch.zeros(sum(sizes) * self.world, dtype=dtype, device=device)
+        views: list[torch.Tensor] = []
+        offset = 0
+        for p, size in zip(params, sizes, strict=True):
+            region = full.narrow(0, offset, size * self.world)
+            region[: p.numel()].copy_(p.detach().reshape(-1))
+            p.data = region[: p.numel()].view(p.shape)
+            views.append(region.narrow(0, self.rank * size, size))
+            offset += size * self.world
+        return views
+
+    def grad_views(
+        self, params: Sequence[nn.Parameter], dtype: torch.dtype, device: torch.device
+    ) -> list[torch.Tensor] | None:
+        """With ``grads_in_place`` in fp32: whole gradients in one flat buffer; this rank's partition of each.
+
+        Each ``param.grad`` becomes a zeroed view of the buffer (padded like the parameter
+        buffer), so autograd accumulates into it; :class:`ReduceScatterInPlace` writes the
+        averaged partition into the returned view and zeroes the rest. No fp32 gradient
+        partition exists beside the whole gradients. ``None`` otherwise.
+        """
+        if not self.grads_in_place or self.world == 1 or dtype != torch.float32:
+            return None
+        sizes = [self.local_numel(p) for p in params]
+        full = torch.zeros(sum(sizes) * self.world, dtype=torch.float32, device=device)
+        views: list[torch.Tensor] = []
+        offset = 0
+        for p, size in zip(params, sizes, strict=True):
+            region = full.narrow(0, offset, size * self.world)
+            self._grads[id(p)] = (p, region)
+            p.grad = region[: p.numel()].view(p.shape)
+            views.append(region.narrow(0, self.rank * size, size))
+            offset += size * self.world
+        return views
+
+    def grad_region(self, param: nn.Parameter) -> torch.Tensor:
+        """The padded whole-gradient region of ``param`` with ``param.grad`` bound to it.
+
+        A ``.grad`` replaced since (``None`` after ``zero_grad(set_to_none=True)``, or a new
+        tensor) is copied in (``None``: zeros) and bound again.
+
+        Raises:
+            KeyError: ``param`` has no in-place gradient (see :meth:`grad_views`).
+        """
+        _, region = self._grads[id(param)]
+        bound = region[: param.numel()]
+        grad = param.grad
+        if grad is None or grad.data_ptr() != bound.data_ptr() or grad.numel() != bound.numel():
+            if grad is None:
+                bound.zero_()
+            else:
+                bound.copy_(grad.reshape(-1))
+            param.grad = bound.view(param.shape)
+        return region
+
+    def bind_grads(self) -> None:
+        """Bind every in-place gradient (before a backward, so autograd accumulates in place)."""
+        for param, _ in self._grads.values():
+            self.grad_region(param)
+
     def bind(self, param: nn.Parameter, working: torch.Tensor, grad: torch.Tensor) -> None:
         """Remember the parameter's working and gradient-partition views (the parameter stays whole).
 
@@ -122,6 +204,11 @@ class ReplicaPartitioning:
         self._bound[id(param)] = (working, grad)
         if self.world == 1:
             param.data = working.view(param.shape)
+
+    @property
+    def in_place_grads(self) -> bool:
+        """Whether :meth:`grad_views` bound the gradients of the parameters to a flat buffer."""
+        return bool(self._grads)
 
     def owns(self, param: nn.Parameter) -> bool:
         """Whether ``param`` is trained by the optimizer this partitioning was bound by."""
@@ -218,6 +305,49 @@ class ReduceScatterInto:
 
 
 @dataclasses.dataclass(frozen=True)
+class ReduceScatterInPlace:
+    """``reduce_fn`` of stage 1 with in-place gradients: average whole gradients into their own partition.
+
+    The whole gradients live in one flat buffer (:meth:`ReplicaPartitioning.grad_views`);
+    each bucket is reduce-scattered (coalesced, averaged) and the result copied into this
+    rank's partition of the same buffer; the other elements are zeroed (consumed), and the
+    ``.grad`` views stay bound for the next accumulation window.
+
+    Attributes:
+        partitioning: A partitioning built with ``grads_in_place``.
+    """
+
+    partitioning: ReplicaPartitioning
+
+    def __call__(self, params: Sequence[nn.Parameter], *, async_op: bool = False) -> ReduceHandle:
+        """Reduce-scatter the whole gradients of ``params`` into their own partitions."""
+        with record_function("zero.optim.reduce_scatter_grads"):
+            part = self.partitioning
+            regions = [part.grad_region(p) for p in params]
+            live = [r for r in regions if r.numel()]
+            if not live:
+                return _AccumulateHandle(lambda: None)
+            handle = zero_comm.reduce_scatter_coalesced(live, part.group, op="avg", async_op=async_op)
+
+            def finish() -> None:
+                for region, reduced in zip(live, handle.wait(), strict=True):
+                    size = reduced.numel()
+                    mine = region.narrow(0, part.rank * size, size)
+                    mine.copy_(reduced)
+                    region[: part.rank * size].zero_()
+                    region[(part.rank + 1) * size :].zero_()
+
+            out = _AccumulateHandle(finish)
+            if not async_op:
+                out.wait()
+            return out
+
+    def before_backward(self) -> None:
+        """Bind every ``.grad`` to the flat buffer, so autograd accumulates in place."""
+        self.partitioning.bind_grads()
+
+
+@dataclasses.dataclass(frozen=True)
 class AllReduceInto:
     """``reduce_fn`` of stage 0: average full gradients with one all-reduce per bucket, add them whole.
 
@@ -283,7 +413,10 @@ class BoundaryReduction:
         self.max_inflight = max_inflight
 
     def begin_micro_step(self, is_boundary: bool) -> None:
-        """Nothing to do: autograd accumulates whole gradients until :meth:`at_boundary`."""
+        """Autograd accumulates whole gradients until :meth:`at_boundary` (in place when bound)."""
+        before = getattr(self.reduce_fn, "before_backward", None)
+        if callable(before):
+            before()
 
     def at_boundary(self) -> None:
         """Reduce every bucket, at most ``max_inflight`` in flight at once."""
@@ -366,6 +499,7 @@ def replicated_optimizer(
     working_dtype: torch.dtype = torch.float32,
     group: ProcessGroup | None = None,
     offload: OptimizerOffloadConfig | None = None,
+    sub_group_size: int = 1_000_000_000,
 ) -> tuple[PartitionedOptimizer, GradientReduction]:
     """Build the optimizer and gradient reduction of ZeRO stage 0, 1 or 2 for a whole model.
 
@@ -381,6 +515,12 @@ def replicated_optimizer(
         working_dtype: The parameters' dtype (fp32 masters are kept in any case).
         group: The data-parallel group (``None``: the world).
         offload: Offload the optimizer state (``zero_offload.OptimizerOffloadConfig``), or ``None``.
+        sub_group_size: Elements of the flat partition stepped at once (bounds the step's
+            temporaries; see :class:`zero_optim.PartitionedOptimizer`).
+
+    Stages 1 and 2 (without offload) move the whole parameters into one flat buffer per
+    parameter group (``param.data`` becomes a view of it; see
+    :meth:`ReplicaPartitioning.working_views`): in fp32 the parameters are the master copy.
 
     Returns:
         ``(optimizer, reduction)``: call ``reduction.at_boundary()`` before
@@ -402,12 +542,24 @@ def replicated_optimizer(
     part = (
         ReplicaPartitioning(1, 0, allgather_bucket_size=allgather_bucket_size)
         if stage == 0
-        else ReplicaPartitioning(world, rank, group, allgather_bucket_size=allgather_bucket_size)
+        else ReplicaPartitioning(
+            world,
+            rank,
+            group,
+            allgather_bucket_size=allgather_bucket_size,
+            grads_in_place=stage == 1 and offload is None,
+        )
     )
     devices = {p.device for p in model.parameters()}
     device = devices.pop() if len(devices) == 1 else None
     opt = PartitionedOptimizer(
-        model, optimizer, part, device=device, working_dtype=working_dtype, offload=offload
+        model,
+        optimizer,
+        part,
+        device=device,
+        working_dtype=working_dtype,
+        offload=offload,
+        sub_group_size=sub_group_size,
     )
     order = [(n, p) for n, p in reversed(list(model.named_parameters())) if part.owns(p)]
     plan = BucketPlan(
@@ -417,5 +569,6 @@ def replicated_optimizer(
     if stage == 0:
         return opt, BoundaryReduction(plan, AllReduceInto(part, group), config.max_inflight)
     if stage == 1:
-        return opt, BoundaryReduction(plan, ReduceScatterInto(part), config.max_inflight)
+        reduce_fn = ReduceScatterInPlace(part) if part.in_place_grads else ReduceScatterInto(part)
+        return opt, BoundaryReduction(plan, reduce_fn, config.max_inflight)
     return opt, HookedReduction(params, BucketedReducer(plan, ReduceScatterInto(part), config))

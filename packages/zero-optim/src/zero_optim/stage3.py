@@ -79,6 +79,10 @@ class Stage3Partitioning:
         state.bind_shard(working)
         state.bind_grad_partition(grad)
 
+    def working_views(self, params: Sequence[nn.Parameter], dtype: torch.dtype, device: torch.device) -> None:
+        """``None``: the shards become views of the flat group's own working buffer (:meth:`bind`)."""
+        return None
+
     def after_step(self, groups: Sequence[FlatGroup]) -> None:
         """Refresh whole (persistent) parameters from their updated shards; gathers read the shards.
 
@@ -107,6 +111,7 @@ def stage3_optimizer(
     working_dtype: torch.dtype = torch.float32,
     offload: OptimizerOffloadConfig | None = None,
     param_offload: ParamOffloadConfig | None = None,
+    sub_group_size: int = 1_000_000_000,
 ) -> tuple[PartitionedOptimizer, BucketedReducer]:
     """Build the ZeRO-3 optimizer of a partitioned model and its gradient sink.
 
@@ -123,6 +128,8 @@ def stage3_optimizer(
         param_offload: Offload the parameter shards (``zero_offload.ParamOffloadConfig``), or
             ``None``; the :class:`zero_params.OffloadedShards` is then
             ``optimizer.partitioning.offloaded`` (see :func:`offloaded_shards`).
+        sub_group_size: Elements of the flat partition stepped at once (bounds the step's
+            temporaries; see :class:`zero_optim.PartitionedOptimizer`).
 
     Gradients of parameters inside ``zero_coord`` leaf modules (mark them before calling
     this) are reduced at the end of each backward, so ranks may route data differently
@@ -151,6 +158,7 @@ def stage3_optimizer(
         device=device,
         working_dtype=working_dtype,
         offload=offload,
+        sub_group_size=sub_group_size,
     )
     if param_offload is not None:
         partitioning.offloaded = zero_params.OffloadedShards(

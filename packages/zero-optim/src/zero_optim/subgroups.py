@@ -1,0 +1,147 @@
+"""Stepping a torch optimizer over a flat partition in sub-groups of ``sub_group_size`` elements.
+
+A torch optimizer's step allocates intermediates the size of the tensors it steps (torch's
+AdamW computes ``exp_avg_sq.sqrt() / bias_correction`` for the whole tensor, for example), so
+stepping one flat partition at once costs extra memory proportional to the model. The
+:class:`SubGroupStepper` steps the partition ``sub_group_size`` elements at a time (DeepSpeed's
+``sub_group_size``): for each sub-group the group's ``params`` is temporarily the sub-group's
+master pieces (:meth:`zero_optim.flat.FlatGroup.pieces`), each with its gradient piece as
+``.grad`` and, as its state, views of the group's flat per-element state (scalars such as
+Adam's ``step`` are copied per sub-group, so every sub-group sees the same step count). The
+torch optimizer, its ``param_groups`` dicts (learning rates, LR schedulers) and its state keyed
+by the flat master stay what the user and checkpoints see; per-element state that the
+optimizer creates at its first step is moved into flat tensors as each sub-group is stepped.
+
+Works for optimizers whose state is per element (tensors shaped like the parameter) or
+scalar: SGD, Adam, AdamW, Adagrad, RMSprop, ... — the same set the flat layout supports.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.profiler import record_function
+
+from zero_optim.flat import FlatGroup
+
+__all__ = ["SubGroupStepper"]
+
+
+class SubGroupStepper:
+    """Steps ``optimizer`` over each group's flat partition, ``sub_group_size`` elements at a time.
+
+    Args:
+        optimizer: The torch optimizer, one flat master per group (``group.master``).
+        groups: The flat groups, in ``param_groups`` order.
+        sub_group_size: Elements stepped at once (a bound on the step's temporaries).
+
+    Raises:
+        ValueError: ``sub_group_size`` below 1.
+    """
+
+    __slots__ = ("groups", "optimizer", "sub_group_size")
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, groups: Sequence[FlatGroup], sub_group_size: int
+    ) -> None:
+        if sub_group_size < 1:
+            raise ValueError(f"sub_group_size must be >= 1, got {sub_group_size}")
+        self.optimizer = optimizer
+        self.groups = tuple(groups)
+        self.sub_group_size = int(sub_group_size)
+
+    def step(self) -> None:
+        """One optimizer step of every group, sub-group by sub-group."""
+        opt = self.optimizer
+        saved = [pg["params"] for pg in opt.param_groups]
+        try:
+            for pg in opt.param_groups:
+                pg["params"] = []
+            for group, pg in zip(self.groups, opt.param_groups, strict=True):
+                self._step_group(group, pg)
+        finally:
+            for pg, params in zip(opt.param_groups, saved):
+                pg["params"] = params
+
+    def _step_group(self, group: FlatGroup, pg: dict[str, Any]) -> None:
+        opt = self.optimizer
+        if group.numel == 0:  # nothing to bound: step the empty master as torch would
+            pg["params"] = [group.master]
+            try:
+                opt.step()
+            finally:
+                pg["params"] = []
+            return
+        flat_state = opt.state[group.master]
+        # what each sub-group starts from: the state as it was before this step (none at the first)
+        scalars = {k: _copy_scalar(v) for k, v in flat_state.items() if not _per_element(v, group.numel)}
+        elementwise = [k for k, v in flat_state.items() if _per_element(v, group.numel)]
+        after: dict[str, Any] | None = None
+        for start in range(0, group.numel, self.sub_group_size):
+            stop = min(start + self.sub_group_size, group.numel)
+            with record_function("zero.optim.sub_group_step"):
+                after = self._step_range(group, pg, flat_state, scalars, elementwise, start, stop)
+        if after is not None:
+            flat_state.update(after)
+
+    def _step_range(
+        self,
+        group: FlatGroup,
+        pg: dict[str, Any],
+        flat_state: dict[str, Any],
+        scalars: dict[str, Any],
+        elementwise: list[str],
+        start: int,
+        stop: int,
+    ) -> dict[str, Any]:
+        opt = self.optimizer
+        pieces = list(group.pieces(start, stop))
+        for off, master, grad in pieces:
+            master.grad = grad
+            state = {k: _copy_scalar(v) for k, v in scalars.items()}
+            for k in elementwise:
+                state[k] = flat_state[k].narrow(0, off, master.numel())
+            opt.state[master] = state
+        pg["params"] = [m for _, m, _ in pieces]
+        try:
+            opt.step()
+        finally:
+            pg["params"] = []
+            states = [opt.state.pop(m, {}) for _, m, _ in pieces]
+            for _, m, _ in pieces:
+                m.grad = None
+        for (off, master, _), state in zip(pieces, states, strict=True):
+            for k, v in state.items():
+                if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == master.numel() > 0:
+                    _store_per_element(flat_state, k, v, off, group)
+                elif isinstance(v, torch.Tensor) and v.numel() > 1:
+                    raise ValueError(
+                        f"optimizer state {k!r} of shape {tuple(v.shape)} is neither per element nor a "
+                        f"scalar; {type(opt).__name__} cannot step a flat partition"
+                    )
+        first = states[0] if states else {}
+        return {k: v for k, v in first.items() if not (isinstance(v, torch.Tensor) and v.dim() == 1)}
+
+
+def _per_element(value: Any, numel: int) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == numel
+
+
+def _copy_scalar(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else copy.copy(value)
+
+
+def _store_per_element(
+    flat_state: dict[str, Any], key: str, value: torch.Tensor, off: int, group: FlatGroup
+) -> None:
+    """Make ``value`` (one piece's state) part of the flat state ``key`` (allocated on first sight)."""
+    flat = flat_state.get(key)
+    if not _per_element(flat, group.numel):
+        flat = torch.zeros(group.numel, dtype=value.dtype, device=value.device)
+        flat_state[key] = flat
+    target = flat.narrow(0, off, value.numel())
+    if target.data_ptr() != value.data_ptr():
+        target.copy_(value)
