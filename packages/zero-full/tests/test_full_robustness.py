@@ -142,9 +142,11 @@ def test_nan_on_one_rank_skips_the_step_on_every_rank_with_one_warning(dist, pre
     assert "`a.weight` on rank 1" in results[0]["warnings"][0] and "step 3" in results[0]["warnings"][0]
 
 
+@pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_nan_on_one_rank_raises_on_every_rank_with_the_raise_policy(dist, precision):
-    for res in dist.run(2, _nan_on_rank1, precision, "raise", 0.0, 2):
+def test_nan_on_one_rank_raises_on_every_rank_with_the_raise_policy(dist, precision, stage):
+    # stage 1 in fp32 keeps its gradients in the parameters' flat buffer (views, no flat partition)
+    for res in dist.run(2, _nan_on_rank1, precision, "raise", 0.0, stage):
         assert res["error"] is not None and "`a.weight` on rank 1" in res["error"], res
         assert "nonfinite_gradients" in res["error"]
 

@@ -100,11 +100,11 @@ def _global_ranks(group: ProcessGroup | None, size: int) -> list[int]:
 def _first_nonfinite(optimizer: PartitionedOptimizer) -> str:
     """This rank's first parameter (in flat order) whose gradient partition is non-finite, or ``""``."""
     for group in optimizer.groups:
-        if group.grad.numel() and bool(torch.isfinite(group.grad).all()):
+        if all(bool(torch.isfinite(g).all()) for g in group.grads()):
             continue
         for g, seg in optimizer.segments():
             if g is group:
-                part = group.grad.narrow(0, seg.offset, seg.numel)
+                part = group.grad_view(seg)
                 if part.numel() and not bool(torch.isfinite(part).all()):
                     return seg.name
     return ""
