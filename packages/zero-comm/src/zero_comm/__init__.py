@@ -13,6 +13,9 @@ Topology, process groups and byte accounting for the zero stack:
   :class:`ReduceScatterStrategy` protocols.
 * :class:`CommLedger`: per-step record of every collective's payload and ring-ideal
   wire bytes, by link kind.
+* Real memory of this rank (module :mod:`zero_comm.rank_memory`): :func:`read_process_memory`
+  (RSS and its peak, :func:`reset_process_peak` per step) and :func:`read_device_memory`
+  (``torch.accelerator`` allocated and peak bytes, :func:`reset_device_peak`).
 * Quantized collectives (ZeRO++ qwZ / qgZ, module :mod:`zero_comm.quantized`, optional extra
   ``pip install zero-comm[quantized]``): :class:`QuantizedAllGather`,
   :func:`quantized_all_gather_coalesced`, :class:`QuantizedReduceScatter`,
@@ -29,6 +32,15 @@ from zero_comm.hierarchical import hierarchical_all_gather_coalesced
 from zero_comm.ledger import CommLedger, CommRecord, CommTotals, record, ring_wire_bytes
 from zero_comm.partition import padded_numel, partition_numel, shard_range
 from zero_comm.primitives import all_reduce, all_to_all_single, broadcast
+from zero_comm.rank_memory import (
+    DeviceMemory,
+    MemorySource,
+    ProcessMemory,
+    read_device_memory,
+    read_process_memory,
+    reset_device_peak,
+    reset_process_peak,
+)
 from zero_comm.reduction import ReduceOpLike, Reduction
 from zero_comm.strategies import (
     AllGatherStrategy,
@@ -40,6 +52,13 @@ from zero_comm.strategies import (
 from zero_comm.topology import HierarchicalGroups, LinkKind, Topology, group_ranks
 
 __all__ = [
+    "DeviceMemory",
+    "MemorySource",
+    "ProcessMemory",
+    "read_device_memory",
+    "read_process_memory",
+    "reset_device_peak",
+    "reset_process_peak",
     "AllGatherHandle",
     "AllGatherStrategy",
     "AllToAllReduceScatter",

@@ -17,6 +17,7 @@ engine.step()
 from zero_full.checkpoint import CheckpointError
 from zero_full.config import ZeroConfig
 from zero_full.engine import Engine, EngineStats, Init, initialize
+from zero_full.memory_report import MemoryReport
 from zero_params import GatheredParameters, register_external_parameter
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "EngineStats",
     "GatheredParameters",
     "Init",
+    "MemoryReport",
     "ZeroConfig",
     "initialize",
     "register_external_parameter",
