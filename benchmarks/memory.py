@@ -46,6 +46,7 @@ import datetime
 import gc
 import importlib
 import importlib.util
+import json
 import logging
 import os
 import pathlib
@@ -337,7 +338,9 @@ def markdown(result: dict[str, Any]) -> str:
         "MB = 1e6 bytes, largest rank, largest over the measured steps. At rest: RSS before a step's",
         "forward minus the baseline (the RSS after torch, the gloo group and the implementation's",
         "imports, before the model; 'imports' is that baseline minus the runtime's own). Formula: fp32",
-        "AdamW model states (DDP 16P; stage 1 8P+8P/N; stage 2 4P+12P/N; stage 3, FSDP2 16P/N).",
+        "AdamW model states (DDP 16P; stage 1 8P+8P/N; stage 2 4P+12P/N; stage 3, FSDP2 16P/N); it",
+        "counts the gradients, which an implementation that frees them after the step (FSDP2, torch's",
+        "zero_grad(set_to_none=True)) holds only during the step: compare its step peak.",
         "Forward holds: RSS after forward minus at rest (activations and whatever gathered",
         "parameters forward still holds when backward starts). Step peak: VmHWM of the step (reset",
         "before its forward) minus the baseline = at rest + what the step added at its peak. Model",
@@ -447,7 +450,19 @@ def main() -> None:
     parser.add_argument("--name", default="memory", help="result file stem (default memory)")
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
     parser.add_argument("--docs", type=pathlib.Path, default=None, help="docs dir for the plot and tables")
+    parser.add_argument(
+        "--render", type=pathlib.Path, default=None, help="only rewrite md/png from this json"
+    )
     args = parser.parse_args()
+    if args.render is not None:
+        result = json.loads(args.render.read_text())
+        text = markdown(result)
+        write_results(args.out, args.name, result, f"# Memory benchmark\n\n{text}")
+        image = plot(result, args.out / f"{args.name}.png")
+        if args.docs is not None:
+            update_docs(args.docs, text, image)
+        print(text)
+        return
     impls = list(args.impls)
     if importlib.util.find_spec("deepspeed") is None:
         dropped = [i for i in impls if i.startswith("deepspeed")]
