@@ -385,6 +385,7 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> pathlib.Path:
             )
             ax.set_xticks(list(xs), [r["impl"] for r in ok], rotation=30, fontsize=8)
             ax.set_ylabel("MB per rank above the baseline")
+            ax.margins(y=0.2)  # room for the bar labels and the legend
             ax.set_title(f"{name}, world {world}", fontsize=10)
             if i == 0 and j == 0:
                 ax.legend(fontsize=7)
@@ -405,7 +406,10 @@ def update_docs(docs: pathlib.Path, text: str, image: pathlib.Path) -> None:
     begin, end = content.find(MARK_BEGIN), content.find(MARK_END)
     if begin < 0 or end < begin:
         raise RuntimeError(f"{page} has no {MARK_BEGIN} ... {MARK_END} section to hold the tables")
-    page.write_text(content[: begin + len(MARK_BEGIN)] + "\n\n" + text + "\n" + content[end:])
+    plot_link = f"![Real memory per rank](assets/benchmarks/{image.name})\n"
+    page.write_text(
+        content[: begin + len(MARK_BEGIN)] + "\n\n" + plot_link + "\n" + text + "\n" + content[end:]
+    )
 
 
 # ----------------------------------------------------------------------------- main
