@@ -280,10 +280,11 @@ BENCH_PEERS = ["deepspeed==0.19.8", "ninja", "transformers>=4.45", "matplotlib>=
 def bench(session: nox.Session) -> None:
     """Benchmarks; results (markdown + JSON, plots) are written under benchmarks/results/.
 
-    zero-comm's collectives, ZeRO++'s quantized collectives and kernels, then the side-by-side
-    comparison with DDP, FSDP2 and DeepSpeed 0.19.8 (world 2 and 4), whose table and plots are
-    also copied into docs/. About 15 minutes on 2 cores; ``nox -s bench -- --rounds 3`` passes
-    options to benchmarks/side_by_side.py.
+    zero-comm's collectives, ZeRO++'s quantized collectives and kernels, the memory benchmark
+    (real memory per rank of DDP, FSDP2, DeepSpeed 0.19.8 and zero, fresh processes each), then
+    the side-by-side comparison with DDP, FSDP2 and DeepSpeed (world 2 and 4); the memory and
+    side-by-side tables and plots are also copied into docs/. About 30 minutes on 2 idle cores;
+    ``nox -s bench -- --rounds 3`` passes options to benchmarks/side_by_side.py.
     """
     _install(session, "zero-full", extras="")
     session.install("-c", CONSTRAINTS, *BENCH_PEERS, "pytest>=8")
@@ -298,6 +299,16 @@ def bench(session: nox.Session) -> None:
     session.run("python", str(ROOT / "benchmarks/mics.py"), "--out", out, env=TEST_ENV)
     session.run(
         "python", str(ROOT / "benchmarks/offload.py"), "--out", out, env=dict(TEST_ENV, DS_ACCELERATOR="cpu")
+    )
+    # Real memory per rank, each implementation in fresh processes (the script sets MALLOC_MMAP_THRESHOLD_).
+    session.run(
+        "python",
+        str(ROOT / "benchmarks/memory.py"),
+        "--out",
+        out,
+        "--docs",
+        str(ROOT / "docs"),
+        env=dict(TEST_ENV, DS_ACCELERATOR="cpu"),
     )
     session.run(
         "python",

@@ -1,7 +1,8 @@
 """The implementations the side-by-side benchmark compares, behind one small interface.
 
 Each implementation builds the :mod:`workloads` model itself (same seed, so the same
-weights everywhere) and returns a :class:`Runner`: ``forward_backward(batch) -> loss``,
+weights everywhere) and returns a :class:`Runner`: ``forward(batch) -> loss`` and
+``backward(loss)`` (or both at once, ``forward_backward(batch) -> loss``),
 ``optimizer_step()`` (which also zeroes the gradients) and ``state_roots()``, the objects
 from which its model-state bytes are counted (:func:`model_state_bytes`).
 
@@ -18,13 +19,16 @@ from which its model-state bytes are counted (:func:`model_state_bytes`).
 
 Every AdamW is ``workloads.adamw`` (all hyperparameters explicit). The ZeRO sections of
 DeepSpeed and zero are the same dict (:func:`zero_section`): buckets scaled to the model,
-and at stage 3 parameters really released after use (persistence threshold 4096 elements:
-only biases and norms stay whole; prefetch half a block; 1.5 blocks live at most; no reuse).
+and at stage 3 parameters really released after use (by default, :class:`ImplOptions`:
+persistence threshold 4096 elements, so only biases and norms stay whole; prefetch half a
+block; 1.5 blocks live at most; no reuse). Builders take ``(workload, world, options)``;
+``options.checkpointing`` turns on activation checkpointing of every block.
 """
 
 from __future__ import annotations
 
 import abc
+import dataclasses
 import functools
 import types
 from collections import deque
@@ -33,11 +37,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from workloads import Workload, adamw, block_modules, build_model, loss_of
+from workloads import Workload, adamw, block_modules, build_model, enable_checkpointing, loss_of
 
 __all__ = [
     "IMPLEMENTATIONS",
+    "ImplOptions",
     "Runner",
+    "block_numel",
     "formula_state_bytes",
     "model_state_bytes",
     "reachable_tensors",
@@ -171,6 +177,30 @@ def model_state_bytes(runner: Runner) -> int:
 # ----------------------------------------------------------------------------- runners
 
 
+@dataclasses.dataclass(frozen=True)
+class ImplOptions:
+    """What a builder may vary beyond the workload (defaults: the side-by-side benchmark's).
+
+    Attributes:
+        persistence_threshold: Stage 3: parameters of at most this many elements stay whole.
+        prefetch_blocks: Stage 3: prefetch bucket, in blocks (:func:`block_numel`).
+        live_blocks: Stage 3: most gathered parameters alive at once, in blocks.
+        checkpointing: Activation checkpointing of every block (non-reentrant).
+    """
+
+    persistence_threshold: int = 4096
+    prefetch_blocks: float = 0.5
+    live_blocks: float = 1.5
+    checkpointing: bool = False
+
+
+def _model(w: Workload, options: ImplOptions) -> nn.Module:
+    model = build_model(w)
+    if options.checkpointing:
+        enable_checkpointing(model)
+    return model
+
+
 class Runner(abc.ABC):
     """One implementation training the workload on this rank."""
 
@@ -178,8 +208,18 @@ class Runner(abc.ABC):
         self.w = w
 
     @abc.abstractmethod
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Forward of one micro-batch; returns the loss."""
+
+    @abc.abstractmethod
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of the loss :meth:`forward` returned."""
+
     def forward_backward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Forward and backward of one micro-batch; returns the loss."""
+        loss = self.forward(batch)
+        self.backward(loss)
+        return loss
 
     @abc.abstractmethod
     def optimizer_step(self) -> None:
@@ -202,10 +242,11 @@ class TorchRunner(Runner):
         self.call = call if call is not None else model
         self.optimizer = adamw(model.parameters())
 
-    def forward_backward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        loss = loss_of(self.call, self.w, batch)
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return loss_of(self.call, self.w, batch)
+
+    def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
-        return loss
 
     def optimizer_step(self) -> None:
         self.optimizer.step()
@@ -215,20 +256,20 @@ class TorchRunner(Runner):
         return [self.call, self.model, self.optimizer]
 
 
-def _single(w: Workload, world: int) -> Runner:
-    return TorchRunner(w, build_model(w))
+def _single(w: Workload, world: int, options: ImplOptions = ImplOptions()) -> Runner:
+    return TorchRunner(w, _model(w, options))
 
 
-def _ddp(w: Workload, world: int) -> Runner:
-    model = build_model(w)
+def _ddp(w: Workload, world: int, options: ImplOptions = ImplOptions()) -> Runner:
+    model = _model(w, options)
     return TorchRunner(w, model, nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=True))
 
 
-def _fsdp2(w: Workload, world: int) -> Runner:
+def _fsdp2(w: Workload, world: int, options: ImplOptions = ImplOptions()) -> Runner:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    model = build_model(w)
+    model = _model(w, options)
     mesh = init_device_mesh("cpu", (world,))
     for block in block_modules(model):
         fully_shard(block, mesh=mesh)
@@ -236,9 +277,14 @@ def _fsdp2(w: Workload, world: int) -> Runner:
     return TorchRunner(w, model)
 
 
-def zero_section(stage: int, w: Workload) -> dict[str, Any]:
+def block_numel(w: Workload) -> int:
+    """Parameters of one block, about: ``12 hidden^2`` (GPT-2, MLP), ``hidden^2`` (Linear stack)."""
+    return w.hidden * w.hidden * (1 if w.kind == "linear" else 12)
+
+
+def zero_section(stage: int, w: Workload, options: ImplOptions = ImplOptions()) -> dict[str, Any]:
     """The ``zero_optimization`` section shared by DeepSpeed and zero (sizes in elements)."""
-    block = 12 * w.hidden * w.hidden  # parameters of one transformer block, about
+    block = block_numel(w)
     section: dict[str, Any] = {
         "stage": stage,
         "contiguous_gradients": True,
@@ -248,9 +294,9 @@ def zero_section(stage: int, w: Workload) -> dict[str, Any]:
     if stage == 3:
         section.update(
             {
-                "stage3_param_persistence_threshold": 4096,
-                "stage3_prefetch_bucket_size": block // 2,
-                "stage3_max_live_parameters": 3 * block // 2,
+                "stage3_param_persistence_threshold": options.persistence_threshold,
+                "stage3_prefetch_bucket_size": int(options.prefetch_blocks * block),
+                "stage3_max_live_parameters": int(options.live_blocks * block),
                 "stage3_max_reuse_distance": 0,
             }
         )
@@ -265,10 +311,11 @@ class EngineRunner(Runner):
         self.engine = engine
         self.roots = roots
 
-    def forward_backward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        loss = loss_of(self.engine, self.w, batch)
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return loss_of(self.engine, self.w, batch)
+
+    def backward(self, loss: torch.Tensor) -> None:
         self.engine.backward(loss)
-        return loss
 
     def optimizer_step(self) -> None:
         self.engine.step()
@@ -282,16 +329,16 @@ class EngineRunner(Runner):
             closer()
 
 
-def _deepspeed(stage: int) -> Callable[[Workload, int], Runner]:
-    def build(w: Workload, world: int) -> Runner:
+def _deepspeed(stage: int) -> Callable[..., Runner]:
+    def build(w: Workload, world: int, options: ImplOptions = ImplOptions()) -> Runner:
         import deepspeed
 
         deepspeed.init_distributed(dist_backend="gloo")  # adopts the benchmark's initialised group
-        model = build_model(w)
+        model = _model(w, options)
         config = {
             "train_micro_batch_size_per_gpu": w.micro_batch,
             "gradient_accumulation_steps": 1,
-            "zero_optimization": zero_section(stage, w),
+            "zero_optimization": zero_section(stage, w, options),
             "gradient_clipping": 0.0,  # DeepSpeed 0.19.8 clips at 1.0 unless told otherwise
             "zero_allow_untested_optimizer": True,
             "steps_per_print": 1 << 30,
@@ -305,20 +352,20 @@ def _deepspeed(stage: int) -> Callable[[Workload, int], Runner]:
     return build
 
 
-def _zero(stage: int) -> Callable[[Workload, int], Runner]:
-    def build(w: Workload, world: int) -> Runner:
+def _zero(stage: int) -> Callable[..., Runner]:
+    def build(w: Workload, world: int, options: ImplOptions = ImplOptions()) -> Runner:
         import zero_full
 
-        model = build_model(w)
+        model = _model(w, options)
         engine = zero_full.initialize(
-            model, config={"zero_optimization": zero_section(stage, w)}, optimizer=adamw
+            model, config={"zero_optimization": zero_section(stage, w, options)}, optimizer=adamw
         )
         return EngineRunner(w, engine, [engine])
 
     return build
 
 
-IMPLEMENTATIONS: dict[str, Callable[[Workload, int], Runner]] = {
+IMPLEMENTATIONS: dict[str, Callable[..., Runner]] = {
     "single": _single,
     "ddp": _ddp,
     "fsdp2": _fsdp2,

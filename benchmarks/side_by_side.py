@@ -10,20 +10,23 @@ ranks (one thread each) that run every implementation of :mod:`impls` in turn, i
 processes and process group, for ``--rounds`` rounds (the order rotates each round, so no
 implementation always runs first or last). One run of an implementation on a rank:
 
-1. reset the peak RSS (``/proc/self/clear_refs``), build the model and the implementation;
+1. build the model and the implementation;
 2. ``--warmup`` training steps; a barrier;
 3. ``--steps`` measured training steps: each step timed alone; ``wchar`` of
    ``/proc/self/io`` read before and after the window (nothing is printed inside it);
 4. one more step, stopped after backward to count the model-state bytes (distinct storages
    reachable from the implementation's module, optimizer and engine: parameters, gradients,
-   optimizer state and whatever buffers they hold), then finished;
-5. peak RSS (``VmHWM``) read, everything dropped.
+   optimizer state and whatever buffers they hold), then finished; everything dropped.
 
 Reported per implementation and world: median step time (per step the slowest rank, median over
 the measured steps, median over rounds) and its ratio to DDP in the same round (median over
-rounds); model-state bytes per rank (largest rank) next to the ZeRO formula; peak RSS (largest
-rank); bytes written per rank per step next to the ring ideal; max |loss - reference loss| over
-every step of every round (the ranks' losses averaged per step).
+rounds); model-state bytes per rank (largest rank) next to the ZeRO formula; bytes written per
+rank per step next to the ring ideal; max |loss - reference loss| over every step of every round
+(the ranks' losses averaged per step).
+
+Real memory (RSS) is not measured here: one process runs every implementation in turn, so its
+RSS mostly shows what earlier runs left to the allocator. ``benchmarks/memory.py`` measures it,
+each implementation in fresh processes.
 
 Writes ``side_by_side.json`` and ``side_by_side.md`` and three PNG plots into ``--out``; with
 ``--docs DIR`` also copies the plots to ``DIR/assets/benchmarks/`` and the table into
@@ -53,15 +56,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _report import (
-    environment,
-    markdown_table,
-    peak_rss_bytes,
-    read_wchar,
-    reset_peak_rss,
-    rss_bytes,
-    write_results,
-)
+from _report import environment, markdown_table, read_wchar, write_results
 from impls import (
     IMPLEMENTATIONS,
     formula_state_bytes,
@@ -106,8 +101,6 @@ def run_one(impl: str, plan: Plan, rank: int, world: int, rows: int) -> dict[str
     """Train ``impl`` on this rank (``rows``: the slice index; ``world`` 1 = the reference)."""
     w = plan.workload
     gc.collect()
-    baseline = rss_bytes()
-    reset_peak_rss()
     batches = [rank_slice(global_batch(w, s, rows), rank, world) for s in range(plan.total_steps)]
     t0 = time.perf_counter()
     runner = IMPLEMENTATIONS[impl](w, world)
@@ -127,7 +120,6 @@ def run_one(impl: str, plan: Plan, rank: int, world: int, rows: int) -> dict[str
     state = model_state_bytes(runner)
     runner.optimizer_step()
     losses.append(loss.item())
-    peak = peak_rss_bytes()
     runner.close()
     del runner
     gc.collect()
@@ -140,8 +132,6 @@ def run_one(impl: str, plan: Plan, rank: int, world: int, rows: int) -> dict[str
         "losses": losses,
         "wchar_bytes": wrote,
         "model_state_bytes": state,
-        "peak_rss_bytes": peak,
-        "baseline_rss_bytes": baseline,
     }
 
 
@@ -269,10 +259,6 @@ def summarize(plan: Plan, world: int, psi: int, ref: dict[str, Any], raw: list[d
         wchar = statistics.median(
             sum(r["wchar_bytes"] for r in ranks) / ranks_n / plan.steps for ranks in runs
         )
-        peak = statistics.median(max(r["peak_rss_bytes"] for r in ranks) for ranks in runs)
-        growth = statistics.median(
-            max(r["peak_rss_bytes"] - r["baseline_rss_bytes"] for r in ranks) for ranks in runs
-        )
         formula = formula_state_bytes(impl, psi, world)
         ideal = ring_ideal_bytes(impl, psi, world)
         rows.append(
@@ -288,8 +274,6 @@ def summarize(plan: Plan, world: int, psi: int, ref: dict[str, Any], raw: list[d
                 else [step_s * 1e3],
                 "model_state_bytes": state,
                 "formula_state_bytes": formula,
-                "peak_rss_bytes": peak,
-                "rss_growth_bytes": growth,
                 "wchar_bytes_per_step": wchar,
                 "ring_ideal_bytes_per_step": ideal,
                 "max_abs_loss_diff": loss_diff,
@@ -317,7 +301,6 @@ def table(rows: list[dict]) -> str:
         "model states MB/rank",
         "formula MB",
         "/ formula",
-        "peak RSS MB (growth)",
         "MB sent/rank/step",
         "ring ideal MB",
         "/ ideal",
@@ -336,14 +319,13 @@ def table(rows: list[dict]) -> str:
                 _mb(r["model_state_bytes"]),
                 _mb(r["formula_state_bytes"]),
                 f"{r['model_state_bytes'] / r['formula_state_bytes']:.2f}",
-                f"{_mb(r['peak_rss_bytes'])} (+{_mb(r['rss_growth_bytes'])})",
                 _mb(r["wchar_bytes_per_step"]),
                 _mb(ideal),
                 f"{r['wchar_bytes_per_step'] / ideal:.2f}" if ideal else "-",
                 f"{r['max_abs_loss_diff']:.1e}",
             ]
         )
-    return markdown_table(headers, cells, align="lrrrrrrrrrrrr")
+    return markdown_table(headers, cells, align="lrrrrrrrrrrr")
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -374,9 +356,9 @@ def markdown(result: dict[str, Any]) -> str:
         "Model states: distinct tensor storages reachable from the module, optimizer and engine after",
         "backward (params, grads, optimizer state, buffers), largest rank.",
         "Formula: fp32 AdamW ZeRO formula (DDP 16P, stage 1 8P+8P/N, stage 2 4P+12P/N, stage 3 and FSDP2",
-        "16P/N). Peak RSS: VmHWM of the run, largest rank (the process also holds torch, transformers,",
-        "deepspeed and what earlier runs left to the allocator); growth: peak minus the RSS at the run's",
-        "start. MB sent: wchar of /proc/self/io per rank per step; ring ideal: 2P(N-1)/N x 4 bytes",
+        "16P/N). Real memory (RSS) per rank: see the memory benchmark (benchmarks/memory.py), which runs",
+        "each implementation in fresh processes. MB sent: wchar of /proc/self/io per rank per step; ring",
+        "ideal: 2P(N-1)/N x 4 bytes",
         "(3P(N-1)/N at stage 3 and FSDP2). Loss diff: against the single process on the same global batch,",
         "every step. MB = 1e6 bytes.",
     ]

@@ -1,7 +1,8 @@
-"""The one workload every implementation of the side-by-side benchmark trains.
+"""The workloads the benchmarks train (side by side, memory).
 
 A :class:`Workload` is frozen: the model (a ``transformers`` GPT-2 built from a config with
-random weights from a seed, or a plain MLP), the data (each step's global batch is a pure
+random weights from a seed, a plain MLP, or a stack of bias-free square Linear layers where
+parameters dominate memory), the data (each step's global batch is a pure
 function of the seed and the step; rank ``r`` of ``W`` takes slice ``r``, the single-process
 reference takes all of it) and the fp32 AdamW hyperparameters (:data:`ADAMW`, passed
 explicitly to every implementation: DeepSpeed's and torch's defaults differ).
@@ -25,6 +26,7 @@ __all__ = [
     "adamw",
     "block_modules",
     "build_model",
+    "enable_checkpointing",
     "global_batch",
     "loss_of",
     "num_params",
@@ -39,9 +41,12 @@ class Workload:
     """Model, data and batch of the benchmark.
 
     Attributes:
-        kind: ``"gpt2"`` (a ``transformers`` GPT-2 LM head model, embeddings tied) or ``"mlp"``.
+        kind: ``"gpt2"`` (a ``transformers`` GPT-2 LM head model, embeddings tied), ``"mlp"`` or
+            ``"linear"``.
         layers, hidden, heads, vocab, seq: GPT-2 shape (``mlp``: ``layers`` Linear+GELU blocks
-            of width ``hidden`` between an input of ``vocab // 32`` features and ``seq`` outputs).
+            of width ``hidden`` between an input of ``vocab // 32`` features and ``seq`` outputs;
+            ``linear``: ``layers`` bias-free ``Linear(hidden, hidden)`` + ReLU blocks, ``hidden``
+            inputs and outputs, ``heads`` / ``vocab`` / ``seq`` unused).
         micro_batch: Sequences (rows) per rank per step.
         seed: Seed of the weights and the data.
     """
@@ -62,6 +67,8 @@ class Workload:
                 f"GPT-2 (transformers) {self.layers} layers, hidden {self.hidden}, {self.heads} heads, "
                 f"vocab {self.vocab}, sequence {self.seq}"
             )
+        elif self.kind == "linear":
+            shape = f"{self.layers} x Linear({self.hidden}, {self.hidden}, bias=False) + ReLU"
         else:
             shape = f"MLP {self.layers} x Linear({self.hidden}) + GELU, in {self.vocab // 32}, out {self.seq}"
         return f"{shape}, micro-batch {self.micro_batch} per rank"
@@ -77,12 +84,32 @@ class MLP(nn.Module):
             nn.Sequential(nn.Linear(hidden, hidden), nn.GELU()) for _ in range(layers)
         )
         self.head = nn.Linear(hidden, outputs)
+        self.checkpointed = False  # recompute each block in backward (torch.utils.checkpoint)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.inp(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h)
+        return self.head(_run_blocks(self.blocks, self.inp(x), self.checkpointed))
+
+
+class LinearStack(nn.Module):
+    """``layers`` bias-free ``Linear(hidden, hidden)`` + ReLU blocks: parameters dominate memory."""
+
+    def __init__(self, hidden: int, layers: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(hidden, hidden, bias=False), nn.ReLU()) for _ in range(layers)
+        )
+        self.checkpointed = False  # recompute each block in backward (torch.utils.checkpoint)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _run_blocks(self.blocks, x, self.checkpointed)
+
+
+def _run_blocks(blocks: nn.ModuleList, h: torch.Tensor, checkpointed: bool) -> torch.Tensor:
+    from torch.utils.checkpoint import checkpoint
+
+    for block in blocks:
+        h = checkpoint(block, h, use_reentrant=False) if checkpointed else block(h)
+    return h
 
 
 def build_model(w: Workload) -> nn.Module:
@@ -90,8 +117,10 @@ def build_model(w: Workload) -> nn.Module:
     torch.manual_seed(w.seed)
     if w.kind == "mlp":
         return MLP(w.vocab // 32, w.hidden, w.layers, w.seq)
+    if w.kind == "linear":
+        return LinearStack(w.hidden, w.layers)
     if w.kind != "gpt2":
-        raise ValueError(f"unknown workload kind {w.kind!r}: use 'gpt2' or 'mlp'")
+        raise ValueError(f"unknown workload kind {w.kind!r}: use 'gpt2', 'mlp' or 'linear'")
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(
@@ -111,9 +140,21 @@ def build_model(w: Workload) -> nn.Module:
 
 def block_modules(model: nn.Module) -> list[nn.Module]:
     """The repeated blocks (what FSDP2 wraps with ``fully_shard`` one by one)."""
-    if isinstance(model, MLP):
+    if isinstance(model, MLP | LinearStack):
         return list(model.blocks)
     return list(model.transformer.h)
+
+
+def enable_checkpointing(model: nn.Module) -> None:
+    """Activation checkpointing of every block (non-reentrant ``torch.utils.checkpoint``).
+
+    GPT-2 through ``transformers``' own ``gradient_checkpointing_enable``; the MLP and the
+    Linear stack wrap each block's call in ``checkpoint``.
+    """
+    if isinstance(model, MLP | LinearStack):
+        model.checkpointed = True
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
 def num_params(model: nn.Module) -> int:
@@ -128,6 +169,9 @@ def global_batch(w: Workload, step: int, world: int) -> dict[str, torch.Tensor]:
     if w.kind == "mlp":
         x = torch.randn(rows, w.vocab // 32, generator=gen)
         return {"x": x, "y": torch.randn(rows, w.seq, generator=gen)}
+    if w.kind == "linear":
+        x = torch.randn(rows, w.hidden, generator=gen)
+        return {"x": x, "y": torch.randn(rows, w.hidden, generator=gen)}
     return {"ids": torch.randint(0, w.vocab, (rows, w.seq), generator=gen)}
 
 
@@ -138,7 +182,7 @@ def rank_slice(batch: dict[str, torch.Tensor], rank: int, world: int) -> dict[st
 
 def loss_of(model: Any, w: Workload, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Mean loss of ``batch`` under ``model`` (any callable wrapping the model: DDP, engines)."""
-    if w.kind == "mlp":
+    if w.kind in ("mlp", "linear"):
         return nn.functional.mse_loss(model(batch["x"]), batch["y"])
     ids = batch["ids"]
     logits = model(input_ids=ids).logits

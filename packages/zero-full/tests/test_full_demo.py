@@ -47,6 +47,12 @@ def test_train_prints_the_summary_and_the_loss_goes_down(capsys: pytest.CaptureF
         # (small) persistent tensors every rank keeps whole
         measured = megabytes(rows[f"model states, rank {rank} (measured)"])
         assert 16 * psi / 2 / 1e6 * 0.99 <= measured < 16 * psi / 1e6
+        # real memory: RSS at rest and the step's peak above the runtime (torch + gloo: > 150 MB)
+        rss = re.fullmatch(
+            r"(.+) / (.+) above the runtime's (.+)", rows[f"RSS at rest / step peak, rank {rank}"]
+        )
+        rest, peak, runtime = (megabytes(rss.group(i)) for i in (1, 2, 3))
+        assert runtime > 150 and 0 < rest < 200 and peak >= rest - 1
     assert megabytes(rows["DDP would hold (16P, fp32 AdamW)"]) == pytest.approx(16 * psi / 1e6, abs=0.05)
     assert megabytes(rows["ZeRO-3 formula (16P/N)"]) == pytest.approx(8 * psi / 1e6, abs=0.05)
     sent = rows["communicated per step (rank 0)"]

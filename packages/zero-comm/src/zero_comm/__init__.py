@@ -16,6 +16,9 @@ Topology, process groups and byte accounting for the zero stack:
 * :class:`CommWatchdog`: records what each rank is doing, heartbeats it to the process
   group's store, and turns a stuck collective into :class:`CollectiveTimeoutError` on every
   live rank saying which rank is where (:func:`note` labels the next collectives).
+* Real memory of this rank (module :mod:`zero_comm.rank_memory`): :func:`read_process_memory`
+  (RSS and its peak, :func:`reset_process_peak` per step) and :func:`read_device_memory`
+  (``torch.accelerator`` allocated and peak bytes, :func:`reset_device_peak`).
 * Quantized collectives (ZeRO++ qwZ / qgZ, module :mod:`zero_comm.quantized`, optional extra
   ``pip install zero-comm[quantized]``): :class:`QuantizedAllGather`,
   :func:`quantized_all_gather_coalesced`, :class:`QuantizedReduceScatter`,
@@ -32,6 +35,15 @@ from zero_comm.hierarchical import hierarchical_all_gather_coalesced
 from zero_comm.ledger import CommLedger, CommRecord, CommTotals, record, ring_wire_bytes
 from zero_comm.partition import padded_numel, partition_numel, shard_range
 from zero_comm.primitives import all_reduce, all_to_all_single, broadcast
+from zero_comm.rank_memory import (
+    DeviceMemory,
+    MemorySource,
+    ProcessMemory,
+    read_device_memory,
+    read_process_memory,
+    reset_device_peak,
+    reset_process_peak,
+)
 from zero_comm.reduction import ReduceOpLike, Reduction
 from zero_comm.strategies import (
     AllGatherStrategy,
@@ -53,10 +65,13 @@ __all__ = [
     "CommRecord",
     "CommTotals",
     "CommWatchdog",
+    "DeviceMemory",
     "FlatAllGather",
     "HierarchicalAllGather",
     "HierarchicalGroups",
     "LinkKind",
+    "MemorySource",
+    "ProcessMemory",
     "RankPosition",
     "RanksDivergedError",
     "ReduceOpLike",
@@ -75,8 +90,12 @@ __all__ = [
     "note",
     "padded_numel",
     "partition_numel",
+    "read_device_memory",
+    "read_process_memory",
     "record",
     "reduce_scatter_coalesced",
+    "reset_device_peak",
+    "reset_process_peak",
     "ring_wire_bytes",
     "shard_range",
 ]

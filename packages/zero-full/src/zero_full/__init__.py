@@ -19,6 +19,7 @@ from zero_full.checkpoint import CheckpointError
 from zero_full.config import ZeroConfig
 from zero_full.engine import Engine, EngineStats, Init, initialize
 from zero_full.hf_save import SavedPretrained
+from zero_full.memory_report import MemoryReport
 from zero_full.nonfinite import NonFiniteGradientError
 from zero_full.pretrained import LoadReport, from_pretrained, load_safetensors_into
 from zero_params import GatheredParameters, register_external_parameter
@@ -30,6 +31,7 @@ __all__ = [
     "GatheredParameters",
     "Init",
     "LoadReport",
+    "MemoryReport",
     "NonFiniteGradientError",
     "RankMismatchError",
     "SavedPretrained",

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zero_comm import CommTotals
+from zero_comm import CommTotals, read_process_memory
 from zero_coord import StepStats
 from zero_full.config import Precision, ZeroConfig
 from zero_full.engine import initialize
@@ -137,6 +137,11 @@ class RankResult:
         peak_live_elements: Most gathered parameter elements alive at once, over every step.
         seconds: Wall time of the training loop.
         tokens: Tokens this rank trained on.
+        runtime_rss_bytes: RSS before the model was built (torch, gloo, zero_full, transformers).
+        rest_rss_bytes: RSS after the last step (at rest: between steps).
+        step_peak_rss_bytes: Largest per-step peak RSS (peak reset before each step; steps after
+            the first, which also creates the optimizer state, unless there is only one).
+        peak_resettable: Whether the peak could be reset per step (else: since the process started).
     """
 
     rank: int
@@ -148,6 +153,10 @@ class RankResult:
     peak_live_elements: int
     seconds: float
     tokens: int
+    runtime_rss_bytes: int = 0
+    rest_rss_bytes: int = 0
+    step_peak_rss_bytes: int = 0
+    peak_resettable: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,6 +298,9 @@ def _train_rank(rank: int, opts: TrainOptions, config: dict[str, Any], conn: Con
     """Train on this rank; sends ``("ready", rank)`` once initialized, then ``("step", rank, step,
     loss, seconds)`` after every optimizer step."""
     world = dist.get_world_size()
+    _require_transformers()
+    importlib.import_module("transformers.models.gpt2.modeling_gpt2")  # the runtime, before the model
+    runtime = read_process_memory().rss_bytes or 0
     model = build_model(opts)
     num_params = sum(p.numel() for p in model.parameters())
     engine = initialize(model, config)
@@ -298,10 +310,12 @@ def _train_rank(rank: int, opts: TrainOptions, config: dict[str, Any], conn: Con
     conn.send(("ready", rank))  # start-up is over: the progress bar starts with the first step
     losses: list[float] = []
     comm, params, peak = CommTotals(), StepStats(), 0
+    step_peaks: list[int] = []
     start = time.perf_counter()
     for step in range(opts.steps):
         if rank == opts.crash_rank and step == 1:
             os._exit(_CRASH_EXIT_CODE)  # the failure-path check: die without a word
+        engine.reset_peak_memory()  # this step's peak RSS
         t0, total = time.perf_counter(), torch.zeros(())
         for m in range(accumulation):
             batch = synthetic_batch(opts, step * accumulation + m, micro * world)
@@ -315,11 +329,13 @@ def _train_rank(rank: int, opts: TrainOptions, config: dict[str, Any], conn: Con
                 stats = engine.stats.params
                 peak = max(peak, stats.max_live_elements)
                 params = params + stats if step > 0 else params
+        step_peaks.append(read_process_memory().peak_rss_bytes)
         comm = comm + engine.stats.comm
         dist.all_reduce(total)
         losses.append(total.item() / world)
         conn.send(("step", rank, step + 1, losses[-1], time.perf_counter() - t0))
     seconds = time.perf_counter() - start
+    rest = engine.memory_report().process
     result = RankResult(
         rank=rank,
         num_params=num_params,
@@ -330,6 +346,10 @@ def _train_rank(rank: int, opts: TrainOptions, config: dict[str, Any], conn: Con
         peak_live_elements=peak,
         seconds=seconds,
         tokens=opts.steps * accumulation * micro * opts.seq,
+        runtime_rss_bytes=runtime,
+        rest_rss_bytes=rest.rss_bytes or 0,
+        step_peak_rss_bytes=max(step_peaks[1:] or step_peaks),
+        peak_resettable=rest.peak_resettable,
     )
     engine.close()
     return result
@@ -514,7 +534,9 @@ def _raise_failure(watch: _Watch) -> None:
 @contextlib.contextmanager
 def _child_environment(ranks_per_node: int) -> Iterator[None]:
     """Environment the spawned ranks inherit: one OpenMP thread each, the simulated node size."""
-    wanted = {"OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": str(ranks_per_node)}
+    # MALLOC_MMAP_THRESHOLD_: freed blocks >= 1 MiB leave the RSS, so the memory rows follow live tensors.
+    mmap = os.environ.get("MALLOC_MMAP_THRESHOLD_", "1048576")
+    wanted = {"OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": str(ranks_per_node), "MALLOC_MMAP_THRESHOLD_": mmap}
     saved = {k: os.environ.get(k) for k in wanted}
     os.environ.update(wanted)
     try:
@@ -599,12 +621,24 @@ def _memory_rows(summary: TrainSummary) -> list[tuple[str, str]]:
         for r in summary.results
     ]
     worst = max(r.model_state_bytes for r in summary.results)
+    rows += [_rss_row(r) for r in summary.results]
     rows += [
         ("DDP would hold (16P, fp32 AdamW)", format_bytes(16 * psi)),
         (f"ZeRO-{stage} formula ({_FORMULAS[precision][stage]})", format_bytes(est[stage])),
         ("saving vs DDP (largest rank)", f"{16 * psi / worst:.2f}x less"),
     ]
     return rows
+
+
+def _rss_row(r: RankResult) -> tuple[str, str]:
+    """Real memory of one rank: RSS at rest and the step's peak, above the runtime's own."""
+    rest, peak = r.rest_rss_bytes - r.runtime_rss_bytes, r.step_peak_rss_bytes - r.runtime_rss_bytes
+    since = "" if r.peak_resettable else " (peak since start: no /proc)"
+    runtime = format_bytes(r.runtime_rss_bytes)
+    return (
+        f"RSS at rest / step peak, rank {r.rank}",
+        f"{format_bytes(rest)} / {format_bytes(peak)} above the runtime's {runtime}{since}",
+    )
 
 
 def _comm_rows(summary: TrainSummary) -> list[tuple[str, str]]:
@@ -655,7 +689,13 @@ def format_summary(summary: TrainSummary) -> str:
     width = max(len(k) for k, _ in rows)
     lines = [head, "", f"  {'metric'.ljust(width)}  value", f"  {'-' * width}  {'-' * 5}"]
     lines += [f"  {k.ljust(width)}  {v}" for k, v in rows]
-    lines += ["", "MB = 1e6 bytes. Model states: parameters + gradients + optimizer state, padding included."]
+    lines += [
+        "",
+        "MB = 1e6 bytes. Model states: parameters + gradients + optimizer state, padding included.",
+        "RSS: the process's resident memory above the runtime (torch, gloo, imports: the RSS before the",
+        "model); at rest after the last step, step peak with the peak reset before each step",
+        "(MALLOC_MMAP_THRESHOLD_=1048576 unless set: freed blocks >= 1 MiB leave the RSS).",
+    ]
     return "\n".join(lines)
 
 

@@ -42,6 +42,7 @@ from zero_coord import Coordinator, StepStats
 from zero_full import checkpoint as _checkpoint
 from zero_full.agreement import check_agreement
 from zero_full.config import Precision, ZeroConfig
+from zero_full.memory_report import MemoryReport, build_memory_report, reset_peak_memory
 from zero_full.mics import MicsGroups, build_mics_groups
 from zero_full.stages import StepPipeline, build_stage, working_dtype
 from zero_optim import LossScaler, OptimizerSpec, PartitionedOptimizer, check_replicas_consistent
@@ -372,6 +373,35 @@ class Engine:
         return EngineStats(
             self.global_steps, params, self._comm, self._pipeline.skipped_steps, self._pipeline.loss_scale
         )
+
+    def memory_report(self, reset_peak: bool = False) -> MemoryReport:
+        """This rank's real memory now, next to the ZeRO formula (no collective; log it per step).
+
+        The report holds the process's RSS and its peak since the last reset (on Linux from
+        ``/proc/self/status``; elsewhere only the peak since start, said so), the accelerator's
+        allocated and peak bytes when there is one (``torch.accelerator``), the model-state
+        bytes counted from the engine's storages (:meth:`model_state_bytes`, a second figure)
+        and the formula's bytes for this stage. ``str(report)`` is one readable line.
+
+        Args:
+            reset_peak: After reading, reset the peaks (as :meth:`reset_peak_memory`), so the
+                next report's peak is the next step's.
+        """
+        report = build_memory_report(self, dist.get_rank(), dist.get_world_size())
+        if reset_peak:
+            reset_peak_memory()
+        return report
+
+    def reset_peak_memory(self) -> bool:
+        """Reset the peak RSS (``/proc/self/clear_refs``) and the accelerator's peak to the current values.
+
+        Call it at the start of a step: the next :meth:`memory_report`'s peak is that step's.
+
+        Returns:
+            Whether the process peak could be reset (``False`` without ``/proc``: the peak is
+            then the process's since it started).
+        """
+        return reset_peak_memory()
 
     def model_state_bytes(self) -> int:
         """Bytes of this rank's model states: parameters, gradients and optimizer state.

@@ -1,0 +1,134 @@
+"""``benchmarks/memory.py``'s pure helpers, and the Linear-stack workload it adds."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from impls import block_numel, zero_section
+from memory import RELEASE, failed_row, formula_bytes, markdown, split_impl, summarize, table
+from workloads import Workload, build_model, enable_checkpointing, global_batch, loss_of, num_params
+
+MB = 10**6
+
+
+class _CountingReLU(torch.nn.ReLU):
+    """ReLU counting its forward calls (a recomputation calls it again)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return super().forward(x)
+
+
+def test_split_impl_names_the_base_implementation_and_its_options():
+    assert split_impl("zero-3+ckpt") == ("zero-3", dataclasses.replace(RELEASE, checkpointing=True))
+    base, options = split_impl("deepspeed-3")
+    assert base == "deepspeed-3" and not options.checkpointing
+    assert options.persistence_threshold == 0 and options.live_blocks == 2.0
+    with pytest.raises(ValueError, match="unknown implementation 'zero-4'"):
+        split_impl("zero-4")
+
+
+def test_formulas_and_the_release_policy_of_stage_3():
+    psi, n = 1000, 4
+    assert formula_bytes("zero-3+ckpt", psi, n) == formula_bytes("fsdp2", psi, n) == 16 * psi / n
+    assert formula_bytes("deepspeed-1", psi, n) == 8 * psi + 8 * psi / n
+    assert formula_bytes("zero-2", psi, n) == 4 * psi + 12 * psi / n
+    assert formula_bytes("ddp", psi, n) == 16 * psi
+    w = Workload("linear", layers=3, hidden=64)
+    assert block_numel(w) == 64 * 64 and block_numel(Workload("gpt2", hidden=64)) == 12 * 64 * 64
+    section = zero_section(3, w, RELEASE)
+    assert section["stage3_max_live_parameters"] == 2 * 64 * 64
+    assert section["stage3_prefetch_bucket_size"] == 64 * 64
+    assert section["stage3_param_persistence_threshold"] == 0 and section["stage3_max_reuse_distance"] == 0
+
+
+def _rank(rank, runtime, baseline, steps, state):
+    return {
+        "rank": rank,
+        "runtime": runtime,
+        "baseline": baseline,
+        "steps": steps,
+        "model_state_bytes": state,
+    }
+
+
+def test_summarize_takes_the_largest_rank_and_step_above_the_baseline():
+    ranks = [
+        _rank(0, 200 * MB, 300 * MB, [{"rest": 400 * MB, "forward": 450 * MB, "peak": 500 * MB}], 90 * MB),
+        _rank(
+            1,
+            210 * MB,
+            305 * MB,
+            [
+                {"rest": 410 * MB, "forward": 420 * MB, "peak": 480 * MB},
+                {"rest": 402 * MB, "forward": 470 * MB, "peak": 530 * MB},
+            ],
+            95 * MB,
+        ),
+    ]
+    row = summarize("zero-2", "linear", 2, 10 * MB, ranks)
+    assert row["rest_bytes"] == 105 * MB  # rank 1, first step: 410 - 305
+    assert row["forward_bytes"] == 68 * MB  # rank 1, second step: 470 - 402
+    assert row["peak_added_bytes"] == 128 * MB  # rank 1, second step: 530 - 402
+    assert row["step_peak_bytes"] == 225 * MB  # 530 - 305
+    assert row["imports_bytes"] == 100 * MB and row["runtime_bytes"] == 210 * MB
+    assert row["model_state_bytes"] == 95 * MB
+    assert row["formula_bytes"] == 4 * 10 * MB + 12 * 10 * MB / 2 and row["error"] is None
+
+
+def test_the_table_compares_with_ddp_and_names_a_failed_run():
+    steps = [{"rest": 300 * MB, "forward": 310 * MB, "peak": 400 * MB}]
+    ddp = summarize("ddp", "linear", 2, 10 * MB, [_rank(0, 100 * MB, 100 * MB, steps, 160 * MB)])
+    half = [{"rest": 200 * MB, "forward": 210 * MB, "peak": 250 * MB}]
+    zero = summarize("zero-3", "linear", 2, 10 * MB, [_rank(0, 100 * MB, 100 * MB, half, 80 * MB)])
+    dead = failed_row("deepspeed-3", "linear", 2, 10 * MB, "benchmark rank 1 exited with code 1")
+    lines = table([ddp, zero, dead]).splitlines()
+    assert lines[2].split(" | ")[1:4] == ["200", "160", "1.25"]
+    assert "300 (200 + 100)" in lines[2] and "| 1.00 |" in lines[2]
+    assert "150 (100 + 50)" in lines[3] and "| 0.50 |" in lines[3]
+    assert "failed: benchmark rank 1 exited with code 1" in lines[4]
+    result = {
+        "meta": {
+            "date": "d",
+            "cpus": 2,
+            "load_average_1m": 1.0,
+            "versions": {"torch": "2.13.0"},
+            "python": "3",
+        },
+        "run_seconds": 1.0,
+        "warmup": 2,
+        "steps": 1,
+        "workloads": {"linear": "a Linear stack"},
+        "worlds": [2, 4],
+        "rows": [ddp, zero, dead],
+    }
+    text = markdown(result)  # world 4 has no run yet: a partial report, rewritten after every run
+    assert "**a Linear stack**, P = 10,000,000, world 2:" in text and "Runtime" in text
+    assert "world 4" not in text
+
+
+def test_the_linear_stack_has_hidden_squared_parameters_per_layer_and_checkpointing_keeps_gradients():
+    w = Workload("linear", layers=3, hidden=24, micro_batch=2)
+    assert num_params(build_model(w)) == 3 * 24 * 24
+    batch = global_batch(w, 0, world=2)
+    assert batch["x"].shape == (4, 24) and batch["y"].shape == (4, 24)
+    grads, calls = [], []
+    for checkpointed in (False, True):
+        model = build_model(w)
+        if checkpointed:
+            enable_checkpointing(model)
+        counter = _CountingReLU()
+        for block in model.blocks:
+            block[1] = counter
+        loss_of(model, w, batch).backward()
+        grads.append([p.grad for p in model.parameters()])
+        calls.append(counter.calls)
+    assert calls == [3, 6]  # checkpointed: every block's forward runs again in backward
+    for plain, recomputed in zip(*grads):
+        torch.testing.assert_close(recomputed, plain, rtol=0, atol=0)

@@ -1,0 +1,129 @@
+"""``engine.memory_report()``: this rank's real memory next to the ZeRO formula.
+
+A :class:`MemoryReport` holds, for one rank at one moment:
+
+* the process's resident memory (RSS now and its peak since the last reset, from
+  ``/proc/self/status``; see :mod:`zero_comm.rank_memory`) — the evidence on CPU;
+* the accelerator's allocated bytes and their peak (``torch.accelerator``), when there is one;
+* the model-state bytes counted from the engine's own storages (a second figure: what the
+  engine believes it holds, not what the process holds);
+* the ZeRO formula's bytes for this stage, precision and partition group size.
+
+Reset the peaks at the start of each step with ``engine.reset_peak_memory()`` (or
+``engine.memory_report(reset_peak=True)`` at its end) so that the peak is one step's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import zero_params
+from zero_comm import (
+    DeviceMemory,
+    ProcessMemory,
+    read_device_memory,
+    read_process_memory,
+    reset_device_peak,
+    reset_process_peak,
+)
+from zero_full.config import Precision
+from zero_full.estimate import EstimatePrecision, estimate_model_states, format_bytes
+
+if TYPE_CHECKING:
+    from zero_full.engine import Engine
+
+__all__ = ["MemoryReport", "build_memory_report", "reset_peak_memory"]
+
+_FORMULA_TEXT = {
+    EstimatePrecision.MIXED: {0: "16P", 1: "4P + 12P/N", 2: "2P + 14P/N", 3: "16P/N"},
+    EstimatePrecision.FP32: {0: "16P", 1: "8P + 8P/N", 2: "4P + 12P/N", 3: "16P/N"},
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+    """One rank's memory at one moment (see :meth:`zero_full.Engine.memory_report`).
+
+    Attributes:
+        rank: The global rank.
+        global_steps: Optimizer steps the engine had taken.
+        process: RSS and peak RSS of the process (the evidence on CPU).
+        device: Allocated and peak bytes on the accelerator; ``None`` on CPU.
+        model_state_bytes: Parameters + gradients + optimizer state counted from the engine's
+            storages (``engine.model_state_bytes()``): a second figure, not the evidence.
+        formula_bytes: The ZeRO formula's model-state bytes per rank for this stage.
+        formula: The formula in words, e.g. ``ZeRO-3 16P/N (fp32, N = 2)``.
+        num_params: P, the model's parameters (each shared tensor once).
+    """
+
+    rank: int
+    global_steps: int
+    process: ProcessMemory
+    device: DeviceMemory | None
+    model_state_bytes: int
+    formula_bytes: float
+    formula: str
+    num_params: int
+
+    def __str__(self) -> str:
+        proc = self.process
+        rss = "RSS unknown" if proc.rss_bytes is None else f"RSS {format_bytes(proc.rss_bytes)}"
+        since = "since the last reset" if proc.peak_resettable else "since the process started"
+        peak = format_bytes(proc.peak_rss_bytes)
+        parts = [f"rank {self.rank} step {self.global_steps}: {rss}, peak {peak} {since}"]
+        if self.device is not None:
+            dev = self.device
+            parts.append(
+                f"{dev.device} allocated {format_bytes(dev.allocated_bytes)}, "
+                f"peak {format_bytes(dev.peak_allocated_bytes)}, reserved {format_bytes(dev.reserved_bytes)}"
+            )
+        parts.append(
+            f"model states {format_bytes(self.model_state_bytes)} counted, "
+            f"{format_bytes(self.formula_bytes)} by {self.formula}"
+        )
+        return "; ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (bytes as numbers, the source as its string)."""
+        data = dataclasses.asdict(self)
+        data["process"]["source"] = self.process.source.value
+        return data
+
+
+def _num_params(engine: Engine) -> int:
+    unique = dict.fromkeys(engine.module.parameters())
+    return sum(zero_params.full_shape(p).numel() for p in unique)
+
+
+def _formula(engine: Engine, num_params: int, world: int) -> tuple[float, str]:
+    cfg = engine.config
+    precision = EstimatePrecision.FP32 if cfg.precision is Precision.FP32 else EstimatePrecision.MIXED
+    z = cfg.zero_optimization
+    shard = z.mics_shard_size if cfg.stage == 3 and z.mics_enabled else None
+    est = estimate_model_states(max(num_params, 1), world, precision, (cfg.stage,), shard)
+    group = world if shard is None else shard
+    text = f"ZeRO-{cfg.stage} {_FORMULA_TEXT[precision][cfg.stage]} ({precision.value}, N = {group})"
+    return est.stages[-1].total_bytes, text
+
+
+def build_memory_report(engine: Engine, rank: int, world: int) -> MemoryReport:
+    """Read this rank's memory now (no collective: every rank reads its own)."""
+    num_params = _num_params(engine)
+    formula_bytes, formula = _formula(engine, num_params, world)
+    return MemoryReport(
+        rank=rank,
+        global_steps=engine.global_steps,
+        process=read_process_memory(),
+        device=read_device_memory(),
+        model_state_bytes=engine.model_state_bytes(),
+        formula_bytes=formula_bytes,
+        formula=formula,
+        num_params=num_params,
+    )
+
+
+def reset_peak_memory() -> bool:
+    """Reset the process's peak RSS and the accelerator's peak; whether the process peak was reset."""
+    reset_device_peak()
+    return reset_process_peak()
