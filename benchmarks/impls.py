@@ -186,12 +186,17 @@ class ImplOptions:
         prefetch_blocks: Stage 3: prefetch bucket, in blocks (:func:`block_numel`).
         live_blocks: Stage 3: most gathered parameters alive at once, in blocks.
         checkpointing: Activation checkpointing of every block (non-reentrant).
+        bucket_blocks: ``reduce_bucket_size`` and ``allgather_bucket_size``, in blocks.
+        sub_group_blocks: ``sub_group_size`` (elements the optimizer steps at once), in
+            blocks; ``None`` keeps DeepSpeed's default (1e9 elements: the whole partition).
     """
 
     persistence_threshold: int = 4096
     prefetch_blocks: float = 0.5
     live_blocks: float = 1.5
     checkpointing: bool = False
+    bucket_blocks: float = 4.0
+    sub_group_blocks: float | None = None
 
 
 def _model(w: Workload, options: ImplOptions) -> nn.Module:
@@ -288,9 +293,11 @@ def zero_section(stage: int, w: Workload, options: ImplOptions = ImplOptions()) 
     section: dict[str, Any] = {
         "stage": stage,
         "contiguous_gradients": True,
-        "reduce_bucket_size": 4 * block,
-        "allgather_bucket_size": 4 * block,
+        "reduce_bucket_size": int(options.bucket_blocks * block),
+        "allgather_bucket_size": int(options.bucket_blocks * block),
     }
+    if options.sub_group_blocks is not None:
+        section["sub_group_size"] = int(options.sub_group_blocks * block)
     if stage == 3:
         section.update(
             {

@@ -81,7 +81,11 @@ IMPLS = (
 )
 CHECKPOINTED = "+ckpt"
 # Stage 3 (zero and DeepSpeed) really releases: nothing persists, one block prefetched, two live.
-RELEASE = ImplOptions(persistence_threshold=0, prefetch_blocks=1.0, live_blocks=2.0)
+# Every stage (zero and DeepSpeed alike) bounds its transients by the config: reduce / all-gather
+# buckets of one block and an optimizer that steps one block's elements at a time.
+RELEASE = ImplOptions(
+    persistence_threshold=0, prefetch_blocks=1.0, live_blocks=2.0, bucket_blocks=1.0, sub_group_blocks=1.0
+)
 MEASURED_ENV = {"MALLOC_MMAP_THRESHOLD_": "1048576", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
 MARK_BEGIN = "<!-- memory-benchmark:begin -->"
 MARK_END = "<!-- memory-benchmark:end -->"
@@ -346,7 +350,8 @@ def markdown(result: dict[str, Any]) -> str:
         "before its forward) minus the baseline = at rest + what the step added at its peak. Model",
         "states counted: distinct storages reachable from the implementation's module, optimizer",
         "and engine after backward (a second figure). Stage 3 (zero, DeepSpeed): persistence",
-        "threshold 0, prefetch 1 block, at most 2 blocks live, reuse distance 0.",
+        "threshold 0, prefetch 1 block, at most 2 blocks live, reuse distance 0. Every stage (zero",
+        "and DeepSpeed): reduce and all-gather buckets of 1 block, sub_group_size 1 block.",
     ]
     lines.append(" ".join(notes))
     return "\n".join(lines) + "\n"

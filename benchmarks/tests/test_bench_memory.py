@@ -46,6 +46,12 @@ def test_formulas_and_the_release_policy_of_stage_3():
     assert section["stage3_max_live_parameters"] == 2 * 64 * 64
     assert section["stage3_prefetch_bucket_size"] == 64 * 64
     assert section["stage3_param_persistence_threshold"] == 0 and section["stage3_max_reuse_distance"] == 0
+    # transients bounded by the config at every stage: one block per bucket and per optimizer sub-group
+    for stage in (1, 2, 3):
+        section = zero_section(stage, w, RELEASE)
+        assert section["reduce_bucket_size"] == section["allgather_bucket_size"] == 64 * 64
+        assert section["sub_group_size"] == 64 * 64
+    assert "sub_group_size" not in zero_section(2, w)  # the side-by-side keeps DeepSpeed's default
 
 
 def _rank(rank, runtime, baseline, steps, state):
