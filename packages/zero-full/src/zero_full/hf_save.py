@@ -282,9 +282,8 @@ def consolidate_checkpoint_hf(
     """
     import shutil
 
-    from zero_full import ckpt_io
     from zero_full.ckpt_io import CheckpointError
-    from zero_full.safetensors_io import _assemble
+    from zero_full.safetensors_io import CheckpointReader
 
     checkpoint, out = Path(checkpoint), Path(out)
     cfg_file = None
@@ -292,44 +291,13 @@ def consolidate_checkpoint_hf(
         cfg_file = Path(config) / "config.json" if Path(config).is_dir() else Path(config)
         if not cfg_file.is_file():
             raise CheckpointError(f"--config {config}: no config.json there")
-    tag = ckpt_io.resolve_tag(checkpoint, tag)
-    path = checkpoint / tag
-    manifest = ckpt_io.read_manifest(path)
-    files = ckpt_io.manifest_files(manifest)
-    if verify:
-        for f in files:
-            ckpt_io.verify_file(path / f.name, f)
-    params = {p["name"]: p for p in manifest["params"]}
-    buffers = {b["name"]: b for b in manifest["buffers"]}
-    where: dict[str, list[tuple[str, int, int]]] = {}
-    for f in files:
-        for name, a, b in f.pieces:
-            where.setdefault(name, []).append((f.name, a, b))
-    chosen, seen = [], set()
-    for e in manifest["state_dict_keys"]:
-        if e["kind"] == "param" and e["source"] in seen:
-            continue  # a tied alias: saved once, as transformers does
-        seen.add(e["source"])
-        chosen.append(e)
-    entries = []
-    for e in chosen:
-        src = params[e["source"]] if e["kind"] == "param" else buffers[e["source"]]
-        dtype = ckpt_io.dtype_from_name(src["dtype"])
-        if e["kind"] == "param" and dtype.is_floating_point:
-            dtype = torch.float32
-        entries.append((e["key"], dtype, tuple(src["shape"])))
-    opened: dict[str, Any] = {}
-
-    def shard(fname: str) -> Any:
-        if fname not in opened:
-            opened[fname] = ckpt_io.open_shard(path / fname)
-        return opened[fname]
+    reader = CheckpointReader(checkpoint, tag, verify=verify)
+    chosen = reader.entries(tied_once=True)
+    entries = [(key, dtype, shape) for key, dtype, shape, _ in chosen]
 
     def produce(i: int) -> torch.Tensor:
-        e, (_, dtype, _) = chosen[i], entries[i]
-        if e["kind"] == "param":
-            return _assemble(e["source"], params[e["source"]], where.get(e["source"], []), shard, dtype)
-        return shard(ckpt_io.BUFFERS_FILE)["buffers"][e["source"]]
+        _, dtype, _, entry = chosen[i]
+        return reader.tensor(entry, dtype)
 
     saved = _write_shards(out, entries, produce, parse_size(max_shard_size))
     if cfg_file is not None:

@@ -29,7 +29,13 @@ from zero_full import ckpt_io
 from zero_full.ckpt_io import CheckpointError
 from zero_full.estimate import format_bytes
 
-__all__ = ["ConsolidateResult", "SafetensorsWriter", "add_consolidate_parser", "consolidate_checkpoint"]
+__all__ = [
+    "CheckpointReader",
+    "ConsolidateResult",
+    "SafetensorsWriter",
+    "add_consolidate_parser",
+    "consolidate_checkpoint",
+]
 
 _DTYPES = {
     torch.float64: "F64",
@@ -168,46 +174,17 @@ def consolidate_checkpoint(
         CheckpointError: no such checkpoint, a missing or corrupt file, or a parameter whose
             pieces do not cover it.
     """
-    directory, out = Path(directory), Path(out)
-    tag = ckpt_io.resolve_tag(directory, tag)
-    path = directory / tag
-    manifest = ckpt_io.read_manifest(path)
-    files = ckpt_io.manifest_files(manifest)
-    if verify:
-        for f in files:
-            ckpt_io.verify_file(path / f.name, f)
-    params = {p["name"]: p for p in manifest["params"]}
-    buffers = {b["name"]: b for b in manifest["buffers"]}
-    where: dict[str, list[tuple[str, int, int]]] = {}
-    for f in files:
-        for name, a, b in f.pieces:
-            where.setdefault(name, []).append((f.name, a, b))
-    entries = []
-    for e in manifest["state_dict_keys"]:
-        src = params[e["source"]] if e["kind"] == "param" else buffers[e["source"]]
-        dtype = ckpt_io.dtype_from_name(src["dtype"])
-        if e["kind"] == "param" and dtype.is_floating_point:
-            dtype = torch.float32
-        entries.append((e["key"], dtype, src["shape"]))
-    shards: dict[str, dict[str, Any]] = {}
-
-    def shard(fname: str) -> dict[str, Any]:
-        if fname not in shards:
-            shards[fname] = ckpt_io.open_shard(path / fname)
-        return shards[fname]
-
+    out = Path(out)
+    reader = CheckpointReader(directory, tag, verify=verify)
+    entries = reader.entries()
     tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     total = biggest = 0
     try:
         with open(tmp, "wb") as f:
-            writer = SafetensorsWriter(f, entries, {"format": "pt", "zero_checkpoint_tag": tag})
-            for (key, dtype, shape), e in zip(entries, manifest["state_dict_keys"], strict=True):
-                if e["kind"] == "param":
-                    tensor = _assemble(
-                        e["source"], params[e["source"]], where.get(e["source"], []), shard, dtype
-                    )
-                else:
-                    tensor = shard(ckpt_io.BUFFERS_FILE)["buffers"][e["source"]]
+            specs = [(key, dtype, shape) for key, dtype, shape, _ in entries]
+            writer = SafetensorsWriter(f, specs, {"format": "pt", "zero_checkpoint_tag": reader.tag})
+            for key, dtype, shape, entry in entries:
+                tensor = reader.tensor(entry, dtype)
                 writer.write(key, tensor.reshape(shape))
                 nbytes = tensor.numel() * tensor.element_size()
                 total += nbytes
@@ -219,28 +196,92 @@ def consolidate_checkpoint(
         os.replace(tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
-    return ConsolidateResult(out, tag, len(entries), total, biggest)
+    return ConsolidateResult(out, reader.tag, len(entries), total, biggest)
 
 
-def _assemble(
-    name: str, meta: dict[str, Any], pieces: list[tuple[str, int, int]], shard: Any, dtype: torch.dtype
-) -> torch.Tensor:
-    """One full flattened parameter from its saved pieces."""
-    numel = int(meta["numel"])
-    pos = 0
-    for _, a, b in sorted(pieces, key=lambda x: x[1]):
-        if a > pos:
-            break
-        pos = max(pos, b)
-    if pos < numel:
-        raise CheckpointError(
-            f"the checkpoint's pieces of parameter {name!r} cover only [0, {pos}) of {numel}"
-        )
-    full = torch.empty(numel, dtype=dtype)
-    for fname, a, b in pieces:
-        if b > a:
-            full[a:b].copy_(shard(fname)["params"][name]["value"])
-    return full
+Entry = tuple[str, torch.dtype, tuple[int, ...], dict[str, Any]]
+"""``(state_dict key, dtype, shape, manifest entry)`` of one saved tensor."""
+
+
+class CheckpointReader:
+    """A saved checkpoint read offline, one full tensor at a time (no process group).
+
+    Opens the manifest of ``directory/tag`` (``None``: ``directory/latest``), optionally
+    verifies every file's sha256, and assembles full parameters from their saved pieces,
+    memory-mapping each shard file once. Used by ``zero consolidate`` (one safetensors file)
+    and ``zero consolidate --hf`` (:mod:`zero_full.hf_save`).
+
+    Raises:
+        CheckpointError: no such checkpoint, or a missing or corrupt file.
+    """
+
+    def __init__(self, directory: str | Path, tag: str | None = None, *, verify: bool = True) -> None:
+        directory = Path(directory)
+        self.tag = ckpt_io.resolve_tag(directory, tag)
+        self.path = directory / self.tag
+        self.manifest = ckpt_io.read_manifest(self.path)
+        files = ckpt_io.manifest_files(self.manifest)
+        if verify:
+            for f in files:
+                ckpt_io.verify_file(self.path / f.name, f)
+        self._params = {p["name"]: p for p in self.manifest["params"]}
+        self._buffers = {b["name"]: b for b in self.manifest["buffers"]}
+        self._where: dict[str, list[tuple[str, int, int]]] = {}
+        for f in files:
+            for name, a, b in f.pieces:
+                self._where.setdefault(name, []).append((f.name, a, b))
+        self._opened: dict[str, Any] = {}
+
+    def entries(
+        self, *, tied_once: bool = False
+    ) -> list[tuple[str, torch.dtype, tuple[int, ...], dict[str, Any]]]:
+        """``(state_dict key, dtype, shape, manifest entry)`` per tensor, in ``state_dict`` order.
+
+        Floating-point parameters are fp32 (the masters); ``tied_once`` keeps a tied
+        parameter under its first key only (as ``transformers`` saves it).
+        """
+        out, seen = [], set()
+        for e in self.manifest["state_dict_keys"]:
+            if tied_once and e["kind"] == "param" and e["source"] in seen:
+                continue
+            seen.add(e["source"])
+            src = self._params[e["source"]] if e["kind"] == "param" else self._buffers[e["source"]]
+            dtype = ckpt_io.dtype_from_name(src["dtype"])
+            if e["kind"] == "param" and dtype.is_floating_point:
+                dtype = torch.float32
+            out.append((e["key"], dtype, tuple(src["shape"]), e))
+        return out
+
+    def tensor(self, entry: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
+        """The full (flattened, for parameters) tensor of one manifest entry.
+
+        Raises:
+            CheckpointError: the saved pieces of a parameter do not cover it.
+        """
+        name = entry["source"]
+        if entry["kind"] != "param":
+            return self._shard(ckpt_io.BUFFERS_FILE)["buffers"][name]
+        numel = int(self._params[name]["numel"])
+        pieces = self._where.get(name, [])
+        pos = 0
+        for _, a, b in sorted(pieces, key=lambda x: x[1]):
+            if a > pos:
+                break
+            pos = max(pos, b)
+        if pos < numel:
+            raise CheckpointError(
+                f"the checkpoint's pieces of parameter {name!r} cover only [0, {pos}) of {numel}"
+            )
+        full = torch.empty(numel, dtype=dtype)
+        for fname, a, b in pieces:
+            if b > a:
+                full[a:b].copy_(self._shard(fname)["params"][name]["value"])
+        return full
+
+    def _shard(self, fname: str) -> Any:
+        if fname not in self._opened:
+            self._opened[fname] = ckpt_io.open_shard(self.path / fname)
+        return self._opened[fname]
 
 
 def add_consolidate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
