@@ -147,13 +147,18 @@ def test_communication_stays_in_shard_groups_and_replicas_sync_once_per_step(dis
                 assert r[4] == 2 * (replicas - 1) * r[3] // replicas  # 2 (Psi/p) (r-1)/r, in bytes
         else:
             assert reduces == []
-        for op, ranks, _link, _payload, _wire, _step in res["records"]:
+        # the non-finite gradient check (robustness.nonfinite_gradients, no clipping): one 4-byte flag
+        # per optimizer step, inside the shard group (replicas hold the same synced partitions)
+        flags = [r for r in res["records"] if r[0] == "all_reduce" and set(r[1]) == shard_ranks and r[3] == 4]
+        assert [r[5] for r in flags] == [m for m in range(micro_steps) if m % accum == accum - 1]
+        for record in res["records"]:
+            op, ranks = record[0], record[1]
             if op in ("all_gather", "reduce_scatter"):
                 assert set(ranks) <= shard_ranks, (
                     f"{op} over {ranks} leaves the shard group {sorted(shard_ranks)}"
                 )
-            else:  # only the replicate-group sync (and the ledger's mean loss, which is not zero-comm)
-                assert op == "all_reduce" and ranks == replicate, (op, ranks)
+            else:  # only the replicate-group sync and the flag (the ledger's mean loss is not zero-comm)
+                assert op == "all_reduce" and (ranks == replicate or record in flags), (op, ranks)
         gathers = [r for r in res["records"] if r[0] == "all_gather"]
         assert gathers and all(any(r[5] == m for r in gathers) for m in range(micro_steps))
         rs = [r for r in res["records"] if r[0] == "reduce_scatter"]
