@@ -209,9 +209,10 @@ def test_configuration_page_as_built_lists_every_accepted_key():
 
 
 def _sections(cls, name, annotation):
-    from zero_full.config_sections import _PARAMS_BY_TYPE, OptimizerConfig, _Section
+    from zero_full.config_base import Section
+    from zero_full.config_sections import _PARAMS_BY_TYPE, OptimizerConfig
 
     if cls is OptimizerConfig and name == "params":
         return list(dict.fromkeys(_PARAMS_BY_TYPE.values()))
     args = (annotation, *getattr(annotation, "__args__", ()))
-    return [a for a in args if isinstance(a, type) and issubclass(a, _Section)]
+    return [a for a in args if isinstance(a, type) and issubclass(a, Section)]

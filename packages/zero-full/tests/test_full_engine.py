@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -66,6 +67,33 @@ def test_every_unsupported_feature_is_named_at_once():
     with pytest.raises(NotImplementedError) as info:
         zero_full.initialize(Net(), config)
     assert "zero_quantized_weights" in str(info.value) and "zero_quantized_gradients" in str(info.value)
+
+
+class _Messages(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _ignored_keys_log(rank):
+    logger, handler = logging.getLogger("zero.engine"), _Messages()
+    logger.addHandler(handler)
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        zero_full.initialize(Net(), {"zero_optimization": {"stage": 1, "reduce_scatter": False}}).close()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return [m for m in handler.messages if "no effect" in m]
+
+
+def test_keys_without_effect_are_logged_with_the_reason(dist):
+    ((message,),) = dist.run(1, _ignored_keys_log)
+    assert "zero_optimization.reduce_scatter (stages 1-3 always reduce-scatter gradients" in message
 
 
 def _two_optimizers():

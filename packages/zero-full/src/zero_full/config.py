@@ -31,15 +31,15 @@ import json
 import os
 import pathlib
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
 from pydantic import Field, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
+from zero_full.config_base import KeyReport, Section, key_report
 from zero_full.config_sections import (
     AdamParams,
     BF16Config,
-    Flag,
     FP16Config,
     OffloadDevice,
     OffloadOptimizerConfig,
@@ -49,10 +49,8 @@ from zero_full.config_sections import (
     RobustnessConfig,
     SGDParams,
     ZeroOptimizationConfig,
-    _int,
-    _real,
-    _Section,
 )
+from zero_full.config_types import IMPLEMENTED, Flag, Ignored, Int, Key, Real, Rejected
 
 __all__ = [
     "AdamParams",
@@ -97,76 +95,81 @@ class ConfigFileError(ValueError):
     """A config file that cannot be read as a JSON object (the message names path, line and column)."""
 
 
-_MONITORING = (
+_MONITORING = Rejected(
     "monitoring is not configured through zero; use torch.profiler (zero marks its phases with "
     "record_function('zero.<phase>'))"
 )
+_AVERAGED = Rejected("not supported: gradients are averaged over the data-parallel ranks")
 
-_TOP_HINTS: dict[str, str] = {
-    "scheduler": "zero does not build learning-rate schedulers; create a torch.optim.lr_scheduler "
-    "over engine.optimizer.torch_optimizer and step it yourself",
-    "amp": 'Apex AMP is not supported; use "fp16" or "bf16"',
-    "activation_checkpointing": "not configured through zero; use torch.utils.checkpoint in the model",
-    "zero_allow_untested_optimizer": 'zero takes the optimizer from the "optimizer" section or from '
-    "initialize(optimizer=...); remove the key",
-    "communication_data_type": "not supported: gradients are reduced in their working precision",
-    "prescale_gradients": "not supported: gradients are averaged over the data-parallel ranks",
-    "gradient_predivide_factor": "not supported: gradients are averaged over the data-parallel ranks",
+_TOP_REJECTED: dict[str, Rejected] = {
+    "scheduler": Rejected(
+        "zero does not build learning-rate schedulers; create a torch.optim.lr_scheduler "
+        "over engine.optimizer.torch_optimizer and step it yourself"
+    ),
+    "amp": Rejected('Apex AMP is not supported; use "fp16" or "bf16"'),
+    "activation_checkpointing": Rejected(
+        "not configured through zero; use torch.utils.checkpoint in the model"
+    ),
+    "zero_allow_untested_optimizer": Rejected(
+        'zero takes the optimizer from the "optimizer" section or from initialize(optimizer=...); '
+        "remove the key"
+    ),
+    "communication_data_type": Rejected("not supported: gradients are reduced in their working precision"),
+    "prescale_gradients": _AVERAGED,
+    "gradient_predivide_factor": _AVERAGED,
     "flops_profiler": _MONITORING,
     "tensorboard": _MONITORING,
     "wandb": _MONITORING,
     "csv_monitor": _MONITORING,
     "comms_logger": _MONITORING,
 }
-
-_DYNAMIC_SCALE_KEYS = (
-    "initial_scale_power",
-    "loss_scale_window",
-    "hysteresis",
-    "consecutive_hysteresis",
-    "min_loss_scale",
-)
+_USED = Key(IMPLEMENTED)
 
 
-class ZeroConfig(_Section):
+class ZeroConfig(Section):
     """The whole zero configuration, as passed to ``zero_full.initialize(model, config=cfg)``.
 
     Build it with :meth:`model_validate` (a DeepSpeed-style dict), :meth:`from_json` (a
     file) or :meth:`coerce` (either, or an existing config). Every section is frozen.
-
-    Attributes:
-        train_batch_size: Global batch per optimizer step (``None``: derived).
-        train_micro_batch_size_per_gpu: Batch per rank per forward/backward (``None``: derived).
-        gradient_accumulation_steps: Micro-batches per optimizer step (``None``: derived).
-        gradient_clipping: Maximum global gradient norm; 0 disables clipping.
-        steps_per_print: Accepted for DeepSpeed compatibility (default 10); the engine prints
-            no periodic progress line yet, so it has no effect and :meth:`ignored_keys` lists
-            it when given.
-        wall_clock_breakdown: Accepted for DeepSpeed compatibility and has no effect: zero
-            marks every phase with ``torch.profiler.record_function("zero.<phase>")``, so a
-            ``torch.profiler`` trace gives the breakdown. Listed by :meth:`ignored_keys` when true.
-        fp16: Half precision and loss scaling.
-        bf16: bfloat16 precision (also spelled ``bfloat16``, DeepSpeed's older name).
-        optimizer: The optimizer to build, or ``None`` when ``initialize`` receives one.
-        zero_optimization: The ZeRO stage and its knobs.
-        robustness: Collective watchdog, non-finite gradient policy, rank agreement (not a
-            DeepSpeed section).
     """
 
     _ALIASES: ClassVar[dict[str, tuple[str, ...]]] = {"bf16": ("bf16", "bfloat16")}
-    _HINTS: ClassVar[dict[str, str]] = _TOP_HINTS
+    _REJECTED: ClassVar[dict[str, Rejected]] = _TOP_REJECTED
 
-    train_batch_size: _int(1, none_ok=True) = None
-    train_micro_batch_size_per_gpu: _int(1, none_ok=True) = None
-    gradient_accumulation_steps: _int(1, none_ok=True) = None
-    gradient_clipping: _real(0) = 0.0
-    steps_per_print: _int(1) = 10
-    wall_clock_breakdown: Flag = False
-    fp16: FP16Config = Field(default_factory=FP16Config)
-    bf16: BF16Config = Field(default_factory=BF16Config)
-    optimizer: OptimizerConfig | None = None
-    zero_optimization: ZeroOptimizationConfig = Field(default_factory=ZeroOptimizationConfig)
-    robustness: RobustnessConfig = Field(default_factory=RobustnessConfig)
+    train_batch_size: Annotated[Int(1, none_ok=True), _USED] = None
+    """Global batch per optimizer step (``null``: derived, see *Batch sizes*)."""
+    train_micro_batch_size_per_gpu: Annotated[Int(1, none_ok=True), _USED] = None
+    """Batch per rank per forward/backward (``null``: derived)."""
+    gradient_accumulation_steps: Annotated[Int(1, none_ok=True), _USED] = None
+    """Micro-batches per optimizer step (``null``: derived)."""
+    gradient_clipping: Annotated[Real(0), _USED] = 0.0
+    """Maximum global gradient norm; 0 disables clipping."""
+    steps_per_print: Annotated[Int(1), Key(Ignored("the engine prints no periodic progress line yet"))] = 10
+    """DeepSpeed: print a progress line every this many steps."""
+    wall_clock_breakdown: Annotated[
+        Flag,
+        Key(
+            Ignored(
+                'zero marks every phase with torch.profiler.record_function("zero.<phase>"): a '
+                "torch.profiler trace gives the breakdown",
+                behaves_as=False,
+            )
+        ),
+    ] = False
+    """DeepSpeed: time the phases of each step and print them."""
+    fp16: Annotated[FP16Config, _USED] = Field(default_factory=FP16Config)
+    """Half precision and loss scaling (section below)."""
+    bf16: Annotated[BF16Config, _USED] = Field(default_factory=BF16Config)
+    """bfloat16 precision (section below; also spelled ``bfloat16``, DeepSpeed's older name)."""
+    optimizer: Annotated[OptimizerConfig | None, _USED] = None
+    """The optimizer to build (section below), or ``null`` when ``initialize`` receives one."""
+    zero_optimization: Annotated[ZeroOptimizationConfig, _USED] = Field(
+        default_factory=ZeroOptimizationConfig
+    )
+    """The ZeRO stage and its knobs (section below)."""
+    robustness: Annotated[RobustnessConfig, _USED] = Field(default_factory=RobustnessConfig)
+    """Collective watchdog, non-finite gradient policy, rank agreement (section below; not a
+    DeepSpeed section)."""
 
     @model_validator(mode="after")
     def _one_precision(self) -> ZeroConfig:
@@ -311,69 +314,40 @@ class ZeroConfig(_Section):
             )
         return BatchSizes(train, micro, accum, world_size)
 
+    def key_report(self) -> KeyReport:
+        """The keys given that have no effect, and the values zero refuses, each with its reason.
+
+        Derived from the :class:`~zero_full.config_types.Key` each field declares (see
+        :func:`zero_full.config_base.key_report`).
+        """
+        return key_report(self, self.stage)
+
     def unsupported_features(self) -> list[str]:
         """Features this config requests that zero accepts but does not implement yet.
 
-        A feature is listed only when the chosen stage would use it (a stage-3 knob under
-        stage 2 is in :meth:`ignored_keys` instead). The engine refuses to start when this
-        list is not empty; nothing is silently dropped.
+        These are the values of keys declared :class:`~zero_full.config_types.Refused`, listed
+        only when the chosen stage would use the key (a stage-3 knob under stage 2 is in
+        :meth:`ignored_keys` instead). The engine refuses to start when this list is not
+        empty; nothing is silently dropped.
 
         Returns:
             One line per feature: the key, its value and what it is.
         """
-        z = self.zero_optimization
-        found: list[str] = []
-        if z.stage == 3:
-            flags = {
-                "zero_quantized_weights": "ZeRO++ quantized weight all-gather, qwZ",
-                "zero_quantized_nontrainable_weights": "quantized storage of frozen weights",
-                "zero_quantized_gradients": "ZeRO++ quantized gradient reduction, qgZ",
-            }
-            found += [f"zero_optimization.{k} = true ({what})" for k, what in flags.items() if getattr(z, k)]
-            if z.zero_hpz_partition_size > 1:
-                found.append(
-                    f"zero_optimization.zero_hpz_partition_size = {z.zero_hpz_partition_size} "
-                    "(ZeRO++ hierarchical partitioning, hpZ)"
-                )
-        if not z.load_from_fp32_weights:
-            found.append(
-                "zero_optimization.load_from_fp32_weights = false (master weights from 16-bit copies)"
-            )
-        if not z.ignore_unused_parameters:
-            found.append("zero_optimization.ignore_unused_parameters = false (error on unused parameters)")
-        if self.fp16.enabled and self.fp16.auto_cast:
-            found.append("fp16.auto_cast = true (casting inputs to fp16)")
-        if self.optimizer is not None and isinstance(self.optimizer.params, AdamParams):
-            if not self.optimizer.params.bias_correction:
-                found.append("optimizer.params.bias_correction = false (Adam without bias correction)")
-        return found
+        return [f"{f.path} = {f.value_text()} ({f.reason})" for f in self.key_report().refused]
 
     def ignored_keys(self) -> list[str]:
         """Full paths of keys that were given but have no effect with this config.
 
-        Stage-3 knobs under stage 1/2, stage-1/2 knobs under stage 3, ``offload_optimizer``
-        under stage 0, ``nvme_path`` without the nvme device, ``fp16`` settings while fp16
-        is off, dynamic-scaling settings with a static ``loss_scale``, ``adam_w_mode`` on
-        ``AdamW``, ``torch_adam``, ``steps_per_print`` and ``wall_clock_breakdown = true``.
-        DeepSpeed accepts them too; the engine logs this list once.
+        Keys the chosen stage does not use (stage-3 knobs under stage 1/2, stage-1/2 knobs
+        under stage 3, ``offload_optimizer`` under stage 0), keys whose condition does not
+        hold (``nvme_path`` without the nvme device, ``fp16`` settings while fp16 is off,
+        dynamic-scaling settings with a static ``loss_scale``, ``adam_w_mode`` on ``AdamW``),
+        and keys declared :class:`~zero_full.config_types.Ignored` (DeepSpeed switches zero has
+        no use for, such as ``reduce_scatter = false`` or ``steps_per_print``). DeepSpeed
+        accepts them too; the engine logs this list once, with the reasons
+        (:meth:`key_report`).
         """
-        ignored = self.zero_optimization.ignored_keys()
-        fp16_given = [k for k in self.fp16.given_keys() if k != "enabled"]
-        if not self.fp16.enabled:
-            ignored += [f"fp16.{k}" for k in fp16_given]
-        elif not self.fp16.dynamic_loss_scale:
-            ignored += [f"fp16.{k}" for k in fp16_given if k in _DYNAMIC_SCALE_KEYS]
-        if self.optimizer is not None and isinstance(self.optimizer.params, AdamParams):
-            given = self.optimizer.params.given_keys()
-            if "adam_w_mode" in given and self.optimizer.type is OptimizerType.ADAMW:
-                ignored.append("optimizer.params.adam_w_mode")
-            if "torch_adam" in given:
-                ignored.append("optimizer.params.torch_adam")
-        if "steps_per_print" in self.model_fields_set:
-            ignored.append("steps_per_print")
-        if self.wall_clock_breakdown:
-            ignored.append("wall_clock_breakdown")
-        return ignored
+        return [f.path for f in self.key_report().ignored]
 
 
 class _DuplicateKey(Exception):

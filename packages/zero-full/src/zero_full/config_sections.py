@@ -1,12 +1,10 @@
 """Sections of the zero configuration (``fp16``, ``bf16``, ``optimizer``, ``zero_optimization``).
 
-Every section is a frozen pydantic model with ``extra="forbid"``. The key check runs
-before pydantic's own validation: an unknown key is reported with its full DeepSpeed
-path (``zero_optimization.stage3_prefetch_bucket_sz``) and the closest accepted name,
-a value of ``"auto"`` (Hugging Face Trainer configs) is reported by key, and two
-spellings of one knob (``stage3_prefetch_bucket_size`` / ``prefetch_bucket_size``)
-with different values are a conflict. Scalars are checked by the small validators
-below, whose messages name the accepted range.
+Every section is a frozen pydantic model with ``extra="forbid"`` (:class:`zero_full.config_base.Section`:
+unknown keys, ``"auto"`` values and alias conflicts are reported with their DeepSpeed path).
+Every key is declared once, here: its type (:mod:`zero_full.config_types`, whose messages name
+the accepted range), its :class:`~zero_full.config_types.Key` (the stages that use it, and
+whether it is implemented, ignored or refused) and its description (the docstring under it).
 
 :class:`zero_full.config.ZeroConfig` assembles these sections; use it rather than the
 sections on their own.
@@ -14,27 +12,32 @@ sections on their own.
 
 from __future__ import annotations
 
-import difflib
 import enum
-import functools
-import math
 import pathlib
 import sys
 import typing
 from collections.abc import Iterable, Mapping
 from typing import Annotated, Any, ClassVar
 
-from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    ValidationError,
-    ValidationInfo,
-    field_validator,
-    model_validator,
+from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from zero_full.config_base import Section, key_report
+from zero_full.config_types import (
+    IMPLEMENTED,
+    Betas,
+    Choice,
+    Flag,
+    Ignored,
+    Int,
+    Key,
+    OptionalPath,
+    Real,
+    Refused,
+    Rejected,
+    UsedWhen,
+    parse_choice,
 )
-from pydantic_core import InitErrorDetails, PydanticCustomError
 
 if typing.TYPE_CHECKING:  # the lower packages are imported only when a mapping is asked for
     from zero_coord import CoordinatorConfig
@@ -57,94 +60,6 @@ __all__ = [
 ]
 
 
-# --------------------------------------------------------------------------- scalar checks
-
-
-def _describe_range(lo: float | None, hi: float | None, lo_open: bool = False, hi_open: bool = False) -> str:
-    if lo is not None and hi is not None:
-        return f" in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
-    if lo is not None:
-        return f" {'>' if lo_open else '>='} {lo:g}"
-    if hi is not None:
-        return f" {'<' if hi_open else '<='} {hi:g}"
-    return ""
-
-
-def _check_int(value: Any, lo: int | None, hi: int | None, none_ok: bool = False) -> int | None:
-    """A whole number: an int, or a float without fraction (DeepSpeed configs write ``5e8``)."""
-    if value is None and none_ok:
-        return None
-    rng = _describe_range(lo, hi)
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise PydanticCustomError("whole_number", f"expected a whole number{rng}, got {value!r}")
-    if isinstance(value, float):
-        if not (math.isfinite(value) and value.is_integer()):
-            raise PydanticCustomError("whole_number", f"expected a whole number{rng}, got {value!r}")
-        value = int(value)
-    if (lo is not None and value < lo) or (hi is not None and value > hi):
-        raise PydanticCustomError("out_of_range", f"expected a whole number{rng}, got {value}")
-    return value
-
-
-def _check_real(value: Any, lo: float | None, hi: float | None, lo_open: bool, hi_open: bool) -> float:
-    rng = _describe_range(lo, hi, lo_open, hi_open)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise PydanticCustomError("number", f"expected a number{rng}, got {value!r}")
-    value = float(value)
-    too_low = lo is not None and (value <= lo if lo_open else value < lo)
-    too_high = hi is not None and (value >= hi if hi_open else value > hi)
-    if too_low or too_high:
-        raise PydanticCustomError("out_of_range", f"expected a number{rng}, got {value:g}")
-    return value
-
-
-def _check_flag(value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise PydanticCustomError("boolean", f"expected true or false, got {value!r}")
-    return value
-
-
-def _check_path(value: Any) -> pathlib.Path | None:
-    if value is None:
-        return None
-    if not isinstance(value, str | pathlib.PurePath) or not str(value):
-        raise PydanticCustomError("path", f"expected a non-empty path string, got {value!r}")
-    return pathlib.Path(value)
-
-
-def _int(lo: int | None = None, hi: int | None = None, *, none_ok: bool = False) -> Any:
-    """``int`` annotation accepting whole numbers in ``[lo, hi]`` (and ``None`` if ``none_ok``)."""
-    check = BeforeValidator(functools.partial(_check_int, lo=lo, hi=hi, none_ok=none_ok))
-    return Annotated[int | None, check] if none_ok else Annotated[int, check]
-
-
-def _real(
-    lo: float | None = None, hi: float | None = None, *, lo_open: bool = False, hi_open: bool = False
-) -> Any:
-    """``float`` annotation accepting finite numbers in the given range."""
-    check = functools.partial(_check_real, lo=lo, hi=hi, lo_open=lo_open, hi_open=hi_open)
-    return Annotated[float, BeforeValidator(check)]
-
-
-Flag = Annotated[bool, BeforeValidator(_check_flag)]
-OptionalPath = Annotated[pathlib.Path | None, BeforeValidator(_check_path)]
-
-
-def _choice(enum_cls: type[enum.Enum], value: Any) -> enum.Enum:
-    """Parse an enum member from its value, case-insensitively, naming the accepted values."""
-    if isinstance(value, enum_cls):
-        return value
-    names = [m.value for m in enum_cls]
-    if isinstance(value, str):
-        for member in enum_cls:
-            if member.value.lower() == value.lower():
-                return member
-    accepted = ", ".join(repr(n) for n in names)
-    close = difflib.get_close_matches(str(value), names, n=1) if isinstance(value, str) else []
-    hint = f"; did you mean {close[0]!r}?" if close else ""
-    raise PydanticCustomError("choice", f"expected one of {accepted} (any case), got {value!r}{hint}")
-
-
 class OffloadDevice(str, enum.Enum):
     """Where offloaded state lives (DeepSpeed's ``offload_*.device``)."""
 
@@ -161,167 +76,22 @@ class OptimizerType(str, enum.Enum):
     SGD = "SGD"
 
 
-Device = Annotated[OffloadDevice, BeforeValidator(functools.partial(_choice, OffloadDevice))]
-
-
-# --------------------------------------------------------------------------- key checking
-
-
-def _annotation_section(annotation: Any) -> type[_Section] | None:
-    """The :class:`_Section` subclass inside ``annotation`` (``X``, ``X | None``), if any."""
-    if isinstance(annotation, type) and issubclass(annotation, _Section):
-        return annotation
-    for arg in typing.get_args(annotation):
-        found = _annotation_section(arg)
-        if found is not None:
-            return found
-    return None
-
-
-def _is_auto(value: Any) -> bool:
-    if isinstance(value, str):
-        return value.strip().lower() == "auto"
-    if isinstance(value, list | tuple):
-        return any(_is_auto(v) for v in value)
-    return False
-
-
-def _error(kind: str, message: str, loc: tuple[str, ...], value: Any) -> InitErrorDetails:
-    # No context: the message is used literally (braces in user keys stay as they are).
-    return InitErrorDetails(type=PydanticCustomError(kind, message, None), loc=loc, input=value)
-
-
-class _Section(BaseModel):
-    """Base of every config section: frozen, no extra keys, DeepSpeed-style key checks.
-
-    Class attributes of subclasses:
-
-    * ``_PATH``: where the section sits in a DeepSpeed config (used in messages).
-    * ``_ALIASES``: canonical field name -> its other accepted spellings, the DeepSpeed
-      documented one first (e.g. ``prefetch_bucket_size`` -> ``stage3_prefetch_bucket_size``);
-      the list may name the field itself first when that is the documented spelling.
-    * ``_HINTS``: keys that are not accepted but that users bring, with an explanation.
-    """
-
-    model_config = ConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True)
-
-    _PATH: ClassVar[tuple[str, ...]] = ()
-    _ALIASES: ClassVar[dict[str, tuple[str, ...]]] = {}
-    _HINTS: ClassVar[dict[str, str]] = {}
-
-    @classmethod
-    def accepted_keys(cls) -> list[str]:
-        """Every key this section accepts, aliases included."""
-        keys = list(cls.model_fields)
-        for spellings in cls._ALIASES.values():
-            keys += [s for s in spellings if s not in keys]
-        return keys
-
-    @classmethod
-    def documented_key(cls, field: str) -> str:
-        """The DeepSpeed documented spelling of ``field`` (its first alias, else itself)."""
-        return cls._ALIASES.get(field, (field,))[0]
-
-    @classmethod
-    def _canonical_name(cls, key: str) -> str | None:
-        if key in cls.model_fields:
-            return key
-        return next((c for c, spellings in cls._ALIASES.items() if key in spellings), None)
-
-    @classmethod
-    def _child_section(cls, key: str, data: Mapping[str, Any]) -> type[_Section] | None:
-        """The section class that validates ``data[key]`` (``None`` for a scalar)."""
-        name = cls._canonical_name(key)
-        return None if name is None else _annotation_section(cls.model_fields[name].annotation)
-
-    @classmethod
-    def key_problems(
-        cls, data: Mapping[str, Any], loc: tuple[str, ...] = (), prefix: tuple[str, ...] | None = None
-    ) -> list[InitErrorDetails]:
-        """Unknown keys, ``"auto"`` values and alias conflicts in ``data`` and its sub-sections.
-
-        Args:
-            data: The raw section.
-            loc: Location of ``data`` below the section where the check started.
-            prefix: DeepSpeed path of that starting section (default: this class's path).
-
-        Returns:
-            One pydantic error per problem, located at ``loc`` + key.
-        """
-        prefix = cls._PATH if prefix is None else prefix
-        problems: list[InitErrorDetails] = []
-        accepted = cls.accepted_keys()
-        for key, value in data.items():
-            path = ".".join((*prefix, *loc, str(key)))
-            if not isinstance(key, str) or cls._canonical_name(key) is None:
-                where = ".".join((*prefix, *loc)) or "the top level"
-                message = cls._unknown_message(str(key), path, where, accepted)
-                problems.append(_error("unknown_key", message, (*loc, str(key)), value))
-                continue
-            if _is_auto(value):
-                message = (
-                    f'{path} is {value!r}: "auto" values are filled in by the Hugging Face Trainer '
-                    "integration and zero does not resolve them; replace it with a value"
-                )
-                problems.append(_error("auto_value", message, (*loc, key), value))
-                continue
-            child = cls._child_section(key, data)
-            if child is not None and isinstance(value, Mapping):
-                problems += child.key_problems(value, (*loc, key), prefix)
-        problems += cls._alias_conflicts(data, ".".join((*prefix, *loc)), loc)
-        return problems
-
-    @classmethod
-    def _unknown_message(cls, key: str, path: str, where: str, accepted: list[str]) -> str:
-        if key in cls._HINTS:
-            return f"unknown key {path!r}: {cls._HINTS[key]}"
-        close = difflib.get_close_matches(key, accepted, n=1, cutoff=0.6)
-        if close:
-            return f"unknown key {path!r}; did you mean {close[0]!r}?"
-        return f"unknown key {path!r}; keys accepted in {where}: {', '.join(sorted(accepted))}"
-
-    @classmethod
-    def _alias_conflicts(
-        cls, data: Mapping[str, Any], where: str, loc: tuple[str, ...]
-    ) -> list[InitErrorDetails]:
-        problems = []
-        for canonical, spellings in cls._ALIASES.items():
-            given = [(s, data[s]) for s in dict.fromkeys((*spellings, canonical)) if s in data]
-            first, first_value = given[0] if given else ("", None)
-            for spelling, value in given[1:]:
-                if value != first_value or isinstance(value, bool) != isinstance(first_value, bool):
-                    message = (
-                        f"{where + ': ' if where else ''}{first!r} = {first_value!r} and {spelling!r} = "
-                        f"{value!r} are two spellings of one setting with different values; keep one"
-                    )
-                    problems.append(_error("alias_conflict", message, (*loc, spelling), value))
-        return problems
-
-    @classmethod
-    def _prepare(cls, data: dict[str, Any]) -> dict[str, Any]:
-        """Hook: adjust the (canonical-named) input before field validation."""
-        return data
-
-    @model_validator(mode="wrap")
-    @classmethod
-    def _check_keys(cls, data: Any, handler: Any) -> Any:
-        if isinstance(data, Mapping):
-            problems = cls.key_problems(data)
-            if problems:
-                raise ValidationError.from_exception_data(cls.__name__, problems, hide_input=True)
-            canonical = {cls._canonical_name(k): v for k, v in data.items()}
-            data = cls._prepare(canonical)
-        return handler(data)
-
-    def given_keys(self) -> list[str]:
-        """Documented names of the fields set explicitly in the input (aliases resolved)."""
-        return [self.documented_key(f) for f in type(self).model_fields if f in self.model_fields_set]
+Device = Choice(OffloadDevice)
+_USED = Key(IMPLEMENTED)  # implemented, at every stage the section is used
+_STAGE3 = frozenset({3})
+_STAGE12 = frozenset({1, 2})
 
 
 # --------------------------------------------------------------------------- precision
 
+_FP16_ON = UsedWhen("fp16 is enabled", lambda fp16, _: fp16.enabled)
+_DYNAMIC = UsedWhen(
+    "fp16 is enabled with dynamic loss scaling (`loss_scale` 0)",
+    lambda fp16, _: fp16.enabled and fp16.dynamic_loss_scale,
+)
 
-class FP16Config(_Section):
+
+class FP16Config(Section):
     """``fp16``: half precision with loss scaling (DeepSpeed's names and defaults).
 
     ``loss_scale`` 0 means dynamic loss scaling (DeepSpeed's rule): start at
@@ -334,15 +104,24 @@ class FP16Config(_Section):
 
     _PATH = ("fp16",)
 
-    enabled: Flag = False
-    auto_cast: Flag = False
-    """DeepSpeed's cast of floating-point inputs to fp16; ``true`` is not supported yet."""
-    loss_scale: _real(0) = 0.0
-    initial_scale_power: _int(0, 127) = 16
-    loss_scale_window: _int(1) = 1000
-    hysteresis: _int(1) = 2
-    consecutive_hysteresis: Flag = False
-    min_loss_scale: _real(0, lo_open=True) = 1.0
+    enabled: Annotated[Flag, _USED] = False
+    """Train in fp16 with loss scaling (working copies of parameters and gradients in fp16, fp32
+    master weights and optimizer state)."""
+    auto_cast: Annotated[Flag, Key(Refused("casting inputs to fp16", supported=False), when=_FP16_ON)] = False
+    """DeepSpeed's cast of floating-point inputs to fp16."""
+    loss_scale: Annotated[Real(0), Key(IMPLEMENTED, when=_FP16_ON)] = 0.0
+    """0: dynamic loss scaling; a positive value: this static scale."""
+    initial_scale_power: Annotated[Int(0, 127), Key(IMPLEMENTED, when=_DYNAMIC)] = 16
+    """Dynamic scaling starts at ``2**initial_scale_power``."""
+    loss_scale_window: Annotated[Int(1), Key(IMPLEMENTED, when=_DYNAMIC)] = 1000
+    """Overflow-free steps after which the dynamic scale doubles."""
+    hysteresis: Annotated[Int(1), Key(IMPLEMENTED, when=_DYNAMIC)] = 2
+    """Overflows absorbed before the dynamic scale halves."""
+    consecutive_hysteresis: Annotated[Flag, Key(IMPLEMENTED, when=_DYNAMIC)] = False
+    """Refill the hysteresis budget after every overflow-free step (not only after
+    ``loss_scale_window`` of them)."""
+    min_loss_scale: Annotated[Real(0, lo_open=True), Key(IMPLEMENTED, when=_DYNAMIC)] = 1.0
+    """The dynamic scale never halves below this."""
 
     @property
     def dynamic_loss_scale(self) -> bool:
@@ -355,12 +134,14 @@ class FP16Config(_Section):
         return float(2**self.initial_scale_power) if self.dynamic_loss_scale else self.loss_scale
 
 
-class BF16Config(_Section):
+class BF16Config(Section):
     """``bf16`` (older DeepSpeed spelling: ``bfloat16``): bfloat16 training, no loss scaling."""
 
     _PATH = ("bf16",)
 
-    enabled: Flag = False
+    enabled: Annotated[Flag, _USED] = False
+    """Train in bfloat16 (working copies of parameters and gradients in bf16, fp32 master weights
+    and optimizer state); no loss scaling."""
 
 
 # --------------------------------------------------------------------------- robustness
@@ -373,7 +154,7 @@ class NonFinitePolicy(str, enum.Enum):
     RAISE = "raise"
 
 
-class RobustnessConfig(_Section):
+class RobustnessConfig(Section):
     """``robustness``: what zero checks so that failures are named instead of hanging or corrupting.
 
     Not a DeepSpeed section. See the "When things go wrong" page of the docs for every failure
@@ -382,36 +163,34 @@ class RobustnessConfig(_Section):
 
     _PATH = ("robustness",)
 
-    comm_timeout: _real(0, lo_open=True) = 300.0
+    comm_timeout: Annotated[Real(0, lo_open=True), _USED] = 300.0
     """Seconds a rank waits for one collective of the engine (forward, backward, step) before every live
     rank raises ``zero_comm.CollectiveTimeoutError`` saying which rank is where (which operation,
     call number, module or parameter), or which rank stopped sending heartbeats. Default 300 s:
     well under the process group's own 30 minutes, well above any healthy collective. Raise it for
     very slow links or very large first gathers."""
-    heartbeat_interval: _real(0, lo_open=True) = 2.0
+    heartbeat_interval: Annotated[Real(0, lo_open=True), _USED] = 2.0
     """Seconds between two heartbeats (and position reports) each rank's watchdog thread writes to
     the process group's store; a rank silent for ``5 * heartbeat_interval`` seconds while the
     others wait is reported as dead or stuck."""
-    watchdog: Flag = True
+    watchdog: Annotated[Flag, _USED] = True
     """Run the collective watchdog (``false``: collectives block until the process group's own
     timeout, with torch's message)."""
-    nonfinite_gradients: Annotated[
-        NonFinitePolicy, BeforeValidator(functools.partial(_choice, NonFinitePolicy))
-    ] = NonFinitePolicy.SKIP
+    nonfinite_gradients: Annotated[Choice(NonFinitePolicy), _USED] = NonFinitePolicy.SKIP
     """fp32 / bf16: what a step does when some rank's gradients hold an inf or nan (found by the
     gradient-clipping norm, or by one all-reduce of a flag without clipping). ``skip`` (default):
     the step is skipped on every rank (the optimizer state does not move), with one warning naming
     the first non-finite parameter and the rank holding it; ``raise``: every rank raises
     ``zero_full.NonFiniteGradientError`` naming it. fp16 keeps its loss-scaler rule (skip and
     lower the scale)."""
-    check_paths: Flag = False
+    check_paths: Annotated[Flag, _USED] = False
     """Before every collective, all-gather a small signature (operation, call number, what it is
     for) and raise ``zero_comm.RanksDivergedError`` on every rank at the first difference, naming
     each rank's position. Off by default: it adds one small collective per collective. Turn it
     on when ranks take different paths (a module called on some ranks only): with gloo the
     mismatched sizes otherwise abort the process in C++ ("Received data size doesn't match
     expected size"), before any timeout could fire."""
-    check_rank_agreement: Flag = True
+    check_rank_agreement: Annotated[Flag, _USED] = True
     """At ``initialize``, compare every rank's parameter names, shapes, dtypes, ``requires_grad``
     flags and effective config values (one all-gather of digests) and raise on every rank naming
     the first difference, instead of aborting in the communication library later."""
@@ -419,19 +198,11 @@ class RobustnessConfig(_Section):
 
 # --------------------------------------------------------------------------- optimizer
 
-
-def _check_betas(value: Any) -> tuple[float, float]:
-    if not isinstance(value, list | tuple) or len(value) != 2:
-        raise PydanticCustomError("betas", f"expected two numbers [beta1, beta2] in [0, 1), got {value!r}")
-    return tuple(_check_real(v, 0.0, 1.0, False, True) for v in value)  # type: ignore[return-value]
+_NO_MAX_GRAD_NORM = Rejected("gradient clipping is the top-level 'gradient_clipping' key (as in DeepSpeed)")
+_ADAM_ONLY = UsedWhen("the optimizer type is `Adam`", lambda _, opt: opt.type is OptimizerType.ADAM)
 
 
-Betas = Annotated[tuple[float, float], BeforeValidator(_check_betas)]
-
-_NO_MAX_GRAD_NORM = "gradient clipping is the top-level 'gradient_clipping' key (as in DeepSpeed)"
-
-
-class AdamParams(_Section):
+class AdamParams(Section):
     """``optimizer.params`` of ``Adam`` / ``AdamW`` with DeepSpeed's defaults.
 
     DeepSpeed builds its Adam(W) with ``weight_decay=0.0`` unless told otherwise (torch's
@@ -441,36 +212,48 @@ class AdamParams(_Section):
     """
 
     _PATH = ("optimizer", "params")
-    _HINTS: ClassVar[dict[str, str]] = {"max_grad_norm": _NO_MAX_GRAD_NORM}
+    _REJECTED: ClassVar[dict[str, Rejected]] = {"max_grad_norm": _NO_MAX_GRAD_NORM}
 
-    lr: _real(0) = 1e-3
-    betas: Betas = (0.9, 0.999)
-    eps: _real(0) = 1e-8
-    weight_decay: _real(0) = 0.0
-    amsgrad: Flag = False
-    adam_w_mode: Flag = True
+    lr: Annotated[Real(0), _USED] = 1e-3
+    """Learning rate."""
+    betas: Annotated[Betas, _USED] = (0.9, 0.999)
+    """Coefficients of the running averages of the gradient and its square."""
+    eps: Annotated[Real(0), _USED] = 1e-8
+    """Term added to the denominator."""
+    weight_decay: Annotated[Real(0), _USED] = 0.0
+    """Weight decay; DeepSpeed's default 0.0 (torch's ``AdamW`` defaults to 0.01)."""
+    amsgrad: Annotated[Flag, _USED] = False
+    """The AMSGrad variant."""
+    adam_w_mode: Annotated[Flag, Key(IMPLEMENTED, when=_ADAM_ONLY)] = True
     """Decoupled weight decay for type ``Adam`` (DeepSpeed's default: true). No effect on ``AdamW``."""
-    bias_correction: Flag = True
-    """``false`` (no bias correction) is not supported: torch's Adam always corrects."""
-    torch_adam: Flag = False
-    """DeepSpeed's choice between torch's and its fused kernel; zero always uses torch's update.
+    bias_correction: Annotated[
+        Flag, Key(Refused("Adam without bias correction", supported=True))
+    ] = True
+    """Adam's bias correction of the running averages (torch's Adam always applies it)."""
+    torch_adam: Annotated[Flag, Key(Ignored("zero always uses torch's Adam update"))] = False
+    """DeepSpeed's choice between torch's and its fused kernel.
 
     (DeepSpeed with ``torch_adam: true`` hands ``params`` to torch unchanged, so there a
     missing ``weight_decay`` means torch's 0.01; zero keeps 0.0: give it explicitly.)
     """
 
 
-class SGDParams(_Section):
+class SGDParams(Section):
     """``optimizer.params`` of ``SGD`` (torch's names and defaults)."""
 
     _PATH = ("optimizer", "params")
-    _HINTS: ClassVar[dict[str, str]] = {"max_grad_norm": _NO_MAX_GRAD_NORM}
+    _REJECTED: ClassVar[dict[str, Rejected]] = {"max_grad_norm": _NO_MAX_GRAD_NORM}
 
-    lr: _real(0) = 1e-3
-    momentum: _real(0) = 0.0
-    dampening: _real(0) = 0.0
-    weight_decay: _real(0) = 0.0
-    nesterov: Flag = False
+    lr: Annotated[Real(0), _USED] = 1e-3
+    """Learning rate."""
+    momentum: Annotated[Real(0), _USED] = 0.0
+    """Momentum factor."""
+    dampening: Annotated[Real(0), _USED] = 0.0
+    """Dampening of the momentum."""
+    weight_decay: Annotated[Real(0), _USED] = 0.0
+    """L2 penalty."""
+    nesterov: Annotated[Flag, _USED] = False
+    """Nesterov momentum (needs ``momentum`` > 0 and ``dampening`` 0)."""
 
     @model_validator(mode="after")
     def _nesterov_needs_momentum(self) -> SGDParams:
@@ -482,7 +265,7 @@ class SGDParams(_Section):
         return self
 
 
-_PARAMS_BY_TYPE: dict[OptimizerType, type[_Section]] = {
+_PARAMS_BY_TYPE: dict[OptimizerType, type[Section]] = {
     OptimizerType.ADAM: AdamParams,
     OptimizerType.ADAMW: AdamParams,
     OptimizerType.SGD: SGDParams,
@@ -490,10 +273,10 @@ _PARAMS_BY_TYPE: dict[OptimizerType, type[_Section]] = {
 
 
 def _optimizer_type(value: Any) -> OptimizerType:
-    return _choice(OptimizerType, value)  # type: ignore[return-value]
+    return parse_choice(OptimizerType, value)  # type: ignore[return-value]
 
 
-class OptimizerConfig(_Section):
+class OptimizerConfig(Section):
     """``optimizer``: ``{"type": "AdamW", "params": {...}}``; ``params`` is checked per type.
 
     ``type`` is case-insensitive (``adamw`` = ``AdamW``). :meth:`build` creates the torch
@@ -502,11 +285,15 @@ class OptimizerConfig(_Section):
 
     _PATH = ("optimizer",)
 
-    type: Annotated[OptimizerType, BeforeValidator(_optimizer_type)]
-    params: AdamParams | SGDParams
+    type: Annotated[Choice(OptimizerType), _USED]
+    """``Adam``, ``AdamW`` or ``SGD``, any case. ``Adam`` with ``adam_w_mode`` (the default) builds
+    ``torch.optim.AdamW``, as DeepSpeed does."""
+    params: Annotated[AdamParams | SGDParams, _USED]
+    """The optimizer's keyword arguments, checked for its ``type`` (tables below). Omitted: every
+    default."""
 
     @classmethod
-    def _child_section(cls, key: str, data: Mapping[str, Any]) -> type[_Section] | None:
+    def _child_section(cls, key: str, data: Mapping[str, Any]) -> type[Section] | None:
         if key != "params":
             return super()._child_section(key, data)
         try:
@@ -529,7 +316,7 @@ class OptimizerConfig(_Section):
         params_cls = _PARAMS_BY_TYPE[kind]
         if isinstance(value, params_cls):
             return value
-        if isinstance(value, _Section):
+        if isinstance(value, Section):
             raise PydanticCustomError(
                 "params_type",
                 f"optimizer type {kind.value} takes {params_cls.__name__}, got {type(value).__name__}",
@@ -597,18 +384,26 @@ class OptimizerConfig(_Section):
 
 # --------------------------------------------------------------------------- zero_optimization
 
+_NVME = UsedWhen("`device` is `nvme`", lambda section, _: section.device is OffloadDevice.NVME)
 
-class OffloadParamConfig(_Section):
+
+class OffloadParamConfig(Section):
     """``zero_optimization.offload_param`` (stage 3 only), DeepSpeed's defaults."""
 
     _PATH = ("zero_optimization", "offload_param")
 
-    device: Device = OffloadDevice.NONE
-    nvme_path: OptionalPath = None
-    buffer_count: _int(0) = 5
-    buffer_size: _int(0) = 100_000_000
-    max_in_cpu: _int(0) = 1_000_000_000
-    pin_memory: Flag = False
+    device: Annotated[Device, _USED] = OffloadDevice.NONE
+    """``none``, ``cpu`` or ``nvme``."""
+    nvme_path: Annotated[OptionalPath, Key(IMPLEMENTED, when=_NVME)] = None
+    """Directory for swap files; required with ``nvme``."""
+    buffer_count: Annotated[Int(0), _USED] = 5
+    """Swap buffers for parameters."""
+    buffer_size: Annotated[Int(0), _USED] = 100_000_000
+    """Elements per swap buffer."""
+    max_in_cpu: Annotated[Int(0), _USED] = 1_000_000_000
+    """Elements of parameters kept in CPU memory with ``nvme``."""
+    pin_memory: Annotated[Flag, _USED] = False
+    """Page-locked CPU buffers (faster copies to an accelerator)."""
 
     @model_validator(mode="after")
     def _nvme_needs_path(self) -> OffloadParamConfig:
@@ -636,7 +431,7 @@ class OffloadParamConfig(_Section):
         )
 
 
-class OffloadOptimizerConfig(_Section):
+class OffloadOptimizerConfig(Section):
     """``zero_optimization.offload_optimizer`` (stages 1-3), DeepSpeed's defaults.
 
     ``ratio`` < 1 (partial offload) is valid with stage 3 only, as in DeepSpeed.
@@ -644,14 +439,26 @@ class OffloadOptimizerConfig(_Section):
 
     _PATH = ("zero_optimization", "offload_optimizer")
 
-    device: Device = OffloadDevice.NONE
-    nvme_path: OptionalPath = None
-    buffer_count: _int(0) = 4
-    pin_memory: Flag = False
-    pipeline_read: Flag = False
-    pipeline_write: Flag = False
-    fast_init: Flag = False
-    ratio: _real(0, 1) = 1.0
+    device: Annotated[Device, _USED] = OffloadDevice.NONE
+    """``none``, ``cpu`` or ``nvme``."""
+    nvme_path: Annotated[OptionalPath, Key(IMPLEMENTED, when=_NVME)] = None
+    """Directory for swap files; required with ``nvme``."""
+    buffer_count: Annotated[Int(0), _USED] = 4
+    """Swap buffers for optimizer state."""
+    pin_memory: Annotated[Flag, _USED] = False
+    """Page-locked CPU buffers (faster copies to an accelerator)."""
+    pipeline_read: Annotated[Flag, _USED] = False
+    """Overlap reading swapped state with the step."""
+    pipeline_write: Annotated[Flag, _USED] = False
+    """Overlap writing swapped state with the step."""
+    fast_init: Annotated[
+        Flag, Key(Ignored("zero writes the initial swap files in one pass whatever this says"))
+    ] = False
+    """DeepSpeed: skip initialising swap files on creation."""
+    ratio: Annotated[Real(0, 1), _USED] = 1.0
+    """Fraction of each group's sub-groups whose optimizer step and state are offloaded (< 1: partial
+    offload, stage 3 only; the rest is stepped on the device; the split is
+    ``engine.optimizer.offload.offloaded_numel`` / ``device_numel``)."""
 
     @model_validator(mode="after")
     def _nvme_needs_path(self) -> OffloadOptimizerConfig:
@@ -689,33 +496,23 @@ def _require_nvme_path(device: OffloadDevice, path: pathlib.Path | None, section
         )
 
 
-_DEPRECATED_OFFLOAD = 'a deprecated DeepSpeed key; use {{"{new}": {{"device": "cpu"}}}} instead'
-
-# zero_optimization knobs -> the stages that use them (the others ignore them, as DeepSpeed does)
-_STAGE3 = frozenset({3})
-_STAGE12 = frozenset({1, 2})
-KNOB_STAGES: dict[str, frozenset[int]] = {
-    "prefetch_bucket_size": _STAGE3,
-    "param_persistence_threshold": _STAGE3,
-    "model_persistence_threshold": _STAGE3,
-    "max_live_parameters": _STAGE3,
-    "max_reuse_distance": _STAGE3,
-    "gather_16bit_weights_on_model_save": _STAGE3,
-    "offload_param": _STAGE3,
-    "zero_hpz_partition_size": _STAGE3,
-    "zero_quantized_weights": _STAGE3,
-    "zero_quantized_nontrainable_weights": _STAGE3,
-    "zero_quantized_gradients": _STAGE3,
-    "mics_shard_size": _STAGE3,
-    "mics_hierarchical_params_gather": _STAGE3,
-    "round_robin_gradients": _STAGE12,
-    "allgather_partitions": _STAGE12,
-    "allgather_bucket_size": _STAGE12,
-    "offload_optimizer": frozenset({1, 2, 3}),
-}
+def _deprecated_offload(new: str) -> Rejected:
+    return Rejected(f'a deprecated DeepSpeed key; use {{"{new}": {{"device": "cpu"}}}} instead')
 
 
-class ZeroOptimizationConfig(_Section):
+def _stage3(status: Refused | Ignored | None = None, default_text: str | None = None) -> Key:
+    """The declaration of a stage-3 knob (implemented unless ``status`` says otherwise)."""
+    return Key(status or IMPLEMENTED, stages=_STAGE3, default_text=default_text)
+
+
+_ALWAYS_RS = "stages 1-3 always reduce-scatter gradients, stage 0 (DDP) all-reduces them"
+_SAVE_16BIT = (
+    "zero has no save_16bit_model: engine.save_pretrained(dir, dtype=torch.bfloat16) always gathers the "
+    "whole weights, and `zero consolidate` turns a checkpoint into whole weights"
+)
+
+
+class ZeroOptimizationConfig(Section):
     """``zero_optimization``: DeepSpeed's ZeRO keys, names and defaults.
 
     Every stage-3 knob is accepted with and without its ``stage3_`` prefix
@@ -725,8 +522,8 @@ class ZeroOptimizationConfig(_Section):
     counts; whole floats such as ``5e8`` are accepted. ``overlap_comm`` defaults to true
     for stage 3 and false otherwise, as in DeepSpeed.
 
-    ``overlap_comm``, ``contiguous_gradients``, ``reduce_scatter`` and the bucket sizes
-    are performance settings: they never change the numbers a step computes.
+    ``overlap_comm`` and the bucket sizes are performance settings: they never change the
+    numbers a step computes.
     """
 
     _PATH = ("zero_optimization",)
@@ -741,48 +538,113 @@ class ZeroOptimizationConfig(_Section):
             "stage3_gather_fp16_weights_on_model_save",
         ),
     }
-    _HINTS: ClassVar[dict[str, str]] = {
-        "cpu_offload": _DEPRECATED_OFFLOAD.format(new="offload_optimizer"),
-        "cpu_offload_param": _DEPRECATED_OFFLOAD.format(new="offload_param"),
-        "cpu_offload_use_pin_memory": "a deprecated DeepSpeed key; use offload_optimizer.pin_memory / "
-        "offload_param.pin_memory instead",
+    _REJECTED: ClassVar[dict[str, Rejected]] = {
+        "cpu_offload": _deprecated_offload("offload_optimizer"),
+        "cpu_offload_param": _deprecated_offload("offload_param"),
+        "cpu_offload_use_pin_memory": Rejected(
+            "a deprecated DeepSpeed key; use offload_optimizer.pin_memory / offload_param.pin_memory instead"
+        ),
     }
 
-    stage: _int(0, 3) = 0
-    overlap_comm: Flag = False
-    contiguous_gradients: Flag = True
-    reduce_scatter: Flag = True
-    reduce_bucket_size: _int(1) = 500_000_000
-    allgather_partitions: Flag = True
-    allgather_bucket_size: _int(1) = 500_000_000
-    round_robin_gradients: Flag = False
-    sub_group_size: _int(1) = 1_000_000_000
+    stage: Annotated[Int(0, 3), _USED] = 0
+    """0: plain data parallelism (DDP); 1: optimizer state sharded; 2: + gradients; 3: + parameters."""
+    overlap_comm: Annotated[Flag, Key(IMPLEMENTED, default_text="`true` at stage 3, else `false`")] = False
+    """Reduce gradient buckets asynchronously while backward goes on. Never changes the numbers."""
+    contiguous_gradients: Annotated[
+        Flag,
+        Key(Ignored("zero always reduces gradients into one contiguous flat partition per group", True)),
+    ] = True
+    """DeepSpeed: copy gradients into a contiguous buffer as they are produced."""
+    reduce_scatter: Annotated[Flag, Key(Ignored(_ALWAYS_RS, behaves_as=True))] = True
+    """DeepSpeed: reduce gradients with reduce-scatter (``false``: all-reduce)."""
+    reduce_bucket_size: Annotated[Int(1), _USED] = 500_000_000
+    """Gradient elements reduced in one bucket (one collective) during backward."""
+    allgather_partitions: Annotated[
+        Flag,
+        Key(
+            Ignored("stages 1/2 always all-gather the updated partitions after the step", behaves_as=True),
+            stages=_STAGE12,
+        ),
+    ] = True
+    """DeepSpeed: all-gather the updated partitions after the step (``false``: a broadcast per rank)."""
+    allgather_bucket_size: Annotated[Int(1), Key(IMPLEMENTED, stages=_STAGE12)] = 500_000_000
+    """Elements of whole parameters all-gathered in one collective after the step."""
+    round_robin_gradients: Annotated[
+        Flag,
+        Key(
+            Ignored("each rank's gradient partition is one contiguous range of its flat buffer", False),
+            stages=_STAGE12,
+        ),
+    ] = False
+    """DeepSpeed: place gradient partitions round-robin (balancing its CPU-offload copies)."""
+    sub_group_size: Annotated[Int(1), _USED] = 1_000_000_000
     """Every stage: elements of a flat optimizer partition stepped at once (and, with
     `offload_optimizer`, swapped at once). The optimizer's temporaries (e.g. AdamW's
     per-element intermediates, up to ~2 fp32 tensors of this size) are bounded by it, not by
     the model; smaller values cost more Python calls per step."""
-    load_from_fp32_weights: Flag = True
-    """``false`` (initialise fp32 master weights from the 16-bit ones) is not supported yet."""
-    ignore_unused_parameters: Flag = True
-    """``false`` (fail when a parameter receives no gradient) is not supported yet."""
-    prefetch_bucket_size: _int(0) = 50_000_000
-    param_persistence_threshold: _int(0) = 100_000
-    model_persistence_threshold: _int(0) = sys.maxsize
-    max_live_parameters: _int(0) = 1_000_000_000
-    max_reuse_distance: _int(0) = 1_000_000_000
-    gather_16bit_weights_on_model_save: Flag = False
-    zero_hpz_partition_size: _int(1) = 1
-    zero_quantized_weights: Flag = False
-    zero_quantized_nontrainable_weights: Flag = False
-    zero_quantized_gradients: Flag = False
-    mics_shard_size: _int(-1) = -1
-    """Ranks per MiCS shard group (stage 3); -1 (or 0) turns MiCS off. Must divide the world
-    size (checked by ``initialize`` / ``Init``, where the world is known)."""
-    mics_hierarchical_params_gather: Flag = False
+    load_from_fp32_weights: Annotated[
+        Flag, Key(Refused("master weights from 16-bit copies", supported=True))
+    ] = True
+    """Load the fp32 master weights from a checkpoint's fp32 copies (``false``: from the 16-bit ones)."""
+    ignore_unused_parameters: Annotated[Flag, Key(Refused("error on unused parameters", supported=True))] = (
+        True
+    )
+    """Let parameters receive no gradient in a step (``false``: fail when one does not)."""
+    prefetch_bucket_size: Annotated[Int(0), _stage3()] = 50_000_000
+    """Elements of upcoming modules' parameters gathered ahead of use, from the recorded trace;
+    0 turns prefetching off."""
+    param_persistence_threshold: Annotated[Int(0), _stage3()] = 100_000
+    """Parameters with at most this many elements are not partitioned (kept whole on every rank,
+    never gathered)."""
+    model_persistence_threshold: Annotated[
+        Int(0),
+        _stage3(
+            Ignored(
+                "not applied: every parameter within param_persistence_threshold stays whole, however many",
+                behaves_as=sys.maxsize,
+            ),
+            default_text="unlimited (`sys.maxsize`)",
+        ),
+    ] = sys.maxsize
+    """DeepSpeed: a cap on the total elements of the parameters kept whole."""
+    max_live_parameters: Annotated[Int(0), _stage3()] = 1_000_000_000
+    """Bound on gathered or in-flight elements that prefetching and reuse may keep alive (the
+    running module's parameters are always gathered)."""
+    max_reuse_distance: Annotated[Int(0), _stage3()] = 1_000_000_000
+    """A parameter used again within this many gathered elements (in the trace) stays gathered
+    after its module."""
+    gather_16bit_weights_on_model_save: Annotated[Flag, _stage3(Ignored(_SAVE_16BIT))] = False
+    """DeepSpeed: gather the 16-bit weights for ``save_16bit_model`` (its older name:
+    ``stage3_gather_fp16_weights_on_model_save``)."""
+    zero_hpz_partition_size: Annotated[
+        Int(1), _stage3(Refused("ZeRO++ hierarchical partitioning, hpZ", supported=1))
+    ] = 1
+    """ZeRO++ hpZ: ranks holding a secondary shard of the parameters (usually the ranks of one
+    node); 1 is off."""
+    zero_quantized_weights: Annotated[
+        Flag, _stage3(Refused("ZeRO++ quantized weight all-gather, qwZ", supported=False))
+    ] = False
+    """ZeRO++ qwZ: all-gather parameters quantized to int8."""
+    zero_quantized_nontrainable_weights: Annotated[
+        Flag, _stage3(Refused("quantized storage of frozen weights", supported=False))
+    ] = False
+    """Keep frozen weights quantized."""
+    zero_quantized_gradients: Annotated[
+        Flag, _stage3(Refused("ZeRO++ quantized gradient reduction, qgZ", supported=False))
+    ] = False
+    """ZeRO++ qgZ: reduce gradients quantized to int4 with two all-to-all hops."""
+    mics_shard_size: Annotated[Int(-1), _stage3()] = -1
+    """Ranks per MiCS shard group; -1 (or 0) turns MiCS off. Must divide the world size (checked
+    by ``initialize`` / ``Init``, where the world is known)."""
+    mics_hierarchical_params_gather: Annotated[Flag, _stage3()] = False
     """MiCS: gather in two hops (inter-node, then intra-node); needs ``mics_shard_size`` set to a
     multiple of the ranks per node spanning >= 2 nodes."""
-    offload_param: OffloadParamConfig = Field(default_factory=OffloadParamConfig)
-    offload_optimizer: OffloadOptimizerConfig = Field(default_factory=OffloadOptimizerConfig)
+    offload_param: Annotated[OffloadParamConfig, _stage3()] = Field(default_factory=OffloadParamConfig)
+    """Where parameters live between uses (section below)."""
+    offload_optimizer: Annotated[OffloadOptimizerConfig, Key(IMPLEMENTED, stages=frozenset({1, 2, 3}))] = (
+        Field(default_factory=OffloadOptimizerConfig)
+    )
+    """Where the optimizer state and its step live (section below)."""
 
     @classmethod
     def _prepare(cls, data: dict[str, Any]) -> dict[str, Any]:
@@ -836,18 +698,5 @@ class ZeroOptimizationConfig(_Section):
         return ReduceConfig(reduce_bucket_size=self.reduce_bucket_size, overlap_comm=self.overlap_comm)
 
     def ignored_keys(self) -> list[str]:
-        """Full paths of the keys given that the chosen stage (or device) does not use."""
-        ignored = [
-            f"zero_optimization.{self.documented_key(name)}"
-            for name, stages in KNOB_STAGES.items()
-            if name in self.model_fields_set and self.stage not in stages
-        ]
-        for name in ("offload_param", "offload_optimizer"):
-            section = getattr(self, name)
-            if name in self.model_fields_set and self.stage in KNOB_STAGES[name]:
-                if "nvme_path" in section.model_fields_set and section.device is not OffloadDevice.NVME:
-                    ignored.append(f"zero_optimization.{name}.nvme_path")
-        if "fast_init" in self.offload_optimizer.model_fields_set:
-            # zero writes the initial swap files in one pass whatever this says
-            ignored.append("zero_optimization.offload_optimizer.fast_init")
-        return ignored
+        """Full paths of the keys given here that have no effect (see ``ZeroConfig.ignored_keys``)."""
+        return [finding.path for finding in key_report(self, self.stage).ignored]

@@ -162,10 +162,11 @@ class Engine:
             self._pipeline = StepPipeline(pieces, config)
         self._comm = CommTotals()
         self._ledger.records.clear()
-        ignored = config.ignored_keys()
+        ignored = config.key_report().ignored
         if ignored and dist.get_rank() == 0:
             logger.info(
-                "zero: these config keys have no effect with this configuration: %s", ", ".join(ignored)
+                "zero: these config keys have no effect with this configuration: %s",
+                "; ".join(f"{f.path} ({f.reason})" for f in ignored),
             )
 
     def __repr__(self) -> str:

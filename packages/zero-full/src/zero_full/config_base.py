@@ -1,0 +1,290 @@
+"""The base of every config section: DeepSpeed-style key checks, and what a given config's keys amount to.
+
+:class:`Section` runs its key check before pydantic's own validation: an unknown key is
+reported with its full DeepSpeed path (``zero_optimization.stage3_prefetch_bucket_sz``) and
+the closest accepted name (or the :class:`~zero_full.config_types.Rejected` reason for a
+DeepSpeed key zero does not take), a value of ``"auto"`` (Hugging Face Trainer configs) is
+reported by key, and two spellings of one knob (``stage3_prefetch_bucket_size`` /
+``prefetch_bucket_size``) with different values are a conflict.
+
+:func:`key_report` walks a validated config and reads each field's
+:class:`~zero_full.config_types.Key`: the keys given that have no effect, and the values
+zero refuses. ``ZeroConfig.ignored_keys()`` and ``unsupported_features()`` are built on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import typing
+from collections.abc import Mapping
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic_core import InitErrorDetails, PydanticCustomError
+
+from zero_full.config_types import Ignored, Key, Refused, Rejected
+
+__all__ = ["KeyFinding", "KeyReport", "Section", "declared_key", "key_report", "section_in"]
+
+
+def section_in(annotation: Any) -> type[Section] | None:
+    """The :class:`Section` subclass inside ``annotation`` (``X``, ``X | None``), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, Section):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = section_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _is_auto(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.strip().lower() == "auto"
+    if isinstance(value, list | tuple):
+        return any(_is_auto(v) for v in value)
+    return False
+
+
+def _error(kind: str, message: str, loc: tuple[str, ...], value: Any) -> InitErrorDetails:
+    # No context: the message is used literally (braces in user keys stay as they are).
+    return InitErrorDetails(type=PydanticCustomError(kind, message, None), loc=loc, input=value)
+
+
+class Section(BaseModel):
+    """Base of every config section: frozen, no extra keys, DeepSpeed-style key checks.
+
+    Class attributes of subclasses:
+
+    * ``_PATH``: where the section sits in a DeepSpeed config (used in messages).
+    * ``_ALIASES``: canonical field name -> its other accepted spellings, the DeepSpeed
+      documented one first (e.g. ``prefetch_bucket_size`` -> ``stage3_prefetch_bucket_size``);
+      the list may name the field itself first when that is the documented spelling.
+    * ``_REJECTED``: DeepSpeed keys that are not accepted but that users bring, with what to do.
+
+    Every field declares a :class:`~zero_full.config_types.Key` in its ``Annotated`` type.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True)
+
+    _PATH: ClassVar[tuple[str, ...]] = ()
+    _ALIASES: ClassVar[dict[str, tuple[str, ...]]] = {}
+    _REJECTED: ClassVar[dict[str, Rejected]] = {}
+
+    @classmethod
+    def accepted_keys(cls) -> list[str]:
+        """Every key this section accepts, aliases included."""
+        keys = list(cls.model_fields)
+        for spellings in cls._ALIASES.values():
+            keys += [s for s in spellings if s not in keys]
+        return keys
+
+    @classmethod
+    def documented_key(cls, field: str) -> str:
+        """The DeepSpeed documented spelling of ``field`` (its first alias, else itself)."""
+        return cls._ALIASES.get(field, (field,))[0]
+
+    @classmethod
+    def rejected_keys(cls) -> dict[str, Rejected]:
+        """DeepSpeed keys this section refuses at validation, with the reason the error gives."""
+        return dict(cls._REJECTED)
+
+    @classmethod
+    def _canonical_name(cls, key: str) -> str | None:
+        if key in cls.model_fields:
+            return key
+        return next((c for c, spellings in cls._ALIASES.items() if key in spellings), None)
+
+    @classmethod
+    def _child_section(cls, key: str, data: Mapping[str, Any]) -> type[Section] | None:
+        """The section class that validates ``data[key]`` (``None`` for a scalar)."""
+        name = cls._canonical_name(key)
+        return None if name is None else section_in(cls.model_fields[name].annotation)
+
+    @classmethod
+    def key_problems(
+        cls, data: Mapping[str, Any], loc: tuple[str, ...] = (), prefix: tuple[str, ...] | None = None
+    ) -> list[InitErrorDetails]:
+        """Unknown keys, ``"auto"`` values and alias conflicts in ``data`` and its sub-sections.
+
+        Args:
+            data: The raw section.
+            loc: Location of ``data`` below the section where the check started.
+            prefix: DeepSpeed path of that starting section (default: this class's path).
+
+        Returns:
+            One pydantic error per problem, located at ``loc`` + key.
+        """
+        prefix = cls._PATH if prefix is None else prefix
+        problems: list[InitErrorDetails] = []
+        accepted = cls.accepted_keys()
+        for key, value in data.items():
+            path = ".".join((*prefix, *loc, str(key)))
+            if not isinstance(key, str) or cls._canonical_name(key) is None:
+                where = ".".join((*prefix, *loc)) or "the top level"
+                message = cls._unknown_message(str(key), path, where, accepted)
+                problems.append(_error("unknown_key", message, (*loc, str(key)), value))
+                continue
+            if _is_auto(value):
+                message = (
+                    f'{path} is {value!r}: "auto" values are filled in by the Hugging Face Trainer '
+                    "integration and zero does not resolve them; replace it with a value"
+                )
+                problems.append(_error("auto_value", message, (*loc, key), value))
+                continue
+            child = cls._child_section(key, data)
+            if child is not None and isinstance(value, Mapping):
+                problems += child.key_problems(value, (*loc, key), prefix)
+        problems += cls._alias_conflicts(data, ".".join((*prefix, *loc)), loc)
+        return problems
+
+    @classmethod
+    def _unknown_message(cls, key: str, path: str, where: str, accepted: list[str]) -> str:
+        if key in cls._REJECTED:
+            return f"unknown key {path!r}: {cls._REJECTED[key].reason}"
+        close = difflib.get_close_matches(key, accepted, n=1, cutoff=0.6)
+        if close:
+            return f"unknown key {path!r}; did you mean {close[0]!r}?"
+        return f"unknown key {path!r}; keys accepted in {where}: {', '.join(sorted(accepted))}"
+
+    @classmethod
+    def _alias_conflicts(
+        cls, data: Mapping[str, Any], where: str, loc: tuple[str, ...]
+    ) -> list[InitErrorDetails]:
+        problems = []
+        for canonical, spellings in cls._ALIASES.items():
+            given = [(s, data[s]) for s in dict.fromkeys((*spellings, canonical)) if s in data]
+            first, first_value = given[0] if given else ("", None)
+            for spelling, value in given[1:]:
+                if value != first_value or isinstance(value, bool) != isinstance(first_value, bool):
+                    message = (
+                        f"{where + ': ' if where else ''}{first!r} = {first_value!r} and {spelling!r} = "
+                        f"{value!r} are two spellings of one setting with different values; keep one"
+                    )
+                    problems.append(_error("alias_conflict", message, (*loc, spelling), value))
+        return problems
+
+    @classmethod
+    def _prepare(cls, data: dict[str, Any]) -> dict[str, Any]:
+        """Hook: adjust the (canonical-named) input before field validation."""
+        return data
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _check_keys(cls, data: Any, handler: Any) -> Any:
+        if isinstance(data, Mapping):
+            problems = cls.key_problems(data)
+            if problems:
+                raise ValidationError.from_exception_data(cls.__name__, problems, hide_input=True)
+            canonical = {cls._canonical_name(k): v for k, v in data.items()}
+            data = cls._prepare(canonical)
+        return handler(data)
+
+    def given_keys(self) -> list[str]:
+        """Documented names of the fields set explicitly in the input (aliases resolved)."""
+        return [self.documented_key(f) for f in type(self).model_fields if f in self.model_fields_set]
+
+
+# --------------------------------------------------------------------------- what the keys amount to
+
+
+def declared_key(cls: type[Section], field: str) -> Key:
+    """The :class:`~zero_full.config_types.Key` declared in the type of ``cls.field``.
+
+    Raises:
+        TypeError: the field declares none (every field must: ``Annotated[T, Key(...)]``).
+    """
+    found = [m for m in cls.model_fields[field].metadata if isinstance(m, Key)]
+    if len(found) != 1:
+        raise TypeError(
+            f"{cls.__name__}.{field} declares {len(found)} Key(...) in its type; declare exactly one: "
+            f"{field}: Annotated[<type>, Key(IMPLEMENTED | Ignored(why) | Refused(why, supported))]"
+        )
+    return found[0]
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyFinding:
+    """One key of a validated config that is ignored or refused.
+
+    Attributes:
+        path: Full DeepSpeed path, e.g. ``zero_optimization.stage3_max_live_parameters``.
+        value: Its value.
+        reason: Why it has no effect, or what the refused feature is.
+    """
+
+    path: str
+    value: Any
+    reason: str
+
+    def value_text(self) -> str:
+        """The value as JSON writes it (``true``, ``2``)."""
+        try:
+            return json.dumps(self.value)
+        except TypeError:
+            return str(self.value)
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyReport:
+    """What :func:`key_report` found: keys given without effect, and values zero refuses."""
+
+    ignored: tuple[KeyFinding, ...]
+    refused: tuple[KeyFinding, ...]
+
+
+def _stages_text(stages: frozenset[int]) -> str:
+    return ", ".join(str(s) for s in sorted(stages))
+
+
+def _unused_because(key: Key, section: Section, parent: Section | None, stage: int) -> str | None:
+    """Why ``key`` of ``section`` is not used by this config (``None``: it is used)."""
+    if stage not in key.stages:
+        return f"used at stage {_stages_text(key.stages)} only; this config is stage {stage}"
+    if key.when is not None and not key.when.test(section, parent):
+        return f"used only when {key.when.text}"
+    return None
+
+
+def key_report(section: Section, stage: int) -> KeyReport:
+    """The keys of ``section`` (and the sections below it) given without effect, and refused values.
+
+    A key is ignored when given while unused (its stages do not include ``stage``, or its
+    ``when`` condition is false; the keys of an unused section are not looked at), or when its
+    status is :class:`~zero_full.config_types.Ignored` and the value given is not the one zero
+    behaves as. A value is refused when the key is used, its status is
+    :class:`~zero_full.config_types.Refused` and the value is not the supported one.
+
+    Args:
+        section: A validated section (usually the whole ``ZeroConfig``).
+        stage: The ZeRO stage the config runs.
+
+    Returns:
+        Both lists, in declaration order (depth first).
+    """
+    ignored: list[KeyFinding] = []
+    refused: list[KeyFinding] = []
+
+    def visit(node: Section, parent: Section | None) -> None:
+        cls = type(node)
+        for name in cls.model_fields:
+            key, value = declared_key(cls, name), getattr(node, name)
+            given = name in node.model_fields_set
+            path = ".".join((*cls._PATH, cls.documented_key(name)))
+            unused = _unused_because(key, node, parent, stage)
+            if unused is not None:
+                if given:
+                    ignored.append(KeyFinding(path, value, unused))
+                continue
+            status = key.status
+            if isinstance(status, Ignored) and given and status.reports(value):
+                ignored.append(KeyFinding(path, value, status.reason))
+            elif isinstance(status, Refused) and status.refuses(value):
+                refused.append(KeyFinding(path, value, status.reason))
+            if isinstance(value, Section):
+                visit(value, node)
+
+    visit(section, None)
+    return KeyReport(tuple(ignored), tuple(refused))

@@ -1,0 +1,253 @@
+"""Value types of the config sections and the declaration each key carries.
+
+Two things every field of a section in :mod:`zero_full.config_sections` uses:
+
+* **Value types** (``Int(1)``, ``Real(0, lo_open=True)``, :data:`Flag`, :data:`OptionalPath`,
+  ``Choice(OffloadDevice)``, :data:`Betas`): ``Annotated`` types whose validator accepts what
+  DeepSpeed configs write (``5e8`` for an integer) and whose message names the accepted range.
+* **The key's declaration**, :class:`Key`, put beside the type:
+  ``reduce_scatter: Annotated[Flag, Key(Ignored("...", behaves_as=True))] = True``. It says which
+  ZeRO stages use the key, under which condition (:class:`UsedWhen`), and its status:
+  :data:`IMPLEMENTED`, :class:`Ignored` (accepted, no effect, listed by
+  ``ZeroConfig.ignored_keys()``) or :class:`Refused` (accepted and validated, but
+  ``initialize`` refuses it: listed by ``ZeroConfig.unsupported_features()``). DeepSpeed keys a
+  section does not accept at all carry a :class:`Rejected` reason (the validation error says it).
+
+The description of a key is the docstring under its field. ``ignored_keys()``,
+``unsupported_features()`` and the configuration reference page are all derived from these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import functools
+import math
+import pathlib
+from collections.abc import Callable
+from typing import Annotated, Any
+
+from pydantic import BeforeValidator
+from pydantic_core import PydanticCustomError
+
+__all__ = [
+    "ALL_STAGES",
+    "IMPLEMENTED",
+    "Betas",
+    "Choice",
+    "Flag",
+    "Ignored",
+    "Implemented",
+    "Int",
+    "Key",
+    "OptionalPath",
+    "Real",
+    "Refused",
+    "Rejected",
+    "UsedWhen",
+    "check_betas",
+    "check_flag",
+    "check_int",
+    "check_path",
+    "check_real",
+    "describe_range",
+    "parse_choice",
+]
+
+ALL_STAGES: frozenset[int] = frozenset({0, 1, 2, 3})
+"""The ZeRO stages (the default of :attr:`Key.stages`)."""
+
+
+# --------------------------------------------------------------------------- scalar checks
+
+
+def describe_range(lo: float | None, hi: float | None, lo_open: bool = False, hi_open: bool = False) -> str:
+    """The range as messages say it: ``" in [0, 3]"``, ``" > 0"``, ``" >= 1"`` (empty: unbounded)."""
+    if lo is not None and hi is not None:
+        return f" in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+    if lo is not None:
+        return f" {'>' if lo_open else '>='} {lo:g}"
+    if hi is not None:
+        return f" {'<' if hi_open else '<='} {hi:g}"
+    return ""
+
+
+def check_int(value: Any, lo: int | None, hi: int | None, none_ok: bool = False) -> int | None:
+    """A whole number: an int, or a float without fraction (DeepSpeed configs write ``5e8``)."""
+    if value is None and none_ok:
+        return None
+    rng = describe_range(lo, hi)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise PydanticCustomError("whole_number", f"expected a whole number{rng}, got {value!r}")
+    if isinstance(value, float):
+        if not (math.isfinite(value) and value.is_integer()):
+            raise PydanticCustomError("whole_number", f"expected a whole number{rng}, got {value!r}")
+        value = int(value)
+    if (lo is not None and value < lo) or (hi is not None and value > hi):
+        raise PydanticCustomError("out_of_range", f"expected a whole number{rng}, got {value}")
+    return value
+
+
+def check_real(value: Any, lo: float | None, hi: float | None, lo_open: bool, hi_open: bool) -> float:
+    """A finite number (int or float, not bool) in the range."""
+    rng = describe_range(lo, hi, lo_open, hi_open)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise PydanticCustomError("number", f"expected a number{rng}, got {value!r}")
+    value = float(value)
+    too_low = lo is not None and (value <= lo if lo_open else value < lo)
+    too_high = hi is not None and (value >= hi if hi_open else value > hi)
+    if too_low or too_high:
+        raise PydanticCustomError("out_of_range", f"expected a number{rng}, got {value:g}")
+    return value
+
+
+def check_flag(value: Any) -> bool:
+    """``true`` or ``false`` only (not ``0`` / ``1`` / ``"yes"``)."""
+    if not isinstance(value, bool):
+        raise PydanticCustomError("boolean", f"expected true or false, got {value!r}")
+    return value
+
+
+def check_path(value: Any) -> pathlib.Path | None:
+    """A non-empty path string (or ``None``)."""
+    if value is None:
+        return None
+    if not isinstance(value, str | pathlib.PurePath) or not str(value):
+        raise PydanticCustomError("path", f"expected a non-empty path string, got {value!r}")
+    return pathlib.Path(value)
+
+
+def check_betas(value: Any) -> tuple[float, float]:
+    """Two numbers ``[beta1, beta2]``, each in ``[0, 1)``."""
+    if not isinstance(value, list | tuple) or len(value) != 2:
+        raise PydanticCustomError("betas", f"expected two numbers [beta1, beta2] in [0, 1), got {value!r}")
+    return tuple(check_real(v, 0.0, 1.0, False, True) for v in value)  # type: ignore[return-value]
+
+
+def parse_choice(enum_cls: type[enum.Enum], value: Any) -> enum.Enum:
+    """Parse an enum member from its value, case-insensitively, naming the accepted values."""
+    if isinstance(value, enum_cls):
+        return value
+    names = [m.value for m in enum_cls]
+    if isinstance(value, str):
+        for member in enum_cls:
+            if member.value.lower() == value.lower():
+                return member
+    accepted = ", ".join(repr(n) for n in names)
+    close = difflib.get_close_matches(str(value), names, n=1) if isinstance(value, str) else []
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    raise PydanticCustomError("choice", f"expected one of {accepted} (any case), got {value!r}{hint}")
+
+
+def Int(lo: int | None = None, hi: int | None = None, *, none_ok: bool = False) -> Any:  # noqa: N802
+    """``int`` type accepting whole numbers in ``[lo, hi]`` (and ``None`` if ``none_ok``)."""
+    check = BeforeValidator(functools.partial(check_int, lo=lo, hi=hi, none_ok=none_ok))
+    return Annotated[int | None, check] if none_ok else Annotated[int, check]
+
+
+def Real(  # noqa: N802
+    lo: float | None = None, hi: float | None = None, *, lo_open: bool = False, hi_open: bool = False
+) -> Any:
+    """``float`` type accepting finite numbers in the given range."""
+    check = functools.partial(check_real, lo=lo, hi=hi, lo_open=lo_open, hi_open=hi_open)
+    return Annotated[float, BeforeValidator(check)]
+
+
+def Choice(enum_cls: type[enum.Enum]) -> Any:  # noqa: N802
+    """``enum_cls`` type parsed from its values, any case (see :func:`parse_choice`)."""
+    return Annotated[enum_cls, BeforeValidator(functools.partial(parse_choice, enum_cls))]
+
+
+Flag = Annotated[bool, BeforeValidator(check_flag)]
+"""``bool`` type accepting only ``true`` / ``false``."""
+OptionalPath = Annotated[pathlib.Path | None, BeforeValidator(check_path)]
+"""A filesystem path or ``None``."""
+Betas = Annotated[tuple[float, float], BeforeValidator(check_betas)]
+"""Adam's ``[beta1, beta2]``."""
+
+
+# --------------------------------------------------------------------------- key declarations
+
+
+@dataclasses.dataclass(frozen=True)
+class Implemented:
+    """The key has its effect (wherever its :class:`Key` says it is used)."""
+
+
+IMPLEMENTED = Implemented()
+"""The status of a key that has its effect."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Ignored:
+    """Accepted for DeepSpeed compatibility, with no effect in zero.
+
+    Attributes:
+        reason: Why, as the page and the engine's log say it (what zero does instead).
+        behaves_as: The value zero always behaves as; giving exactly this value is not
+            reported. ``None``: reported whenever the key is given.
+    """
+
+    reason: str
+    behaves_as: bool | int | None = None
+
+    def reports(self, value: Any) -> bool:
+        """Whether a given ``value`` is listed by ``ignored_keys()``."""
+        return self.behaves_as is None or value != self.behaves_as
+
+
+@dataclasses.dataclass(frozen=True)
+class Refused:
+    """Accepted and validated, but not implemented yet: ``initialize`` refuses other values.
+
+    Attributes:
+        reason: What the feature is, e.g. ``"ZeRO++ quantized weight all-gather, qwZ"``.
+        supported: The one value zero runs with (the default).
+    """
+
+    reason: str
+    supported: bool | int
+
+    def refuses(self, value: Any) -> bool:
+        """Whether ``value`` is listed by ``unsupported_features()``."""
+        return value != self.supported
+
+
+@dataclasses.dataclass(frozen=True)
+class Rejected:
+    """A DeepSpeed key a section does not accept: the validation error says ``reason``."""
+
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class UsedWhen:
+    """A condition, besides the stage, under which a key is used (else a given key is ignored).
+
+    Attributes:
+        text: The condition in words, for the page ("fp16 is enabled").
+        test: ``test(section, parent)``: the validated section holding the key and the section
+            holding that one (``None`` at the top).
+    """
+
+    text: str
+    test: Callable[[Any, Any], bool]
+
+
+@dataclasses.dataclass(frozen=True)
+class Key:
+    """The declaration of one config key, in its field's ``Annotated`` type.
+
+    Attributes:
+        status: :data:`IMPLEMENTED`, :class:`Ignored` or :class:`Refused`.
+        stages: The ZeRO stages that use the key; under another stage a given key is listed
+            by ``ignored_keys()`` (and a section's keys are not looked at).
+        when: A further condition for the key to be used, if any.
+        default_text: The default as the page shows it, when the section computes it.
+    """
+
+    status: Implemented | Ignored | Refused
+    stages: frozenset[int] = ALL_STAGES
+    when: UsedWhen | None = None
+    default_text: str | None = None
