@@ -7,11 +7,12 @@ import pathlib
 import subprocess
 import sys
 import sysconfig
+from fractions import Fraction
 
 import pytest
 
 from zero_full.cli import main
-from zero_full.estimate import estimate_model_states, format_bytes, parse_count
+from zero_full.estimate import EstimatePrecision, estimate_model_states, format_bytes, parse_count
 from zero_full.report import gloo_smoke_check
 
 
@@ -273,3 +274,24 @@ def test_report_names_a_missing_requirement_and_fails(
     assert "zero-no-such-extra" not in out  # an extra's requirement is optional
     data = json.loads(run(capsys, "report", "--json", "--no-smoke")[1])
     assert data["missing"] == ["zero-full needs zero-no-such-dist>=1"]
+
+
+def _evaluate(formula: str, psi: int, world: int) -> Fraction:
+    """A formula such as ``"4P + 12P/N"``, evaluated exactly."""
+    total = Fraction(0)
+    for term in formula.split(" + "):
+        coeff, _, divisor = term.partition("P")
+        total += int(coeff) * Fraction(psi, world if divisor == "/N" else 1)
+    return total
+
+
+@pytest.mark.parametrize("precision", list(EstimatePrecision))
+@pytest.mark.parametrize(("psi", "world"), [(1, 1), (7, 2), (1023, 4), (7_500_000_000, 64)])
+def test_formula_text_is_what_the_estimator_computes(precision, psi, world):
+    est = estimate_model_states(psi, world, precision)
+    for s in est.stages:
+        assert float(_evaluate(precision.formula(s.stage), psi, world)) == pytest.approx(
+            s.total_bytes, rel=1e-12
+        )
+    with pytest.raises(ValueError, match="stage must be"):
+        precision.formula(4)

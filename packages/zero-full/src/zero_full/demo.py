@@ -56,10 +56,6 @@ __all__ = [
     "synthetic_batch",
 ]
 
-_FORMULAS = {
-    EstimatePrecision.MIXED: {0: "16P", 1: "4P + 12P/N", 2: "2P + 14P/N", 3: "16P/N"},
-    EstimatePrecision.FP32: {0: "16P", 1: "8P + 8P/N", 2: "4P + 12P/N", 3: "16P/N"},
-}
 _DEFAULT_LR = 3e-3
 # The demo model is tiny: DeepSpeed's default persistence threshold (1e5 elements) would keep
 # nearly every tensor whole, and its prefetch / live / reuse bounds would keep the whole model
@@ -624,7 +620,7 @@ def _memory_rows(summary: TrainSummary) -> list[tuple[str, str]]:
     rows += [_rss_row(r) for r in summary.results]
     rows += [
         ("DDP would hold (16P, fp32 AdamW)", format_bytes(16 * psi)),
-        (f"ZeRO-{stage} formula ({_FORMULAS[precision][stage]})", format_bytes(est[stage])),
+        (f"ZeRO-{stage} formula ({precision.formula(stage)})", format_bytes(est[stage])),
         ("saving vs DDP (largest rank)", f"{16 * psi / worst:.2f}x less"),
     ]
     return rows

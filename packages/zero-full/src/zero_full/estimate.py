@@ -28,6 +28,8 @@ import dataclasses
 import decimal
 import enum
 import re
+import types
+from collections.abc import Mapping
 from fractions import Fraction
 
 __all__ = [
@@ -52,6 +54,24 @@ class EstimatePrecision(str, enum.Enum):
     def bytes_per_param(self) -> tuple[int, int, int]:
         """Bytes per parameter of (parameters, gradients, optimizer state)."""
         return (2, 2, 12) if self is EstimatePrecision.MIXED else (4, 4, 8)
+
+    def formula(self, stage: int) -> str:
+        """The paper's formula of one rank's model states at ``stage``, e.g. ``"4P + 12P/N"``.
+
+        ``P`` is the number of parameters and ``N`` the number of ranks (the partition group's
+        size under MiCS); :func:`estimate_model_states` computes the same numbers.
+        """
+        if stage not in STAGE_NAMES:
+            raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+        return _FORMULAS[self][stage]
+
+
+_FORMULAS: Mapping[EstimatePrecision, tuple[str, ...]] = types.MappingProxyType(
+    {
+        EstimatePrecision.MIXED: ("16P", "4P + 12P/N", "2P + 14P/N", "16P/N"),
+        EstimatePrecision.FP32: ("16P", "8P + 8P/N", "4P + 12P/N", "16P/N"),
+    }
+)
 
 
 @dataclasses.dataclass(frozen=True)
