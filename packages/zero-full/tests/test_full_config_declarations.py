@@ -3,32 +3,17 @@
 from __future__ import annotations
 
 import sys
-import typing
 from typing import Annotated
 
 import pytest
 
 from zero_full.config import ZeroConfig
 from zero_full.config_base import Section, declared_key, key_report
-from zero_full.config_sections import _PARAMS_BY_TYPE, OptimizerConfig
+from zero_full.config_reference import config_sections
 from zero_full.config_types import ALL_STAGES, Flag, Ignored, Implemented, Key, Refused
 
-
-def _sections(cls: type[Section]) -> list[type[Section]]:
-    """``cls`` and every section class below it, found from the field annotations."""
-    found = [cls]
-    for name, info in cls.model_fields.items():
-        if cls is OptimizerConfig and name == "params":
-            children = list(dict.fromkeys(_PARAMS_BY_TYPE.values()))
-        else:
-            args = (info.annotation, *typing.get_args(info.annotation))
-            children = [a for a in args if isinstance(a, type) and issubclass(a, Section)]
-        for child in children:
-            found += [c for c in _sections(child) if c not in found]
-    return found
-
-
-SECTIONS = _sections(ZeroConfig)
+# every section class, each once (optimizer.params: Adam / AdamW and SGD)
+SECTIONS = list(dict.fromkeys(section.cls for section in config_sections()))
 
 
 def test_every_field_of_every_section_declares_its_stages_and_status():

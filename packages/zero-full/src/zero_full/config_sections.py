@@ -226,9 +226,7 @@ class AdamParams(Section):
     """The AMSGrad variant."""
     adam_w_mode: Annotated[Flag, Key(IMPLEMENTED, when=_ADAM_ONLY)] = True
     """Decoupled weight decay for type ``Adam`` (DeepSpeed's default: true). No effect on ``AdamW``."""
-    bias_correction: Annotated[
-        Flag, Key(Refused("Adam without bias correction", supported=True))
-    ] = True
+    bias_correction: Annotated[Flag, Key(Refused("Adam without bias correction", supported=True))] = True
     """Adam's bias correction of the running averages (torch's Adam always applies it)."""
     torch_adam: Annotated[Flag, Key(Ignored("zero always uses torch's Adam update"))] = False
     """DeepSpeed's choice between torch's and its fused kernel.
@@ -552,7 +550,11 @@ class ZeroOptimizationConfig(Section):
     """Reduce gradient buckets asynchronously while backward goes on. Never changes the numbers."""
     contiguous_gradients: Annotated[
         Flag,
-        Key(Ignored("zero always reduces gradients into one contiguous flat partition per group", True)),
+        Key(
+            Ignored(
+                "zero always reduces gradients into one contiguous flat partition per group", behaves_as=True
+            )
+        ),
     ] = True
     """DeepSpeed: copy gradients into a contiguous buffer as they are produced."""
     reduce_scatter: Annotated[Flag, Key(Ignored(_ALWAYS_RS, behaves_as=True))] = True
@@ -572,7 +574,9 @@ class ZeroOptimizationConfig(Section):
     round_robin_gradients: Annotated[
         Flag,
         Key(
-            Ignored("each rank's gradient partition is one contiguous range of its flat buffer", False),
+            Ignored(
+                "each rank's gradient partition is one contiguous range of its flat buffer", behaves_as=False
+            ),
             stages=_STAGE12,
         ),
     ] = False
