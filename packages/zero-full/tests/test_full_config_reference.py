@@ -13,7 +13,7 @@ from zero_full.config import ZeroConfig
 from zero_full.config_base import Section
 from zero_full.config_reference import ALL_STAGES, ConfigKey, config_keys, config_sections, render_markdown
 from zero_full.config_sections import _PARAMS_BY_TYPE, OptimizerConfig
-from zero_full.config_types import Ignored
+from zero_full.config_types import Ignored, Refused
 
 KEYS = list(config_keys())
 SGD_KEYS = next(s.keys for s in config_sections() if s.title == "optimizer.params (SGD)")
@@ -188,3 +188,35 @@ def test_sections_and_markdown_shape():
         if line.startswith("| `"):
             cells = re.split(r"(?<!\\)\|", line)[1:-1]
             assert len(cells) in (2, 5), line
+
+
+DECLARED = [k for k in KEYS if isinstance(k.status, Ignored | Refused)]
+
+
+def _other_value(default: Any, avoid: Any) -> Any:
+    """A value of the key's type other than ``avoid`` (the default when there is nothing to avoid)."""
+    if avoid is None:
+        return default
+    if isinstance(avoid, bool):
+        return not avoid
+    return 1000 if avoid != 1000 else 2
+
+
+@pytest.mark.parametrize("key", DECLARED, ids=lambda k: k.path)
+def test_ignored_and_refused_keys_are_reported_as_the_page_says(key):
+    status = key.status
+    avoid = status.behaves_as if isinstance(status, Ignored) else status.supported
+    data = _config_with(key, key.name, _other_value(_plain(key.default), avoid))
+    data.setdefault("zero_optimization", {})["stage"] = max(key.stages)
+    if key.section == ("fp16",):
+        data["fp16"]["enabled"] = True
+    cfg = ZeroConfig.model_validate(data)
+    assert status.reason in key.description
+    if isinstance(status, Ignored):
+        assert key.path in cfg.ignored_keys() and "No effect in zero" in key.description
+        assert cfg.unsupported_features() == []
+    else:
+        (line,) = cfg.unsupported_features()
+        assert line.startswith(f"{key.path} = ") and status.reason in line
+        assert "Not implemented yet" in key.description
+    assert len(DECLARED) >= 15
