@@ -150,7 +150,7 @@ class ZeroConfig(Section):
         Flag,
         Key(
             Ignored(
-                'zero marks every phase with torch.profiler.record_function("zero.<phase>"): a '
+                'zero marks every phase with `torch.profiler.record_function("zero.<phase>")`: a '
                 "torch.profiler trace gives the breakdown",
                 behaves_as=False,
             )

@@ -325,6 +325,25 @@ def _stages_text(stages: tuple[int, ...]) -> str:
     return "all" if stages == ALL_STAGES else ", ".join(str(s) for s in stages)
 
 
+def _status_table(hashes: str) -> list[str]:
+    """The keys accepted without effect or not implemented yet, in one table."""
+    out = [
+        f"{hashes} Keys without effect, and keys not implemented yet",
+        "",
+        "Accepted and validated; `ignored_keys()` lists the first kind when given, `initialize` refuses "
+        "any value but the default of the second.",
+        "",
+        "| key | status | why |",
+        "| --- | --- | --- |",
+    ]
+    for key in config_keys():
+        if isinstance(key.status, Ignored):
+            out.append(f"| `{key.path}` | no effect | {_cell(key.status.reason)} |")
+        elif isinstance(key.status, Refused):
+            out.append(f"| `{key.path}` | not implemented yet | {_cell(key.status.reason)} |")
+    return [*out, ""]
+
+
 def render_markdown(heading_level: int = 2) -> str:
     """The configuration reference as markdown: one table per section, then refused keys.
 
@@ -334,7 +353,8 @@ def render_markdown(heading_level: int = 2) -> str:
     Returns:
         Markdown text: for each section a heading, its description and a table of its keys
         (key and other spellings, type, default, stages, description), then a table of the
-        DeepSpeed keys zero refuses with the reason given in the error.
+        keys without effect or not implemented yet, then one of the DeepSpeed keys zero does
+        not accept, with the reason given in the error.
     """
     hashes = "#" * heading_level
     out: list[str] = []
@@ -354,8 +374,9 @@ def render_markdown(heading_level: int = 2) -> str:
         prefix = ".".join(section.path)
         for key, rejected in section.cls.rejected_keys().items():
             refused.setdefault(f"{prefix}.{key}" if prefix else key, _rst_to_md(rejected.reason))
+    out += _status_table(hashes)
     out += [
-        f"{hashes} Keys that are refused",
+        f"{hashes} Keys that are not accepted",
         "",
         "DeepSpeed keys that zero does not take; the error names the key and says this:",
         "",
