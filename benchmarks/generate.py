@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 from _report import environment, markdown_table, spawn_ranks, write_results
 
+from zero_full.workloads import GPT2Workload
+
 WAYS = ("per token", "gathered once")
 
 
@@ -62,16 +64,13 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
-    """A GPT-2 LM (random init, no dropout), eval mode."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    cfg = GPT2Config(
-        n_layer=args.layers, n_embd=args.width, n_head=max(1, args.width // 64), vocab_size=args.vocab,
-        n_positions=args.prompt + args.new_tokens, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
-        bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
-    return GPT2LMHeadModel(cfg).eval()
+    """A GPT-2 LM (random init from seed 0, no dropout), eval mode."""
+    heads = max(1, args.width // 64)
+    positions = args.prompt + args.new_tokens
+    workload = GPT2Workload(
+        args.layers, args.width, heads, args.vocab, args.prompt, seed=0, positions=positions
+    )
+    return workload.build_model().eval()
 
 
 def _timed(fn: Callable[[], object], repeats: int) -> list[float]:

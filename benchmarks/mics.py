@@ -40,6 +40,8 @@ import torch
 import torch.distributed as dist
 from _report import environment, markdown_table, spawn_ranks, write_results
 
+from zero_full.workloads import GPT2Workload
+
 WORLD, RANKS_PER_NODE = 4, 2
 VARIANTS = {
     "ZeRO-3": {},
@@ -49,27 +51,13 @@ VARIANTS = {
 
 
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
-    """A GPT-2 LM (random init, no dropout) whose forward returns the loss."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    cfg = GPT2Config(
-        n_layer=args.layers,
-        n_embd=args.width,
-        n_head=max(1, args.width // 64),
-        vocab_size=args.vocab,
-        n_positions=args.seq,
-        attn_pdrop=0.0,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
+    """A GPT-2 LM (random init from seed 0, no dropout) whose forward returns the loss."""
+    workload = GPT2Workload(args.layers, args.width, max(1, args.width // 64), args.vocab, args.seq, seed=0)
 
     class LM(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.lm = GPT2LMHeadModel(cfg)
+            self.lm = workload.build_model()
 
         def forward(self, ids: torch.Tensor) -> torch.Tensor:
             return self.lm(input_ids=ids, labels=ids).loss

@@ -11,7 +11,6 @@ import json
 import sys
 from collections.abc import Sequence
 
-from zero_full.demo import add_train_parser
 from zero_full.estimate import (
     EstimatePrecision,
     MemoryEstimate,
@@ -21,16 +20,13 @@ from zero_full.estimate import (
 )
 from zero_full.report import EnvironmentReport, collect_report
 from zero_full.safetensors_io import add_consolidate_parser
+from zero_full.train_cli import add_train_parser
 
 __all__ = ["build_parser", "main"]
 
 PAPER_PARAMS = 7_500_000_000
 PAPER_WORLD = 64
 
-_FORMULAS = {
-    EstimatePrecision.MIXED: {0: "16P", 1: "4P + 12P/N", 2: "2P + 14P/N", 3: "16P/N"},
-    EstimatePrecision.FP32: {0: "16P", 1: "8P + 8P/N", 2: "4P + 12P/N", 3: "16P/N"},
-}
 _PRECISION_TEXT = {
     EstimatePrecision.MIXED: "mixed (16-bit params 2 B + grads 2 B, fp32 Adam state K = 12 B per parameter)",
     EstimatePrecision.FP32: "fp32 (params 4 B + grads 4 B, Adam moments 8 B per parameter)",
@@ -147,7 +143,6 @@ def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1)
 
 def format_estimate(est: MemoryEstimate, paper_example: bool = False) -> str:
     """The text ``zero estimate`` prints."""
-    formulas = _FORMULAS[est.precision]
     title = "Model-state memory per rank, Adam (ZeRO paper formulas)"
     if paper_example:
         title += " -- the paper's example"
@@ -162,7 +157,7 @@ def format_estimate(est: MemoryEstimate, paper_example: bool = False) -> str:
     rows = [
         [
             s.name,
-            "16P/S" if s.shard_size is not None else formulas[s.stage],
+            "16P/S" if s.shard_size is not None else est.precision.formula(s.stage),
             format_bytes(s.params_bytes),
             format_bytes(s.gradients_bytes),
             format_bytes(s.optimizer_bytes),

@@ -53,6 +53,18 @@ class EstimatePrecision(str, enum.Enum):
         """Bytes per parameter of (parameters, gradients, optimizer state)."""
         return (2, 2, 12) if self is EstimatePrecision.MIXED else (4, 4, 8)
 
+    def formula(self, stage: int) -> str:
+        """Model-state bytes per rank at ``stage`` (0 = DDP) in words: ``"4P + 12P/N"``.
+
+        P parameters, N data-parallel ranks; the same formula :func:`estimate_model_states`
+        computes.
+        """
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"stage must be 0 (DDP), 1, 2 or 3, got {stage}")
+        if self is EstimatePrecision.MIXED:
+            return ("16P", "4P + 12P/N", "2P + 14P/N", "16P/N")[stage]
+        return ("16P", "8P + 8P/N", "4P + 12P/N", "16P/N")[stage]
+
 
 @dataclasses.dataclass(frozen=True)
 class StageMemory:

@@ -35,11 +35,6 @@ if TYPE_CHECKING:
 
 __all__ = ["MemoryReport", "build_memory_report", "reset_peak_memory"]
 
-_FORMULA_TEXT = {
-    EstimatePrecision.MIXED: {0: "16P", 1: "4P + 12P/N", 2: "2P + 14P/N", 3: "16P/N"},
-    EstimatePrecision.FP32: {0: "16P", 1: "8P + 8P/N", 2: "4P + 12P/N", 3: "16P/N"},
-}
-
 
 @dataclasses.dataclass(frozen=True)
 class MemoryReport:
@@ -103,7 +98,7 @@ def _formula(engine: Engine, num_params: int, world: int) -> tuple[float, str]:
     shard = z.mics_shard_size if cfg.stage == 3 and z.mics_enabled else None
     est = estimate_model_states(max(num_params, 1), world, precision, (cfg.stage,), shard)
     group = world if shard is None else shard
-    text = f"ZeRO-{cfg.stage} {_FORMULA_TEXT[precision][cfg.stage]} ({precision.value}, N = {group})"
+    text = f"ZeRO-{cfg.stage} {precision.formula(cfg.stage)} ({precision.value}, N = {group})"
     return est.stages[-1].total_bytes, text
 
 
