@@ -29,6 +29,7 @@ __all__ = [
     "median_seconds",
     "peak_rss_bytes",
     "read_wchar",
+    "ResultSink",
     "reset_peak_rss",
     "rss_bytes",
     "spawn_ranks",
@@ -148,8 +149,8 @@ def write_results(
     return paths
 
 
-class _ResultSink:
-    """What a benchmark rank puts its result on (``results.put(x)``); the launcher returns it."""
+class ResultSink:
+    """What a benchmark rank puts its result on (``results.put(x)``); :func:`spawn_ranks` returns it."""
 
     __slots__ = ("filled", "value")
 
@@ -162,7 +163,7 @@ class _ResultSink:
 
 
 def _benchmark_rank(ctx: RankContext, target: Callable[..., None], args: Any) -> tuple[bool, Any]:
-    sink = _ResultSink()
+    sink = ResultSink()
     target(ctx.rank, args, ctx.store_path, sink)
     return sink.filled, sink.value
 

@@ -22,7 +22,6 @@ test: nothing is asserted. Time it on a quiet machine.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import pathlib
 import statistics
@@ -31,7 +30,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from _report import environment, markdown_table, spawn_ranks, write_results
+from _report import ResultSink, environment, markdown_table, spawn_ranks, write_results
 
 from zero_full.workloads import GPT2Workload
 
@@ -133,7 +132,7 @@ def run_ways(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def _rank_main(rank: int, args: argparse.Namespace, store: str, results: mp.Queue) -> None:
+def _rank_main(rank: int, args: argparse.Namespace, store: str, results: ResultSink) -> None:
     os.environ.update(OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=args.world)

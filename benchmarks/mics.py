@@ -30,7 +30,6 @@ Writes ``mics.json`` and ``mics.md`` into ``--out``. Not a test: nothing is asse
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import pathlib
 import statistics
@@ -38,7 +37,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from _report import environment, markdown_table, spawn_ranks, write_results
+from _report import ResultSink, environment, markdown_table, spawn_ranks, write_results
 
 from zero_full.workloads import GPT2Workload
 
@@ -137,7 +136,7 @@ def run_variant(name: str, args: argparse.Namespace) -> dict:
     }
 
 
-def _rank_main(rank: int, args: argparse.Namespace, store: str, results: mp.Queue) -> None:
+def _rank_main(rank: int, args: argparse.Namespace, store: str, results: ResultSink) -> None:
     os.environ.update(
         OMP_NUM_THREADS="1", LOCAL_WORLD_SIZE=str(RANKS_PER_NODE), LOCAL_RANK=str(rank % RANKS_PER_NODE)
     )
