@@ -3,8 +3,8 @@
 Every script under ``benchmarks/`` writes ``<name>.json`` (everything measured, plus
 :func:`environment`) and usually ``<name>.md`` (a table) into its ``--out`` directory through
 :func:`write_results`; tables are built with :func:`markdown_table`. Physical bytes written
-by a process come from :func:`read_wchar`. Nothing here imports a zero package, so a script
-can use it whatever subset of the stack is installed.
+by a process come from :func:`read_wchar`. Ranks are launched by :func:`spawn_ranks` through
+``zero_comm.launch`` (the only zero package imported here: every benchmark needs zero-comm's torch).
 """
 
 from __future__ import annotations
@@ -12,17 +12,16 @@ from __future__ import annotations
 import datetime
 import importlib.metadata
 import json
-import multiprocessing as mp
 import os
 import pathlib
 import platform
-import queue
 import re
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
+
+from zero_comm.launch import RankContext, launch
 
 __all__ = [
     "environment",
@@ -30,6 +29,7 @@ __all__ = [
     "median_seconds",
     "peak_rss_bytes",
     "read_wchar",
+    "ResultSink",
     "reset_peak_rss",
     "rss_bytes",
     "spawn_ranks",
@@ -149,39 +149,39 @@ def write_results(
     return paths
 
 
-def spawn_ranks(target: Callable[..., None], world: int, args: Any, timeout: float) -> Any:
-    """Run ``target(rank, args, store_path, results_queue)`` on ``world`` spawned processes.
+class ResultSink:
+    """What a benchmark rank puts its result on (``results.put(x)``); :func:`spawn_ranks` returns it."""
 
-    The ranks rendezvous through a file store in a temporary directory; one of them puts the
-    benchmark's result on the queue, which is returned. A rank that dies first is an error
-    naming it and its exit code (no wait for the timeout); so is no result within ``timeout``.
+    __slots__ = ("filled", "value")
+
+    def __init__(self) -> None:
+        self.filled = False
+        self.value: Any = None
+
+    def put(self, value: Any) -> None:
+        self.filled, self.value = True, value
+
+
+def _benchmark_rank(ctx: RankContext, target: Callable[..., None], args: Any) -> tuple[bool, Any]:
+    sink = ResultSink()
+    target(ctx.rank, args, ctx.store_path, sink)
+    return sink.filled, sink.value
+
+
+def spawn_ranks(target: Callable[..., None], world: int, args: Any, timeout: float) -> Any:
+    """Run ``target(rank, args, store_path, results)`` on ``world`` spawned processes.
+
+    The ranks rendezvous through a file store in a temporary directory (they join the process
+    group themselves); one of them calls ``results.put(result)``, and that result is returned.
+    Launched by :func:`zero_comm.launch.launch`: a rank that raises or dies is an error naming
+    it (its exception, exit code or signal) at once, the others killed; so is a rank still
+    running after ``timeout``.
     """
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="zero-bench-") as tmp:
-        procs = [ctx.Process(target=target, args=(r, args, f"{tmp}/store", results)) for r in range(world)]
-        for proc in procs:
-            proc.start()
-        deadline = time.monotonic() + timeout
-        try:
-            while True:
-                try:
-                    result = results.get(timeout=1.0)
-                    break
-                except queue.Empty:
-                    dead = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                    if dead:
-                        raise RuntimeError(
-                            f"benchmark rank {dead[0][0]} exited with code {dead[0][1]}"
-                        ) from None
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(
-                            f"no benchmark result from {world} ranks within {timeout:.0f} s"
-                        ) from None
-            for proc in procs:
-                proc.join(timeout=60)
-        finally:
-            for proc in procs:
-                if proc.is_alive():
-                    proc.kill()
-    return result
+    answers = launch(
+        _benchmark_rank, world, target, args, timeout=timeout, process_group=False, name="benchmark"
+    )
+    for answer in answers:
+        filled, value = answer.value
+        if filled:
+            return value
+    raise RuntimeError(f"none of the {world} benchmark ranks put a result")

@@ -24,7 +24,6 @@ Writes ``comm.json`` and ``comm.md`` into ``--out``. Not a test: nothing is asse
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import pathlib
 import statistics
@@ -33,7 +32,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from _report import environment, markdown_table, read_wchar, spawn_ranks, write_results
+from _report import ResultSink, environment, markdown_table, read_wchar, spawn_ranks, write_results
 
 import zero_comm
 from zero_comm import Topology, all_gather_coalesced, partition_numel, reduce_scatter_coalesced
@@ -118,7 +117,7 @@ def reduce_scatter_variants(sizes: list[int], world: int) -> dict[str, tuple[Cal
     }
 
 
-def _rank_main(rank: int, args: argparse.Namespace, store: str, results: mp.Queue) -> None:
+def _rank_main(rank: int, args: argparse.Namespace, store: str, results: ResultSink) -> None:
     os.environ.update(OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     torch.manual_seed(rank)

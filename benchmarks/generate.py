@@ -22,7 +22,6 @@ test: nothing is asserted. Time it on a quiet machine.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import pathlib
 import statistics
@@ -31,7 +30,9 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from _report import environment, markdown_table, spawn_ranks, write_results
+from _report import ResultSink, environment, markdown_table, spawn_ranks, write_results
+
+from zero_full.workloads import GPT2Workload
 
 WAYS = ("per token", "gathered once")
 
@@ -62,16 +63,13 @@ def summarize(rows: list[dict]) -> dict:
 
 
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
-    """A GPT-2 LM (random init, no dropout), eval mode."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    cfg = GPT2Config(
-        n_layer=args.layers, n_embd=args.width, n_head=max(1, args.width // 64), vocab_size=args.vocab,
-        n_positions=args.prompt + args.new_tokens, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0,
-        bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
-    return GPT2LMHeadModel(cfg).eval()
+    """A GPT-2 LM (random init from seed 0, no dropout), eval mode."""
+    heads = max(1, args.width // 64)
+    positions = args.prompt + args.new_tokens
+    workload = GPT2Workload(
+        args.layers, args.width, heads, args.vocab, args.prompt, seed=0, positions=positions
+    )
+    return workload.build_model().eval()
 
 
 def _timed(fn: Callable[[], object], repeats: int) -> list[float]:
@@ -134,7 +132,7 @@ def run_ways(args: argparse.Namespace) -> list[dict]:
     return rows
 
 
-def _rank_main(rank: int, args: argparse.Namespace, store: str, results: mp.Queue) -> None:
+def _rank_main(rank: int, args: argparse.Namespace, store: str, results: ResultSink) -> None:
     os.environ.update(OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=args.world)

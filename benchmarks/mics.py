@@ -30,7 +30,6 @@ Writes ``mics.json`` and ``mics.md`` into ``--out``. Not a test: nothing is asse
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import pathlib
 import statistics
@@ -38,7 +37,9 @@ import time
 
 import torch
 import torch.distributed as dist
-from _report import environment, markdown_table, spawn_ranks, write_results
+from _report import ResultSink, environment, markdown_table, spawn_ranks, write_results
+
+from zero_full.workloads import GPT2Workload
 
 WORLD, RANKS_PER_NODE = 4, 2
 VARIANTS = {
@@ -49,27 +50,13 @@ VARIANTS = {
 
 
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
-    """A GPT-2 LM (random init, no dropout) whose forward returns the loss."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    cfg = GPT2Config(
-        n_layer=args.layers,
-        n_embd=args.width,
-        n_head=max(1, args.width // 64),
-        vocab_size=args.vocab,
-        n_positions=args.seq,
-        attn_pdrop=0.0,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
+    """A GPT-2 LM (random init from seed 0, no dropout) whose forward returns the loss."""
+    workload = GPT2Workload(args.layers, args.width, max(1, args.width // 64), args.vocab, args.seq, seed=0)
 
     class LM(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.lm = GPT2LMHeadModel(cfg)
+            self.lm = workload.build_model()
 
         def forward(self, ids: torch.Tensor) -> torch.Tensor:
             return self.lm(input_ids=ids, labels=ids).loss
@@ -149,7 +136,7 @@ def run_variant(name: str, args: argparse.Namespace) -> dict:
     }
 
 
-def _rank_main(rank: int, args: argparse.Namespace, store: str, results: mp.Queue) -> None:
+def _rank_main(rank: int, args: argparse.Namespace, store: str, results: ResultSink) -> None:
     os.environ.update(
         OMP_NUM_THREADS="1", LOCAL_WORLD_SIZE=str(RANKS_PER_NODE), LOCAL_RANK=str(rank % RANKS_PER_NODE)
     )

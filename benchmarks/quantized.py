@@ -35,7 +35,6 @@ Writes ``quantized.json`` and ``quantized.md`` into ``--out``. Not a test: nothi
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import pathlib
 import re
@@ -46,7 +45,15 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from _report import environment, markdown_table, median_seconds, read_wchar, spawn_ranks, write_results
+from _report import (
+    ResultSink,
+    environment,
+    markdown_table,
+    median_seconds,
+    read_wchar,
+    spawn_ranks,
+    write_results,
+)
 
 import zero_kernels
 from zero_comm import (
@@ -188,7 +195,7 @@ def relative_rmse(got: torch.Tensor, exact: torch.Tensor) -> float:
     return (sums[0] / sums[1]).sqrt().item()
 
 
-def _rank_main(rank: int, args: argparse.Namespace, store: str, results: mp.Queue) -> None:
+def _rank_main(rank: int, args: argparse.Namespace, store: str, results: ResultSink) -> None:
     os.environ.update(OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=args.world)

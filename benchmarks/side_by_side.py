@@ -41,16 +41,12 @@ import datetime
 import gc
 import importlib.util
 import logging
-import multiprocessing as mp
 import os
 import pathlib
-import queue
 import shutil
 import statistics
 import sys
-import tempfile
 import time
-import traceback
 import warnings
 from typing import Any
 
@@ -64,6 +60,8 @@ from impls import (
     ring_ideal_bytes,
 )
 from workloads import ADAMW, Workload, build_model, global_batch, num_params, rank_slice
+
+from zero_comm.launch import RankContext, launch
 
 DISTRIBUTED = [name for name in IMPLEMENTATIONS if name != "single"]
 MARK_BEGIN = "<!-- side-by-side:begin -->"
@@ -135,71 +133,33 @@ def run_one(impl: str, plan: Plan, rank: int, world: int, rows: int) -> dict[str
     }
 
 
-def _rank_main(rank: int, world: int, plan: Plan, store: str, out: mp.Queue) -> None:
+def _rank_main(ctx: RankContext, plan: Plan) -> list[dict[str, Any]]:
     """One rank: every implementation, every round, in one process group."""
-    try:
-        os.environ.update(
-            OMP_NUM_THREADS="1",
-            DS_ACCELERATOR="cpu",
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(world),
-            LOCAL_WORLD_SIZE=str(world),
-            MASTER_ADDR="127.0.0.1",
-        )
-        torch.set_num_threads(1)
-        logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-        warnings.filterwarnings("ignore")  # a warning printed in a measured window would count as bytes sent
-        timeout = datetime.timedelta(seconds=plan.timeout)
-        dist.init_process_group(
-            "gloo", init_method=f"file://{store}", rank=rank, world_size=world, timeout=timeout
-        )
-        results = []
-        for r in range(plan.rounds):
-            shift = r % len(plan.impls)
-            for impl in plan.impls[shift:] + plan.impls[:shift]:
-                results.append({"round": r, **run_one(impl, plan, rank, world, world)})
-                if rank == 0:
-                    print(f"  world {world} round {r + 1}/{plan.rounds}: {impl} done", flush=True)
-        dist.destroy_process_group()
-        out.put(("done", rank, results))
-    except BaseException:
-        out.put(("error", rank, traceback.format_exc()))
+    rank, world = ctx.rank, ctx.world_size
+    os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore")  # a warning printed in a measured window would count as bytes sent
+    timeout = datetime.timedelta(seconds=plan.timeout)
+    dist.init_process_group("gloo", init_method=ctx.init_method, rank=rank, world_size=world, timeout=timeout)
+    results = []
+    for r in range(plan.rounds):
+        shift = r % len(plan.impls)
+        for impl in plan.impls[shift:] + plan.impls[:shift]:
+            results.append({"round": r, **run_one(impl, plan, rank, world, world)})
+            if rank == 0:
+                print(f"  world {world} round {r + 1}/{plan.rounds}: {impl} done", flush=True)
+    dist.destroy_process_group()
+    return results
 
 
 def run_world(plan: Plan, world: int) -> list[dict[str, Any]]:
-    """Spawn ``world`` ranks running every distributed implementation; every rank's results."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="zero-side-by-side-") as tmp:
-        procs = [
-            ctx.Process(target=_rank_main, args=(r, world, plan, f"{tmp}/store", out), daemon=True)
-            for r in range(world)
-        ]
-        for p in procs:
-            p.start()
-        results: list[dict[str, Any]] = []
-        pending = set(range(world))
-        deadline = time.monotonic() + plan.timeout * plan.rounds * len(plan.impls)
-        try:
-            while pending:
-                try:
-                    kind, rank, payload = out.get(timeout=5.0)
-                except queue.Empty:
-                    dead = [p.pid for p in procs if not p.is_alive() and p.exitcode]
-                    if dead or time.monotonic() > deadline:
-                        raise RuntimeError(f"world {world}: ranks died or hung (dead pids {dead})") from None
-                    continue
-                if kind == "error":
-                    raise RuntimeError(f"world {world}: rank {rank} failed:\n{payload}")
-                results += payload
-                pending.discard(rank)
-        finally:
-            for p in procs:
-                p.join(timeout=10.0)
-                if p.is_alive():
-                    p.kill()
-    return results
+    """Launch ``world`` ranks running every distributed implementation; every rank's results.
+
+    A rank that raises or dies stops the run at once with an error naming it (the others killed).
+    """
+    deadline = plan.timeout * plan.rounds * len(plan.impls)
+    answers = launch(_rank_main, world, plan, timeout=deadline, process_group=False, name="side-by-side")
+    return [row for answer in answers for row in answer.value]
 
 
 def run_reference(plan: Plan, world: int) -> dict[str, Any]:

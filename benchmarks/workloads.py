@@ -1,10 +1,10 @@
 """The workloads the benchmarks train (side by side, memory).
 
 A :class:`Workload` is frozen: the model (a ``transformers`` GPT-2 built from a config with
-random weights from a seed, a plain MLP, or a stack of bias-free square Linear layers where
-parameters dominate memory), the data (each step's global batch is a pure
-function of the seed and the step; rank ``r`` of ``W`` takes slice ``r``, the single-process
-reference takes all of it) and the fp32 AdamW hyperparameters (:data:`ADAMW`, passed
+random weights from a seed, by ``zero_full.workloads.GPT2Workload``, a plain MLP, or a stack
+of bias-free square Linear layers where parameters dominate memory), the data (each step's
+global batch is a pure function of the seed and the step; rank ``r`` of ``W`` takes slice
+``r``, the single-process reference takes all of it) and the fp32 AdamW hyperparameters (:data:`ADAMW`, passed
 explicitly to every implementation: DeepSpeed's and torch's defaults differ).
 
 The loss is the mean over this rank's slice; every slice has the same number of tokens, so
@@ -15,10 +15,13 @@ ranks' gradients (what every data-parallel implementation does) gives its gradie
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from zero_full.workloads import GPT2Workload
 
 __all__ = [
     "ADAMW",
@@ -59,6 +62,16 @@ class Workload:
     seq: int = 128
     micro_batch: int = 4
     seed: int = 0
+
+    def gpt2(self) -> GPT2Workload:
+        """The GPT-2 of ``kind == "gpt2"`` (zero_full's builder: config, seeded model, batches).
+
+        Imported here, not at the top: a memory benchmark of DDP imports ``zero_full`` only as
+        part of its measured baseline (``memory._import_libraries``).
+        """
+        from zero_full.workloads import GPT2Workload
+
+        return GPT2Workload(self.layers, self.hidden, self.heads, self.vocab, self.seq, self.seed)
 
     def describe(self) -> str:
         """One line naming the model and batch."""
@@ -121,21 +134,7 @@ def build_model(w: Workload) -> nn.Module:
         return LinearStack(w.hidden, w.layers)
     if w.kind != "gpt2":
         raise ValueError(f"unknown workload kind {w.kind!r}: use 'gpt2', 'mlp' or 'linear'")
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    cfg = GPT2Config(
-        n_layer=w.layers,
-        n_embd=w.hidden,
-        n_head=w.heads,
-        vocab_size=w.vocab,
-        n_positions=w.seq,
-        attn_pdrop=0.0,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return GPT2LMHeadModel(cfg)
+    return w.gpt2().build_model()
 
 
 def block_modules(model: nn.Module) -> list[nn.Module]:
@@ -172,7 +171,7 @@ def global_batch(w: Workload, step: int, world: int) -> dict[str, torch.Tensor]:
     if w.kind == "linear":
         x = torch.randn(rows, w.hidden, generator=gen)
         return {"x": x, "y": torch.randn(rows, w.hidden, generator=gen)}
-    return {"ids": torch.randint(0, w.vocab, (rows, w.seq), generator=gen)}
+    return {"ids": w.gpt2().uniform_batch(step, rows)}
 
 
 def rank_slice(batch: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, torch.Tensor]:

@@ -19,6 +19,7 @@ from torch import nn
 import zero_coord
 import zero_full
 import zero_params
+from zero_full.workloads import GPT2Workload
 
 SEQ = 16
 VOCAB = 257
@@ -138,22 +139,10 @@ class Stack(nn.Module):
 
 
 def gpt2() -> nn.Module:
-    """A 2-layer GPT-2 from ``transformers`` (random init, no dropout, tied lm_head)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    cfg = GPT2Config(
-        n_layer=2,
-        n_embd=64,
-        n_head=4,
-        vocab_size=VOCAB,
-        n_positions=32,
-        attn_pdrop=0.0,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return GPT2LMHeadModel(cfg)
+    """A 2-layer GPT-2 from ``transformers`` (random init from the caller's seed, no dropout, tied head)."""
+    return GPT2Workload(
+        layers=2, hidden=64, heads=4, vocab=VOCAB, seq=SEQ, seed=None, positions=32
+    ).build_model()
 
 
 class GPT2Loss(nn.Module):

@@ -31,17 +31,13 @@ from safetensors.torch import load_file
 
 import zero_full
 from zero_full.cli import main as cli_main
+from zero_full.workloads import GPT2Workload
 
 VOCAB = 97
 
 
 def _gpt2_config():
-    from transformers import GPT2Config
-
-    return GPT2Config(
-        n_layer=2, n_embd=24, n_head=2, vocab_size=VOCAB, n_positions=32,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
-    )  # fmt: skip
+    return GPT2Workload(layers=2, hidden=24, heads=2, vocab=VOCAB, seq=32, seed=None).config()
 
 
 def _llama_config(hidden: int = 24, inter: int = 40, layers: int = 2, vocab: int = VOCAB):

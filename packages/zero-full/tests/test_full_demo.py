@@ -12,7 +12,8 @@ import time
 import pytest
 
 from zero_full.cli import main
-from zero_full.demo import TrainError, TrainOptions, _Progress, build_config, run_training, synthetic_batch
+from zero_full.train_options import TrainOptions, build_config
+from zero_full.train_run import TrainError, _Progress, run_training
 
 TINY = "--layers 1 --hidden 32 --heads 2 --vocab 97 --seq 16 --micro-batch 2".split()
 
@@ -111,12 +112,12 @@ def test_flags_override_the_config_file_and_bad_flags_are_named(tmp_path: pathli
 
 
 def test_synthetic_tokens_follow_the_chain_and_are_the_same_everywhere() -> None:
-    opts = TrainOptions(vocab=97, seq=50)
-    a, b = synthetic_batch(opts, 3, 8), synthetic_batch(opts, 3, 8)
+    workload = TrainOptions(vocab=97, seq=50).workload()
+    a, b = workload.markov_batch(3, 8), workload.markov_batch(3, 8)
     assert a.shape == (8, 50) and a.dtype.is_floating_point is False and bool((a == b).all())
-    assert not bool((synthetic_batch(opts, 4, 8) == a).all())
+    assert not bool((workload.markov_batch(4, 8) == a).all())
     # the most frequent successor of each token is its chain successor about 80% + noise of the time
-    pairs = synthetic_batch(opts, 0, 400)
+    pairs = workload.markov_batch(0, 400)
     prev, nxt = pairs[:, :-1].reshape(-1), pairs[:, 1:].reshape(-1)
     counts = {}
     for p, n in zip(prev.tolist(), nxt.tolist()):

@@ -1,8 +1,8 @@
 """Demo: coalesced, reduce-scatter and hierarchical collectives on local gloo ranks.
 
-Run ``python -m zero_comm.demo [--world 2] [--ranks-per-node N]``. It spawns ``world``
-processes on 127.0.0.1 (gloo, a file store in a temporary directory), runs every
-zero-comm collective on odd-shaped tensors, compares each result with plain
+Run ``python -m zero_comm.demo [--world 2] [--ranks-per-node N]``. It launches ``world``
+processes on 127.0.0.1 (:func:`zero_comm.launch.launch`: gloo, a file store in a temporary
+directory), runs every zero-comm collective on odd-shaped tensors, compares each result with plain
 ``torch.distributed`` collectives, and prints rank 0's :class:`CommLedger` summary.
 Exits with status 1 if any result differs (or a rank fails), 0 otherwise.
 """
@@ -10,21 +10,16 @@ Exits with status 1 if any result differs (or a rank fails), 0 otherwise.
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
-import os
-import queue
 import sys
-import tempfile
 import time
-import traceback
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from zero_comm.coalesced import all_gather_coalesced, reduce_scatter_coalesced
 from zero_comm.hierarchical import hierarchical_all_gather_coalesced
+from zero_comm.launch import LaunchError, RankContext, launch
 from zero_comm.ledger import CommLedger
 from zero_comm.partition import partition_numel
 from zero_comm.topology import Topology
@@ -109,48 +104,23 @@ def run_checks(topo: Topology) -> tuple[list[str], str]:
     return problems, ledger.summary()
 
 
-def _rank_main(rank: int, world: int, ranks_per_node: int, store: str, results: Any) -> None:
-    os.environ.update(OMP_NUM_THREADS="1", LOCAL_WORLD_SIZE=str(ranks_per_node), MASTER_ADDR="127.0.0.1")
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-        try:
-            problems, summary = run_checks(Topology())
-        finally:
-            dist.destroy_process_group()
-        results.put((rank, problems, summary))
-    except BaseException:  # noqa: BLE001 - reported to the parent, which exits non-zero
-        results.put((rank, [f"rank {rank} raised:\n{traceback.format_exc()}"], ""))
+def _rank_checks(ctx: RankContext) -> tuple[list[str], str]:
+    """One rank of the demo (launched with its process group): mismatches and the ledger summary."""
+    return run_checks(Topology())
 
 
 def _launch(world: int, ranks_per_node: int) -> dict[int, tuple[list[str], str]]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="zero-comm-demo-") as tmp:
-        procs = [
-            ctx.Process(
-                target=_rank_main, args=(r, world, ranks_per_node, f"{tmp}/store", results), daemon=True
-            )
-            for r in range(world)
-        ]
-        for p in procs:
-            p.start()
-        found: dict[int, tuple[list[str], str]] = {}
-        deadline = time.monotonic() + _RANK_TIMEOUT_S
-        while len(found) < world and time.monotonic() < deadline:
-            try:
-                rank, problems, summary = results.get(timeout=1.0)
-                found[rank] = (problems, summary)
-            except queue.Empty:  # nothing yet: stop early if a rank died without reporting
-                if any(p.exitcode not in (None, 0) for p in procs):
-                    break
-        for p in procs:
-            p.join(timeout=5)
-            if p.is_alive():
-                p.kill()
-    for r in range(world):
-        found.setdefault(r, ([f"rank {r} did not report (crashed or hung)"], ""))
-    return found
+    try:
+        results = launch(
+            _rank_checks, world, timeout=_RANK_TIMEOUT_S, ranks_per_node=ranks_per_node, name="zero-comm-demo"
+        )
+    except LaunchError as exc:
+        found = {f.rank: ([f"{f.describe()}\n{f.traceback}".rstrip()], "") for f in exc.failures}
+        found.update({r: res.value for r, res in exc.results.items()})
+        for r in range(world):
+            found.setdefault(r, ([f"rank {r} did not report (killed)"], ""))
+        return found
+    return {r.rank: r.value for r in results}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -167,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     found = _launch(args.world, rpn)
     problems = [p for r in sorted(found) for p in found[r][0]]
-    print(found[0][1])
+    print(found[0][1] or "(rank 0 sent no ledger summary)")
     for p in problems:
         print(f"MISMATCH {p}")
     verdict = "OK" if not problems else f"{len(problems)} mismatch(es)"

@@ -11,7 +11,6 @@ import json
 import sys
 from collections.abc import Sequence
 
-from zero_full.demo import add_train_parser
 from zero_full.estimate import (
     EstimatePrecision,
     MemoryEstimate,
@@ -21,6 +20,7 @@ from zero_full.estimate import (
 )
 from zero_full.report import EnvironmentReport, collect_report
 from zero_full.safetensors_io import add_consolidate_parser
+from zero_full.train_cli import add_train_parser
 
 __all__ = ["build_parser", "main"]
 

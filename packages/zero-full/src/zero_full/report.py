@@ -2,7 +2,7 @@
 
 :func:`collect_report` gathers versions (Python, torch, Triton, every zero package),
 the machine, the ``torch.distributed`` backends and the accelerator, and runs
-:func:`gloo_smoke_check`: two local processes (``multiprocessing`` spawn) meet through a
+:func:`gloo_smoke_check`: two local processes (:func:`zero_comm.launch.launch`) meet through a
 file store in a temporary directory and do one ``all_reduce`` over gloo. The check is
 bounded by its timeout (the processes are killed when it expires), so it never hangs. A
 requirement of an installed zero package that is not installed is listed (and fails the check).
@@ -11,18 +11,15 @@ requirement of an installed zero package that is not installed is listed (and fa
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import importlib.metadata
 import importlib.util
-import multiprocessing as mp
 import os
 import platform
 import re
 import sys
-import tempfile
 import time
-import traceback
-from multiprocessing.connection import Connection, wait
+
+from zero_comm.launch import LaunchError, RankContext, RankFailureKind, launch
 
 __all__ = ["EnvironmentReport", "SmokeResult", "collect_report", "gloo_smoke_check", "ZERO_DISTRIBUTIONS"]
 
@@ -179,38 +176,18 @@ def collect_report(smoke: bool = True, smoke_timeout: float = 30.0) -> Environme
     )
 
 
-def _smoke_rank(rank: int, world: int, store_path: str, timeout: float, conn: Connection) -> None:
-    """One rank of the smoke check: all-reduce ``rank + 1`` and send the result back."""
-    try:
-        import torch
-        import torch.distributed as dist
+def _smoke_rank(ctx: RankContext) -> float:
+    """One rank of the smoke check (launched in its gloo group): all-reduce ``rank + 1``."""
+    import torch
+    import torch.distributed as dist
 
-        torch.set_num_threads(1)
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{store_path}",
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=timeout),
-        )
-        try:
-            value = torch.tensor([float(rank + 1)])
-            dist.all_reduce(value)
-            conn.send(("ok", value.item()))
-        finally:
-            dist.destroy_process_group()
-    except BaseException:  # every failure goes back to the parent
-        lines = traceback.format_exc().strip().splitlines()
-        try:
-            conn.send(("error", lines[-1] if lines else "unknown error"))
-        except OSError:
-            pass  # the parent gave up waiting and closed the pipe
-    finally:
-        conn.close()
+    value = torch.tensor([float(ctx.rank + 1)])
+    dist.all_reduce(value)
+    return value.item()
 
 
 def gloo_smoke_check(timeout: float = 30.0) -> SmokeResult:
-    """All-reduce over gloo between 2 spawned local processes.
+    """All-reduce over gloo between 2 spawned local processes (:func:`zero_comm.launch.launch`).
 
     Args:
         timeout: Seconds for the whole check (start-up included) and for the process group.
@@ -221,76 +198,22 @@ def gloo_smoke_check(timeout: float = 30.0) -> SmokeResult:
     """
     start = time.monotonic()
     expected = float(sum(range(1, _SMOKE_WORLD + 1)))
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory(prefix="zero-report-") as tmp:
-        store = os.path.join(tmp, "store")
-        procs, conns = [], {}
-        for rank in range(_SMOKE_WORLD):
-            parent, child = ctx.Pipe(duplex=False)
-            proc = ctx.Process(
-                target=_smoke_rank,
-                args=(rank, _SMOKE_WORLD, store, timeout, child),
-                name=f"zero-report-rank{rank}",
-                daemon=True,
+    try:
+        values = {
+            r.rank: r.value for r in launch(_smoke_rank, _SMOKE_WORLD, timeout=timeout, name="zero-report")
+        }
+    except LaunchError as exc:
+        seconds = time.monotonic() - start
+        first = exc.failures[0]
+        if first.kind is RankFailureKind.TIMED_OUT:
+            running = list(exc.still_running)
+            return SmokeResult(
+                False, f"rank(s) {running} did not finish within {timeout:g} s (killed)", seconds
             )
-            proc.start()
-            child.close()
-            procs.append(proc)
-            conns[rank] = parent
-        results, errors = _collect(conns, procs, start + timeout)
-        for rank, proc in enumerate(procs):
-            # A rank that answered only has to exit; one that did not is stuck: stop it now.
-            _stop(proc, grace=2.0 if rank in results or rank in errors else 0.0)
+        return SmokeResult(False, f"rank {first.rank} failed: {first.summary}", seconds)
     seconds = time.monotonic() - start
-    if errors:
-        rank = min(errors)
-        return SmokeResult(False, f"rank {rank} failed: {errors[rank]}", seconds)
-    missing = [r for r in range(_SMOKE_WORLD) if r not in results]
-    if missing:
-        return SmokeResult(False, f"rank(s) {missing} did not finish within {timeout:g} s (killed)", seconds)
-    wrong = {r: v for r, v in results.items() if v != expected}
+    wrong = {r: v for r, v in values.items() if v != expected}
     if wrong:
         return SmokeResult(False, f"all_reduce gave {wrong}, expected {expected:g} on every rank", seconds)
     detail = f"all_reduce over gloo on {_SMOKE_WORLD} spawned processes: {expected:g} on every rank"
     return SmokeResult(True, detail, seconds)
-
-
-def _collect(
-    conns: dict[int, Connection], procs: list[mp.process.BaseProcess], deadline: float
-) -> tuple[dict[int, float], dict[int, str]]:
-    results: dict[int, float] = {}
-    errors: dict[int, str] = {}
-    pending = dict(conns)
-    while pending:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            break
-        for conn in wait(list(pending.values()), timeout=remaining):
-            rank = next(r for r, c in pending.items() if c is conn)
-            del pending[rank]
-            try:
-                status, payload = conn.recv()
-            except EOFError:
-                procs[rank].join(1.0)
-                status, payload = (
-                    "error",
-                    f"process exited without an answer (exit code {procs[rank].exitcode})",
-                )
-            if status == "ok":
-                results[rank] = payload
-            else:
-                errors[rank] = payload
-                deadline = min(deadline, time.monotonic() + 2.0)  # the other rank may now be stuck
-    for conn in conns.values():
-        conn.close()
-    return results, errors
-
-
-def _stop(proc: mp.process.BaseProcess, grace: float) -> None:
-    proc.join(grace)
-    if proc.is_alive():
-        proc.terminate()
-        proc.join(2.0)
-    if proc.is_alive():
-        proc.kill()
-        proc.join()

@@ -18,15 +18,15 @@ Failure handling is the point of this module:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import multiprocessing as mp
 import os
 import pathlib
-import time
-import traceback
 from collections.abc import Callable
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from typing import Any
+
+from zero_comm.launch import LaunchError, RankFailureKind, RankGroup, send_failure
 
 _GRACE_AFTER_FAILURE_S = 10.0
 _STARTUP_TIMEOUT_S = 120.0
@@ -59,13 +59,12 @@ class RankInfo:
 
 
 def _worker_main(rank: int, world_size: int, ranks_per_node: int, workdir: str, conn: Connection) -> None:
-    os.environ.update(
-        OMP_NUM_THREADS="1",
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank % ranks_per_node),
-        LOCAL_WORLD_SIZE=str(ranks_per_node),
-    )
+    """Process entry of a pool rank (spawned by :class:`zero_comm.launch.RankGroup`).
+
+    Answers ``("ok", None)`` once in the process group, then ``("ok", result)`` or ``("error",
+    (summary, traceback, time))`` for each job, until the job ``None``.
+    """
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank % ranks_per_node))
     import datetime
 
     import torch
@@ -80,7 +79,7 @@ def _worker_main(rank: int, world_size: int, ranks_per_node: int, workdir: str, 
         timeout=datetime.timedelta(seconds=120),
     )
     info = RankInfo(rank, world_size, ranks_per_node, workdir)
-    conn.send(("ready", None))
+    conn.send(("ok", None))
     while True:
         try:
             job = conn.recv()
@@ -95,8 +94,8 @@ def _worker_main(rank: int, world_size: int, ranks_per_node: int, workdir: str, 
         try:
             result = fn(info, *args, **kwargs) if _wants_info(fn) else fn(*args, **kwargs)
             conn.send(("ok", result))
-        except BaseException:  # noqa: BLE001 - every failure is reported to the parent
-            conn.send(("error", traceback.format_exc()))
+        except BaseException as exc:  # noqa: BLE001 - every failure is reported to the parent
+            send_failure(conn, exc)
 
 
 def _wants_info(fn: Callable[..., Any]) -> bool:
@@ -111,7 +110,8 @@ class DistributedPool:
     """``world_size`` live gloo ranks that run functions on request.
 
     Use :meth:`run`; a pool that failed is closed and must be replaced
-    (``PoolRegistry`` does that for tests).
+    (``PoolRegistry`` does that for tests). The processes are spawned, watched and killed by
+    :class:`zero_comm.launch.RankGroup`.
     """
 
     def __init__(self, world_size: int, ranks_per_node: int, workdir: pathlib.Path) -> None:
@@ -125,23 +125,11 @@ class DistributedPool:
         self.ranks_per_node = ranks_per_node
         self.workdir = workdir
         workdir.mkdir(parents=True, exist_ok=True)
-        ctx = mp.get_context("spawn")
-        self._conns: list[Connection] = []
-        self._procs: list[mp.process.BaseProcess] = []
-        for rank in range(world_size):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(
-                target=_worker_main,
-                args=(rank, world_size, ranks_per_node, str(workdir), child),
-                name=f"zero-rank{rank}",
-                daemon=True,
-            )
-            proc.start()
-            child.close()
-            self._conns.append(parent)
-            self._procs.append(proc)
+        self._group = RankGroup(
+            _worker_main, world_size, workdir=str(workdir), ranks_per_node=ranks_per_node, name="zero"
+        )
         self.alive = True
-        self._collect("pool start-up", _STARTUP_TIMEOUT_S, expect="ready")
+        self._collect("pool start-up", _STARTUP_TIMEOUT_S)
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results in rank order.
@@ -150,47 +138,30 @@ class DistributedPool:
         """
         if not self.alive:
             raise RuntimeError("this DistributedPool failed earlier and was closed; create a new one")
-        for conn in self._conns:
-            conn.send((fn, args, kwargs))
-        return self._collect(getattr(fn, "__qualname__", repr(fn)), timeout, expect="ok")
+        self._group.send((fn, args, kwargs))
+        return self._collect(getattr(fn, "__qualname__", repr(fn)), timeout)
 
-    def _collect(self, what: str, timeout: float, expect: str) -> list[Any]:
-        results: dict[int, Any] = {}
-        errors: dict[int, str] = {}
-        deadline = time.monotonic() + timeout
-        pending = dict(enumerate(self._conns))
-        while pending:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            for conn in wait(list(pending.values()), timeout=remaining):
-                rank = next(r for r, c in pending.items() if c is conn)
-                del pending[rank]
-                try:
-                    status, payload = conn.recv()
-                except EOFError:
-                    status, payload = "error", f"rank {rank} exited (exit code {self._procs[rank].exitcode})"
-                if status == expect:
-                    results[rank] = payload
-                else:
-                    errors[rank] = payload
-                    # Other ranks may now wait forever in a collective: shorten the deadline.
-                    deadline = min(deadline, time.monotonic() + _GRACE_AFTER_FAILURE_S)
-        if errors or pending:
-            self.close(kill=True)
-            raise self._failure(what, errors, sorted(pending), timeout)
-        return [results[r] for r in range(self.world_size)]
+    def _collect(self, what: str, timeout: float) -> list[Any]:
+        try:
+            results = self._group.collect(what, timeout, failure_grace=_GRACE_AFTER_FAILURE_S)
+        except LaunchError as exc:
+            self.alive = False  # the group killed every rank
+            raise self._failure(what, exc, timeout) from None
+        return [r.value for r in results]
 
-    def _failure(self, what: str, errors: dict[int, str], hung: list[int], timeout: float) -> AssertionError:
+    def _failure(self, what: str, exc: LaunchError, timeout: float) -> AssertionError:
         topo = f"world_size={self.world_size}, ranks_per_node={self.ranks_per_node}"
-        if errors:
-            first = min(errors)
-            lines = [f"{what} failed on rank(s) {sorted(errors)} ({topo})."]
+        hung = sorted(exc.still_running)
+        failed = [f for f in exc.failures if f.kind is not RankFailureKind.TIMED_OUT]
+        if failed:
+            first = failed[0]  # the launcher's first culprit
+            lines = [f"{what} failed on rank(s) {sorted(f.rank for f in failed)} ({topo})."]
             if hung:
                 lines.append(f"Rank(s) {hung} did not finish after the failure and were killed.")
-            lines.append(f"--- traceback of rank {first} ---\n{errors[first]}")
-            others = {r: e.strip().splitlines()[-1] for r, e in errors.items() if r != first}
-            lines += [f"rank {r}: {last}" for r, last in sorted(others.items())]
+            lines.append(f"--- traceback of rank {first.rank} ---\n{first.traceback or first.describe()}")
+            lines += [
+                f"rank {f.rank}: {f.summary}" for f in sorted(failed, key=lambda f: f.rank) if f is not first
+            ]
             return RankFailure("\n".join(lines))
         return RankTimeout(
             f"{what}: rank(s) {hung} did not finish within {timeout:.0f}s ({topo}) and were killed. "
@@ -202,19 +173,12 @@ class DistributedPool:
         if not self.alive:
             return
         self.alive = False
-        for conn, proc in zip(self._conns, self._procs):
-            if not kill and proc.is_alive():
-                try:
-                    conn.send(None)
-                except (BrokenPipeError, OSError):
-                    pass
-        for proc in self._procs:
-            proc.join(timeout=0 if kill else 5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=10)
-        for conn in self._conns:
-            conn.close()
+        if not kill:
+            for conn, proc in zip(self._group.conns, self._group.procs):
+                if proc.is_alive():
+                    with contextlib.suppress(BrokenPipeError, OSError):
+                        conn.send(None)
+        self._group.close(kill=kill)
 
 
 class PoolRegistry:
