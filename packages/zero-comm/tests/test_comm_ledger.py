@@ -38,8 +38,8 @@ def test_record_without_an_active_ledger_does_nothing():
 
 def _step_zero(world):
     shards = [torch.ones(n) for n in (7, 0, 131)]
-    all_gather_coalesced(shards).wait()
-    reduce_scatter_coalesced([torch.ones(5, 3), torch.ones(1)], op="sum").wait()
+    all_gather_coalesced(shards)
+    reduce_scatter_coalesced([torch.ones(5, 3), torch.ones(1)], op="sum")
 
 
 def _step_one(rank, topo):
@@ -54,7 +54,7 @@ def _step_one(rank, topo):
     out = torch.empty(world * 2)
     all_to_all_single(out, me * 10 + torch.arange(world * 2.0)).wait()
     got["all_to_all"] = out.tolist() == [float(r * 10 + 2 * me + k) for r in range(world) for k in (0, 1)]
-    all_gather_coalesced([torch.ones(4)], topo.intra_node_group()).wait()  # one rank per node here
+    all_gather_coalesced([torch.ones(4)], topo.intra_node_group())  # one rank per node here
     return got
 
 

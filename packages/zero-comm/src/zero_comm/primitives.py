@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.profiler import record_function
 
-from zero_comm.errors import check_flat_inputs
+from zero_comm.checks import check_flat_inputs
 from zero_comm.handles import TensorHandle
 from zero_comm.ledger import record, ring_wire_bytes
 from zero_comm.reduction import ReduceOpLike, Reduction
