@@ -564,7 +564,7 @@ def _sync_whole_tensors(model: nn.Module) -> None:
                 chunk.append(t)
                 numel += t.numel()
                 if i + 1 == len(tensors) or numel + tensors[i + 1].numel() > _BROADCAST_CHUNK:
-                    flat = broadcast(torch.cat([c.reshape(-1) for c in chunk]), src=0).wait()
+                    flat = broadcast(torch.cat([c.reshape(-1) for c in chunk]), src=0)
                     for c, part in zip(chunk, flat.split([c.numel() for c in chunk])):
                         c.copy_(part.view_as(c))
                     chunk, numel = [], 0

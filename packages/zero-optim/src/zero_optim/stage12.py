@@ -364,7 +364,7 @@ class AllReduceInto:
         with record_function("zero.optim.all_reduce_grads"):
             grads = _take_grads(params)
             flat = torch.cat([g.reshape(-1) for g in grads]) if grads else torch.zeros(0)
-            handle = zero_comm.all_reduce(flat, self.group, op="avg", async_op=async_op)
+            handle = zero_comm.all_reduce(flat, self.group, op="avg", async_op=True)
             targets = [self.partitioning.grad_partition(p) for p in params]
 
             def finish() -> None:
