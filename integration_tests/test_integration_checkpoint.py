@@ -18,7 +18,7 @@ from models import (
 )
 
 import zero_full
-from zero_full.safetensors_io import consolidate_checkpoint
+from zero_full.checkpoint.safetensors import consolidate_checkpoint
 from zero_testing import assert_losses_close
 
 BATCH = 8

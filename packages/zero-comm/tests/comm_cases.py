@@ -38,3 +38,37 @@ def same_buffer(views: list[torch.Tensor], flat_ptr: int | None = None) -> bool:
         return True
     base = located[0][0] - located[0][1] * es if flat_ptr is None else flat_ptr
     return all(ptr == base + off * es for ptr, off in located)
+
+
+def result_of(returned, async_op: bool):
+    """The result of a zero-comm call: a handle with ``async_op`` (waited here), the result itself otherwise.
+
+    Checks the convention of ``torch.distributed``: a synchronous call returns its result, an
+    asynchronous one a handle whose repeated ``wait()`` returns the same object.
+    """
+    if not async_op:
+        assert not hasattr(returned, "wait"), f"a synchronous call returned {type(returned).__name__}"
+        return returned
+    result = returned.wait()
+    assert returned.wait() is result and returned.is_completed()
+    return result
+
+
+def one_storage(views: list[torch.Tensor]) -> bool:
+    """All non-empty views share one storage (unpadded partitions: one buffer, with gaps)."""
+    ptrs = {v.untyped_storage().data_ptr() for v in views if v.numel()}
+    return len(ptrs) <= 1
+
+
+def unpad(padded: list[torch.Tensor], tensors: list[torch.Tensor], group=None) -> list[torch.Tensor]:
+    """The real elements of this rank's padded partitions (the reference for the unpadded results)."""
+    import torch.distributed as tdist
+
+    from zero_comm import shard_range
+
+    world, rank = tdist.get_world_size(group), tdist.get_rank(group)
+    out = []
+    for p, t in zip(padded, tensors):
+        start, stop = shard_range(t.numel(), world, rank)
+        out.append(p[: stop - start])
+    return out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as tdist
-from comm_cases import DTYPES, ODD_SIZES, over_worlds, rank_tensor, same_buffer
+from comm_cases import DTYPES, ODD_SIZES, over_worlds, rank_tensor, result_of, same_buffer
 
 from zero_comm import CommLedger, FlatAllGather, Topology, all_gather_coalesced
 from zero_comm.coalesced import adjacent_flat_view
@@ -34,10 +34,8 @@ def _gather_cases(rank):
             for use_out in (False, True):
                 for async_op in (False, True):
                     out = torch.full((world * sum(ODD_SIZES),), 7.0, dtype=dtype) if use_out else None
-                    handle = all_gather_coalesced(shards, async_op=async_op, out=out)
+                    full = result_of(all_gather_coalesced(shards, async_op=async_op, out=out), async_op)
                     calls += 1
-                    full = handle.wait()
-                    assert handle.wait() is full and handle.is_completed()
                     _check_against_reference(shards, full)
                     assert same_buffer(full, out.data_ptr() if use_out else None), name
     shard_bytes = sum(ODD_SIZES) * 4
@@ -57,16 +55,16 @@ def _single_and_empty(rank):
     world = rank.world_size
     shard = rank_tensor(3, rank.rank, (4099,), torch.float32)
     out = torch.empty(world * 4099)
-    (full,) = all_gather_coalesced([shard], out=out).wait()
+    (full,) = all_gather_coalesced([shard], out=out)
     assert full.data_ptr() == out.data_ptr() and torch.equal(full, _reference(shard))
-    empties = all_gather_coalesced([torch.empty(0), torch.empty(0)]).wait()
+    empties = all_gather_coalesced([torch.empty(0), torch.empty(0)])
     assert [e.numel() for e in empties] == [0, 0]
     mixed = [torch.empty(0), rank_tensor(4, rank.rank, (1,), torch.float32), torch.empty(0)]
-    _check_against_reference(mixed, all_gather_coalesced(mixed).wait())
+    _check_against_reference(mixed, all_gather_coalesced(mixed))
     store = rank_tensor(5, rank.rank, (1023 + 7 + 131,), torch.float16)  # shards kept in one buffer
     adjacent = list(torch.split(store, [1023, 0, 7, 131]))
     assert adjacent_flat_view(adjacent) is not None
-    _check_against_reference(adjacent, all_gather_coalesced(adjacent).wait())
+    _check_against_reference(adjacent, all_gather_coalesced(adjacent))
     return True
 
 
@@ -150,9 +148,8 @@ def _gather_into_cases(rank):
             for async_op in (False, True):
                 outs = [torch.full((k,), 7.0, dtype=dtype) for k in lengths]
                 outs[-1] = outs[-1].view(1, -1)  # any shape, contiguous
-                handle = all_gather_coalesced_into(shards, outs, async_op=async_op)
-                got = handle.wait()
-                assert got == outs and handle.is_completed()
+                got = result_of(all_gather_coalesced_into(shards, outs, async_op=async_op), async_op)
+                assert got == outs
                 for s, out in zip(shards, outs):
                     ref = _reference(s)
                     assert torch.equal(out.view(-1), ref[: out.numel()])
@@ -161,7 +158,7 @@ def _gather_into_cases(rank):
         flat = rank_tensor(9, rank.rank, (sum(sizes),), torch.float32)
         shards = list(torch.split(flat, sizes))
         outs = [torch.empty(world * n) for n in sizes]
-        all_gather_coalesced_into(shards, outs).wait()
+        all_gather_coalesced_into(shards, outs)
         assert all(torch.equal(o, _reference(s)) for s, o in zip(shards, outs))
         # one tensor, no padding to drop: the collective fills the destination (through the strategy)
         one = rank_tensor(11, rank.rank, (7,), torch.float32)

@@ -6,7 +6,7 @@ from datetime import timedelta
 
 import pytest
 import torch
-from comm_cases import over_worlds
+from comm_cases import over_worlds, result_of
 
 from zero_comm import AllGatherHandle, TensorHandle, all_gather_coalesced, reduce_scatter_coalesced
 
@@ -60,7 +60,7 @@ def _profiled(rank):
         shards = [torch.ones(7), torch.ones(3)]
         handle = all_gather_coalesced(shards, async_op=True)
         handle.wait()
-        reduce_scatter_coalesced([torch.ones(9)]).wait()
+        reduce_scatter_coalesced([torch.ones(9)])
     names = {e.name for e in prof.events()}
     return sorted(n for n in names if n.startswith("zero."))
 
@@ -77,3 +77,44 @@ def test_issue_and_finish_phases_are_profiler_ranges(dist, spec):
     if world > 1:
         expected.append("zero.reduce_scatter.local_sum")
     assert dist.run(world, _profiled, ranks_per_node=rpn) == [expected] * world
+
+
+def _convention(rank):
+    """Every public call: the result without async_op (as torch.distributed), a handle with it."""
+    import torch.distributed as tdist
+
+    import zero_comm
+
+    world, me = rank.world_size, rank.rank
+    results = []
+    for async_op in (False, True):
+        t = torch.full((world * 3,), float(me + 1))
+        got = result_of(zero_comm.all_reduce(t, op="sum", async_op=async_op), async_op)
+        assert got is t and t.tolist() == [world * (world + 1) / 2] * (world * 3)
+        b = torch.full((4,), float(me))
+        assert result_of(zero_comm.broadcast(b, src=world - 1, async_op=async_op), async_op) is b
+        assert b.tolist() == [float(world - 1)] * 4
+        out, inp = torch.empty(world * 2), me * 10 + torch.arange(world * 2.0)
+        assert result_of(zero_comm.all_to_all_single(out, inp, async_op=async_op), async_op) is out
+        ref = torch.empty(world * 2)
+        tdist.all_to_all_single(ref, me * 10 + torch.arange(world * 2.0))
+        assert torch.equal(out, ref)
+        shards = [torch.full((2,), float(me)), torch.full((1,), -float(me))]
+        full = result_of(zero_comm.all_gather_coalesced(shards, async_op=async_op), async_op)
+        dests = [torch.empty(2 * world), torch.empty(world)]
+        into = result_of(zero_comm.all_gather_coalesced_into(shards, dests, async_op=async_op), async_op)
+        assert into == dests and all(torch.equal(a, b) for a, b in zip(full, dests))
+        parts = result_of(
+            zero_comm.reduce_scatter_coalesced([torch.ones(3)], op="sum", async_op=async_op), async_op
+        )
+        results.append((full[0].tolist(), parts[0].tolist()))
+    assert results[0] == results[1]
+    return results[0]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_calls_return_their_result_unless_async(dist, world):
+    got = dist.run(world, _convention)
+    for r, (gathered, part) in enumerate(got):
+        assert gathered == [float(q) for q in range(world) for _ in range(2)]
+        assert part == [float(world)] * len(range(3)[r * -(-3 // world) :][: -(-3 // world)])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from comm_cases import DTYPES, ODD_SIZES, over_worlds, rank_tensor, same_buffer
+from comm_cases import DTYPES, ODD_SIZES, over_worlds, rank_tensor, result_of, same_buffer
 
 from zero_comm import (
     AllGatherStrategy,
@@ -16,7 +16,7 @@ from zero_comm import (
     Topology,
     all_gather_coalesced,
     hierarchical_all_gather_coalesced,
-    reduce_scatter_coalesced,
+    reduce_scatter_coalesced_padded,
 )
 
 
@@ -26,13 +26,15 @@ def _hierarchical_equals_flat(rank):
     hops = topo.hierarchical_groups(world)
     for dtype in DTYPES.values():
         shards = [rank_tensor(i, rank.rank, (n,), dtype) for i, n in enumerate(ODD_SIZES)]
-        flat = all_gather_coalesced(shards).wait()
+        flat = all_gather_coalesced(shards)
         for async_op in (False, True):
             out = torch.zeros(world * sum(ODD_SIZES), dtype=dtype)
-            got = hierarchical_all_gather_coalesced(shards, hops, async_op=async_op, out=out).wait()
+            got = result_of(
+                hierarchical_all_gather_coalesced(shards, hops, async_op=async_op, out=out), async_op
+            )
             assert all(torch.equal(a, b) for a, b in zip(got, flat)), dtype
             assert same_buffer(got, out.data_ptr())
-        (one,) = hierarchical_all_gather_coalesced(shards[-1:], hops).wait()
+        (one,) = hierarchical_all_gather_coalesced(shards[-1:], hops)
         assert torch.equal(one, flat[-1])
     return (hops.inter_size, hops.intra_size)
 
@@ -53,8 +55,8 @@ def _degenerate_layouts(rank):
                 continue
             hops = topo.hierarchical_groups(shard_size)
             shards = [rank_tensor(i, rank.rank, (n,), torch.float16) for i, n in enumerate((7, 0, 131))]
-            ref = all_gather_coalesced(shards, topo.shard_group(shard_size)).wait()
-            got = hierarchical_all_gather_coalesced(shards, hops).wait()
+            ref = all_gather_coalesced(shards, topo.shard_group(shard_size))
+            got = hierarchical_all_gather_coalesced(shards, hops)
             assert all(torch.equal(a, b) for a, b in zip(got, ref)), (rpn, shard_size)
             shapes.append((hops.inter_size, hops.intra_size))
     return shapes
@@ -75,7 +77,7 @@ def _ledger_of_two_hops(rank):
     shards = [torch.ones(n) for n in (131, 7)]
     shard_bytes = 138 * 4
     with CommLedger(topo) as ledger:
-        hierarchical_all_gather_coalesced(shards, topo.hierarchical_groups(world)).wait()
+        hierarchical_all_gather_coalesced(shards, topo.hierarchical_groups(world))
     if nodes > 1 and per_node > 1:
         inter, intra = ledger.records
         assert (inter.link, intra.link) == (LinkKind.INTER_NODE, LinkKind.INTRA_NODE)
@@ -113,7 +115,7 @@ def _strategies(rank):
     assert all(torch.equal(x, y) for x, y in zip(a, b))
     grads = [rank_tensor(9, rank.rank, (5, 7), torch.float32, integer=True)]
     mine = rs.reduce_scatter_coalesced(grads, op="sum").wait()
-    assert torch.equal(mine[0], reduce_scatter_coalesced(grads, op="sum").wait()[0])
+    assert torch.equal(mine[0], reduce_scatter_coalesced_padded(grads, op="sum")[0])
     return sizes
 
 

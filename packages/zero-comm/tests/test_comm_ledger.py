@@ -38,23 +38,21 @@ def test_record_without_an_active_ledger_does_nothing():
 
 def _step_zero(world):
     shards = [torch.ones(n) for n in (7, 0, 131)]
-    all_gather_coalesced(shards).wait()
-    reduce_scatter_coalesced([torch.ones(5, 3), torch.ones(1)], op="sum").wait()
+    all_gather_coalesced(shards)
+    reduce_scatter_coalesced([torch.ones(5, 3), torch.ones(1)], op="sum")
 
 
 def _step_one(rank, topo):
     world, me = rank.world_size, rank.rank
     got = {}
     for op, want in (("sum", sum(range(world))), ("avg", sum(range(world)) / world), ("max", world - 1)):
-        got[op] = all_reduce(torch.tensor([float(me)] * 3), op=op).wait().tolist() == [want] * 3
+        got[op] = all_reduce(torch.tensor([float(me)] * 3), op=op).tolist() == [want] * 3
     t = torch.arange(6.0) * me
-    got["broadcast"] = (
-        broadcast(t, src=world - 1).wait().tolist() == (torch.arange(6.0) * (world - 1)).tolist()
-    )
+    got["broadcast"] = broadcast(t, src=world - 1).tolist() == (torch.arange(6.0) * (world - 1)).tolist()
     out = torch.empty(world * 2)
-    all_to_all_single(out, me * 10 + torch.arange(world * 2.0)).wait()
+    all_to_all_single(out, me * 10 + torch.arange(world * 2.0))
     got["all_to_all"] = out.tolist() == [float(r * 10 + 2 * me + k) for r in range(world) for k in (0, 1)]
-    all_gather_coalesced([torch.ones(4)], topo.intra_node_group()).wait()  # one rank per node here
+    all_gather_coalesced([torch.ones(4)], topo.intra_node_group())  # one rank per node here
     return got
 
 

@@ -8,13 +8,14 @@ reduce-scatter, and the bytes in the ledger and on the wire.
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 
 import pytest
 import torch
 import torch.distributed as tdist
-from comm_cases import DTYPES, ODD_SIZES, rank_tensor, same_buffer
+from comm_cases import DTYPES, ODD_SIZES, one_storage, rank_tensor, result_of, same_buffer, unpad
 
 import zero_comm
 from zero_comm import (
@@ -26,6 +27,7 @@ from zero_comm import (
     all_gather_coalesced,
     partition_numel,
     reduce_scatter_coalesced,
+    reduce_scatter_coalesced_padded,
 )
 from zero_comm.quantized import (
     QGZ_DEFAULT_CONFIG,
@@ -116,10 +118,9 @@ def _qwz_cases(rank):
                 shards = [rank_tensor(10 * d + i, me, (n,), dtype) for i, n in enumerate(ODD_SIZES)]
                 for use_out, async_op in ((False, False), (True, True)):
                     out = torch.full((world * total,), 7.0, dtype=dtype) if use_out else None
-                    handle = quantized_all_gather_coalesced(shards, config=cfg, async_op=async_op, out=out)
+                    got = quantized_all_gather_coalesced(shards, config=cfg, async_op=async_op, out=out)
                     payloads.append(cfg.payload_bytes(total))  # codes + fp32 scales
-                    full = handle.wait()
-                    assert handle.wait() is full and handle.is_completed()
+                    full = result_of(got, async_op)
                     assert [f.numel() for f in full] == [world * n for n in ODD_SIZES]
                     assert all(f.dtype == dtype for f in full)
                     assert same_buffer(full, out.data_ptr() if use_out else None)
@@ -137,7 +138,7 @@ def _qwz_cases(rank):
                         if cfg == QWZ_DEFAULT_CONFIG and dtype == torch.float32:
                             err2, ref2 = err2 + e2, ref2 + x2
                 # one shard: dequantized straight into the output
-                (one,) = quantized_all_gather_coalesced(shards[-1:], config=cfg).wait()
+                (one,) = quantized_all_gather_coalesced(shards[-1:], config=cfg)
                 payloads.append(cfg.payload_bytes(ODD_SIZES[-1]))
                 mine = shards[-1] if world == 1 else dequantize(quantize(shards[-1], cfg), dtype)
                 assert torch.equal(one.view(world, -1)[me], mine)
@@ -172,7 +173,7 @@ def _qwz_strategy_and_bytes(rank):
     shards = [rank_tensor(7, me, (n,), torch.bfloat16) for n in (1023, 4099)]
     with CommLedger(topo) as ledger:
         got = strategy.all_gather_coalesced(shards).wait()
-    ref = quantized_all_gather_coalesced(shards, intra, config=QuantConfig(8, 512)).wait()
+    ref = quantized_all_gather_coalesced(shards, intra, config=QuantConfig(8, 512))
     assert all(torch.equal(a, b) for a, b in zip(got, ref))
     (rec,) = ledger.records
     assert rec.link is LinkKind.INTRA_NODE and rec.group_ranks == tuple(
@@ -182,9 +183,9 @@ def _qwz_strategy_and_bytes(rank):
     big = rank_tensor(8, me, (1 << 18,), torch.float32)
     written = {}
     for name, fn in (
-        ("qwz", lambda: quantized_all_gather_coalesced([big]).wait()),
-        ("fp32", lambda: all_gather_coalesced([big]).wait()),
-        ("fp16", lambda: all_gather_coalesced([big.half()]).wait()),
+        ("qwz", lambda: quantized_all_gather_coalesced([big])),
+        ("fp32", lambda: all_gather_coalesced([big])),
+        ("fp16", lambda: all_gather_coalesced([big.half()])),
     ):
         tdist.barrier()
         with measure_wire_bytes() as w:
@@ -240,10 +241,12 @@ def _qgz_exact_routing(rank):
             for op in ("avg", "sum"):
                 for async_op in (False, True):
                     cfg = QuantConfig(4, gs)
-                    got = all_to_all_quant_reduce(tensors, topo, config=cfg, op=op, async_op=async_op).wait()
-                    plain = reduce_scatter_coalesced(tensors, op=op).wait()
-                    assert same_buffer(got)
-                    exact = exact_partitions(tensors, op == "avg")
+                    got = result_of(
+                        all_to_all_quant_reduce(tensors, topo, config=cfg, op=op, async_op=async_op), async_op
+                    )
+                    plain = reduce_scatter_coalesced(tensors, op=op)
+                    assert one_storage(got)
+                    exact = unpad(exact_partitions(tensors, op == "avg"), tensors)
                     for i, (g, p, e) in enumerate(zip(got, plain, exact)):
                         assert g.shape == p.shape and g.dtype == dtype, (i, g.shape, p.shape)
                         if i in (1, 3):  # fallback: bit-exact with the plain reduce-scatter
@@ -354,7 +357,7 @@ def _fallback(rank):
         tensors = [
             rank_tensor(i, me, s, torch.float32) for i, s in enumerate([(7,), (3, 5), (1,), (0,), (1, 1)])
         ]
-        plain = reduce_scatter_coalesced(tensors).wait()
+        plain = reduce_scatter_coalesced_padded(tensors)  # the strategy keeps the padded partitions
         strategy = QuantizedReduceScatter(topo, QuantConfig(4, 64))
         assert isinstance(strategy, ReduceScatterStrategy) and strategy.group_size == world
         with CommLedger(topo) as ledger:
@@ -372,7 +375,7 @@ def _fallback(rank):
         assert [r.levelname for r in handler.records] == ["INFO"]  # a new strategy object logs again
         handler.records.clear()
         for _ in range(2):  # the stateless function: DEBUG, every call
-            all_to_all_quant_reduce(tensors, topo).wait()
+            all_to_all_quant_reduce(tensors, topo)
         assert [r.levelname for r in handler.records] == ["DEBUG"] * 4
     finally:
         log.removeHandler(handler)
@@ -399,12 +402,12 @@ def _qgz_bytes(rank):
     row = sum(torch.Size(s).numel() for s in shapes) // world
     padded = -(-row // cfg.group_size) * cfg.group_size
     with CommLedger(topo) as ledger:
-        sync = all_to_all_quant_reduce(tensors, topo, config=cfg).wait()
+        sync = all_to_all_quant_reduce(tensors, topo, config=cfg)
         tdist.barrier()
         with measure_wire_bytes() as wire:
             handle = all_to_all_quant_reduce(tensors, topo, config=cfg, async_op=True)
             later = handle.wait()
-        plain = reduce_scatter_coalesced(tensors).wait()
+        plain = reduce_scatter_coalesced(tensors)
     assert all(torch.equal(a, b) for a, b in zip(sync, later)), "async result differs from sync"
     hops = ledger.select(op="quantized_all_to_all")
     assert len(hops) == 2 * (int(nodes > 1) + int(rpn > 1))  # coalesced: one per hop, not per tensor
@@ -440,8 +443,8 @@ def _empty(rank):
     world = rank.world_size
     topo = Topology()
     with CommLedger(topo) as ledger:
-        parts = all_to_all_quant_reduce([torch.empty(2, 0), torch.empty(world, 0, 3)], topo).wait()
-        full = quantized_all_gather_coalesced([torch.empty(0, dtype=torch.float16)] * 2).wait()
+        parts = all_to_all_quant_reduce([torch.empty(2, 0), torch.empty(world, 0, 3)], topo)
+        full = quantized_all_gather_coalesced([torch.empty(0, dtype=torch.float16)] * 2)
     assert [p.numel() for p in parts] == [0, 0] and [f.numel() for f in full] == [0, 0]
     assert full[0].dtype == torch.float16
     return [(r.op, r.link.value, r.payload_bytes, r.wire_bytes) for r in ledger.records]
@@ -500,9 +503,9 @@ def _world_one(rank):
     topo = Topology()
     x = rank_tensor(1, 0, (3, 7), torch.bfloat16)
     with CommLedger(topo) as ledger:
-        (part,) = all_to_all_quant_reduce([x], topo).wait()
+        (part,) = all_to_all_quant_reduce([x], topo)
         (full,) = QuantizedAllGather().all_gather_coalesced([x.view(-1)]).wait()
-        empty = quantized_all_gather_coalesced([torch.empty(0), torch.empty(0)]).wait()
+        empty = quantized_all_gather_coalesced([torch.empty(0), torch.empty(0)])
     assert torch.equal(part, x.view(-1)) and torch.equal(full, x.view(-1))  # nothing sent: exact
     assert [e.numel() for e in empty] == [0, 0]
     return [(r.op, r.wire_bytes) for r in ledger.records]
@@ -541,3 +544,40 @@ def test_without_zero_kernels_zero_comm_works_and_names_the_extra():
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stdout + proc.stderr
+
+
+def _qgz_default_topology(rank):
+    """No topology: nodes of LOCAL_WORLD_SIZE ranks; partitions unpadded, as reduce_scatter_coalesced's."""
+    world, me = rank.world_size, rank.rank
+    assert os.environ["LOCAL_WORLD_SIZE"] == str(rank.ranks_per_node)
+    gs = 8
+    grads = _integer_grads(world, me, [(world, 7), (2 * world, 3)], gs, torch.float32, seed=5)
+    bias = rank_tensor(1, me, (7,), torch.float32, integer=True)  # 1-D: exact fallback
+    odd = rank_tensor(2, me, (7, 1), torch.float32, integer=True)  # 7 elements: exact fallback
+    tiny = rank_tensor(3, me, (1, 1), torch.float32, integer=True)  # smaller than the world
+    tensors = [grads[0], bias, odd, grads[1], tiny]
+    cfg = QuantConfig(4, gs)
+    got = all_to_all_quant_reduce(tensors, config=cfg, op="sum")
+    explicit = all_to_all_quant_reduce(
+        tensors, Topology(ranks_per_node=rank.ranks_per_node), config=cfg, op="sum"
+    )
+    plain = reduce_scatter_coalesced(tensors, op="sum")
+    sizes = []
+    for i, (t, g, e, p) in enumerate(zip(tensors, got, explicit, plain)):
+        full = t.reshape(-1).clone()
+        tdist.all_reduce(full)  # plain torch: this rank's real elements of the sum
+        step = -(-t.numel() // world)
+        assert torch.equal(g, full[me * step : (me + 1) * step]), (i, g, full, step)
+        assert torch.equal(g, e) and torch.equal(g, p), f"tensor {i}"
+        sizes.append(g.numel())
+    return sizes
+
+
+@pytest.mark.parametrize("world, rpn", [(1, 1), (2, 2), (3, 3), (4, 2)], ids=["w1", "w2", "w3", "2x2"])
+def test_qgz_without_topology_returns_the_unpadded_partitions(dist, world, rpn):
+    got = dist.run(world, _qgz_default_topology, ranks_per_node=rpn)
+    numels = [7 * world, 7, 7, 6 * world, 1]
+    assert got == [
+        [len(range(numel)[r * -(-numel // world) :][: -(-numel // world)]) for numel in numels]
+        for r in range(world)
+    ]

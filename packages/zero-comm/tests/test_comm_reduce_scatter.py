@@ -1,29 +1,40 @@
-"""reduce_scatter_coalesced against all_reduce + slicing, and its bytes on the wire."""
+"""reduce_scatter_coalesced (unpadded) and its padded form against all_reduce + slicing; bytes on the wire."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.distributed as tdist
-from comm_cases import DTYPES, ODD_SIZES, over_worlds, rank_tensor, same_buffer
+from comm_cases import DTYPES, ODD_SIZES, one_storage, over_worlds, rank_tensor, result_of, same_buffer
 
-from zero_comm import CommLedger, Topology, partition_numel, reduce_scatter_coalesced
+from zero_comm import (
+    AllToAllReduceScatter,
+    CommLedger,
+    Topology,
+    partition_numel,
+    reduce_scatter_coalesced,
+    reduce_scatter_coalesced_padded,
+    shard_range,
+)
 from zero_testing import assert_tensors_close, measure_wire_bytes
 
 SHAPES = [(n,) for n in ODD_SIZES] + [(3, 5), (2, 0), (1, 1, 7)]
 TOLERANCE = {torch.float32: 0.0, torch.bfloat16: 8e-3, torch.float16: 1e-3}
 
 
-def _reference(t: torch.Tensor, average: bool, group=None) -> torch.Tensor:
-    """This rank's partition of the fp32 all-reduced, zero-padded tensor."""
+def _reference(t: torch.Tensor, average: bool, group=None, padded: bool = True) -> torch.Tensor:
+    """This rank's partition of the fp32 all-reduced tensor, zero-padded or only its real elements."""
     world, rank = tdist.get_world_size(group), tdist.get_rank(group)
     part = partition_numel(t.numel(), world)
-    padded = torch.zeros(world * part, dtype=torch.float32)
-    padded[: t.numel()] = t.reshape(-1).float()
-    tdist.all_reduce(padded, group=group)
+    full = torch.zeros(world * part, dtype=torch.float32)
+    full[: t.numel()] = t.reshape(-1).float()
+    tdist.all_reduce(full, group=group)
     if average:
-        padded /= world
-    return padded[rank * part : (rank + 1) * part].to(t.dtype)
+        full /= world
+    if not padded:
+        start, stop = shard_range(t.numel(), world, rank)
+        return full[start:stop].to(t.dtype)
+    return full[rank * part : (rank + 1) * part].to(t.dtype)
 
 
 def _reduce_scatter_cases(rank):
@@ -33,15 +44,14 @@ def _reduce_scatter_cases(rank):
         for name, dtype in DTYPES.items():
             integer = dtype == torch.float32  # integer-valued fp32 must come out exact
             tensors = [rank_tensor(i, rank.rank, s, dtype, integer=integer) for i, s in enumerate(SHAPES)]
-            for op in ("sum", "avg"):
+            for op, padded in (("sum", False), ("avg", False), ("sum", True), ("avg", True)):
+                call = reduce_scatter_coalesced_padded if padded else reduce_scatter_coalesced
                 for async_op in (False, True):
-                    handle = reduce_scatter_coalesced(tensors, op=op, async_op=async_op)
+                    parts = result_of(call(tensors, op=op, async_op=async_op), async_op)
                     calls += 1
-                    parts = handle.wait()
-                    assert handle.wait() is parts and handle.is_completed()
-                    assert same_buffer(parts)
+                    assert same_buffer(parts) if padded else one_storage(parts)
                     for i, (t, p) in enumerate(zip(tensors, parts)):
-                        ref = _reference(t, op == "avg")
+                        ref = _reference(t, op == "avg", padded=padded)
                         assert p.shape == ref.shape and p.dtype == dtype, (i, p.shape, ref.shape)
                         if integer:
                             assert torch.equal(p, ref), f"{name} {op} tensor {i} {tuple(t.shape)}"
@@ -49,7 +59,7 @@ def _reduce_scatter_cases(rank):
                             assert_tensors_close(p, ref, TOLERANCE[dtype], f"{name} {op} tensor {i}")
     padded = sum(partition_numel(torch.Size(s).numel(), world) for s in SHAPES) * world
     fp32 = ledger.select(step=0)[:4]
-    assert ledger.count("reduce_scatter") == calls == 12
+    assert ledger.count("reduce_scatter") == calls == 24
     assert all(r.payload_bytes == sum(torch.Size(s).numel() for s in SHAPES) * 4 for r in fp32)
     assert all(r.wire_bytes == (world - 1) * padded * 4 // world for r in fp32)
     return calls
@@ -58,19 +68,19 @@ def _reduce_scatter_cases(rank):
 @over_worlds
 def test_matches_all_reduce_then_slice(dist, spec):
     world, rpn = spec
-    assert dist.run(world, _reduce_scatter_cases, ranks_per_node=rpn) == [12] * world
+    assert dist.run(world, _reduce_scatter_cases, ranks_per_node=rpn) == [24] * world
 
 
 def _padding_and_accumulation(rank):
     world = rank.world_size
     # 7 elements over `world` ranks: the padded tail of the last partition must be zero.
-    (part,) = reduce_scatter_coalesced([torch.ones(7)], op="sum").wait()
+    (part,) = reduce_scatter_coalesced_padded([torch.ones(7)], op="sum")
     start = rank.rank * partition_numel(7, world)
     expected = [float(world) if start + i < 7 else 0.0 for i in range(part.numel())]
     assert part.tolist() == expected
     # bf16: 1 + (world-1) * 2**-8 summed in fp32 and rounded once, not rounded after every add.
     value = 1.0 if rank.rank == 0 else 2.0**-8
-    (got,) = reduce_scatter_coalesced([torch.full((world,), value, dtype=torch.bfloat16)], op="sum").wait()
+    (got,) = reduce_scatter_coalesced_padded([torch.full((world,), value, dtype=torch.bfloat16)], op="sum")
     exact = torch.tensor(1.0 + (world - 1) * 2.0**-8).to(torch.bfloat16)
     assert torch.equal(got, exact.expand(1)), (got, exact)
     return got.item()
@@ -89,9 +99,9 @@ def _subgroup(rank):
     topo = Topology()
     group = topo.replicate_group(2) if rank.world_size % 2 == 0 else topo.shard_group(1)
     tensors = [rank_tensor(i, rank.rank, (n,), torch.float32, integer=True) for i, n in enumerate((131, 7))]
-    parts = reduce_scatter_coalesced(tensors, group, op="avg").wait()
+    parts = reduce_scatter_coalesced(tensors, group, op="avg")
     for t, p in zip(tensors, parts):
-        assert torch.equal(p, _reference(t, True, group))
+        assert torch.equal(p, _reference(t, True, group, padded=False))
     return [p.numel() for p in parts]
 
 
@@ -99,7 +109,14 @@ def _subgroup(rank):
 def test_reduces_over_a_subgroup(dist, spec):
     world, rpn = spec
     groups = world // 2 if world % 2 == 0 else 1
-    assert dist.run(world, _subgroup, ranks_per_node=rpn) == [[-(-131 // groups), -(-7 // groups)]] * world
+    group_rank = [r // 2 if world % 2 == 0 else 0 for r in range(world)]
+    expected = [[_real(n, groups, group_rank[r]) for n in (131, 7)] for r in range(world)]
+    assert dist.run(world, _subgroup, ranks_per_node=rpn) == expected
+
+
+def _real(numel: int, world: int, rank: int) -> int:
+    start, stop = shard_range(numel, world, rank)
+    return stop - start
 
 
 def _wire_bytes(rank):
@@ -108,7 +125,7 @@ def _wire_bytes(rank):
     padded = sum(partition_numel(t.numel(), world) for t in tensors) * world
     tdist.barrier()
     with measure_wire_bytes() as ours:
-        reduce_scatter_coalesced(tensors, op="sum").wait()
+        reduce_scatter_coalesced(tensors, op="sum")
     flat, out = torch.ones(padded), torch.empty(padded // world)
     tdist.barrier()
     with measure_wire_bytes() as torch_rs:
@@ -139,15 +156,14 @@ def _bad_inputs(rank):
         reduce_scatter_coalesced([ok, ok.bfloat16()])
     with pytest.raises(ValueError, match="empty list"):
         reduce_scatter_coalesced([])
-    (summed,) = reduce_scatter_coalesced([torch.ones(3, dtype=torch.int64)], op=tdist.ReduceOp.SUM).wait()
+    (summed,) = reduce_scatter_coalesced([torch.ones(3, dtype=torch.int64)], op=tdist.ReduceOp.SUM)
     return summed.tolist()
 
 
 @over_worlds
 def test_bad_inputs_are_named(dist, spec):
     world, rpn = spec
-    part = partition_numel(3, world)
-    expected = [[world if r * part + i < 3 else 0 for i in range(part)] for r in range(world)]
+    expected = [[world] * _real(3, world, r) for r in range(world)]
     assert dist.run(world, _bad_inputs, ranks_per_node=rpn) == expected
 
 
@@ -162,3 +178,37 @@ def test_local_sum_over_received_rows(rows, dtype):
         _sum_rows(recv, out, average)
         want = recv.double().sum(0) / (rows if average else 1)
         assert torch.equal(out, want.to(dtype)), (rows, dtype, average)
+
+
+def _deepspeed_partitions(rank):
+    """The original's results: each rank's real elements, numel 3 over 2 ranks is 2 then 1."""
+    world, me = rank.world_size, rank.rank
+    numels = [3, 1, 0, 7, world - 1, 2 * world + 1]
+    tensors = [rank_tensor(i, me, (n,), torch.float32, integer=True) for i, n in enumerate(numels)]
+    tensors.append(rank_tensor(9, me, (3, 5), torch.float32, integer=True))
+    sizes = []
+    for async_op in (False, True):
+        got = result_of(reduce_scatter_coalesced(tensors, op="sum", async_op=async_op), async_op)
+        for t, g in zip(tensors, got):
+            full = t.reshape(-1).clone()
+            tdist.all_reduce(full)  # plain torch
+            step = -(-t.numel() // world)  # DeepSpeed's partition size: ceil(numel / world)
+            assert torch.equal(g, full[me * step : (me + 1) * step]), (t.shape, g, full)
+        sizes.append([g.numel() for g in got])
+    # the strategy the optimizers use keeps the padded partitions: same numbers, zero tail
+    padded = AllToAllReduceScatter().reduce_scatter_coalesced(tensors, op="sum").wait()
+    assert [p.numel() for p in padded] == [partition_numel(t.numel(), world) for t in tensors]
+    for g, p in zip(got, padded):
+        assert torch.equal(p[: g.numel()], g) and not p[g.numel() :].any()
+    assert sizes[0] == sizes[1]
+    return sizes[0]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_partitions_are_unpadded_as_the_original(dist, world):
+    got = dist.run(world, _deepspeed_partitions)
+    numels = [3, 1, 0, 7, world - 1, 2 * world + 1, 15]
+    assert got == [[_real(n, world, r) for n in numels] for r in range(world)]
+    if world == 2:
+        assert [g[0] for g in got] == [2, 1]  # numel 3 over 2 ranks
+        assert [g[1] for g in got] == [1, 0]  # smaller than the world: an empty partition

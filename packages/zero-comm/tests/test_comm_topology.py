@@ -13,7 +13,7 @@ from zero_comm import LinkKind, Topology, all_gather_coalesced, group_ranks
 def _members(group) -> list[int]:
     """Group membership measured by a collective: every member's global rank."""
     mine = torch.tensor([float(tdist.get_rank())])
-    return [int(x) for x in all_gather_coalesced([mine], group).wait()[0].tolist()]
+    return [int(x) for x in all_gather_coalesced([mine], group)[0].tolist()]
 
 
 def _topology_layout(rank, ranks_per_node):

@@ -18,9 +18,10 @@ from torch import nn
 
 import zero_full
 from zero_comm import partition_numel, shard_range
-from zero_full import checkpoint, ckpt_io
+from zero_full import checkpoint
+from zero_full.checkpoint import io as ckpt_io
+from zero_full.checkpoint.safetensors import SafetensorsWriter
 from zero_full.cli import main as cli_main
-from zero_full.safetensors_io import SafetensorsWriter
 
 BATCH = 8
 
@@ -262,7 +263,7 @@ def _killed_save_rank(rank, world, port, root, results):
 
         ckpt_io.write_torch = die
     try:
-        checkpoint.save_checkpoint(engine, root, tag="bad", timeout=20.0)
+        checkpoint.save_checkpoint(engine.train_state(), root, tag="bad", timeout=20.0)
     except checkpoint.CheckpointError as exc:
         results.put((rank, str(exc)))
     else:
@@ -283,8 +284,8 @@ def test_a_rank_killed_during_a_save_leaves_the_previous_checkpoint(tmp_path):
     assert rank == 0 and error is not None and "gave up waiting" in error, error
     assert sorted(p.name for p in tmp_path.iterdir()) == ["good", "latest"]
     assert (tmp_path / "latest").read_text() == "good"
-    m = ckpt_io.read_manifest(tmp_path / "good")
-    for entry in ckpt_io.manifest_files(m):
+    m = checkpoint.Manifest.read(tmp_path / "good")
+    for entry in m.files:
         ckpt_io.verify_file(tmp_path / "good" / entry.name, entry)
 
 
@@ -472,7 +473,7 @@ def test_fp16_loss_scaler_state_is_saved_and_resumed_exactly(dist, tmp_path):
 def test_each_rank_reads_only_the_pieces_overlapping_its_partition(saved_world, world):
     sizes = {"one": 1, "seven": 7, "prime": 1021, "empty": 0}
     files = [
-        ckpt_io.FileEntry(
+        checkpoint.FileEntry(
             ckpt_io.shard_file_name(r),
             0,
             "",

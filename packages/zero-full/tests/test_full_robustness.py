@@ -239,7 +239,7 @@ def test_leftovers_of_interrupted_saves_are_removed(dist, tmp_path, when):
 
 
 def _disk_full(rank, root, fake_free):
-    from zero_full import ckpt_hygiene
+    from zero_full.checkpoint import hygiene as ckpt_hygiene
 
     engine = zero_full.initialize(Net(300), _config())
     engine.backward(engine(*_data(0, rank.rank)))

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from params_cases import reference_partition, run
 from torch import nn
-from zero_params_testkit import reference_partition, run
 
 import zero_params as zp
 from zero_comm import CommLedger, Topology
 
-pytest_plugins = ("zero_params_worlds",)
+pytest_plugins = ("params_worlds",)
 
 
 def _model() -> nn.Module:

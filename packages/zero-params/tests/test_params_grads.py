@@ -6,14 +6,14 @@ import copy
 
 import torch
 import torch.distributed as dist
+from params_cases import reference_partition, run
 from torch import nn
-from zero_params_testkit import reference_partition, run
 
 import zero_params as zp
 from zero_comm import CommLedger, Topology
 from zero_testing import max_rel_to_magnitude
 
-pytest_plugins = ("zero_params_worlds",)
+pytest_plugins = ("params_worlds",)
 
 
 def _model() -> nn.Module:

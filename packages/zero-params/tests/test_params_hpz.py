@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import torch
+from params_cases import reference_partition, run
 from torch import nn
-from zero_params_testkit import reference_partition, run
 
 import zero_params as zp
 from zero_comm import CommLedger, FlatAllGather, LinkKind, Topology
 
-pytest_plugins = ("zero_params_worlds",)
+pytest_plugins = ("params_worlds",)
 
 
 def _hpz():

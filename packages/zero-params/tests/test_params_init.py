@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from params_cases import StorageTracker, reference_partition, run
 from torch import nn
-from zero_params_testkit import StorageTracker, reference_partition, run
 
 import zero_params as zp
 from zero_comm import CommLedger, Topology
 
-pytest_plugins = ("zero_params_worlds",)
+pytest_plugins = ("params_worlds",)
 
 
 class Custom(nn.Module):

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from params_cases import run
 from torch import nn
-from zero_params_testkit import run
 
 import zero_params as zp
 from zero_params.ops import meta_target_device

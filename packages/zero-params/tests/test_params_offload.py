@@ -8,13 +8,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from params_cases import reference_partition, run
 from torch import nn
-from zero_params_testkit import reference_partition, run
 
 import zero_params as zp
 from zero_offload import OffloadTarget, ParamOffloadConfig, ShardResidence
 
-pytest_plugins = ("zero_params_worlds",)
+pytest_plugins = ("params_worlds",)
 
 
 def _model() -> nn.Module:

@@ -9,13 +9,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from params_cases import build_tree, held_bytes, reference_partition, run
 from torch import nn
-from zero_params_testkit import build_tree, held_bytes, reference_partition, run
 
 import zero_params as zp
 from zero_comm import CommLedger, FlatAllGather, Topology
 
-pytest_plugins = ("zero_params_worlds",)
+pytest_plugins = ("params_worlds",)
 
 DIMS = [0, 1, 2, 3, 5, 7, 13, 31]
 paths = st.sampled_from(["", "a", "b", "a.b", "a.c", "b.a.c"])

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import torch
+from params_cases import run
 from torch import nn
-from zero_params_testkit import run
 
 import zero_params as zp
 from zero_comm import CommLedger, Topology
 from zero_comm.quantized import QuantizedAllGather
 from zero_kernels import QuantConfig
 
-pytest_plugins = ("zero_params_worlds",)
+pytest_plugins = ("params_worlds",)
 
 GROUP = 64  # small quantization groups so the odd-sized parameters span several
 

@@ -7,12 +7,12 @@ from __future__ import annotations
 import copy
 
 import torch
+from params_cases import run
 from torch import nn
-from zero_params_testkit import run
 
 import zero_params as zp
 
-pytest_plugins = ("zero_params_worlds",)
+pytest_plugins = ("params_worlds",)
 
 
 def _model() -> nn.Module:

@@ -5,9 +5,11 @@ Topology, process groups and byte accounting for the zero stack:
 * :class:`Topology`: nodes and ranks, cached process groups (intra / inter node, MiCS and
   hpZ shard and replicate groups, hierarchical hops).
 * :func:`all_gather_coalesced` (and :func:`all_gather_coalesced_into`, straight into
-  destinations), :func:`reduce_scatter_coalesced`,
-  :func:`hierarchical_all_gather_coalesced`: one collective for many tensors; each
-  returns a handle with ``.wait()``.
+  destinations), :func:`reduce_scatter_coalesced` (each rank's unpadded partitions, as
+  DeepSpeed's; :func:`reduce_scatter_coalesced_padded` keeps the padding),
+  :func:`hierarchical_all_gather_coalesced`: one collective for many tensors. As in
+  ``torch.distributed``, a call returns its result; with ``async_op=True`` it returns a
+  handle whose ``.wait()`` returns it.
 * Strategies (:class:`FlatAllGather`, :class:`HierarchicalAllGather`,
   :class:`AllToAllReduceScatter`) implementing the :class:`AllGatherStrategy` /
   :class:`ReduceScatterStrategy` protocols.
@@ -29,7 +31,12 @@ Topology, process groups and byte accounting for the zero stack:
 
 import importlib
 
-from zero_comm.coalesced import all_gather_coalesced, all_gather_coalesced_into, reduce_scatter_coalesced
+from zero_comm.coalesced import (
+    all_gather_coalesced,
+    all_gather_coalesced_into,
+    reduce_scatter_coalesced,
+    reduce_scatter_coalesced_padded,
+)
 from zero_comm.handles import AllGatherHandle, CollectiveHandle, ReduceScatterHandle, TensorHandle
 from zero_comm.hierarchical import hierarchical_all_gather_coalesced
 from zero_comm.ledger import CommLedger, CommRecord, CommTotals, record, ring_wire_bytes
@@ -94,6 +101,7 @@ __all__ = [
     "read_process_memory",
     "record",
     "reduce_scatter_coalesced",
+    "reduce_scatter_coalesced_padded",
     "reset_device_peak",
     "reset_process_peak",
     "ring_wire_bytes",

@@ -3,8 +3,14 @@
 * :func:`all_gather_coalesced` gathers every rank's 1-D shards of several tensors with
   one ``all_gather_single`` and returns the full tensors as views into one flat buffer.
 * :func:`reduce_scatter_coalesced` reduces several tensors and leaves each rank its
-  (padded) partition of each, with one ``all_to_all_single`` plus a local sum — the
-  ring-ideal ``(W-1)/W`` of the input on the wire (gloo's own reduce-scatter sends twice that).
+  (unpadded, as DeepSpeed's) partition of each, with one ``all_to_all_single`` plus a local
+  sum — the ring-ideal ``(W-1)/W`` of the input on the wire (gloo's own reduce-scatter sends
+  twice that); :func:`reduce_scatter_coalesced_padded` keeps the zero-padded partitions of
+  equal size that the optimizers store.
+
+Like ``torch.distributed``, a call returns its result, and a :class:`~zero_comm.CollectiveHandle`
+with ``.wait()`` only with ``async_op=True``. The ``issue_*`` functions always return the handle:
+the strategy objects (:mod:`zero_comm.strategies`) are built on them.
 """
 
 from __future__ import annotations
@@ -17,10 +23,10 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.profiler import record_function
 
-from zero_comm.errors import check_flat_inputs
-from zero_comm.handles import AllGatherHandle, ReduceScatterHandle
+from zero_comm.checks import check_flat_inputs
+from zero_comm.handles import AllGatherHandle, CollectiveHandle, ReduceScatterHandle, T
 from zero_comm.ledger import record, ring_wire_bytes
-from zero_comm.partition import partition_numel
+from zero_comm.partition import partition_numel, shard_range
 from zero_comm.reduction import ReduceOpLike, Reduction
 from zero_comm.topology import group_size_and_rank
 from zero_comm.watchdog import watched_call
@@ -30,7 +36,13 @@ __all__ = [
     "adjacent_flat_view",
     "all_gather_coalesced",
     "all_gather_coalesced_into",
+    "issue_all_gather",
+    "issue_all_gather_into",
+    "issue_reduce_scatter",
     "reduce_scatter_coalesced",
+    "reduce_scatter_coalesced_padded",
+    "result_or_handle",
+    "unpad_partitions",
 ]
 
 _RS_OPS = (Reduction.SUM, Reduction.AVG)
@@ -112,8 +124,33 @@ def all_gather_coalesced(
     *,
     async_op: bool = False,
     out: torch.Tensor | None = None,
-) -> AllGatherHandle:
+) -> list[torch.Tensor] | AllGatherHandle:
     """Gather the shards of several tensors from every rank with one collective.
+
+    See :func:`issue_all_gather` for the layout and the errors.
+
+    Returns:
+        Per input, the full 1-D tensor of ``world * shards[i].numel()`` elements in group-rank
+        order (views into one flat buffer, ``out`` if given); with ``async_op=True`` the
+        :class:`~zero_comm.AllGatherHandle` whose ``wait()`` returns them.
+    """
+    handle = issue_all_gather(shards, group, async_op=async_op, out=out)
+    return result_or_handle(handle, async_op)
+
+
+def result_or_handle(handle: CollectiveHandle[T], async_op: bool) -> T | CollectiveHandle[T]:
+    """``handle`` itself with ``async_op``, else its result (``torch.distributed``'s convention)."""
+    return handle if async_op else handle.wait()
+
+
+def issue_all_gather(
+    shards: Sequence[torch.Tensor],
+    group: ProcessGroup | None = None,
+    *,
+    async_op: bool = False,
+    out: torch.Tensor | None = None,
+) -> AllGatherHandle:
+    """Gather the shards of several tensors from every rank with one collective; always a handle.
 
     Each ``shards[i]`` is this rank's contiguous 1-D shard of tensor ``i`` and must have
     the same numel on every rank of ``group``. With one tensor the collective writes
@@ -184,8 +221,26 @@ def all_gather_coalesced_into(
     group: ProcessGroup | None = None,
     *,
     async_op: bool = False,
-) -> AllGatherHandle:
+) -> list[torch.Tensor] | AllGatherHandle:
     """:func:`all_gather_coalesced` writing each gathered tensor straight into a destination.
+
+    See :func:`issue_all_gather_into` for the contract and the errors.
+
+    Returns:
+        ``outputs`` once filled; with ``async_op=True`` the handle whose ``wait()`` returns them.
+    """
+    handle = issue_all_gather_into(shards, outputs, group, async_op=async_op)
+    return result_or_handle(handle, async_op)
+
+
+def issue_all_gather_into(
+    shards: Sequence[torch.Tensor],
+    outputs: Sequence[torch.Tensor],
+    group: ProcessGroup | None = None,
+    *,
+    async_op: bool = False,
+) -> AllGatherHandle:
+    """Each gathered tensor straight into a destination; always returns a handle.
 
     ``outputs[i]`` (contiguous, any shape, ``shards[i]``'s dtype and device) receives the
     first ``outputs[i].numel()`` elements of gathered tensor ``i`` — the padding beyond them
@@ -317,15 +372,79 @@ def reduce_scatter_coalesced(
     *,
     op: ReduceOpLike = "avg",
     async_op: bool = False,
-) -> ReduceScatterHandle:
-    """Reduce several tensors over ``group`` and keep this rank's partition of each.
+) -> list[torch.Tensor] | ReduceScatterHandle:
+    """Reduce several tensors over ``group`` and keep this rank's unpadded partition of each.
 
-    The semantics of DeepSpeed's ``reduce_scatter_coalesced``: each tensor is flattened
-    and split into ``world`` partitions of ``partition_numel(numel, world)`` elements (the
-    last ones zero-padded); the partitions are interleaved into one ``(world, P)`` buffer
-    (row ``r`` holds every tensor's partition ``r``), exchanged with one
-    ``all_to_all_single`` and summed locally over the world dimension. bf16 / fp16 inputs
-    are summed in fp32 and cast back; ``"avg"`` divides by the group size.
+    DeepSpeed's ``reduce_scatter_coalesced``: tensor ``i`` (flattened, ``numel`` elements) is
+    split into partitions of ``partition_numel(numel, world)`` elements and this rank keeps the
+    real elements of its own, :func:`~zero_comm.shard_range` ``(numel, world, rank)``: for 3
+    elements over 2 ranks, 2 on rank 0 and 1 on rank 1; a tensor smaller than the group gives
+    the last ranks empty partitions. The collective is the one of :func:`issue_reduce_scatter`.
+
+    Args:
+        tensors: Tensors of any shape (same dtype and device, contiguous), identical in
+            shape on every rank of the group.
+        group: Process group (``None``: the world). A one-rank group only copies.
+        op: ``"sum"`` or ``"avg"`` (or the matching ``dist.ReduceOp``).
+        async_op: Return the :class:`~zero_comm.ReduceScatterHandle` instead of the result.
+
+    Returns:
+        Per input, this rank's reduced partition without padding (1-D views into one buffer);
+        with ``async_op=True`` the handle whose ``wait()`` returns them.
+
+    Raises:
+        ValueError: the input errors of :func:`issue_reduce_scatter`.
+        RuntimeError: no process group is initialised.
+    """
+    handle = issue_reduce_scatter(tensors, group, op=op, async_op=async_op)
+    world, rank = group_size_and_rank(group, "reduce_scatter_coalesced")
+    numels = [t.numel() for t in tensors]
+    return result_or_handle(handle.then(lambda parts: unpad_partitions(parts, numels, world, rank)), async_op)
+
+
+def reduce_scatter_coalesced_padded(
+    tensors: Sequence[torch.Tensor],
+    group: ProcessGroup | None = None,
+    *,
+    op: ReduceOpLike = "avg",
+    async_op: bool = False,
+) -> list[torch.Tensor] | ReduceScatterHandle:
+    """:func:`reduce_scatter_coalesced` keeping the zero-padded partitions (all of one size per tensor).
+
+    The form partitioned optimizers store: every rank's partition of tensor ``i`` has
+    ``partition_numel(numel, world)`` elements, the positions past the tensor's end are zero.
+
+    Returns:
+        Per input, this rank's padded partition; with ``async_op=True`` the handle.
+    """
+    return result_or_handle(issue_reduce_scatter(tensors, group, op=op, async_op=async_op), async_op)
+
+
+def unpad_partitions(
+    parts: Sequence[torch.Tensor], numels: Sequence[int], world: int, rank: int
+) -> list[torch.Tensor]:
+    """The real elements of padded partitions: ``parts[i][: stop - start]`` of ``shard_range``."""
+    out = []
+    for part, numel in zip(parts, numels, strict=True):
+        start, stop = shard_range(numel, world, rank)
+        out.append(part[: stop - start])
+    return out
+
+
+def issue_reduce_scatter(
+    tensors: Sequence[torch.Tensor],
+    group: ProcessGroup | None = None,
+    *,
+    op: ReduceOpLike = "avg",
+    async_op: bool = False,
+) -> ReduceScatterHandle:
+    """Reduce several tensors over ``group``, keep this rank's padded partition; always a handle.
+
+    Each tensor is flattened and split into ``world`` partitions of
+    ``partition_numel(numel, world)`` elements (the last ones zero-padded); the partitions are
+    interleaved into one ``(world, P)`` buffer (row ``r`` holds every tensor's partition ``r``),
+    exchanged with one ``all_to_all_single`` and summed locally over the world dimension.
+    bf16 / fp16 inputs are summed in fp32 and cast back; ``"avg"`` divides by the group size.
 
     Args:
         tensors: Tensors of any shape (same dtype and device, contiguous), identical in

@@ -14,6 +14,7 @@ from zero_comm.watchdog import watched_wait
 __all__ = ["AllGatherHandle", "CollectiveHandle", "ReduceScatterHandle", "TensorHandle"]
 
 T = TypeVar("T")
+U = TypeVar("U")
 
 
 class CollectiveHandle(Generic[T]):
@@ -76,6 +77,17 @@ class CollectiveHandle(Generic[T]):
         self._finish = None
         self._keepalive = ()
         return self._result
+
+    def then(self, fn: Callable[[T], U]) -> CollectiveHandle[U]:
+        """A handle of the same type on the same communication whose ``wait()`` returns ``fn(result)``.
+
+        The new handle takes over the pending work: wait on it, not on this one.
+        """
+        finish = self._finish
+        if finish is None:
+            done = self._result
+            return type(self)(self.op, None, lambda: fn(done))  # type: ignore[arg-type]
+        return type(self)(self.op, self._work, lambda: fn(finish()), self._keepalive)  # type: ignore[return-value]
 
     def is_completed(self) -> bool:
         """True when :meth:`wait` would not block on communication."""

@@ -15,14 +15,14 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from zero_comm.coalesced import GatherLayout, adjacent_flat_view, all_gather_coalesced
-from zero_comm.errors import check_flat_inputs, require_process_group
+from zero_comm.checks import check_flat_inputs, require_process_group
+from zero_comm.coalesced import GatherLayout, adjacent_flat_view, issue_all_gather, result_or_handle
 from zero_comm.handles import AllGatherHandle
 from zero_comm.ledger import record, ring_wire_bytes
 from zero_comm.topology import HierarchicalGroups
 from zero_comm.watchdog import watched_call
 
-__all__ = ["hierarchical_all_gather_coalesced"]
+__all__ = ["hierarchical_all_gather_coalesced", "issue_hierarchical_all_gather"]
 
 
 def hierarchical_all_gather_coalesced(
@@ -31,8 +31,26 @@ def hierarchical_all_gather_coalesced(
     *,
     async_op: bool = False,
     out: torch.Tensor | None = None,
+) -> list[torch.Tensor] | AllGatherHandle:
+    """All-gather over a multi-node group in two hops; see :func:`issue_hierarchical_all_gather`.
+
+    Returns:
+        What :func:`~zero_comm.all_gather_coalesced` returns: the gathered tensors, or with
+        ``async_op=True`` the handle whose ``wait()`` returns them.
+    """
+    return result_or_handle(
+        issue_hierarchical_all_gather(shards, groups, async_op=async_op, out=out), async_op
+    )
+
+
+def issue_hierarchical_all_gather(
+    shards: Sequence[torch.Tensor],
+    groups: HierarchicalGroups,
+    *,
+    async_op: bool = False,
+    out: torch.Tensor | None = None,
 ) -> AllGatherHandle:
-    """All-gather over a multi-node group in two hops (inter-node, then intra-node).
+    """All-gather over a multi-node group in two hops (inter-node, then intra-node); always a handle.
 
     Same inputs and result as :func:`all_gather_coalesced` over the whole group (bit-exact:
     it only moves data). When the group lies on one node, or has one rank per node, it
@@ -47,7 +65,7 @@ def hierarchical_all_gather_coalesced(
         out: Optional flat output buffer of ``group_size * sum(numels)`` elements.
 
     Returns:
-        The same handle type as :func:`all_gather_coalesced`.
+        The same handle as :func:`~zero_comm.coalesced.issue_all_gather`.
 
     Raises:
         ValueError: the same input errors as :func:`all_gather_coalesced`.
@@ -57,9 +75,9 @@ def hierarchical_all_gather_coalesced(
     require_process_group(what)
     nodes, local = groups.inter_size, groups.intra_size
     if nodes == 1:
-        return all_gather_coalesced(shards, groups.intra, async_op=async_op, out=out)
+        return issue_all_gather(shards, groups.intra, async_op=async_op, out=out)
     if local == 1:
-        return all_gather_coalesced(shards, groups.inter, async_op=async_op, out=out)
+        return issue_all_gather(shards, groups.inter, async_op=async_op, out=out)
     with record_function("zero.all_gather.issue"):
         check_flat_inputs(shards, what, require_1d=True)
         layout = GatherLayout.plan(shards, nodes * local, out, what)

@@ -2,7 +2,9 @@
 
 Thin wrappers over ``torch.distributed`` for the few plain collectives the upper layers
 need (e.g. a ``GatheredParameters`` broadcast, the global gradient norm), so that every
-byte zero sends shows up in the ledger. Each returns a :class:`TensorHandle`.
+byte zero sends shows up in the ledger. Like ``torch.distributed``, each works in place and
+returns its result (the tensor), or with ``async_op=True`` a :class:`TensorHandle` whose
+``wait()`` returns it.
 """
 
 from __future__ import annotations
@@ -12,7 +14,8 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.profiler import record_function
 
-from zero_comm.errors import check_flat_inputs
+from zero_comm.checks import check_flat_inputs
+from zero_comm.coalesced import result_or_handle
 from zero_comm.handles import TensorHandle
 from zero_comm.ledger import record, ring_wire_bytes
 from zero_comm.reduction import ReduceOpLike, Reduction
@@ -32,7 +35,7 @@ def all_reduce(
     op: ReduceOpLike = "sum",
     *,
     async_op: bool = False,
-) -> TensorHandle:
+) -> torch.Tensor | TensorHandle:
     """Reduce ``tensor`` in place over ``group``.
 
     Args:
@@ -42,7 +45,7 @@ def all_reduce(
         async_op: Return before the communication completes.
 
     Returns:
-        A handle whose ``wait()`` returns ``tensor`` holding the reduction.
+        ``tensor`` holding the reduction; with ``async_op=True`` the handle whose ``wait()`` returns it.
 
     Raises:
         ValueError: a non-contiguous tensor, an unknown ``op``, or ``"avg"`` on integers.
@@ -62,12 +65,12 @@ def all_reduce(
             work = watched_call(
                 "all_reduce", dist.all_reduce, tensor, op=reduction.torch_op, group=group, async_op=async_op
             )
-        return TensorHandle(what, work, lambda: tensor)
+        return result_or_handle(TensorHandle(what, work, lambda: tensor), async_op)
 
 
 def broadcast(
     tensor: torch.Tensor, src: int, group: ProcessGroup | None = None, *, async_op: bool = False
-) -> TensorHandle:
+) -> torch.Tensor | TensorHandle:
     """Copy ``tensor`` from global rank ``src`` to every rank of ``group``, in place.
 
     Args:
@@ -77,7 +80,7 @@ def broadcast(
         async_op: Return before the communication completes.
 
     Returns:
-        A handle whose ``wait()`` returns ``tensor`` holding ``src``'s values.
+        ``tensor`` holding ``src``'s values; with ``async_op=True`` the handle whose ``wait()`` returns it.
 
     Raises:
         ValueError: a non-contiguous tensor, or ``src`` not in ``group``.
@@ -96,12 +99,12 @@ def broadcast(
         work = None
         if world > 1:
             work = watched_call("broadcast", dist.broadcast, tensor, src=src, group=group, async_op=async_op)
-        return TensorHandle(what, work, lambda: tensor)
+        return result_or_handle(TensorHandle(what, work, lambda: tensor), async_op)
 
 
 def all_to_all_single(
     output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None = None, *, async_op: bool = False
-) -> TensorHandle:
+) -> torch.Tensor | TensorHandle:
     """Equal-split all-to-all: block ``r`` of ``input`` goes to group rank ``r``.
 
     Args:
@@ -112,7 +115,8 @@ def all_to_all_single(
         async_op: Return before the communication completes.
 
     Returns:
-        A handle whose ``wait()`` returns ``output``; its block ``r`` came from group rank ``r``.
+        ``output`` (its block ``r`` came from group rank ``r``); with ``async_op=True`` the handle
+        whose ``wait()`` returns it.
 
     Raises:
         ValueError: non-contiguous or mismatched buffers, or a size not divisible by the group size.
@@ -131,8 +135,8 @@ def all_to_all_single(
         record(what, group, payload_bytes=nbytes, wire_bytes=ring_wire_bytes(what, nbytes, world))
         if world == 1:
             output.view(-1).copy_(input.view(-1))
-            return TensorHandle(what, None, lambda: output)
+            return result_or_handle(TensorHandle(what, None, lambda: output), async_op)
         work = watched_call(
             "all_to_all", dist.all_to_all_single, output, input, group=group, async_op=async_op
         )
-        return TensorHandle(what, work, lambda: output, keepalive=(input,))
+        return result_or_handle(TensorHandle(what, work, lambda: output, keepalive=(input,)), async_op)

@@ -29,8 +29,14 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.profiler import record_function
 
-from zero_comm.coalesced import GatherLayout, adjacent_flat_view, reduce_scatter_coalesced
-from zero_comm.errors import check_flat_inputs
+from zero_comm.checks import check_flat_inputs
+from zero_comm.coalesced import (
+    GatherLayout,
+    adjacent_flat_view,
+    issue_reduce_scatter,
+    result_or_handle,
+    unpad_partitions,
+)
 from zero_comm.handles import AllGatherHandle, ReduceScatterHandle
 from zero_comm.ledger import record, ring_wire_bytes
 from zero_comm.partition import partition_numel
@@ -62,6 +68,7 @@ __all__ = [
     "QuantizedAllGather",
     "QuantizedReduceScatter",
     "all_to_all_quant_reduce",
+    "issue_quantized_all_gather",
     "quantized_all_gather_coalesced",
 ]
 
@@ -149,8 +156,25 @@ def quantized_all_gather_coalesced(
     config: QuantConfig = QWZ_DEFAULT_CONFIG,
     async_op: bool = False,
     out: torch.Tensor | None = None,
+) -> list[torch.Tensor] | AllGatherHandle:
+    """qwZ all-gather (see :func:`issue_quantized_all_gather`): the result, or the handle with ``async_op``.
+
+    Returns:
+        What :func:`zero_comm.all_gather_coalesced` returns, dequantized.
+    """
+    handle = issue_quantized_all_gather(shards, group, config=config, async_op=async_op, out=out)
+    return result_or_handle(handle, async_op)
+
+
+def issue_quantized_all_gather(
+    shards: Sequence[torch.Tensor],
+    group: ProcessGroup | None = None,
+    *,
+    config: QuantConfig = QWZ_DEFAULT_CONFIG,
+    async_op: bool = False,
+    out: torch.Tensor | None = None,
 ) -> AllGatherHandle:
-    """qwZ: gather several tensors' shards from every rank, quantized on the wire.
+    """qwZ: gather several tensors' shards from every rank, quantized on the wire; always a handle.
 
     This rank's shards are concatenated and quantized as one flat tensor (groups of
     ``config.group_size`` consecutive elements, which may span two shards; the last group is
@@ -252,10 +276,8 @@ class QuantizedAllGather:
     def all_gather_coalesced(
         self, shards: Sequence[torch.Tensor], *, async_op: bool = False, out: torch.Tensor | None = None
     ) -> AllGatherHandle:
-        """See :func:`quantized_all_gather_coalesced`."""
-        return quantized_all_gather_coalesced(
-            shards, self.group, config=self.config, async_op=async_op, out=out
-        )
+        """See :func:`issue_quantized_all_gather`."""
+        return issue_quantized_all_gather(shards, self.group, config=self.config, async_op=async_op, out=out)
 
 
 # ----------------------------------------------------------------------------- qgZ
@@ -263,17 +285,18 @@ class QuantizedAllGather:
 
 def all_to_all_quant_reduce(
     tensors: Sequence[torch.Tensor],
-    topology: Topology,
+    topology: Topology | None = None,
     *,
     config: QuantConfig = QGZ_DEFAULT_CONFIG,
     op: ReduceOpLike = "avg",
     async_op: bool = False,
-) -> ReduceScatterHandle:
+) -> list[torch.Tensor] | ReduceScatterHandle:
     """qgZ: reduce gradients over the world with quantized hierarchical all-to-alls.
 
-    Returns exactly what :func:`zero_comm.reduce_scatter_coalesced` over the whole world
-    returns — this rank's partition of each tensor, ``partition_numel(numel, world)`` elements,
-    all views into one flat buffer — so callers can switch between the two. With ``N`` nodes of
+    Returns what :func:`zero_comm.reduce_scatter_coalesced` over the whole world returns —
+    this rank's unpadded partition of each tensor (:func:`~zero_comm.shard_range` elements) —
+    so callers can switch between the two (:class:`QuantizedReduceScatter` keeps the padded
+    partitions, as the other strategies do). With ``N`` nodes of
     ``R`` ranks (``W = N * R``), the tensors whose numel divides by ``W`` and that have at least
     two dimensions are reduced together:
 
@@ -305,7 +328,8 @@ def all_to_all_quant_reduce(
     Args:
         tensors: Gradients of any shape, one float dtype (fp32 / bf16 / fp16) and device,
             contiguous, identical in shape on every rank.
-        topology: Nodes and ranks; its intra- and inter-node groups carry the hops.
+        topology: Nodes and ranks; its intra- and inter-node groups carry the hops. ``None``:
+            ``Topology()`` (nodes of ``LOCAL_WORLD_SIZE`` ranks, else one node).
         config: Quantization of both hops (int4, group 2048 by default). Rows are padded to
             whole groups, so many tiny partitions waste wire bytes on padding.
         op: ``"avg"`` (default) or ``"sum"``.
@@ -313,7 +337,8 @@ def all_to_all_quant_reduce(
             returns: every collective is issued here, never inside ``wait()``).
 
     Returns:
-        A :class:`~zero_comm.ReduceScatterHandle` whose ``wait()`` returns the partitions.
+        The partitions; with ``async_op=True`` the :class:`~zero_comm.ReduceScatterHandle`
+        whose ``wait()`` returns them.
 
     Raises:
         TypeError: ``topology`` is not a :class:`~zero_comm.Topology` or ``config`` not a
@@ -321,7 +346,12 @@ def all_to_all_quant_reduce(
         ValueError: the input errors of :func:`zero_comm.reduce_scatter_coalesced`, a
             non-float dtype, or an ``op`` other than sum / avg.
     """
-    return _quant_reduce(tensors, topology, config, op, async_op, None, "all_to_all_quant_reduce")
+    what = "all_to_all_quant_reduce"
+    topo = Topology() if topology is None else topology
+    handle = _quant_reduce(tensors, topo, config, op, async_op, None, what)
+    numels = [t.numel() for t in tensors]
+    unpadded = handle.then(lambda parts: unpad_partitions(parts, numels, topo.world_size, topo.rank))
+    return result_or_handle(unpadded, async_op)
 
 
 class QuantizedReduceScatter:
@@ -435,12 +465,12 @@ def _quant_reduce(
         _check_float(tensors[0].dtype, what, "reduce_scatter_coalesced")
         world = topology.world_size
         if world == 1:
-            return reduce_scatter_coalesced(tensors, None, op=reduction, async_op=async_op)
+            return issue_reduce_scatter(tensors, None, op=reduction, async_op=async_op)
         eligible, fallback = _split_eligible(tensors, world, logged, what)
         fb_handle = None
         if fallback:
             fb = [tensors[i] for i in fallback]
-            fb_handle = reduce_scatter_coalesced(fb, None, op=reduction, async_op=async_op)
+            fb_handle = issue_reduce_scatter(fb, None, op=reduction, async_op=async_op)
             if not eligible:
                 return fb_handle
         parts = [partition_numel(t.numel(), world) for t in tensors]

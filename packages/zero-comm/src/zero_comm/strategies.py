@@ -14,9 +14,9 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch.distributed import ProcessGroup
 
-from zero_comm.coalesced import all_gather_coalesced, all_gather_coalesced_into, reduce_scatter_coalesced
+from zero_comm.coalesced import issue_all_gather, issue_all_gather_into, issue_reduce_scatter
 from zero_comm.handles import AllGatherHandle, ReduceScatterHandle
-from zero_comm.hierarchical import hierarchical_all_gather_coalesced
+from zero_comm.hierarchical import issue_hierarchical_all_gather
 from zero_comm.reduction import ReduceOpLike
 from zero_comm.topology import HierarchicalGroups, group_size_and_rank
 
@@ -44,7 +44,11 @@ class AllGatherStrategy(Protocol):
     def all_gather_coalesced(
         self, shards: Sequence[torch.Tensor], *, async_op: bool = False, out: torch.Tensor | None = None
     ) -> AllGatherHandle:
-        """Same contract as :func:`zero_comm.all_gather_coalesced` over this strategy's group."""
+        """Same contract as :func:`zero_comm.coalesced.issue_all_gather` over this strategy's group.
+
+        Always returns the handle (``async_op`` only says whether the communication may still
+        be in flight).
+        """
         ...
 
 
@@ -63,7 +67,11 @@ class ReduceScatterStrategy(Protocol):
     def reduce_scatter_coalesced(
         self, tensors: Sequence[torch.Tensor], *, op: ReduceOpLike = "avg", async_op: bool = False
     ) -> ReduceScatterHandle:
-        """Same contract as :func:`zero_comm.reduce_scatter_coalesced` over this strategy's group."""
+        """Same contract as :func:`zero_comm.coalesced.issue_reduce_scatter` over this strategy's group.
+
+        Always returns the handle; its partitions are padded to one size per tensor (what
+        partitioned optimizers store), unlike :func:`zero_comm.reduce_scatter_coalesced`'s.
+        """
         ...
 
 
@@ -86,8 +94,8 @@ class FlatAllGather:
     def all_gather_coalesced(
         self, shards: Sequence[torch.Tensor], *, async_op: bool = False, out: torch.Tensor | None = None
     ) -> AllGatherHandle:
-        """See :func:`zero_comm.all_gather_coalesced`."""
-        return all_gather_coalesced(shards, self.group, async_op=async_op, out=out)
+        """See :func:`zero_comm.coalesced.issue_all_gather`."""
+        return issue_all_gather(shards, self.group, async_op=async_op, out=out)
 
     def all_gather_coalesced_into(
         self, shards: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], *, async_op: bool = False
@@ -97,7 +105,7 @@ class FlatAllGather:
         Optional for an :class:`AllGatherStrategy`: a parameter store that keeps one storage per
         tensor uses it when the strategy has it, and gathers into a flat buffer plus a copy when not.
         """
-        return all_gather_coalesced_into(shards, outputs, self.group, async_op=async_op)
+        return issue_all_gather_into(shards, outputs, self.group, async_op=async_op)
 
 
 class HierarchicalAllGather:
@@ -124,8 +132,8 @@ class HierarchicalAllGather:
     def all_gather_coalesced(
         self, shards: Sequence[torch.Tensor], *, async_op: bool = False, out: torch.Tensor | None = None
     ) -> AllGatherHandle:
-        """See :func:`zero_comm.hierarchical_all_gather_coalesced`."""
-        return hierarchical_all_gather_coalesced(shards, self.groups, async_op=async_op, out=out)
+        """See :func:`zero_comm.hierarchical.issue_hierarchical_all_gather`."""
+        return issue_hierarchical_all_gather(shards, self.groups, async_op=async_op, out=out)
 
 
 class AllToAllReduceScatter:
@@ -147,5 +155,5 @@ class AllToAllReduceScatter:
     def reduce_scatter_coalesced(
         self, tensors: Sequence[torch.Tensor], *, op: ReduceOpLike = "avg", async_op: bool = False
     ) -> ReduceScatterHandle:
-        """See :func:`zero_comm.reduce_scatter_coalesced`."""
-        return reduce_scatter_coalesced(tensors, self.group, op=op, async_op=async_op)
+        """See :func:`zero_comm.coalesced.issue_reduce_scatter` (padded partitions)."""
+        return issue_reduce_scatter(tensors, self.group, op=op, async_op=async_op)

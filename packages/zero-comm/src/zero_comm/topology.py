@@ -23,7 +23,7 @@ import os
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from zero_comm.errors import require_process_group
+from zero_comm.checks import require_process_group
 
 __all__ = ["HierarchicalGroups", "LinkKind", "Topology", "group_ranks", "group_size_and_rank"]
 

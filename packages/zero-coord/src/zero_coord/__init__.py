@@ -13,7 +13,7 @@ from zero_coord.config import CoordinatorConfig, Phase, TraceState
 from zero_coord.coordinator import Coordinator
 from zero_coord.hooks import HookSet, ModuleHookState
 from zero_coord.leaf import LeafRegistry, find_leaf_modules, set_leaf_modules
-from zero_coord.shards import ShardPrefetcher
+from zero_coord.prefetch_source import ShardPrefetcher
 from zero_coord.sink import GradientSink
 from zero_coord.stats import StepStats
 from zero_coord.trace import Trace, TraceEvent

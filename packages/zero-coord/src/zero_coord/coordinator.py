@@ -40,10 +40,10 @@ from zero_comm.watchdog import note as watchdog_note
 from zero_coord._profile import profile_range
 from zero_coord._tree import collect_grad_tensors
 from zero_coord.config import CoordinatorConfig, Phase
-from zero_coord.errors import annotate_unseen_parameter
+from zero_coord.error_hints import annotate_unseen_parameter
 from zero_coord.hooks import GatherBatch, GradHook, HookSet, ModuleHookState, ParamSlot
 from zero_coord.leaf import find_leaf_modules
-from zero_coord.shards import ShardPrefetcher
+from zero_coord.prefetch_source import ShardPrefetcher
 from zero_coord.sink import GradientSink
 from zero_coord.stats import StatsAccumulator, StepStats
 from zero_coord.trace import Trace
@@ -462,7 +462,7 @@ class Coordinator:
     def on_forward_error(self, ms: ModuleHookState, error: BaseException) -> None:
         """A hooked module's forward raised: add the fix to a not-gathered-parameter error.
 
-        See :func:`zero_coord.errors.annotate_unseen_parameter`.
+        See :func:`zero_coord.error_hints.annotate_unseen_parameter`.
         """
         annotate_unseen_parameter(error, self._model, ms.name, [s.name for s in self._slots])
 

@@ -81,12 +81,12 @@ def exchange_json(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]
         return [obj]
     data = json.dumps(obj).encode("utf-8")
     size = torch.tensor([len(data)], dtype=torch.int64)
-    (sizes,) = zero_comm.all_gather_coalesced([size], group).wait()
+    (sizes,) = zero_comm.all_gather_coalesced([size], group)
     width = max(int(sizes.max()), 1)
     mine = torch.zeros(width, dtype=torch.uint8)
     if data:
         mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    (out,) = zero_comm.all_gather_coalesced([mine], group).wait()
+    (out,) = zero_comm.all_gather_coalesced([mine], group)
     rows = out.view(world, width)
     return [json.loads(bytes(rows[r, : int(sizes[r])].tolist()).decode("utf-8")) for r in range(world)]
 
@@ -112,7 +112,7 @@ def check_agreement(model: nn.Module, config: ZeroConfig) -> None:
         n_params, d_params = _summary(params)
         _, d_cfg = _summary(cfg)
         mine = torch.tensor([n_params, d_params, d_cfg], dtype=torch.int64)
-        (flat,) = zero_comm.all_gather_coalesced([mine], None).wait()
+        (flat,) = zero_comm.all_gather_coalesced([mine], None)
         rows = flat.view(dist.get_world_size(), 3)
         if bool((rows == rows[0]).all()):
             return

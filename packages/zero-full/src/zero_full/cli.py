@@ -11,6 +11,7 @@ import json
 import sys
 from collections.abc import Sequence
 
+from zero_full.checkpoint.safetensors import add_consolidate_parser
 from zero_full.estimate import (
     EstimatePrecision,
     MemoryEstimate,
@@ -19,7 +20,6 @@ from zero_full.estimate import (
     parse_count,
 )
 from zero_full.report import EnvironmentReport, collect_report
-from zero_full.safetensors_io import add_consolidate_parser
 from zero_full.train_cli import add_train_parser
 
 __all__ = ["build_parser", "main"]

@@ -164,7 +164,8 @@ class RobustnessConfig(Section):
     _PATH = ("robustness",)
 
     comm_timeout: Annotated[Real(0, lo_open=True), _USED] = 300.0
-    """Seconds a rank waits for one collective of the engine (forward, backward, step) before every live
+    """Seconds a rank waits for one collective of the engine (forward, backward, step; each exchange of a
+    checkpoint save / load, which then raises ``zero_full.CheckpointError``) before every live
     rank raises ``zero_comm.CollectiveTimeoutError`` saying which rank is where (which operation,
     call number, module or parameter), or which rank stopped sending heartbeats. Default 300 s:
     well under the process group's own 30 minutes, well above any healthy collective. Raise it for

@@ -41,6 +41,7 @@ from zero_comm import CommLedger, CommTotals, CommWatchdog, Topology, broadcast
 from zero_coord import Coordinator, StepStats
 from zero_full import checkpoint as _checkpoint
 from zero_full.agreement import check_agreement
+from zero_full.checkpoint import StepCounters, TrainState
 from zero_full.config import Precision, ZeroConfig
 from zero_full.memory_report import MemoryReport, build_memory_report, reset_peak_memory
 from zero_full.mics import MicsGroups, build_mics_groups
@@ -130,9 +131,8 @@ class Engine:
         coordinator: The parameter coordinator (traces, statistics); ``None`` below stage 3.
         watchdog: The collective watchdog (``robustness`` section; ``None`` when disabled):
             a stuck collective raises ``zero_comm.CollectiveTimeoutError`` on every live rank.
-        gradient_accumulation_steps: Micro-steps per optimizer step.
-        micro_steps: ``step()`` calls so far.
-        global_steps: Optimizer steps taken so far.
+        counters: The step counters (``gradient_accumulation_steps``, ``micro_steps``,
+            ``global_steps``, also readable as properties of the engine).
     """
 
     def __init__(self, model: nn.Module, config: ZeroConfig, optimizer: OptimizerSpec) -> None:
@@ -146,9 +146,7 @@ class Engine:
             )
         self.config = config
         self.module = model
-        self.gradient_accumulation_steps = _accumulation_steps(config, dist.get_world_size())
-        self.micro_steps = 0
-        self.global_steps = 0
+        self.counters = StepCounters(_accumulation_steps(config, dist.get_world_size()))
         self._backward_since_step = False  # step() without a backward before it is refused
         self.watchdog: CommWatchdog | None = _watchdog(config)  # every collective below runs under it
         self._ledger = CommLedger(Topology(), watchdog=self.watchdog)
@@ -299,19 +297,50 @@ class Engine:
 
     # ------------------------------------------------------------------ checkpoints
 
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        """Micro-steps per optimizer step."""
+        return self.counters.gradient_accumulation_steps
+
+    @property
+    def micro_steps(self) -> int:
+        """``step()`` calls so far."""
+        return self.counters.micro_steps
+
+    @micro_steps.setter
+    def micro_steps(self, value: int) -> None:
+        self.counters.micro_steps = value
+
+    @property
+    def global_steps(self) -> int:
+        """Optimizer steps taken so far."""
+        return self.counters.global_steps
+
+    @global_steps.setter
+    def global_steps(self, value: int) -> None:
+        self.counters.global_steps = value
+
+    def train_state(self) -> TrainState:
+        """What a checkpoint saves and restores: module, optimizer, config, counters, scaler, MiCS groups."""
+        return TrainState(
+            self.module, self.optimizer, self.config, self.counters, self.loss_scaler, self.mics
+        )
+
     def save_checkpoint(self, directory: str | os.PathLike[str], tag: str | None = None) -> Path:
         """Write a sharded, atomic checkpoint to ``directory/tag`` (default tag ``global_step{N}``).
 
-        Collective: call on every rank. See :func:`zero_full.checkpoint.save_checkpoint`.
+        Collective: call on every rank; a rank that does not take part within
+        ``robustness.comm_timeout`` makes the others raise. See
+        :func:`zero_full.checkpoint.save_checkpoint`.
         """
-        return _checkpoint.save_checkpoint(self, directory, tag)
+        return _checkpoint.save_checkpoint(self.train_state(), directory, tag)
 
     def load_checkpoint(self, directory: str | os.PathLike[str], tag: str | None = None) -> Path:
         """Restore from ``directory/tag`` (``None``: ``directory/latest``), at any world size and stage.
 
         Collective: call on every rank. See :func:`zero_full.checkpoint.load_checkpoint`.
         """
-        return _checkpoint.load_checkpoint(self, directory, tag)
+        return _checkpoint.load_checkpoint(self.train_state(), directory, tag)
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 weights keyed like ``module.state_dict()`` on rank 0 (``{}`` on other ranks).
@@ -319,7 +348,7 @@ class Engine:
         Collective: call on every rank; gathers one parameter at a time. See
         :func:`zero_full.checkpoint.consolidated_state_dict`.
         """
-        return _checkpoint.consolidated_state_dict(self)
+        return _checkpoint.consolidated_state_dict(self.train_state())
 
     # ------------------------------------------------------------------ Hugging Face checkpoints
 
@@ -536,7 +565,7 @@ def _sync_whole_tensors(model: nn.Module) -> None:
                 chunk.append(t)
                 numel += t.numel()
                 if i + 1 == len(tensors) or numel + tensors[i + 1].numel() > _BROADCAST_CHUNK:
-                    flat = broadcast(torch.cat([c.reshape(-1) for c in chunk]), src=0).wait()
+                    flat = broadcast(torch.cat([c.reshape(-1) for c in chunk]), src=0)
                     for c, part in zip(chunk, flat.split([c.numel() for c in chunk])):
                         c.copy_(part.view_as(c))
                     chunk, numel = [], 0

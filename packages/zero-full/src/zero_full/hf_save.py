@@ -8,7 +8,7 @@ a plain process gives exactly the trained weights.
 
 Every rank joins one all-gather per parameter (its group's, as
 :func:`zero_full.checkpoint.consolidated_state_dict` does); rank 0 writes each tensor as soon
-as it is gathered (:class:`zero_full.safetensors_io.SafetensorsWriter`: the header is
+as it is gathered (:class:`zero_full.checkpoint.safetensors.SafetensorsWriter`: the header is
 written first from the known shapes), so the peak extra memory is one full tensor on
 rank 0 and one on each rank while it is gathered. Tied parameters are saved once, under
 their first ``state_dict`` key (``transformer.wte.weight``, not ``lm_head.weight``), as
@@ -28,10 +28,11 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from zero_full.checkpoint import _gather_full, _state_dict_buffers, _state_dict_keys
-from zero_full.ckpt_layout import local_pieces
+from zero_full.checkpoint.consolidate import gather_full, state_dict_buffers, state_dict_keys
+from zero_full.checkpoint.layout import local_pieces
+from zero_full.checkpoint.manifest import StateDictKey
+from zero_full.checkpoint.safetensors import SafetensorsWriter
 from zero_full.pretrained import INDEX_FILE, SINGLE_FILE
-from zero_full.safetensors_io import SafetensorsWriter
 
 if TYPE_CHECKING:
     from zero_full.engine import Engine
@@ -113,23 +114,23 @@ class SavedPretrained:
     max_tensor_bytes: int
 
 
-def _entries(engine: Engine, dtype: torch.dtype | None) -> list[tuple[dict[str, str], torch.dtype, tuple]]:
+def _entries(engine: Engine, dtype: torch.dtype | None) -> list[tuple[StateDictKey, torch.dtype, tuple]]:
     """``(state-dict entry, saved dtype, shape)`` of each tensor to write (tied duplicates dropped)."""
     pieces = local_pieces(engine.module, engine.optimizer)
-    buffers = _state_dict_buffers(engine.module)
+    buffers = state_dict_buffers(engine.module)
     seen: set[str] = set()
     out = []
-    for e in _state_dict_keys(engine.module):
-        if e["kind"] == "param":
-            if e["source"] in seen:
+    for e in state_dict_keys(engine.module):
+        if e.kind == "param":
+            if e.source in seen:
                 continue
-            seen.add(e["source"])
-            pc = pieces[e["source"]]
+            seen.add(e.source)
+            pc = pieces[e.source]
             # the trained values: the fp32 master (fp32 for every floating parameter)
             saved = torch.float32 if pc.dtype.is_floating_point else pc.dtype
             out.append((e, dtype if dtype is not None and saved.is_floating_point else saved, pc.shape))
         else:
-            b = buffers[e["source"]]
+            b = buffers[e.source]
             out.append((e, b.dtype, tuple(b.shape)))
     return out
 
@@ -166,7 +167,7 @@ def save_pretrained(
         directory.mkdir(parents=True, exist_ok=True)
         _save_configs(engine.module, directory)
     pieces = local_pieces(engine.module, engine.optimizer)
-    buffers = _state_dict_buffers(engine.module)
+    buffers = state_dict_buffers(engine.module)
     weight_map: dict[str, str] = {}
     with record_function("zero.save_pretrained"), torch.no_grad():
         for fname, idx in zip(names, shards, strict=True):
@@ -175,19 +176,19 @@ def save_pretrained(
             f = open(tmp, "wb") if root else None  # noqa: SIM115  (closed below, after the gathers)
             try:
                 writer = (
-                    SafetensorsWriter(f, [(e["key"], dt, s) for e, dt, s in todo], {"format": "pt"})
+                    SafetensorsWriter(f, [(e.key, dt, s) for e, dt, s in todo], {"format": "pt"})
                     if f is not None
                     else None
                 )
                 for e, dt, shape in todo:
-                    if e["kind"] == "param":
-                        full = _gather_full(pieces[e["source"]])
+                    if e.kind == "param":
+                        full = gather_full(pieces[e.source])
                     else:
-                        full = buffers[e["source"]].detach()
+                        full = buffers[e.source].detach()
                     if writer is not None:
-                        writer.write(e["key"], full.to("cpu", dt).reshape(shape))
+                        writer.write(e.key, full.to("cpu", dt).reshape(shape))
                     del full
-                    weight_map[e["key"]] = fname
+                    weight_map[e.key] = fname
                 if writer is not None and f is not None:
                     writer.finish()
                     f.flush()
@@ -270,7 +271,7 @@ def consolidate_checkpoint_hf(
 ) -> SavedPretrained:
     """``zero consolidate --hf``: a sharded zero checkpoint -> a Hugging Face model directory, offline.
 
-    Like :func:`zero_full.safetensors_io.consolidate_checkpoint` (no process group; one full
+    Like :func:`zero_full.checkpoint.safetensors.consolidate_checkpoint` (no process group; one full
     parameter in memory at a time, assembled from the memory-mapped shard files), but written
     in the HF layout: weight files split at ``max_shard_size`` with an index, tied parameters
     once (under their first ``state_dict`` key), and ``config.json`` copied from ``config``
@@ -282,8 +283,8 @@ def consolidate_checkpoint_hf(
     """
     import shutil
 
-    from zero_full.ckpt_io import CheckpointError
-    from zero_full.safetensors_io import CheckpointReader
+    from zero_full.checkpoint.io import CheckpointError
+    from zero_full.checkpoint.safetensors import CheckpointReader
 
     checkpoint, out = Path(checkpoint), Path(out)
     cfg_file = None

@@ -160,7 +160,7 @@ def sync_replicas(model: nn.Module, groups: MicsGroups) -> None:
                 persistent.append(p)
     with record_function("zero.mics.sync_replicas"), torch.no_grad():
         for shards in by_dtype.values():
-            flat = broadcast(torch.cat([s.reshape(-1) for s in shards]), src, groups.replicate).wait()
+            flat = broadcast(torch.cat([s.reshape(-1) for s in shards]), src, groups.replicate)
             for s, part in zip(shards, flat.split([s.numel() for s in shards]), strict=True):
                 s.copy_(part.view_as(s))
         if persistent:

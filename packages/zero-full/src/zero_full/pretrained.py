@@ -41,7 +41,7 @@ from torch.nn.modules.module import register_module_parameter_registration_hook
 from torch.profiler import record_function
 
 import zero_params
-from zero_full.ckpt_io import CheckpointError
+from zero_full.checkpoint.io import CheckpointError
 from zero_params.ops import meta_target_device, reshard_from_full
 
 if TYPE_CHECKING:
@@ -374,7 +374,7 @@ def load_into_engine(engine: Engine, path: str | os.PathLike[str], *, strict: bo
 
     The optimizer's state (e.g. Adam's moments) is left as it is.
     """
-    from zero_full.ckpt_layout import local_pieces
+    from zero_full.checkpoint.layout import local_pieces
 
     module = engine.module
     pieces = local_pieces(module, engine.optimizer)

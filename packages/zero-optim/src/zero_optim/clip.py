@@ -51,7 +51,7 @@ def global_grad_norm(
                 for chunk in grad.split(_CHUNK):  # bounded float64 temporaries
                     sq += chunk.double().pow(2).sum()
         if partitioned and dist.is_available() and dist.is_initialized():
-            zero_comm.all_reduce(sq, group, op="sum").wait()
+            zero_comm.all_reduce(sq, group, op="sum")
         return math.sqrt(sq.item()) if sq.item() >= 0 else float("nan")
 
 

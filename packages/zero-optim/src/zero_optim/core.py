@@ -195,6 +195,16 @@ class PartitionedOptimizer:
                 self.offload.step()
             else:
                 self.stepper.step()
+            self.publish_updated_shards()
+
+    def publish_updated_shards(self) -> None:
+        """Make the parameters show the fp32 masters: after a step, or after masters were loaded.
+
+        Copies each group's masters into its working (bf16 / fp16 / fp32) partitions, then runs
+        :meth:`Partitioning.after_step` (stage 3 commits the shards, stages 1 / 2 gather the
+        whole parameters). Collective under stages 1 / 2: call it on every rank.
+        """
+        with record_function("zero.optim.publish"), torch.no_grad():
             for group in self.groups:
                 group.publish()
             self.partitioning.after_step(self.groups)

@@ -76,9 +76,9 @@ class ReplicaGradientSync:
             return
         with record_function("zero.optim.replica_all_reduce"), torch.no_grad():
             if len(grads) == 1:
-                zero_comm.all_reduce(grads[0], self.group, op="avg").wait()
+                zero_comm.all_reduce(grads[0], self.group, op="avg")
                 return
-            flat = zero_comm.all_reduce(torch.cat(grads), self.group, op="avg").wait()
+            flat = zero_comm.all_reduce(torch.cat(grads), self.group, op="avg")
             for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
                 g.copy_(part)
 
@@ -146,7 +146,7 @@ def check_replicas_consistent(optimizer: PartitionedOptimizer, group: ProcessGro
     with record_function("zero.optim.check_replicas"), torch.no_grad():
         sums, labels = _checksums(optimizer)
         both = torch.cat([sums, -sums])
-        zero_comm.all_reduce(both, group, op="max").wait()
+        zero_comm.all_reduce(both, group, op="max")
         n = sums.numel()
         high, low = both[:n], -both[n:]
         differ = (high != low).nonzero()

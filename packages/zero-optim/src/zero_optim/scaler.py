@@ -147,5 +147,5 @@ def found_overflow(groups: Sequence[FlatGroup], group: ProcessGroup | None = Non
         flag = torch.tensor([1.0 if local else 0.0], device=device)
 
         if dist.is_available() and dist.is_initialized():
-            zero_comm.all_reduce(flag, group, op="max").wait()
+            zero_comm.all_reduce(flag, group, op="max")
         return bool(flag.item() > 0)

@@ -247,7 +247,7 @@ class ReplicaPartitioning:
         # Straight from the gathered buffer into the parameters: one copy of the model, not two.
         zero_comm.all_gather_coalesced_into(
             [s for _, s in bucket], [param.data for param, _ in bucket], self.group
-        ).wait()
+        )
 
 
 class _AccumulateHandle:
@@ -289,8 +289,8 @@ class ReduceScatterInto:
         """Reduce-scatter the ``.grad`` of ``params`` (``None`` = zeros) and free them."""
         with record_function("zero.optim.reduce_scatter_grads"):
             grads = _take_grads(params)
-            handle = zero_comm.reduce_scatter_coalesced(
-                grads, self.partitioning.group, op="avg", async_op=async_op
+            handle = zero_comm.reduce_scatter_coalesced_padded(
+                grads, self.partitioning.group, op="avg", async_op=True
             )
             targets = [self.partitioning.grad_partition(p) for p in params]
 
@@ -327,7 +327,7 @@ class ReduceScatterInPlace:
             live = [r for r in regions if r.numel()]
             if not live:
                 return _AccumulateHandle(lambda: None)
-            handle = zero_comm.reduce_scatter_coalesced(live, part.group, op="avg", async_op=async_op)
+            handle = zero_comm.reduce_scatter_coalesced_padded(live, part.group, op="avg", async_op=True)
 
             def finish() -> None:
                 for region, reduced in zip(live, handle.wait(), strict=True):
@@ -364,7 +364,7 @@ class AllReduceInto:
         with record_function("zero.optim.all_reduce_grads"):
             grads = _take_grads(params)
             flat = torch.cat([g.reshape(-1) for g in grads]) if grads else torch.zeros(0)
-            handle = zero_comm.all_reduce(flat, self.group, op="avg", async_op=async_op)
+            handle = zero_comm.all_reduce(flat, self.group, op="avg", async_op=True)
             targets = [self.partitioning.grad_partition(p) for p in params]
 
             def finish() -> None:

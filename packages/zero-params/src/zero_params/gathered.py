@@ -155,7 +155,7 @@ class GatheredParameters:
                 for (dtype, device), bucket in buckets.items():
                     datas = [p.data.reshape(-1) for p, _ in bucket]
                     flat = torch.cat(datas) if datas else torch.empty(0, dtype=dtype, device=device)
-                    broadcast(flat, src, items[0][1].group).wait()
+                    broadcast(flat, src, items[0][1].group)
                     offset = 0
                     for p, state in bucket:
                         n = state.numel

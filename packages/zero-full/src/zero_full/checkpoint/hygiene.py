@@ -10,7 +10,7 @@
 * :func:`check_free_space` compares the bytes this host's ranks are about to write with the
   free space of the file system, before writing anything.
 * :func:`write_error` turns an ``OSError`` (or torch's serializer error after a short write)
-  into a :class:`~zero_full.ckpt_io.CheckpointError` naming the file, the rank and the OS
+  into a :class:`~zero_full.checkpoint.io.CheckpointError` naming the file, the rank and the OS
   error, with ``ENOSPC`` said as "disk full".
 """
 
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from zero_full.ckpt_io import CheckpointError
+from zero_full.checkpoint.io import CheckpointError
 
 __all__ = ["check_free_space", "remove_stale", "tensor_bytes", "write_error"]
 

@@ -1,6 +1,6 @@
 """pytest plugin of the zero-params tests: the session-scoped ``world`` fixture.
 
-Load it with ``pytest_plugins = ("zero_params_worlds",)`` in a test module.
+Load it with ``pytest_plugins = ("params_worlds",)`` in a test module.
 """
 
 from __future__ import annotations

@@ -25,8 +25,9 @@ from typing import Any, BinaryIO
 
 import torch
 
-from zero_full import ckpt_io
-from zero_full.ckpt_io import CheckpointError
+from zero_full.checkpoint import io as ckpt_io
+from zero_full.checkpoint.io import CheckpointError
+from zero_full.checkpoint.manifest import Manifest, StateDictKey
 from zero_full.estimate import format_bytes
 
 __all__ = [
@@ -199,7 +200,7 @@ def consolidate_checkpoint(
     return ConsolidateResult(out, reader.tag, len(entries), total, biggest)
 
 
-Entry = tuple[str, torch.dtype, tuple[int, ...], dict[str, Any]]
+Entry = tuple[str, torch.dtype, tuple[int, ...], StateDictKey]
 """``(state_dict key, dtype, shape, manifest entry)`` of one saved tensor."""
 
 
@@ -219,49 +220,47 @@ class CheckpointReader:
         directory = Path(directory)
         self.tag = ckpt_io.resolve_tag(directory, tag)
         self.path = directory / self.tag
-        self.manifest = ckpt_io.read_manifest(self.path)
-        files = ckpt_io.manifest_files(self.manifest)
+        self.manifest = Manifest.read(self.path)
+        files = self.manifest.files
         if verify:
             for f in files:
                 ckpt_io.verify_file(self.path / f.name, f)
-        self._params = {p["name"]: p for p in self.manifest["params"]}
-        self._buffers = {b["name"]: b for b in self.manifest["buffers"]}
+        self._params = {p.name: p for p in self.manifest.params}
+        self._buffers = {b.name: b for b in self.manifest.buffers}
         self._where: dict[str, list[tuple[str, int, int]]] = {}
         for f in files:
             for name, a, b in f.pieces:
                 self._where.setdefault(name, []).append((f.name, a, b))
         self._opened: dict[str, Any] = {}
 
-    def entries(
-        self, *, tied_once: bool = False
-    ) -> list[tuple[str, torch.dtype, tuple[int, ...], dict[str, Any]]]:
+    def entries(self, *, tied_once: bool = False) -> list[Entry]:
         """``(state_dict key, dtype, shape, manifest entry)`` per tensor, in ``state_dict`` order.
 
         Floating-point parameters are fp32 (the masters); ``tied_once`` keeps a tied
         parameter under its first key only (as ``transformers`` saves it).
         """
         out, seen = [], set()
-        for e in self.manifest["state_dict_keys"]:
-            if tied_once and e["kind"] == "param" and e["source"] in seen:
+        for e in self.manifest.state_dict_keys:
+            if tied_once and e.kind == "param" and e.source in seen:
                 continue
-            seen.add(e["source"])
-            src = self._params[e["source"]] if e["kind"] == "param" else self._buffers[e["source"]]
-            dtype = ckpt_io.dtype_from_name(src["dtype"])
-            if e["kind"] == "param" and dtype.is_floating_point:
+            seen.add(e.source)
+            src = self._params[e.source] if e.kind == "param" else self._buffers[e.source]
+            dtype = ckpt_io.dtype_from_name(src.dtype)
+            if e.kind == "param" and dtype.is_floating_point:
                 dtype = torch.float32
-            out.append((e["key"], dtype, tuple(src["shape"]), e))
+            out.append((e.key, dtype, tuple(src.shape), e))
         return out
 
-    def tensor(self, entry: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
+    def tensor(self, entry: StateDictKey, dtype: torch.dtype) -> torch.Tensor:
         """The full (flattened, for parameters) tensor of one manifest entry.
 
         Raises:
             CheckpointError: the saved pieces of a parameter do not cover it.
         """
-        name = entry["source"]
-        if entry["kind"] != "param":
+        name = entry.source
+        if entry.kind != "param":
             return self._shard(ckpt_io.BUFFERS_FILE)["buffers"][name]
-        numel = int(self._params[name]["numel"])
+        numel = self._params[name].numel
         pieces = self._where.get(name, [])
         pos = 0
         for _, a, b in sorted(pieces, key=lambda x: x[1]):

@@ -11,31 +11,39 @@ On-disk layout of one checkpoint ``DIR/TAG/``::
                          and the rank's RNG states
     buffers.pt           written by rank 0: the model's buffers (whole)
 
-``DIR/latest`` holds the newest complete tag. This module has no process-group logic.
+``DIR/latest`` holds the newest complete tag (the manifest's schema is
+:class:`zero_full.checkpoint.manifest.Manifest`). This module has no process-group logic.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
-import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+if TYPE_CHECKING:
+    from zero_full.checkpoint.manifest import FileEntry
+
 __all__ = [
+    "BUFFERS_FILE",
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "LATEST",
+    "MANIFEST",
     "CheckpointError",
-    "FileEntry",
+    "dtype_from_name",
+    "dtype_name",
     "file_digest",
+    "fsync_dir",
     "open_shard",
-    "read_manifest",
     "resolve_tag",
+    "shard_file_name",
     "verify_file",
     "write_text_atomic",
+    "write_torch",
 ]
 
 FORMAT_NAME = "zero-checkpoint"
@@ -48,46 +56,6 @@ _HASH_CHUNK = 1 << 22
 
 class CheckpointError(RuntimeError):
     """A checkpoint could not be written or read (the message names the file or parameter)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class FileEntry:
-    """One file of a checkpoint as the manifest lists it.
-
-    Attributes:
-        name: File name inside the tag directory.
-        size: Bytes.
-        sha256: Hex digest of the whole file.
-        rank: The rank that wrote it.
-        pieces: ``(param name, start, stop)`` element ranges of the pieces it holds.
-    """
-
-    name: str
-    size: int
-    sha256: str
-    rank: int
-    pieces: tuple[tuple[str, int, int], ...]
-
-    def to_json(self) -> dict[str, Any]:
-        """The manifest's JSON form."""
-        return {
-            "name": self.name,
-            "size": self.size,
-            "sha256": self.sha256,
-            "rank": self.rank,
-            "pieces": [list(p) for p in self.pieces],
-        }
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> FileEntry:
-        """Parse the manifest's JSON form."""
-        return cls(
-            str(data["name"]),
-            int(data["size"]),
-            str(data["sha256"]),
-            int(data["rank"]),
-            tuple((str(n), int(a), int(b)) for n, a, b in data["pieces"]),
-        )
 
 
 def shard_file_name(rank: int) -> str:
@@ -189,34 +157,6 @@ def resolve_tag(directory: Path, tag: str | None) -> str:
             f"checkpoint tag {tag!r} not found in {directory} (complete tags there: {found or 'none'})"
         )
     return tag
-
-
-def read_manifest(path: Path) -> dict[str, Any]:
-    """Read and check ``path/manifest.json``.
-
-    Raises:
-        CheckpointError: missing, not JSON, another format or a newer format version.
-    """
-    file = path / MANIFEST
-    if not file.is_file():
-        raise CheckpointError(f"{path} is not a zero checkpoint: {file} is missing")
-    try:
-        manifest = json.loads(file.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"{file} is corrupt: {exc}") from None
-    if manifest.get("format") != FORMAT_NAME:
-        raise CheckpointError(f"{file} is not a zero checkpoint manifest (format {manifest.get('format')!r})")
-    if manifest.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(
-            f"{file} has format version {manifest.get('format_version')}; this zero reads version "
-            f"{FORMAT_VERSION}"
-        )
-    return manifest
-
-
-def manifest_files(manifest: dict[str, Any]) -> list[FileEntry]:
-    """The manifest's file entries."""
-    return [FileEntry.from_json(f) for f in manifest["files"]]
 
 
 def dtype_name(dtype: torch.dtype) -> str:

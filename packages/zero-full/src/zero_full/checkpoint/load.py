@@ -1,0 +1,251 @@
+"""Restoring a checkpoint at any world size and stage: :func:`load_checkpoint`.
+
+The checkpoint is checked against the model first (every mismatch at once); then each rank
+reads only the saved pieces overlapping its own partition of each parameter, after verifying
+each file it reads against its sha256, and the optimizer publishes the loaded masters.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.profiler import record_function
+
+import zero_params
+from zero_full.checkpoint import hygiene, io
+from zero_full.checkpoint.collectives import exchange, raise_if_failed
+from zero_full.checkpoint.consolidate import state_dict_buffers
+from zero_full.checkpoint.io import CheckpointError
+from zero_full.checkpoint.layout import LocalPiece, elementwise_state, local_pieces
+from zero_full.checkpoint.manifest import FileEntry, Manifest
+from zero_full.checkpoint.state import TrainState
+
+__all__ = ["load_checkpoint", "plan_reads"]
+
+logger = logging.getLogger("zero.checkpoint")
+
+
+def load_checkpoint(
+    state: TrainState, directory: str | Path, tag: str | None = None, *, timeout: float | None = None
+) -> Path:
+    """Restore ``state`` from ``directory/tag`` (``tag=None``: the one ``directory/latest`` names).
+
+    Works at any world size and stage: each rank reads the saved pieces overlapping its own
+    partition of each parameter. At the world size it was saved at, every rank's RNG states
+    are restored too (at another world size they are left alone: per-rank streams do not
+    map). Gradients accumulated before the save are not part of a checkpoint.
+
+    Args:
+        state: The engine's train state (``engine.train_state()``); its counters are set.
+        directory: The checkpoint root.
+        tag: The checkpoint; ``None`` reads ``directory/latest``.
+        timeout: Seconds to wait for the other ranks; default ``robustness.comm_timeout``.
+
+    Returns:
+        The checkpoint directory that was loaded.
+
+    Raises:
+        CheckpointError: no such checkpoint; it does not match the model (every missing,
+            unexpected or misshaped parameter and buffer listed) or the optimizer; a file is
+            missing, truncated or corrupt (named); a rank did not take part within
+            ``timeout``. After a failure while copying, the engine is in an undefined state:
+            build a new one.
+    """
+    directory = Path(directory)
+    wait = state.timeout if timeout is None else timeout
+    with record_function("zero.checkpoint.load"):
+        tag = io.resolve_tag(directory, tag)
+        path = directory / tag
+        manifest = Manifest.read(path)
+        pieces = local_pieces(state.module, state.optimizer)
+        # offloaded optimizer state: loaded into torch's format, then written to the offload store
+        with state.optimizer.materialized_state():
+            _check_matches(manifest, pieces, state)
+            err = None
+            try:
+                _read_pieces(state, path, manifest, pieces)
+            except (CheckpointError, OSError, RuntimeError, KeyError) as exc:
+                err = f"{type(exc).__name__}: {exc}"
+            raise_if_failed(exchange(err, wait), f"loading checkpoint {path}")
+            if dist.get_rank() == 0:  # every rank is in this load: no save of this job is writing
+                hygiene.remove_stale(directory)
+            _restore_scalars(state, manifest)
+        state.optimizer.publish_updated_shards()
+        frozen = [
+            p
+            for n, p in state.module.named_parameters()
+            if not pieces[n].trainable and zero_params.is_partitioned(p)
+        ]
+        if frozen:
+            with torch.no_grad():
+                zero_params.commit_shards(frozen)
+    logger.info("zero: loaded checkpoint %s (saved at world size %s)", path, manifest.world_size)
+    return path
+
+
+def _check_matches(manifest: Manifest, pieces: dict[str, LocalPiece], state: TrainState) -> None:
+    saved = {p.name: p for p in manifest.params}
+    problems = [f"missing in the checkpoint: parameter {n!r}" for n in pieces if n not in saved]
+    problems += [
+        f"unexpected in the checkpoint: parameter {n!r} (not in the model)" for n in saved if n not in pieces
+    ]
+    for name, piece in pieces.items():
+        s = saved.get(name)
+        if s is None:
+            continue
+        if s.shape != piece.shape:
+            problems.append(
+                f"shape mismatch: parameter {name!r} is {list(piece.shape)} here, {list(s.shape)} saved"
+            )
+        elif s.trainable != piece.trainable:
+            problems.append(
+                f"parameter {name!r} is {'' if piece.trainable else 'not '}trainable here, "
+                "not in the checkpoint"
+            )
+        elif s.optimizer_group != piece.optimizer_group:
+            problems.append(
+                f"parameter {name!r} is in optimizer group {piece.optimizer_group} here, "
+                f"{s.optimizer_group} saved"
+            )
+    problems += _buffer_problems(manifest, state)
+    here_type = type(state.optimizer.torch_optimizer).__name__
+    if manifest.optimizer_type != here_type:
+        problems.append(f"optimizer type: {here_type} here, {manifest.optimizer_type} saved")
+    if len(manifest.optimizer_groups) != len(state.optimizer.groups):
+        problems.append(
+            f"optimizer groups: {len(state.optimizer.groups)} here, {len(manifest.optimizer_groups)} saved"
+        )
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {manifest.tag!r} does not match the model ({len(problems)} problem(s)):\n  "
+            + "\n  ".join(problems)
+        )
+
+
+def _buffer_problems(manifest: Manifest, state: TrainState) -> list[str]:
+    here = {k: tuple(v.shape) for k, v in state_dict_buffers(state.module).items()}
+    saved = {b.name: b.shape for b in manifest.buffers}
+    problems = [f"missing in the checkpoint: buffer {n!r}" for n in here if n not in saved]
+    problems += [f"unexpected in the checkpoint: buffer {n!r}" for n in saved if n not in here]
+    problems += [
+        f"shape mismatch: buffer {n!r} is {list(s)} here, {list(saved[n])} saved"
+        for n, s in here.items()
+        if n in saved and saved[n] != s
+    ]
+    return problems
+
+
+def _read_pieces(state: TrainState, path: Path, manifest: Manifest, pieces: dict[str, LocalPiece]) -> None:
+    """Verify and read every file holding a piece this rank needs; copy the overlaps in place."""
+    files = list(manifest.files)
+    needs = plan_reads(files, {n: (p.start, p.stop) for n, p in pieces.items()})
+    same_world = manifest.world_size == dist.get_world_size()
+    own = io.shard_file_name(dist.get_rank())
+    by_name = {f.name: f for f in files}
+    wanted = set(needs) | {io.BUFFERS_FILE} | ({own} if same_world else set())
+    for name in sorted(wanted):
+        io.verify_file(path / name, by_name[name])
+    states = _prepare_optimizer_state(state, manifest)
+    with torch.no_grad():
+        for p in pieces.values():
+            if p.trainable:
+                p.padded.zero_()
+                for t in states[p.optimizer_group].values():
+                    t.narrow(0, p.offset, p.partition_numel).zero_()
+        for fname, items in sorted(needs.items()):
+            shard = io.open_shard(path / fname)["params"]
+            for name, a, b in items:
+                _copy_overlap(pieces[name], shard[name], a, b, states, f"{path / fname}")
+            del shard
+        buffers = io.open_shard(path / io.BUFFERS_FILE)["buffers"]
+        for key, t in state_dict_buffers(state.module).items():
+            t.copy_(buffers[key])
+        if same_world:
+            _set_rng_state(io.open_shard(path / own)["rng"])
+
+
+def _copy_overlap(
+    p: LocalPiece, saved: dict[str, Any], a: int, b: int, states: list[dict[str, torch.Tensor]], where: str
+) -> None:
+    """Copy the saved piece ``[a, b)`` of one parameter where it overlaps this rank's piece."""
+    lo, hi = max(a, p.start), min(b, p.stop)
+    p.padded.narrow(0, lo - p.start, hi - lo).copy_(saved["value"].narrow(0, lo - a, hi - lo))
+    if not p.trainable:
+        return
+    for key, t in states[p.optimizer_group].items():
+        src = saved["state"].get(key)
+        if src is None:
+            raise CheckpointError(f"{where}: parameter {p.name!r} has no optimizer state {key!r}")
+        t.narrow(0, p.offset + lo - p.start, hi - lo).copy_(src.narrow(0, lo - a, hi - lo))
+
+
+def plan_reads(
+    files: list[FileEntry], wanted: dict[str, tuple[int, int]]
+) -> dict[str, list[tuple[str, int, int]]]:
+    """Which saved pieces a rank must read: per file, the ``(name, start, stop)`` pieces that
+    overlap the element range ``wanted[name]`` this rank holds now (files with none are absent).
+    """
+    needs: dict[str, list[tuple[str, int, int]]] = {}
+    for f in files:
+        for name, a, b in f.pieces:
+            lo, hi = wanted[name]
+            if max(a, lo) < min(b, hi):
+                needs.setdefault(f.name, []).append((name, a, b))
+    return needs
+
+
+def _prepare_optimizer_state(state: TrainState, manifest: Manifest) -> list[dict[str, torch.Tensor]]:
+    """Each group's per-element state tensors, created (zeros) where the optimizer has none yet."""
+    opt = state.optimizer
+    out = []
+    for gi, saved in enumerate(manifest.optimizer_groups):
+        master = opt.groups[gi].master
+        ostate = opt.torch_optimizer.state[master]
+        have = elementwise_state(opt, gi)
+        if have and set(have) != set(saved.elementwise_state):
+            raise CheckpointError(
+                f"optimizer group {gi}: state {sorted(have)} here, {sorted(saved.elementwise_state)} saved"
+            )
+        for key, dtype in saved.elementwise_state.items():
+            if key not in ostate:
+                ostate[key] = torch.zeros_like(master, dtype=io.dtype_from_name(dtype))
+        out.append({k: ostate[k] for k in saved.elementwise_state})
+    return out
+
+
+def _restore_scalars(state: TrainState, manifest: Manifest) -> None:
+    opt = state.optimizer
+    for gi, saved in enumerate(manifest.optimizer_groups):
+        pg = opt.torch_optimizer.param_groups[gi]
+        for key, value in saved.hyperparameters.items():
+            if key in pg:
+                current = pg[key]
+                if isinstance(current, torch.Tensor):
+                    current.fill_(value)
+                else:
+                    pg[key] = tuple(value) if isinstance(current, tuple) else value
+        master = opt.groups[gi].master
+        ostate = opt.torch_optimizer.state[master]
+        on_device = bool(pg.get("capturable") or pg.get("fused"))
+        for key, s in saved.scalar_state.items():
+            if s["tensor"]:
+                device = master.device if on_device else torch.device("cpu")
+                ostate[key] = torch.tensor(s["value"], dtype=io.dtype_from_name(s["dtype"]), device=device)
+            else:
+                ostate[key] = s["value"]
+    state.counters.restore(manifest.global_steps, manifest.micro_steps, manifest.gradient_accumulation_steps)
+    if state.scaler is not None and manifest.loss_scaler is not None:
+        state.scaler.load_state_dict(manifest.loss_scaler)
+
+
+def _set_rng_state(rng: dict[str, Any]) -> None:
+    torch.set_rng_state(rng["torch_cpu"])
+    version, internal, gauss = rng["python"]
+    random.setstate((version, tuple(internal), gauss))
+    if "torch_cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["torch_cuda"])

@@ -1,0 +1,324 @@
+"""The manifest of a checkpoint (``DIR/TAG/manifest.json``) as typed, frozen objects.
+
+:class:`Manifest` is what rank 0 writes last and what loading, ``zero consolidate`` and the
+safetensors export read. :meth:`Manifest.to_json` writes the on-disk JSON of format version 1
+byte for byte as before the manifest had a type (same keys, same order, ``indent=1``), and
+:meth:`Manifest.from_json` reads every manifest written since.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+from zero_full.checkpoint.io import FORMAT_NAME, FORMAT_VERSION, MANIFEST, CheckpointError
+
+__all__ = [
+    "FileEntry",
+    "Manifest",
+    "SavedBuffer",
+    "SavedOptimizerGroup",
+    "SavedParam",
+    "StateDictKey",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class FileEntry:
+    """One file of a checkpoint as the manifest lists it.
+
+    Attributes:
+        name: File name inside the tag directory.
+        size: Bytes.
+        sha256: Hex digest of the whole file.
+        rank: The rank that wrote it.
+        pieces: ``(param name, start, stop)`` element ranges of the pieces it holds.
+    """
+
+    name: str
+    size: int
+    sha256: str
+    rank: int
+    pieces: tuple[tuple[str, int, int], ...]
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest's JSON form."""
+        return {
+            "name": self.name,
+            "size": self.size,
+            "sha256": self.sha256,
+            "rank": self.rank,
+            "pieces": [list(p) for p in self.pieces],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> FileEntry:
+        """Parse the manifest's JSON form."""
+        return cls(
+            str(data["name"]),
+            int(data["size"]),
+            str(data["sha256"]),
+            int(data["rank"]),
+            tuple((str(n), int(a), int(b)) for n, a, b in data["pieces"]),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedParam:
+    """One parameter as saved: its shape and how it was partitioned when written.
+
+    Attributes:
+        name: Canonical parameter name (``model.named_parameters()``).
+        shape: Its shape.
+        dtype: Its dtype name (``"float32"``); the pieces are saved in fp32 when trainable.
+        numel: Elements.
+        trainable: Whether it had an optimizer state (else its value alone is saved).
+        optimizer_group: The optimizer group index, ``None`` when frozen.
+        partition_numel: Elements per rank of its partitioning (informational).
+        world: Ranks it was partitioned over (informational).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    numel: int
+    trainable: bool
+    optimizer_group: int | None
+    partition_numel: int
+    world: int
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest's JSON form."""
+        return {
+            "name": self.name,
+            "shape": list(self.shape),
+            "dtype": self.dtype,
+            "numel": self.numel,
+            "trainable": self.trainable,
+            "optimizer_group": self.optimizer_group,
+            "partitioning": {
+                "numel": self.numel,
+                "partition_numel": self.partition_numel,
+                "world": self.world,
+            },
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SavedParam:
+        """Parse the manifest's JSON form."""
+        part = data["partitioning"]
+        group = data["optimizer_group"]
+        return cls(
+            str(data["name"]),
+            tuple(int(n) for n in data["shape"]),
+            str(data["dtype"]),
+            int(data["numel"]),
+            bool(data["trainable"]),
+            None if group is None else int(group),
+            int(part["partition_numel"]),
+            int(part["world"]),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedBuffer:
+    """A buffer of ``model.state_dict()`` as saved (its values are in ``buffers.pt``)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest's JSON form."""
+        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SavedBuffer:
+        """Parse the manifest's JSON form."""
+        return cls(str(data["name"]), tuple(int(n) for n in data["shape"]), str(data["dtype"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class StateDictKey:
+    """A key of ``model.state_dict()``: a parameter (``source``: its canonical name) or a buffer."""
+
+    key: str
+    kind: str
+    source: str
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest's JSON form."""
+        return {"key": self.key, "kind": self.kind, "source": self.source}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> StateDictKey:
+        """Parse the manifest's JSON form."""
+        return cls(str(data["key"]), str(data["kind"]), str(data["source"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedOptimizerGroup:
+    """One torch optimizer group: hyperparameters, scalar state and the per-element state's dtypes.
+
+    Attributes:
+        hyperparameters: The group dict without ``params`` (JSON values).
+        scalar_state: Per key, ``{"tensor": bool, "value": ..., "dtype": ...}`` (e.g. Adam's ``step``).
+        elementwise_state: Per key of the per-element state (``exp_avg``, ...), its dtype name.
+    """
+
+    hyperparameters: dict[str, Any]
+    scalar_state: dict[str, dict[str, Any]]
+    elementwise_state: dict[str, str]
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest's JSON form."""
+        return {
+            "hyperparameters": self.hyperparameters,
+            "scalar_state": self.scalar_state,
+            "elementwise_state": self.elementwise_state,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> SavedOptimizerGroup:
+        """Parse the manifest's JSON form."""
+        return cls(dict(data["hyperparameters"]), dict(data["scalar_state"]), dict(data["elementwise_state"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    """Everything a checkpoint holds besides the tensors, and where those are.
+
+    Attributes:
+        tag: The checkpoint's directory name.
+        created_unix: When it was written (seconds since the epoch).
+        torch_version: ``torch.__version__`` of the writer.
+        world_size: Ranks that wrote it.
+        stage: ZeRO stage it was written under.
+        partition_layout: How partitions relate to ranks (``{"kind": "zero" | "mics", ...}``).
+        global_steps: Optimizer steps taken.
+        micro_steps: ``step()`` calls.
+        gradient_accumulation_steps: Micro-steps per optimizer step when written.
+        config: The writer's config (``ZeroConfig.model_dump(mode="json")``).
+        params: Every parameter, in ``named_parameters()`` order.
+        buffers: Every persistent buffer.
+        state_dict_keys: ``model.state_dict()``'s keys in order.
+        optimizer_type: The torch optimizer's class name.
+        optimizer_groups: One entry per optimizer group.
+        loss_scaler: The fp16 loss scaler's ``state_dict()``, ``None`` without one.
+        files: Every file of the checkpoint with size and sha256.
+    """
+
+    tag: str
+    created_unix: float
+    torch_version: str
+    world_size: int
+    stage: int
+    partition_layout: dict[str, Any]
+    global_steps: int
+    micro_steps: int
+    gradient_accumulation_steps: int
+    config: dict[str, Any]
+    params: tuple[SavedParam, ...]
+    buffers: tuple[SavedBuffer, ...]
+    state_dict_keys: tuple[StateDictKey, ...]
+    optimizer_type: str
+    optimizer_groups: tuple[SavedOptimizerGroup, ...]
+    loss_scaler: dict[str, Any] | None
+    files: tuple[FileEntry, ...]
+
+    def to_json(self) -> str:
+        """The text of ``manifest.json`` (format version 1)."""
+        data = {
+            "format": FORMAT_NAME,
+            "format_version": FORMAT_VERSION,
+            "tag": self.tag,
+            "created_unix": self.created_unix,
+            "torch_version": self.torch_version,
+            "world_size": self.world_size,
+            "stage": self.stage,
+            "partition_layout": self.partition_layout,
+            "global_steps": self.global_steps,
+            "micro_steps": self.micro_steps,
+            "gradient_accumulation_steps": self.gradient_accumulation_steps,
+            "config": self.config,
+            "params": [p.to_json() for p in self.params],
+            "buffers": [b.to_json() for b in self.buffers],
+            "state_dict_keys": [k.to_json() for k in self.state_dict_keys],
+            "optimizer": {
+                "type": self.optimizer_type,
+                "groups": [g.to_json() for g in self.optimizer_groups],
+            },
+            "loss_scaler": self.loss_scaler,
+            "files": [f.to_json() for f in self.files],
+        }
+        return json.dumps(data, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str, where: str = "manifest") -> Manifest:
+        """Parse ``manifest.json``'s text.
+
+        Raises:
+            CheckpointError: not JSON, another format, a newer format version or a missing key
+                (the message names ``where``).
+        """
+        try:
+            data = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"{where} is corrupt: {exc}") from None
+        if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
+            fmt = data.get("format") if isinstance(data, dict) else None
+            raise CheckpointError(f"{where} is not a zero checkpoint manifest (format {fmt!r})")
+        if data.get("format_version") != FORMAT_VERSION:
+            raise CheckpointError(
+                f"{where} has format version {data.get('format_version')}; this zero reads version "
+                f"{FORMAT_VERSION}"
+            )
+        try:
+            return cls._parse(data)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"{where} is corrupt: bad or missing entry {exc}") from None
+
+    @classmethod
+    def _parse(cls, data: dict[str, Any]) -> Manifest:
+        opt = data["optimizer"]
+        return cls(
+            tag=str(data["tag"]),
+            created_unix=data["created_unix"],
+            torch_version=str(data["torch_version"]),
+            world_size=int(data["world_size"]),
+            stage=int(data["stage"]),
+            partition_layout=dict(data["partition_layout"]),
+            global_steps=int(data["global_steps"]),
+            micro_steps=int(data["micro_steps"]),
+            gradient_accumulation_steps=int(data["gradient_accumulation_steps"]),
+            config=dict(data["config"]),
+            params=tuple(SavedParam.from_json(p) for p in data["params"]),
+            buffers=tuple(SavedBuffer.from_json(b) for b in data["buffers"]),
+            state_dict_keys=tuple(StateDictKey.from_json(k) for k in data["state_dict_keys"]),
+            optimizer_type=str(opt["type"]),
+            optimizer_groups=tuple(SavedOptimizerGroup.from_json(g) for g in opt["groups"]),
+            loss_scaler=data["loss_scaler"],
+            files=tuple(FileEntry.from_json(f) for f in data["files"]),
+        )
+
+    @classmethod
+    def read(cls, path: Path) -> Manifest:
+        """Read and check ``path/manifest.json``.
+
+        Raises:
+            CheckpointError: missing, not JSON, another format or a newer format version.
+        """
+        file = path / MANIFEST
+        if not file.is_file():
+            raise CheckpointError(f"{path} is not a zero checkpoint: {file} is missing")
+        try:
+            text = file.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise CheckpointError(f"{file} is corrupt: {exc}") from None
+        return cls.from_json(text, str(file))
+
+    def param(self, name: str) -> SavedParam | None:
+        """The saved parameter ``name``, or ``None``."""
+        return next((p for p in self.params if p.name == name), None)

@@ -1,0 +1,67 @@
+"""What a checkpoint saves and restores, handed over by the engine: :class:`TrainState`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch import nn
+
+from zero_full.config import ZeroConfig
+from zero_full.mics import MicsGroups
+from zero_optim import LossScaler, PartitionedOptimizer
+
+__all__ = ["StepCounters", "TrainState"]
+
+
+@dataclasses.dataclass
+class StepCounters:
+    """The training loop's counters (the engine's, restored by a checkpoint load).
+
+    Attributes:
+        gradient_accumulation_steps: Micro-steps per optimizer step.
+        micro_steps: ``step()`` calls so far.
+        global_steps: Optimizer steps taken so far.
+    """
+
+    gradient_accumulation_steps: int
+    micro_steps: int = 0
+    global_steps: int = 0
+
+    def restore(self, global_steps: int, micro_steps: int, saved_accumulation_steps: int) -> None:
+        """Set the counters of a loaded checkpoint.
+
+        ``micro_steps`` is taken as saved when the accumulation steps are unchanged, else
+        recomputed from ``global_steps`` (the saved micro-steps count other micro-batches).
+        """
+        self.global_steps = global_steps
+        if saved_accumulation_steps == self.gradient_accumulation_steps:
+            self.micro_steps = micro_steps
+        else:
+            self.micro_steps = global_steps * self.gradient_accumulation_steps
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """Everything of a training run a checkpoint touches, owned by the engine and passed in.
+
+    Attributes:
+        module: The model (partitioned under stage 3).
+        optimizer: The partitioned optimizer (fp32 masters, optimizer state).
+        config: The validated configuration (its ``robustness.comm_timeout`` bounds every
+            checkpoint collective).
+        counters: The step counters (mutable: a load sets them).
+        scaler: The fp16 loss scaler, ``None`` in fp32 / bf16.
+        mics: The MiCS groups, ``None`` without MiCS (recorded in the manifest's layout).
+    """
+
+    module: nn.Module
+    optimizer: PartitionedOptimizer
+    config: ZeroConfig
+    counters: StepCounters
+    scaler: LossScaler | None = None
+    mics: MicsGroups | None = None
+
+    @property
+    def timeout(self) -> float:
+        """Seconds a rank waits for the others at a checkpoint collective (``robustness.comm_timeout``)."""
+        return float(self.config.robustness.comm_timeout)

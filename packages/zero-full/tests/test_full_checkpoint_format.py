@@ -1,0 +1,122 @@
+"""The typed manifest keeps the on-disk format: checkpoints written before it still load; checkpoint
+exchanges give up after ``robustness.comm_timeout`` when a rank stops taking part."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import zero_full
+from zero_full import checkpoint
+
+# Written by the checkpoint code before the Manifest type (commit a49cfa5: zero_full/checkpoint.py),
+# at world size 2, stage 3, after 2 steps of test_full_checkpoint's model; expected.pt holds
+# that run's consolidated_state_dict and counters.
+FIXTURE = Path(__file__).parent / "full_fixtures" / "ckpt_format1"
+
+
+def test_manifest_round_trips_byte_for_byte():
+    text = (FIXTURE / "v1" / "manifest.json").read_text(encoding="utf-8")
+    manifest = checkpoint.Manifest.from_json(text)
+    assert manifest.to_json() == text
+    assert (manifest.world_size, manifest.stage, manifest.global_steps) == (2, 3, 2)
+    assert manifest.param("a.weight").shape == (13, 11) and manifest.param("nope") is None
+    assert [f.name for f in manifest.files] == ["rank00000.pt", "buffers.pt", "rank00001.pt"]
+
+
+def _engine(comm_timeout: float | None = None):
+    from test_full_checkpoint import Odd, _optimizer
+
+    cfg = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}
+    if comm_timeout is not None:
+        cfg["robustness"] = {"comm_timeout": comm_timeout}
+    return zero_full.initialize(Odd(), cfg, _optimizer)
+
+
+def _load_old(rank, root):
+    engine = _engine()
+    engine.load_checkpoint(root)
+    sd = engine.consolidated_state_dict()
+    steps = (engine.global_steps, engine.micro_steps)
+    engine.close()
+    return sd, steps
+
+
+def _check_old_checkpoint_loads(dist, world, tmp_path):
+    root = tmp_path / "old"
+    shutil.copytree(FIXTURE, root)
+    expected = torch.load(FIXTURE / "expected.pt", weights_only=True)
+    results = dist.run(world, _load_old, str(root))
+    sd, steps = results[0]
+    assert steps == (expected["global_steps"], expected["micro_steps"]) == (2, 2)
+    assert sd.keys() == expected["state_dict"].keys()
+    for k, v in expected["state_dict"].items():
+        assert torch.equal(sd[k], v), k
+    assert all(r[1] == steps for r in results)
+
+
+def test_a_checkpoint_written_before_the_manifest_type_loads_at_world_1(dist, tmp_path):
+    _check_old_checkpoint_loads(dist, 1, tmp_path)
+
+
+def test_a_checkpoint_written_before_the_manifest_type_loads_at_world_2(dist, tmp_path):
+    _check_old_checkpoint_loads(dist, 2, tmp_path)
+
+
+# --------------------------------------------------------------------------- a rank that stops
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _silent_rank(rank, world, port, root, results, done):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    engine = _engine(comm_timeout=3.0)
+    engine.save_checkpoint(root, tag="good")
+    if rank == 1:  # stops taking part: no save, no load; alive until rank 0 is done
+        done.wait(timeout=300)
+        os._exit(0)
+    for what, call in (
+        ("save", lambda: engine.save_checkpoint(root, tag="bad")),
+        ("load", lambda: engine.load_checkpoint(root, tag="good")),
+    ):
+        start = time.monotonic()
+        try:
+            call()
+        except checkpoint.CheckpointError as exc:
+            results.put((what, str(exc), time.monotonic() - start))
+        else:
+            results.put((what, None, 0.0))
+    done.set()
+    os._exit(0)
+
+
+def test_a_rank_that_stops_taking_part_is_reported_within_comm_timeout(tmp_path):
+    ctx = multiprocessing.get_context("spawn")
+    results, done = ctx.Queue(), ctx.Event()
+    port = _free_port()
+    args = (2, port, str(tmp_path), results, done)
+    procs = [ctx.Process(target=_silent_rank, args=(r, *args)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    got = [results.get(timeout=240) for _ in range(2)]
+    for p in procs:
+        p.join(timeout=60)
+    for what, error, waited in got:
+        assert error is not None and "gave up waiting" in error and "3 s timeout" in error, (what, error)
+        assert "robustness.comm_timeout" in error
+        assert waited < 60, f"{what}: raised after {waited:.0f} s, not within the 3 s comm_timeout's bound"
+    assert [w for w, _, _ in got] == ["save", "load"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["good", "latest"]
