@@ -72,7 +72,10 @@ def main() -> None:
         for step in range(first, steps):
             if MODE == "stop" and rank == 1 and step == 2:
                 os.kill(os.getpid(), signal.SIGSTOP)
-            loss = engine(batch(step, rank), extra=MODE == "extra" and rank == 1 and step == 1)
+            # "extra": rank 1 calls `mid` once more at step 1 (after the first step recorded the
+            # module order); "extra0": already at step 0
+            extra = rank == 1 and (MODE, step) in (("extra", 1), ("extra0", 0))
+            loss = engine(batch(step, rank), extra=extra)
             engine.backward(loss)
             engine.step()
             report["losses"].append(loss.item())  # type: ignore[union-attr]

@@ -262,13 +262,13 @@ class CommWatchdog:
                     work.wait(slice_s)
                     return
                 except RuntimeError as exc:
-                    if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
+                    failed = "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower()
+                    if failed:  # a peer that left the path and exited closes its connections
+                        self._raise_if_broken(self.peers(), exc)
                         raise CollectiveTimeoutError(self._failure(exc)) from exc
                 waited = time.monotonic() - start
                 peers = self.peers()
-                broken = [p for p in peers.values() if p is not None and p.broken]
-                if broken:
-                    raise RanksDivergedError(self._broken_message(broken))
+                self._raise_if_broken(peers)
                 silent = self._silent_peers(peers)
                 if silent:
                     raise CollectiveTimeoutError(self._dead_message(silent))
@@ -379,9 +379,14 @@ class CommWatchdog:
             lines = {self.rank: mine} | {r: (p.broken or p.describe()) for r, p in differ.items()}
             raise RanksDivergedError(_diverged_text(lines))
 
-    def _broken_message(self, broken: list[RankPosition]) -> str:
-        lines = {self.rank: self.position().describe()} | {p.rank: p.broken for p in broken}
-        return _diverged_text(lines)
+    def _raise_if_broken(
+        self, peers: dict[int, RankPosition | None], cause: BaseException | None = None
+    ) -> None:
+        """Raise :class:`RanksDivergedError` when a peer stopped at a departure from its module order."""
+        broken = [p for p in peers.values() if p is not None and p.broken]
+        if broken:
+            lines = {self.rank: self.position().describe()} | {p.rank: p.broken for p in broken}
+            raise RanksDivergedError(_diverged_text(lines)) from cause
 
     def peers(self) -> dict[int, RankPosition | None]:
         """Every other rank's last published position (``None``: never published)."""
