@@ -456,15 +456,23 @@ class CommWatchdog:
 
     def _timeout_message(self, waited: float) -> str:
         me = self.position()
-        others = [p for p in self.peers().values() if p is not None]
+        peers = self.peers()
+        others = [p for p in peers.values() if p is not None]
+        absent = [r for r, p in peers.items() if p is None]
         lines = [p.describe() for p in others]
         diverged = [p for p in others if (p.op, p.call, p.what) != (me.op, me.call, me.what)]
-        verdict = (
-            "ranks took different paths (a module or collective called on some ranks only, or a "
-            "different number of times)"
-            if diverged
-            else "every rank is in the same collective: the communication itself is stuck or very slow"
-        )
+        if absent:
+            verdict = (
+                f"rank(s) {absent} never reached zero (it died early, is still starting, or took "
+                "another path before initialize)"
+            )
+        elif diverged:
+            verdict = (
+                "ranks took different paths (a module or collective called on some ranks only, or a "
+                "different number of times)"
+            )
+        else:
+            verdict = "every rank is in the same collective: the communication itself is stuck or very slow"
         head = f"{me.describe()} while " + ", ".join(lines) if lines else me.describe()
         return (
             f"collective did not complete within {waited:.0f} s "
