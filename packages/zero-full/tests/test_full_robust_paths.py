@@ -69,14 +69,14 @@ def _results(failure: RankFailure) -> dict[int, dict]:
 # --------------------------------------------------------------------------- an extra submodule call
 
 
-def _extra_call(rank, stage):
-    """The last rank calls ``mid`` once more in the forward of step 1."""
+def _extra_call(rank, stage, everywhere=False):
+    """The last rank (``everywhere``: every rank) calls ``mid`` once more in the forward of step 1."""
     engine = zero_full.initialize(Net(), _config(stage))
     last = rank.world_size - 1
     start = time.monotonic()
     try:
         for step in range(STEPS):
-            loss = engine(_batch(step, rank.rank), extra=rank.rank == last and step == 1)
+            loss = engine(_batch(step, rank.rank), extra=(everywhere or rank.rank == last) and step == 1)
             engine.backward(loss)
             engine.step()
     except Exception as exc:  # noqa: BLE001 - reported to the test
@@ -107,13 +107,14 @@ def test_an_extra_call_on_one_rank_raises_on_every_rank_naming_the_module_in_sta
         assert res["seconds"] < 15  # well before comm_timeout
 
 
-def _reference(world: int) -> dict[str, torch.Tensor]:
+def _reference(world: int, everywhere: bool = False) -> dict[str, torch.Tensor]:
     """Plain torch: the mean of every rank's loss (the last rank's with the extra call at step 1)."""
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.0)
     for step in range(STEPS):
         opt.zero_grad()
-        loss = sum(model(_batch(step, r), extra=r == world - 1 and step == 1) for r in range(world)) / world
+        extra = [(everywhere or r == world - 1) and step == 1 for r in range(world)]
+        loss = sum(model(_batch(step, r), extra=extra[r]) for r in range(world)) / world
         loss.backward()
         opt.step()
     return model.state_dict()
@@ -125,6 +126,15 @@ def test_an_extra_call_on_one_rank_is_legal_data_parallelism_in_stage_2(dist, wo
     # paired, and the result is the mean of the ranks' losses, as in DDP.
     expected = _reference(world)
     weights = dist.run(world, _extra_call, 2)[0]  # the consolidated state dict lives on rank 0
+    for name, ref in expected.items():
+        torch.testing.assert_close(weights[name], ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_same_extra_call_on_every_rank_trains_on_in_stage_3(dist, world):
+    # a data-dependent branch every rank takes alike leaves the recorded order on every rank: no error
+    expected = _reference(world, everywhere=True)
+    weights = dist.run(world, _extra_call, 3, True)[0]
     for name, ref in expected.items():
         torch.testing.assert_close(weights[name], ref, rtol=1e-5, atol=1e-6)
 
