@@ -69,9 +69,16 @@ def _results(failure: RankFailure) -> dict[int, dict]:
 # --------------------------------------------------------------------------- an extra submodule call
 
 
-def _extra_call(rank, stage, everywhere=False):
-    """The last rank (``everywhere``: every rank) calls ``mid`` once more in the forward of step 1."""
-    engine = zero_full.initialize(Net(), _config(stage))
+def _extra_call(rank, stage, everywhere=False, prefetch=True):
+    """The last rank (``everywhere``: every rank) calls ``mid`` once more in the forward of step 1.
+
+    ``prefetch=False``: the other ranks' next collective is the gather of ``out`` (another size
+    than ``mid``'s); before the path check every rank waited for ``comm_timeout`` (20 s here).
+    """
+    config = _config(stage)
+    if not prefetch:
+        config["zero_optimization"]["stage3_prefetch_bucket_size"] = 0
+    engine = zero_full.initialize(Net(), config)
     last = rank.world_size - 1
     start = time.monotonic()
     try:
@@ -88,10 +95,10 @@ def _extra_call(rank, stage, everywhere=False):
     raise error
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_an_extra_call_on_one_rank_raises_on_every_rank_naming_the_module_in_stage_3(dist, world):
+@pytest.mark.parametrize("world,prefetch", [(2, True), (2, False), (4, True)])
+def test_an_extra_call_on_one_rank_raises_on_every_rank_naming_the_module_in_stage_3(dist, world, prefetch):
     with pytest.raises(RankFailure) as info:
-        dist.run(world, _extra_call, 3)
+        dist.run(world, _extra_call, 3, False, prefetch)
     results = _results(info.value)
     last = world - 1
     assert sorted(results) == list(range(world)), str(info.value)
