@@ -216,3 +216,35 @@ def test_a_peer_that_never_published_is_not_dead_before_the_timeout():
         assert time.monotonic() - start >= 1.0  # not after 5 heartbeats (0.25 s): it may be slow to start
     finally:
         me.close()
+
+
+class _CountingStore:
+    """A HashStore that counts writes and reads."""
+
+    def __init__(self) -> None:
+        self.inner = dist.HashStore()
+        self.sets = 0
+        self.reads = 0
+
+    def set(self, key, value):
+        self.sets += 1
+        self.inner.set(key, value)
+
+    def check(self, keys):
+        self.reads += 1
+        return self.inner.check(keys)
+
+    def get(self, key):
+        return self.inner.get(key)
+
+
+def test_the_heartbeat_thread_writes_once_per_interval_and_reads_nothing():
+    store = _CountingStore()
+    wd = CommWatchdog(store, 0, 2, timeout=60, heartbeat_interval=0.1)
+    try:
+        time.sleep(1.0)
+        writes, reads = store.sets, store.reads
+    finally:
+        wd.close()
+    assert 2 <= writes <= 1 + 11, writes  # the first publish, then at most 10 beats (loaded: fewer)
+    assert reads == 0  # the store is read only while a wait is slow or a rank departs from its path
