@@ -15,7 +15,11 @@ A :class:`CommWatchdog` lives as long as the engine that created it. It
   12 s: it died or is stuck"), when the wait exceeds ``timeout`` ("rank 1 gathers `mid`
   (call 41) while rank 0 reduce-scatters the gradients of `out` (call 40): ranks took
   different paths"), or when the communication library reports a failure (a peer that died
-  is named as a rank, not as a socket).
+  is named as a rank, not as a socket);
+* **checks departures**: a rank about to leave the module order the others follow (the stage-3
+  coordinator knows it from its recorded trace, before it gathers) compares notes with the
+  other ranks through the store (:meth:`CommWatchdog.diverged`, no collective) and, when it
+  departs alone, raises :class:`RanksDivergedError` on every rank at once.
 
 The watchdog is active while a :class:`~zero_comm.CommLedger` that carries it is active
 (``CommLedger(topology, watchdog=wd)``); every zero-comm collective issued then runs
@@ -68,7 +72,11 @@ class CollectiveTimeoutError(RuntimeError):
 
 
 class RanksDivergedError(CollectiveTimeoutError):
-    """Ranks were about to issue different collectives (``check_paths``): raised on every rank."""
+    """Ranks took different paths: raised on every rank, naming each one's position.
+
+    Found when a rank leaves its recorded module order alone (:meth:`CommWatchdog.diverged`, at
+    stage 3 by default) or, with ``check_paths``, at the first differing collective.
+    """
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
