@@ -298,6 +298,7 @@ def bench(session: nox.Session) -> None:
     session.run("python", str(ROOT / "benchmarks/quantized.py"), "--out", out, env=TEST_ENV)
     session.run("python", str(ROOT / "benchmarks/mics.py"), "--out", out, env=TEST_ENV)
     session.run("python", str(ROOT / "benchmarks/generate.py"), "--out", out, env=TEST_ENV)
+    session.run("python", str(ROOT / "benchmarks/watchdog_overhead.py"), "--out", out, env=TEST_ENV)
     session.run(
         "python", str(ROOT / "benchmarks/offload.py"), "--out", out, env=dict(TEST_ENV, DS_ACCELERATOR="cpu")
     )

@@ -1,8 +1,9 @@
 """A tiny training run under torchrun that misbehaves on purpose (see test_integration_robustness.py).
 
-``python -m torch.distributed.run --nproc-per-node 2 robustness_worker.py MODE OUT_DIR [CKPT_DIR]``;
-each rank writes ``OUT_DIR/rank<r>.json`` with what happened (error type and message, losses,
-seconds from the start of training to the error).
+``python -m torch.distributed.run --nproc-per-node 2 robustness_worker.py MODE OUT_DIR [CKPT_DIR]``
+(``ZERO_ROBUST_STAGE``: the ZeRO stage, 3 by default; ``ZERO_ROBUST_CHECK_PATHS=1``: turn on
+``robustness.check_paths``); each rank writes ``OUT_DIR/rank<r>.json`` with what happened
+(error type and message, losses, seconds from the start of training to the error).
 """
 
 from __future__ import annotations
@@ -49,9 +50,16 @@ def main() -> None:
     rank = dist.get_rank()
     report: dict[str, object] = {"losses": []}
     config = {
-        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "zero_optimization": {
+            "stage": int(os.environ.get("ZERO_ROBUST_STAGE", "3")),
+            "stage3_param_persistence_threshold": 0,
+        },
         "optimizer": {"type": "AdamW", "params": {"lr": 0.01}},
-        "robustness": {"comm_timeout": 3, "heartbeat_interval": 0.4, "check_paths": MODE == "extra"},
+        "robustness": {
+            "comm_timeout": 3,
+            "heartbeat_interval": 0.4,
+            "check_paths": os.environ.get("ZERO_ROBUST_CHECK_PATHS") == "1",
+        },
     }
     start = time.monotonic()
     try:
@@ -64,7 +72,10 @@ def main() -> None:
         for step in range(first, steps):
             if MODE == "stop" and rank == 1 and step == 2:
                 os.kill(os.getpid(), signal.SIGSTOP)
-            loss = engine(batch(step, rank), extra=MODE == "extra" and rank == 1 and step == 1)
+            # "extra": rank 1 calls `mid` once more at step 1 (after the first step recorded the
+            # module order); "extra0": already at step 0
+            extra = rank == 1 and (MODE, step) in (("extra", 1), ("extra0", 0))
+            loss = engine(batch(step, rank), extra=extra)
             engine.backward(loss)
             engine.step()
             report["losses"].append(loss.item())  # type: ignore[union-attr]

@@ -19,11 +19,13 @@ WORKER = Path(__file__).with_name("robustness_worker.py")
 TIMEOUT = 3.0
 
 
-def _torchrun(mode: str, out: Path, ckpt: Path | None = None, *, limit: float = 90) -> dict[int, dict]:
+def _torchrun(
+    mode: str, out: Path, ckpt: Path | None = None, *, limit: float = 90, **env_extra: str
+) -> dict[int, dict]:
     out.mkdir(parents=True, exist_ok=True)
     for f in out.glob("rank*.json"):
         f.unlink()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **env_extra}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone"]
     cmd += [str(WORKER), mode, str(out)] + ([str(ckpt)] if ckpt is not None else [])
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -43,14 +45,33 @@ def _torchrun(mode: str, out: Path, ckpt: Path | None = None, *, limit: float = 
 
 
 def test_an_extra_submodule_call_on_one_rank_raises_on_both_naming_the_module(tmp_path):
+    # the default config (check_paths = false): rank 1 leaves the recorded module order
     res = _torchrun("extra", tmp_path)
+    for r in (0, 1):
+        assert res[r].get("error") == "RanksDivergedError", res
+        message = res[r]["message"]
+        assert "rank 1 runs `mid` (forward) where its recorded order has 'out' (forward)" in message, message
+        assert message.startswith("rank 0 ") and "(call " in message  # both ranks' positions
+        assert "ranks took different paths" in message
+        assert res[r]["seconds"] < TIMEOUT + 5
+
+
+def test_with_check_paths_an_extra_call_in_the_first_step_is_caught(tmp_path):
+    # in the first step no module order is recorded yet: check_paths compares every collective
+    res = _torchrun("extra0", tmp_path, ZERO_ROBUST_CHECK_PATHS="1")
     for r in (0, 1):
         assert res[r].get("error") == "RanksDivergedError", res
         message = res[r]["message"]
         assert "rank 1 gathers `mid` (call " in message and message.startswith("rank 0 "), message
         assert message.count("(call ") == 2  # both ranks' positions
-        assert "ranks took different paths" in message
         assert res[r]["seconds"] < TIMEOUT + 5
+
+
+def test_an_extra_submodule_call_in_stage_2_trains_on(tmp_path):
+    # stage 2 reduces each gradient once per backward whatever ran: the collectives stay paired
+    res = _torchrun("extra", tmp_path, ZERO_ROBUST_STAGE="2")
+    for r in (0, 1):
+        assert "error" not in res[r] and len(res[r]["losses"]) == 4, res
 
 
 def test_a_rank_on_another_path_is_named_after_comm_timeout(tmp_path):

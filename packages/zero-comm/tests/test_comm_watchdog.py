@@ -147,3 +147,104 @@ def test_the_heartbeat_thread_stops_with_close_and_with_the_watchdog():
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="must be > 0"):
         CommWatchdog(dist.HashStore(), 0, 2, timeout=0)
+
+
+# --------------------------------------------------------------------------- departures from the module order
+
+
+def _depart(wd, what, found):
+    try:
+        wd.diverged(what)
+        found[wd.rank] = None
+    except CollectiveTimeoutError as exc:
+        found[wd.rank] = exc
+
+
+def test_ranks_that_depart_alike_go_on():
+    me, peer = _pair(timeout=5)
+    try:
+        for wd in (me, peer):
+            wd.issued("all_gather")
+        found = {}
+        threads = [
+            threading.Thread(target=_depart, args=(wd, "runs `mid` (forward)", found)) for wd in (me, peer)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert found == {0: None, 1: None}
+    finally:
+        me.close()
+        peer.close()
+
+
+def test_a_rank_that_departs_alone_raises_and_so_does_the_peer_waiting_for_it():
+    me, peer = _pair(timeout=30, interval=0.05)
+    try:
+        me.note("gathers `out`")
+        me.issued("all_gather")
+        me.issued("all_gather")  # rank 0 went on along the recorded order
+        me.publish()
+        peer.issued("all_gather")
+        start = time.monotonic()
+        with pytest.raises(zero_comm.RanksDivergedError) as info:
+            peer.diverged("runs `mid` (forward) where its recorded order has 'out' (forward)")
+        assert str(info.value).startswith(
+            "rank 0 gathers `out` (call 2) while rank 1 runs `mid` (forward) where its recorded order "
+            "has 'out' (forward) (before call 2): ranks took different paths"
+        ), str(info.value)
+        with pytest.raises(zero_comm.RanksDivergedError) as waiting:  # rank 0, blocked in its gather
+            me.wait(_NeverDone())
+        assert str(waiting.value) == str(info.value)
+        # the departed rank may exit: its closed connection is still reported as the divergence
+        with pytest.raises(zero_comm.RanksDivergedError):
+            me.wait(_NeverDone("Connection closed by peer [127.0.0.1]:53121"))
+        assert time.monotonic() - start < 5
+    finally:
+        me.close()
+        peer.close()
+
+
+def test_a_peer_that_never_published_is_not_dead_before_the_timeout():
+    store = dist.HashStore()
+    me = CommWatchdog(store, 0, 2, timeout=1.0, heartbeat_interval=0.05)  # rank 1 never starts
+    try:
+        start = time.monotonic()
+        with pytest.raises(CollectiveTimeoutError, match=r"never reached zero"):
+            me.wait(_NeverDone())
+        assert time.monotonic() - start >= 1.0  # not after 5 heartbeats (0.25 s): it may be slow to start
+    finally:
+        me.close()
+
+
+class _CountingStore:
+    """A HashStore that counts writes and reads."""
+
+    def __init__(self) -> None:
+        self.inner = dist.HashStore()
+        self.sets = 0
+        self.reads = 0
+
+    def set(self, key, value):
+        self.sets += 1
+        self.inner.set(key, value)
+
+    def check(self, keys):
+        self.reads += 1
+        return self.inner.check(keys)
+
+    def get(self, key):
+        return self.inner.get(key)
+
+
+def test_the_heartbeat_thread_writes_once_per_interval_and_reads_nothing():
+    store = _CountingStore()
+    wd = CommWatchdog(store, 0, 2, timeout=60, heartbeat_interval=0.1)
+    try:
+        time.sleep(1.0)
+        writes, reads = store.sets, store.reads
+    finally:
+        wd.close()
+    assert 2 <= writes <= 1 + 11, writes  # the first publish, then at most 10 beats (loaded: fewer)
+    assert reads == 0  # the store is read only while a wait is slow or a rank departs from its path

@@ -15,7 +15,11 @@ A :class:`CommWatchdog` lives as long as the engine that created it. It
   12 s: it died or is stuck"), when the wait exceeds ``timeout`` ("rank 1 gathers `mid`
   (call 41) while rank 0 reduce-scatters the gradients of `out` (call 40): ranks took
   different paths"), or when the communication library reports a failure (a peer that died
-  is named as a rank, not as a socket).
+  is named as a rank, not as a socket);
+* **checks departures**: a rank about to leave the module order the others follow (the stage-3
+  coordinator knows it from its recorded trace, before it gathers) compares notes with the
+  other ranks through the store (:meth:`CommWatchdog.diverged`, no collective) and, when it
+  departs alone, raises :class:`RanksDivergedError` on every rank at once.
 
 The watchdog is active while a :class:`~zero_comm.CommLedger` that carries it is active
 (``CommLedger(topology, watchdog=wd)``); every zero-comm collective issued then runs
@@ -46,6 +50,7 @@ __all__ = [
     "RanksDivergedError",
     "label",
     "note",
+    "path_diverged",
     "watched_call",
     "watched_wait",
 ]
@@ -67,7 +72,11 @@ class CollectiveTimeoutError(RuntimeError):
 
 
 class RanksDivergedError(CollectiveTimeoutError):
-    """Ranks were about to issue different collectives (``check_paths``): raised on every rank."""
+    """Ranks took different paths: raised on every rank, naming each one's position.
+
+    Found when a rank leaves its recorded module order alone (:meth:`CommWatchdog.diverged`, at
+    stage 3 by default) or, with ``check_paths``, at the first differing collective.
+    """
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -82,6 +91,10 @@ class RankPosition:
         since: Wall-clock time the rank entered it.
         beat: Heartbeat counter (grows every ``heartbeat_interval`` while the rank lives).
         waiting: Whether the rank is blocked in a wait.
+        diverged: ``(call, digest)`` of the rank's last few departures from its recorded module
+            order (:meth:`CommWatchdog.diverged`), oldest first.
+        broken: Set when the rank raised :class:`RanksDivergedError` at such a departure: where
+            it stopped (``"rank 1 runs `mid` (forward) ..."``); peers waiting for it raise too.
     """
 
     rank: int
@@ -91,6 +104,8 @@ class RankPosition:
     since: float
     beat: int = 0
     waiting: bool = False
+    diverged: tuple[tuple[int, int], ...] = ()
+    broken: str = ""
 
     def describe(self) -> str:
         """``rank 1 gathers `mid` (call 41)``."""
@@ -121,11 +136,14 @@ class CommWatchdog:
     __slots__ = (
         "__weakref__",
         "_beat",
+        "_broken",
         "_call",
+        "_departures",
         "_label",
         "_position",
         "_seen",
         "_stop",
+        "_store_lock",
         "_thread",
         "check_paths",
         "heartbeat_interval",
@@ -158,9 +176,12 @@ class CommWatchdog:
         self._call = 0
         self._beat = 0
         self._label = ""
+        self._departures: tuple[tuple[int, int], ...] = ()
+        self._broken = ""
         self._position = ("idle", 0, "", time.time(), False)
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (last beat, my monotonic time it changed)
         self._stop = threading.Event()
+        self._store_lock = threading.Lock()
         self.publish()
         self._thread: threading.Thread | None = None
         if self.store is not None and world_size > 1:
@@ -222,8 +243,11 @@ class CommWatchdog:
             "since": since,
             "beat": self._beat,
             "waiting": waiting,
+            "diverged": self._departures,
+            "broken": self._broken,
         }
-        self.store.set(_KEY.format(self.rank), json.dumps(record))
+        with self._store_lock:
+            self.store.set(_KEY.format(self.rank), json.dumps(record))
 
     # ------------------------------------------------------------------ waiting
 
@@ -246,10 +270,14 @@ class CommWatchdog:
                     work.wait(slice_s)
                     return
                 except RuntimeError as exc:
-                    if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
+                    failed = "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower()
+                    if failed:  # a peer that left the path and exited closes its connections
+                        self._raise_if_broken(self.peers(), exc)
                         raise CollectiveTimeoutError(self._failure(exc)) from exc
                 waited = time.monotonic() - start
-                silent = self._silent_peers()
+                peers = self.peers()
+                self._raise_if_broken(peers)
+                silent = self._silent_peers(peers)
                 if silent:
                     raise CollectiveTimeoutError(self._dead_message(silent))
                 if waited >= self.timeout:
@@ -301,6 +329,73 @@ class CommWatchdog:
             "ranks only, or a different number of times). Make every rank run the same forward / backward"
         )
 
+    def diverged(self, what: str) -> None:
+        """This rank left its recorded module order: go on only if every rank leaves it alike.
+
+        Called (through :func:`path_diverged`) by the stage-3 coordinator when a module runs
+        where its complete trace expected another one, *before* the rank issues the gather of
+        that module — a gather whose size differs from the peers' would abort the process in
+        gloo. No collective: the rank publishes ``(call, digest of what)`` in the store and
+        reads the others' records until each either departed alike (a data-dependent branch
+        taken by every rank: go on) or shows that it went on along the old order (it issued
+        more collectives than this rank, or stopped at another departure).
+
+        Args:
+            what: Where this rank is, e.g. ``"runs `mid` (forward) where its recorded order has
+                `out` (forward)"``; ranks that depart alike pass the same text.
+
+        Raises:
+            RanksDivergedError: another rank went on along another path (every rank's position;
+                the peers waiting for this rank raise the same within one heartbeat interval).
+            CollectiveTimeoutError: a peer sent no heartbeat for :attr:`dead_after` seconds, or
+                none decided within ``timeout``.
+        """
+        if self.store is None or self.world_size == 1:
+            return
+        with torch.profiler.record_function("zero.watchdog.diverged"):
+            call = self._call
+            mark = (call, _digest(what))
+            self._departures = (*self._departures[-7:], mark)
+            self.publish()
+            pending = set(range(self.world_size)) - {self.rank}
+            differ: dict[int, RankPosition] = {}
+            start = time.monotonic()
+            pause = 0.001
+            while pending and not differ:
+                for r in sorted(pending):
+                    pos = self._read(r)
+                    if pos is None:
+                        continue
+                    if mark in pos.diverged:
+                        pending.discard(r)
+                    elif pos.broken or pos.call > call or any(c >= call for c, _ in pos.diverged):
+                        differ[r] = pos
+                if differ or not pending:
+                    break
+                silent = self._silent_peers()
+                if silent:
+                    raise CollectiveTimeoutError(self._dead_message(silent))
+                if time.monotonic() - start >= self.timeout:
+                    raise CollectiveTimeoutError(self._timeout_message(time.monotonic() - start))
+                time.sleep(pause)
+                pause = min(2 * pause, 0.05)
+            if not differ:
+                return
+            mine = f"rank {self.rank} {what} (before call {call + 1})"
+            self._broken = mine
+            self.publish()
+            lines = {self.rank: mine} | {r: (p.broken or p.describe()) for r, p in differ.items()}
+            raise RanksDivergedError(_diverged_text(lines))
+
+    def _raise_if_broken(
+        self, peers: dict[int, RankPosition | None], cause: BaseException | None = None
+    ) -> None:
+        """Raise :class:`RanksDivergedError` when a peer stopped at a departure from its module order."""
+        broken = [p for p in peers.values() if p is not None and p.broken]
+        if broken:
+            lines = {self.rank: self.position().describe()} | {p.rank: p.broken for p in broken}
+            raise RanksDivergedError(_diverged_text(lines)) from cause
+
     def peers(self) -> dict[int, RankPosition | None]:
         """Every other rank's last published position (``None``: never published)."""
         found: dict[int, RankPosition | None] = {}
@@ -313,23 +408,35 @@ class CommWatchdog:
     def _read(self, r: int) -> RankPosition | None:
         key = _KEY.format(r)
         try:
-            if self.store is None or not self.store.check([key]):
+            if self.store is None:
                 return None
-            d = json.loads(self.store.get(key))
+            with self._store_lock:  # one store client, two threads (a FileStore is not thread-safe)
+                if not self.store.check([key]):
+                    return None
+                d = json.loads(self.store.get(key))
         except (RuntimeError, ValueError, OSError):
             return None
-        return RankPosition(r, d["op"], d["call"], d["what"], d["since"], d["beat"], d["waiting"])
+        diverged = tuple((int(c), int(h)) for c, h in d.get("diverged", ()))
+        broken = d.get("broken", "")
+        head = (d["op"], d["call"], d["what"], d["since"], d["beat"], d["waiting"])
+        return RankPosition(r, *head, diverged, broken)
 
-    def _silent_peers(self) -> list[tuple[int, float, RankPosition | None]]:
-        """Peers whose heartbeat did not change for :attr:`dead_after` seconds (my clock)."""
+    def _silent_peers(
+        self, peers: dict[int, RankPosition | None] | None = None
+    ) -> list[tuple[int, float, RankPosition | None]]:
+        """Peers whose heartbeat did not change for :attr:`dead_after` seconds (my clock).
+
+        A peer that never published (still importing, building its model: slower to start, not
+        dead) is reported only after ``timeout``.
+        """
         now = time.monotonic()
         silent = []
-        for r, pos in self.peers().items():
+        for r, pos in (self.peers() if peers is None else peers).items():
             beat = pos.beat if pos is not None else -1
             last = self._seen.get(r)
             if last is None or last[0] != beat:
                 self._seen[r] = (beat, now)
-            elif now - last[1] >= self.dead_after:
+            elif now - last[1] >= (self.dead_after if pos is not None else self.timeout):
                 silent.append((r, now - last[1], pos))
         return silent
 
@@ -357,15 +464,23 @@ class CommWatchdog:
 
     def _timeout_message(self, waited: float) -> str:
         me = self.position()
-        others = [p for p in self.peers().values() if p is not None]
+        peers = self.peers()
+        others = [p for p in peers.values() if p is not None]
+        absent = [r for r, p in peers.items() if p is None]
         lines = [p.describe() for p in others]
         diverged = [p for p in others if (p.op, p.call, p.what) != (me.op, me.call, me.what)]
-        verdict = (
-            "ranks took different paths (a module or collective called on some ranks only, or a "
-            "different number of times)"
-            if diverged
-            else "every rank is in the same collective: the communication itself is stuck or very slow"
-        )
+        if absent:
+            verdict = (
+                f"rank(s) {absent} never reached zero (it died early, is still starting, or took "
+                "another path before initialize)"
+            )
+        elif diverged:
+            verdict = (
+                "ranks took different paths (a module or collective called on some ranks only, or a "
+                "different number of times)"
+            )
+        else:
+            verdict = "every rank is in the same collective: the communication itself is stuck or very slow"
         head = f"{me.describe()} while " + ", ".join(lines) if lines else me.describe()
         return (
             f"collective did not complete within {waited:.0f} s "
@@ -394,6 +509,15 @@ _OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all")
 
 def _digest(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=7).digest(), "little")
+
+
+def _diverged_text(lines: dict[int, str]) -> str:
+    """``rank 0 ... while rank 1 ...: ranks took different paths ...`` (ranks in order)."""
+    return (
+        " while ".join(lines[r] for r in sorted(lines))
+        + ": ranks took different paths (a module or collective called on some ranks only, or a "
+        "different number of times). Make every rank run the same forward / backward"
+    )
 
 
 def _describe_remote(rank: int, op: str, call: int, pos: RankPosition | None) -> str:
@@ -450,6 +574,16 @@ def note(what: str | Callable[[], str]) -> None:
     wd = active_watchdog()
     if wd is not None:
         wd.note(what)
+
+
+def path_diverged(what: str) -> None:
+    """Tell the active watchdog (if any) that this rank left its recorded module order.
+
+    See :meth:`CommWatchdog.diverged`; without an active watchdog nothing is checked.
+    """
+    wd = active_watchdog()
+    if wd is not None:
+        wd.diverged(what)
 
 
 def watched_call(

@@ -35,7 +35,7 @@ from torch import nn
 from torch.autograd import Variable
 
 import zero_params
-from zero_comm.watchdog import label
+from zero_comm.watchdog import label, path_diverged
 from zero_comm.watchdog import note as watchdog_note
 from zero_coord._profile import profile_range
 from zero_coord._tree import collect_grad_tensors
@@ -581,6 +581,9 @@ class Coordinator:
         else:
             what = f"module {trace.describe_code(code).describe()} ran where {expected} was expected"
         reason = f"{where} diverged: {what}"
+        # Before anything is gathered along the new path: do the other ranks depart alike?
+        # (A gather of another size than the peers' aborts the process inside gloo.)
+        path_diverged(_departure(trace, code, expected))
         step.valid = False
         self._acc.trace_invalidations += 1
         self._drop_prefetched()
@@ -865,3 +868,12 @@ class Coordinator:
         for s in self._grad_ready:
             s.grad_ready = False
         self._grad_ready = []
+
+
+def _departure(trace: Trace, code: int | None, expected: str | None) -> str:
+    """``runs `mid` (forward) where its recorded order has 'out' (forward)`` for the watchdog."""
+    has = f"its recorded order has {expected}" if expected is not None else "its recorded order ended"
+    if code is None:
+        return f"ends its step where {has} next"
+    event = trace.describe_code(code)
+    return f"runs `{event.module or '<root>'}` ({'backward' if event.backward else 'forward'}) where {has}"

@@ -1,0 +1,16 @@
+"""The watchdog A/B summary: medians of each arm, overhead and per-pair ratio."""
+
+from __future__ import annotations
+
+import pytest
+from watchdog_overhead import summarize
+
+
+def test_overhead_is_the_ratio_of_the_medians_and_pairs_are_matched_in_order():
+    times = {"on": [0.103, 0.5, 0.102, 0.104], "off": [0.1, 0.1, 0.1, 0.1]}
+    found = summarize(times)
+    assert found["median_on_s"] == pytest.approx(0.1035)
+    assert found["median_off_s"] == pytest.approx(0.1)
+    assert found["overhead"] == pytest.approx(0.035)
+    assert found["median_pair_ratio"] == pytest.approx(1.035)  # the 5x outlier pair does not move it
+    assert found["pairs"] == 4

@@ -1,0 +1,147 @@
+"""A/B: the step time of zero-3 with the collective watchdog on (the default) and off, interleaved.
+
+Run from the repository root on a quiet machine::
+
+    python benchmarks/watchdog_overhead.py --world 2 --pairs 60 --out benchmarks/results
+
+Each rank builds two zero-3 engines on the same workload (the side-by-side benchmark's ZeRO
+section, :func:`impls.zero_section`): ``on`` with the default ``robustness`` section (watchdog
+on, ``check_paths`` off: the trace-departure check is part of it) and ``off`` with
+``robustness.watchdog = false``. Both live for the whole run, in the same processes and process
+group; after ``--warmup`` steps of each, ``--pairs`` pairs of steps run, the order inside a pair
+alternating (on-off, off-on, ...) so neither always runs first. Each step is timed alone; per
+step the slowest rank counts (an all-reduce of the time after the step, outside the window).
+
+Reported: the median step of each, the overhead ``median(on) / median(off) - 1`` (goal <= 2%),
+and the median of the per-pair ratios. With ``--out`` writes ``watchdog_overhead.json`` and
+``.md``. The 1-minute load average is recorded: a figure measured on a loaded machine says so.
+The ``off`` engine shares its process with the ``on`` engine's heartbeat thread (one store write
+per ``heartbeat_interval``, 2 s by default), so the overhead reported is what the watchdog adds
+per collective and per wait. Not a test: nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import pathlib
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from _report import environment, markdown_table, spawn_ranks, write_results  # noqa: E402
+from impls import zero_section  # noqa: E402
+from workloads import Workload, adamw, build_model, global_batch, loss_of, rank_slice  # noqa: E402
+
+
+def _engine(w: Workload, watchdog: bool) -> Any:
+    import zero_full
+
+    config = {"zero_optimization": zero_section(3, w), "robustness": {"watchdog": watchdog}}
+    return zero_full.initialize(build_model(w), config=config, optimizer=adamw)
+
+
+def _step(engine: Any, w: Workload, batch: dict[str, torch.Tensor]) -> float:
+    """One timed training step; returns the slowest rank's seconds."""
+    start = time.perf_counter()
+    loss = loss_of(engine, w, batch)
+    engine.backward(loss)
+    engine.step()
+    took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    return float(took)
+
+
+def _rank_main(rank: int, args: argparse.Namespace, store: str, results: Any) -> None:
+    os.environ.update(OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=args.world,
+        timeout=datetime.timedelta(seconds=600),
+    )
+    w = Workload(kind=args.workload, layers=args.layers, hidden=args.hidden, micro_batch=args.micro_batch)
+    engines = {"on": _engine(w, True), "off": _engine(w, False)}
+    steps = args.warmup + args.pairs
+    batches = [rank_slice(global_batch(w, s % 8, args.world), rank, args.world) for s in range(8)]
+    times: dict[str, list[float]] = {"on": [], "off": []}
+    for s in range(steps):
+        order = ("on", "off") if s % 2 == 0 else ("off", "on")
+        for name in order:
+            took = _step(engines[name], w, batches[s % len(batches)])
+            if s >= args.warmup:
+                times[name].append(took)
+    for engine in engines.values():
+        engine.close()
+    if rank == 0:
+        results.put({"workload": w.describe(), "times": times})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def summarize(times: dict[str, list[float]]) -> dict[str, float]:
+    """Medians, the overhead of ``on`` over ``off`` and the median per-pair ratio."""
+    on, off = statistics.median(times["on"]), statistics.median(times["off"])
+    pairs = [a / b for a, b in zip(times["on"], times["off"]) if b > 0]
+    return {
+        "median_on_s": on,
+        "median_off_s": off,
+        "overhead": on / off - 1.0,
+        "median_pair_ratio": statistics.median(pairs) if pairs else float("nan"),
+        "pairs": len(pairs),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=("gpt2", "mlp", "linear"), default="gpt2")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--pairs", type=int, default=60)
+    parser.add_argument("--timeout", type=float, default=3600.0)
+    parser.add_argument("--out", type=pathlib.Path, default=None)
+    args = parser.parse_args()
+    found = spawn_ranks(_rank_main, args.world, args, args.timeout)
+    summary = summarize(found["times"])
+    env = environment("zero-full")
+    loaded = env["load_average_1m"] > 0.5 * (env["cpus"] or 1)
+    label = " (LOADED machine: not a valid timing)" if loaded else ""
+    text = (
+        f"# Watchdog overhead, zero-3, world {args.world}{label}\n\n{found['workload']}; "
+        f"load average {env['load_average_1m']:.1f} on {env['cpus']} cpus\n\n"
+        + markdown_table(
+            ["watchdog", "median step (ms)", "overhead", "median per-pair ratio", "pairs"],
+            [
+                ["off", f"{summary['median_off_s'] * 1e3:.1f}", "", "", summary["pairs"]],
+                [
+                    "on (default)",
+                    f"{summary['median_on_s'] * 1e3:.1f}",
+                    f"{summary['overhead'] * 100:+.1f}%",
+                    f"{summary['median_pair_ratio']:.3f}",
+                    summary["pairs"],
+                ],
+            ],
+        )
+    )
+    print(text)
+    if args.out is not None:
+        settings = vars(args) | {"out": str(args.out)}
+        result = {"environment": env, "loaded": loaded, "args": settings, **summary}
+        result["times"] = found["times"]
+        write_results(args.out, "watchdog_overhead", result, text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""Ranks that take different paths, stop or die: every live rank raises a diagnosis, nothing aborts.
+
+The failing runs raise on purpose so that the pool of ranks (whose process group is wedged after
+a failed collective) is torn down: each rank raises ``RuntimeError("RESULT {json}")`` with what
+it saw, and the test reads every rank's line from the pool's failure report.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import zero_full
+from zero_testing.pool import RankFailure
+
+STEPS = 3
+TIMEOUT = 20.0  # generous: the test machine is loaded; the diagnoses below come much sooner
+ROBUST = {"comm_timeout": TIMEOUT, "heartbeat_interval": 0.5}
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(7, 13)
+        self.mid = nn.Linear(13, 13)
+        self.out = nn.Linear(13, 3)
+
+    def forward(self, x: torch.Tensor, extra: bool = False) -> torch.Tensor:
+        h = self.mid(torch.tanh(self.inp(x)))
+        if extra:
+            h = self.mid(h)
+        return self.out(h).pow(2).mean()
+
+
+def _batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(5, 7, generator=torch.Generator().manual_seed(1000 * step + rank))
+
+
+def _config(stage: int) -> dict:
+    return {
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.01, "weight_decay": 0.0}},
+        "robustness": ROBUST,  # check_paths stays at its default (false)
+    }
+
+
+def _report(rank: int, exc: BaseException, start: float) -> RuntimeError:
+    seconds = time.monotonic() - start
+    found = {"rank": rank, "error": type(exc).__name__, "message": str(exc), "seconds": seconds}
+    return RuntimeError("RESULT " + json.dumps(found))
+
+
+def _results(failure: RankFailure) -> dict[int, dict]:
+    found = {}
+    for m in re.finditer(r"RESULT (\{.*\})", str(failure)):
+        d = json.loads(m.group(1))
+        found[d["rank"]] = d
+    return found
+
+
+# --------------------------------------------------------------------------- an extra submodule call
+
+
+def _extra_call(rank, stage, everywhere=False, prefetch=True):
+    """The last rank (``everywhere``: every rank) calls ``mid`` once more in the forward of step 1.
+
+    ``prefetch=False``: the other ranks' next collective is the gather of ``out`` (another size
+    than ``mid``'s); before the path check every rank waited for ``comm_timeout`` (20 s here).
+    """
+    config = _config(stage)
+    if not prefetch:
+        config["zero_optimization"]["stage3_prefetch_bucket_size"] = 0
+    engine = zero_full.initialize(Net(), config)
+    last = rank.world_size - 1
+    start = time.monotonic()
+    try:
+        for step in range(STEPS):
+            loss = engine(_batch(step, rank.rank), extra=(everywhere or rank.rank == last) and step == 1)
+            engine.backward(loss)
+            engine.step()
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        error = _report(rank.rank, exc, start)
+    else:
+        weights = {k: v.clone() for k, v in engine.consolidated_state_dict().items()}
+        engine.close()
+        return weights
+    raise error
+
+
+@pytest.mark.parametrize("world,prefetch", [(2, True), (2, False), (4, True)])
+def test_an_extra_call_on_one_rank_raises_on_every_rank_naming_the_module_in_stage_3(dist, world, prefetch):
+    with pytest.raises(RankFailure) as info:
+        dist.run(world, _extra_call, 3, False, prefetch)
+    results = _results(info.value)
+    last = world - 1
+    assert sorted(results) == list(range(world)), str(info.value)
+    for r, res in results.items():
+        assert res["error"] == "RanksDivergedError", res
+        message = res["message"]
+        assert f"rank {last} runs `mid` (forward) where its recorded order has 'out' (forward)" in message
+        assert "ranks took different paths" in message, message
+        if r != last:  # its own position first (ranks in order), then the rank that left the path
+            assert message.startswith(f"rank {r} ") and "(call " in message, message
+        else:  # the ranks it found further along the recorded order
+            assert re.match(r"rank \d .*\(call \d+\) while rank \d ", message), message
+        assert res["seconds"] < 15  # well before comm_timeout
+
+
+def _reference(world: int, everywhere: bool = False) -> dict[str, torch.Tensor]:
+    """Plain torch: the mean of every rank's loss (the last rank's with the extra call at step 1)."""
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.0)
+    for step in range(STEPS):
+        opt.zero_grad()
+        extra = [(everywhere or r == world - 1) and step == 1 for r in range(world)]
+        loss = sum(model(_batch(step, r), extra=extra[r]) for r in range(world)) / world
+        loss.backward()
+        opt.step()
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_an_extra_call_on_one_rank_is_legal_data_parallelism_in_stage_2(dist, world):
+    # Stage 2 reduces every gradient once per backward, whatever ran: the ranks' collectives stay
+    # paired, and the result is the mean of the ranks' losses, as in DDP.
+    expected = _reference(world)
+    weights = dist.run(world, _extra_call, 2)[0]  # the consolidated state dict lives on rank 0
+    for name, ref in expected.items():
+        torch.testing.assert_close(weights[name], ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_same_extra_call_on_every_rank_trains_on_in_stage_3(dist, world):
+    # a data-dependent branch every rank takes alike leaves the recorded order on every rank: no error
+    expected = _reference(world, everywhere=True)
+    weights = dist.run(world, _extra_call, 3, True)[0]
+    for name, ref in expected.items():
+        torch.testing.assert_close(weights[name], ref, rtol=1e-5, atol=1e-6)
+
+
+# --------------------------------------------------------------------------- a stopped or killed rank
+
+
+def _stopped_or_killed(rank, how):
+    """The last rank stops (SIGSTOP) or dies (SIGKILL) before the forward of step 1."""
+    engine = zero_full.initialize(Net(), _config(3))
+    last = rank.world_size - 1
+    pid_file = os.path.join(rank.workdir, f"stopped_rank_{how}.pid")
+    if rank.rank == last:
+        with open(pid_file, "w") as f:
+            f.write(str(os.getpid()))
+    start = time.monotonic()
+    try:
+        for step in range(STEPS):
+            if step == 1 and rank.rank == last:
+                os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
+            engine.backward(engine(_batch(step, rank.rank)))
+            engine.step()
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        error = _report(rank.rank, exc, start)
+    else:
+        engine.close()
+        return None
+    if rank.rank == 0 and how == "stop":  # the diagnosis is in: end the stopped rank now
+        with open(pid_file) as f:
+            os.kill(int(f.read()), signal.SIGKILL)
+    raise error
+
+
+@pytest.mark.parametrize("how", ["stop", "kill"])
+def test_a_stopped_or_killed_rank_among_four_is_named(dist, how):
+    with pytest.raises(RankFailure) as info:
+        dist.run(4, _stopped_or_killed, how)
+    results = _results(info.value)
+    assert sorted(results) == [0, 1, 2], str(info.value)
+    for res in results.values():
+        assert res["error"] == "CollectiveTimeoutError", res
+        message = res["message"]
+        assert "rank 3 sent no heartbeat for" in message and "it died or is stuck" in message, message
+        assert not message.startswith("[") and "Connection reset" not in message.split(". This rank")[0]
+        assert res["seconds"] < 15  # well before comm_timeout
