@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import json
 import os
 import pathlib
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import BeforeValidator, Field, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from zero_full.config_sections import (
@@ -49,6 +50,7 @@ from zero_full.config_sections import (
     RobustnessConfig,
     SGDParams,
     ZeroOptimizationConfig,
+    _choice,
     _int,
     _real,
     _Section,
@@ -109,7 +111,6 @@ _TOP_HINTS: dict[str, str] = {
     "activation_checkpointing": "not configured through zero; use torch.utils.checkpoint in the model",
     "zero_allow_untested_optimizer": 'zero takes the optimizer from the "optimizer" section or from '
     "initialize(optimizer=...); remove the key",
-    "communication_data_type": "not supported: gradients are reduced in their working precision",
     "prescale_gradients": "not supported: gradients are averaged over the data-parallel ranks",
     "gradient_predivide_factor": "not supported: gradients are averaged over the data-parallel ranks",
     "flops_profiler": _MONITORING,
@@ -118,6 +119,8 @@ _TOP_HINTS: dict[str, str] = {
     "csv_monitor": _MONITORING,
     "comms_logger": _MONITORING,
 }
+
+_CommDtype = Annotated[Precision, BeforeValidator(functools.partial(_choice, Precision))]
 
 _DYNAMIC_SCALE_KEYS = (
     "initial_scale_power",
@@ -149,6 +152,11 @@ class ZeroConfig(_Section):
         bf16: bfloat16 precision (also spelled ``bfloat16``, DeepSpeed's older name).
         optimizer: The optimizer to build, or ``None`` when ``initialize`` receives one.
         zero_optimization: The ZeRO stage and its knobs.
+        communication_data_type: The dtype gradients are reduced in (every stage) and, when it
+            is narrower than the working dtype, stage-3 parameters are gathered in: ``"fp32"``,
+            ``"bf16"`` or ``"fp16"`` (``None``: the working dtype). Reductions sum and average
+            in the working dtype after the cast back (no prescaling); fp32 training with
+            ``"bf16"`` halves the bytes. Not with ``mics_shard_size``.
         robustness: Collective watchdog, non-finite gradient policy, rank agreement (not a
             DeepSpeed section).
     """
@@ -166,6 +174,7 @@ class ZeroConfig(_Section):
     bf16: BF16Config = Field(default_factory=BF16Config)
     optimizer: OptimizerConfig | None = None
     zero_optimization: ZeroOptimizationConfig = Field(default_factory=ZeroOptimizationConfig)
+    communication_data_type: _CommDtype | None = None
     robustness: RobustnessConfig = Field(default_factory=RobustnessConfig)
 
     @model_validator(mode="after")
@@ -335,6 +344,11 @@ class ZeroConfig(_Section):
                     f"zero_optimization.zero_hpz_partition_size = {z.zero_hpz_partition_size} "
                     "(ZeRO++ hierarchical partitioning, hpZ)"
                 )
+        if self.communication_data_type is not None and z.stage == 3 and z.mics_enabled:
+            found.append(
+                f"communication_data_type = {self.communication_data_type.value!r} with "
+                "zero_optimization.mics_shard_size (cast collectives over MiCS groups)"
+            )
         if not z.load_from_fp32_weights:
             found.append(
                 "zero_optimization.load_from_fp32_weights = false (master weights from 16-bit copies)"

@@ -41,6 +41,7 @@ from zero_comm import CommLedger, CommTotals, CommWatchdog, Topology, broadcast
 from zero_coord import Coordinator, StepStats
 from zero_full import checkpoint as _checkpoint
 from zero_full.agreement import check_agreement
+from zero_full.comm_dtype import comm_strategies
 from zero_full.config import Precision, ZeroConfig
 from zero_full.memory_report import MemoryReport, build_memory_report, reset_peak_memory
 from zero_full.mics import MicsGroups, build_mics_groups
@@ -89,6 +90,12 @@ class Init(zero_params.Init):
                 mics = build_mics_groups(z, Topology())
                 kwargs["group"] = mics.shard
                 kwargs.setdefault("gather_strategy", mics.gather_strategy)
+            elif kwargs["enabled"] and cfg.stage == 3:
+                comm = comm_strategies(cfg, kwargs.get("group"))  # communication_data_type
+                if comm.gather is not None:
+                    kwargs.setdefault("gather_strategy", comm.gather)
+                if comm.reduce_scatter is not None:
+                    kwargs.setdefault("reduce_strategy", comm.reduce_scatter)
         super().__init__(**kwargs)
 
 
