@@ -154,3 +154,28 @@ def test_the_key_is_validated_and_refused_with_mics():
         {"communication_data_type": "bf16", "zero_optimization": {"stage": 3, "mics_shard_size": 2}}
     )
     assert any("communication_data_type" in f for f in mics.unsupported_features())
+
+
+def _bf16_training(rank, comm):
+    world, r = rank.world_size, rank.rank
+    cfg = {**_config(2, comm), "bf16": {"enabled": True}}
+    engine = zero_full.initialize(Net(), cfg, _sgd)
+    n = BATCH // world
+    losses = []
+    with zero_comm.CommLedger(zero_comm.Topology()) as ledger:
+        for step in range(STEPS):
+            x, y = _data(step)
+            loss = engine(x[r * n : (r + 1) * n].bfloat16(), y[r * n : (r + 1) * n].bfloat16())
+            engine.backward(loss)
+            engine.step()
+            losses.append(float(loss.detach()))
+    engine.close()
+    return losses, ledger.totals("reduce_scatter").wire_bytes
+
+
+def test_bf16_training_may_reduce_its_gradients_in_fp32(dist):
+    wide = dist.run(2, _bf16_training, "fp32")
+    plain = dist.run(2, _bf16_training, None)
+    assert wide[0][1] == 2 * plain[0][1]  # fp32 on the wire: twice bf16's bytes
+    for a, b in zip(_mean_losses(wide), _mean_losses(plain)):  # one bf16 rounding less per reduction
+        assert abs(a - b) <= 2e-2 * abs(b)
