@@ -215,6 +215,8 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> pathlib.Path:
 
     fig, (t_ax, m_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
     rows = result["rows"]
+    colors = dict(zip(IMPLS, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    markers = {1: "o", 2: "s", 4: "^"}
     for impl in IMPLS:
         for world in sorted({r["world"] for r in rows}):
             pts = sorted(
@@ -223,13 +225,17 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> pathlib.Path:
             if not pts:
                 continue
             xs = [r["psi"] for r in pts]
-            line = t_ax.plot(xs, [r["step_s"] * 1e3 for r in pts], marker="o", label=f"{impl} W={world}")[0]
+            style = {"color": colors[impl], "marker": markers.get(world, "D")}
+            t_ax.plot(xs, [r["step_s"] * 1e3 for r in pts], label=f"{impl} W={world}", **style)
             pred = [r["predicted_step_s"] for r in pts]
             if all(p is not None for p in pred):
-                t_ax.plot(xs, [p * 1e3 for p in pred], ls="--", color=line.get_color(), alpha=0.6)
-            m_ax.plot(xs, [r["rest_bytes"] / 1e6 for r in pts], marker="o", color=line.get_color())
-            m_ax.plot(xs, [r["formula_bytes"] / 1e6 for r in pts], ls="--", color=line.get_color(), alpha=0.6)
-    for ax, label in ((t_ax, "step ms (dashed: predicted)"), (m_ax, "RSS at rest MB (dashed: formula)")):
+                t_ax.plot(xs, [p * 1e3 for p in pred], ls="--", mfc="none", alpha=0.6, **style)
+            m_ax.plot(xs, [r["rest_bytes"] / 1e6 for r in pts], **style)
+            m_ax.plot(xs, [r["formula_bytes"] / 1e6 for r in pts], ls="--", mfc="none", alpha=0.6, **style)
+    for ax, label in (
+        (t_ax, "step ms (hollow, dashed: predicted)"),
+        (m_ax, "RSS at rest MB (hollow, dashed: formula)"),
+    ):
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_xlabel("parameters P")
