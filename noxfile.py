@@ -322,6 +322,20 @@ def bench(session: nox.Session) -> None:
         *session.posargs,
         env=dict(TEST_ENV, DS_ACCELERATOR="cpu"),
     )
+    # Where one released stage-3 step's time goes, and its distance to the DDP + wire floor (world 2).
+    session.run(
+        "python",
+        str(ROOT / "benchmarks/profile_step.py"),
+        "--out",
+        out,
+        "--docs",
+        str(ROOT / "docs"),
+        env=dict(TEST_ENV, DS_ACCELERATOR="cpu"),
+    )
+    # Step time and memory against model size and world size (fresh processes per point).
+    session.run(
+        "python", str(ROOT / "benchmarks/growth.py"), "--out", out, "--docs", str(ROOT / "docs"), env=TEST_ENV
+    )
     # The plain-MLP variant of the same comparison (world 2; results only, the docs show GPT-2).
     mlp = ["--workload", "mlp", "--worlds", "2", "--rounds", "2", "--name", "side_by_side_mlp"]
     session.run(

@@ -63,7 +63,7 @@ def stage_of(impl: str) -> int:
         return 0
     if impl == "fsdp2":
         return 3
-    return int(impl.rsplit("-", 1)[1])
+    return int(impl.removesuffix("-compiled").rsplit("-", 1)[1])
 
 
 def formula_state_bytes(impl: str, psi: int, world: int) -> float:
@@ -359,7 +359,7 @@ def _deepspeed(stage: int) -> Callable[..., Runner]:
     return build
 
 
-def _zero(stage: int) -> Callable[..., Runner]:
+def _zero(stage: int, compiled: bool = False) -> Callable[..., Runner]:
     def build(w: Workload, world: int, options: ImplOptions = ImplOptions()) -> Runner:
         import zero_full
 
@@ -367,6 +367,8 @@ def _zero(stage: int) -> Callable[..., Runner]:
         engine = zero_full.initialize(
             model, config={"zero_optimization": zero_section(stage, w, options)}, optimizer=adamw
         )
+        if compiled:  # torch.compile (inductor) after initialize; compiled during the warm-up steps
+            engine.compile()
         return EngineRunner(w, engine, [engine])
 
     return build
@@ -378,4 +380,5 @@ IMPLEMENTATIONS: dict[str, Callable[..., Runner]] = {
     "fsdp2": _fsdp2,
     **{f"deepspeed-{k}": _deepspeed(k) for k in (1, 2, 3)},
     **{f"zero-{k}": _zero(k) for k in (1, 2, 3)},
+    "zero-3-compiled": _zero(3, compiled=True),
 }

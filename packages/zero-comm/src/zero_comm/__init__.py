@@ -13,6 +13,8 @@ Topology, process groups and byte accounting for the zero stack:
 * Strategies (:class:`FlatAllGather`, :class:`HierarchicalAllGather`,
   :class:`AllToAllReduceScatter`) implementing the :class:`AllGatherStrategy` /
   :class:`ReduceScatterStrategy` protocols.
+* Casting strategies (:class:`CastAllGather`, :class:`CastReduceScatter`,
+  :class:`CastAllReduce`): fp32 tensors communicated as bf16 / fp16 (``communication_data_type``).
 * :class:`CommLedger`: per-step record of every collective's payload and ring-ideal
   wire bytes, by link kind.
 * :class:`CommWatchdog`: records what each rank is doing, heartbeats it to the process
@@ -31,6 +33,7 @@ Topology, process groups and byte accounting for the zero stack:
 
 import importlib
 
+from zero_comm.cast import COMM_DTYPES, CastAllGather, CastAllReduce, CastReduceScatter
 from zero_comm.coalesced import (
     all_gather_coalesced,
     all_gather_coalesced_into,
@@ -66,6 +69,10 @@ __all__ = [
     "AllGatherHandle",
     "AllGatherStrategy",
     "AllToAllReduceScatter",
+    "COMM_DTYPES",
+    "CastAllGather",
+    "CastAllReduce",
+    "CastReduceScatter",
     "CollectiveHandle",
     "CollectiveTimeoutError",
     "CommLedger",

@@ -236,6 +236,7 @@ class ModuleHookState:
     def __repr__(self) -> str:
         return f"ModuleHookState({self.name or '<root>'!r}, params={len(self.slots)}, numel={self.numel})"
 
+    @torch.compiler.disable  # torch.compile: a graph break, the hook runs eagerly
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
         """Forward pre-hook: start a step if none runs, fetch, arm the post-backward node."""
         if self.coord.paused:
@@ -246,6 +247,7 @@ class ModuleHookState:
             return _wrap_inputs(self, args, kwargs)
         return None
 
+    @torch.compiler.disable
     def post_forward(self, module: nn.Module, args: tuple, output: Any) -> Any:
         """Forward hook (always called): release, arm the pre-backward node, end eval steps.
 

@@ -50,7 +50,7 @@ from zero_full.config_sections import (
     SGDParams,
     ZeroOptimizationConfig,
 )
-from zero_full.config_types import IMPLEMENTED, Flag, Ignored, Int, Key, Real, Rejected
+from zero_full.config_types import IMPLEMENTED, Choice, Flag, Ignored, Int, Key, Real, Rejected
 
 __all__ = [
     "AdamParams",
@@ -114,7 +114,6 @@ _TOP_REJECTED: dict[str, Rejected] = {
         'zero takes the optimizer from the "optimizer" section or from initialize(optimizer=...); '
         "remove the key"
     ),
-    "communication_data_type": Rejected("not supported: gradients are reduced in their working precision"),
     "prescale_gradients": _AVERAGED,
     "gradient_predivide_factor": _AVERAGED,
     "flops_profiler": _MONITORING,
@@ -124,6 +123,7 @@ _TOP_REJECTED: dict[str, Rejected] = {
     "comms_logger": _MONITORING,
 }
 _USED = Key(IMPLEMENTED)
+_CommDtype = Choice(Precision)
 
 
 class ZeroConfig(Section):
@@ -167,6 +167,12 @@ class ZeroConfig(Section):
         default_factory=ZeroOptimizationConfig
     )
     """The ZeRO stage and its knobs (section below)."""
+    communication_data_type: Annotated[_CommDtype | None, _USED] = None
+    """The dtype gradients are reduced in (every stage) and, when it is narrower than the working
+    dtype, stage-3 parameters are gathered in: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (``null``: the
+    working dtype). Reductions sum and average in the working dtype after the cast back (no
+    prescaling); fp32 training with ``"bf16"`` halves the bytes. Not with ``mics_shard_size``
+    (see [Precision](precision.md#communication-data-type))."""
     robustness: Annotated[RobustnessConfig, _USED] = Field(default_factory=RobustnessConfig)
     """Collective watchdog, non-finite gradient policy, rank agreement (section below; not a
     DeepSpeed section)."""
@@ -333,7 +339,14 @@ class ZeroConfig(Section):
         Returns:
             One line per feature: the key, its value and what it is.
         """
-        return [f"{f.path} = {f.value_text()} ({f.reason})" for f in self.key_report().refused]
+        found = [f"{f.path} = {f.value_text()} ({f.reason})" for f in self.key_report().refused]
+        z = self.zero_optimization
+        if self.communication_data_type is not None and z.stage == 3 and z.mics_enabled:
+            found.append(
+                f"communication_data_type = {self.communication_data_type.value!r} with "
+                "zero_optimization.mics_shard_size (cast collectives over MiCS groups)"
+            )
+        return found
 
     def ignored_keys(self) -> list[str]:
         """Full paths of keys that were given but have no effect with this config.

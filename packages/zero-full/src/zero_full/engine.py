@@ -42,6 +42,8 @@ from zero_coord import Coordinator, StepStats
 from zero_full import checkpoint as _checkpoint
 from zero_full.agreement import check_agreement
 from zero_full.checkpoint import StepCounters, TrainState
+from zero_full.comm_dtype import comm_strategies
+from zero_full.compiled import check_not_precompiled, compile_model, explain_graph_break
 from zero_full.config import Precision, ZeroConfig
 from zero_full.memory_report import MemoryReport, build_memory_report, reset_peak_memory
 from zero_full.mics import MicsGroups, build_mics_groups
@@ -90,6 +92,12 @@ class Init(zero_params.Init):
                 mics = build_mics_groups(z, Topology())
                 kwargs["group"] = mics.shard
                 kwargs.setdefault("gather_strategy", mics.gather_strategy)
+            elif kwargs["enabled"] and cfg.stage == 3:
+                comm = comm_strategies(cfg, kwargs.get("group"))  # communication_data_type
+                if comm.gather is not None:
+                    kwargs.setdefault("gather_strategy", comm.gather)
+                if comm.reduce_scatter is not None:
+                    kwargs.setdefault("reduce_strategy", comm.reduce_scatter)
         super().__init__(**kwargs)
 
 
@@ -139,6 +147,7 @@ class Engine:
         _check_supported(config)
         if not isinstance(model, nn.Module):
             raise TypeError(f"initialize(model=...) needs an nn.Module, got {type(model).__name__}")
+        check_not_precompiled(model)
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError(
                 "zero_full.initialize needs torch.distributed: call torch.distributed.init_process_group "
@@ -187,7 +196,25 @@ class Engine:
                 and the fix.
         """
         with self._ledger, record_function("zero.engine.forward"):
-            return self.module(*args, **kwargs)
+            try:
+                return self.module(*args, **kwargs)
+            except Exception as exc:
+                explain_graph_break(exc, self.config.stage)
+                raise
+
+    def compile(self, **kwargs: Any) -> None:
+        """``torch.compile`` the model in place (``model.compile(**kwargs)``), after the engine's hooks.
+
+        Under stage 3 every hooked module boundary is a graph break (the coordinator's hooks
+        run eagerly); see :mod:`zero_full.compiled`.
+
+        Args:
+            **kwargs: ``torch.compile`` options (``backend``, ``mode``, ``dynamic``, ...).
+
+        Raises:
+            ValueError: ``fullgraph=True`` under stage 3.
+        """
+        compile_model(self.module, self.config.stage, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> torch.Tensor:
         """Backward of ``loss * loss_scale / gradient_accumulation_steps`` (gradients reach the partitions).
@@ -483,6 +510,7 @@ def initialize(model: nn.Module, config: ConfigLike = None, optimizer: Optimizer
             (all named at once).
         ValueError: both ``optimizer`` and a config ``optimizer`` section; inconsistent batch sizes.
         RuntimeError: ``torch.distributed`` is not initialised.
+        TypeError: ``model`` was wrapped by ``torch.compile`` (compile after: ``engine.compile()``).
     """
     return Engine(model, ZeroConfig.coerce(config), optimizer)
 

@@ -36,6 +36,7 @@ import zero_optim
 import zero_params
 from zero_comm import Topology
 from zero_coord import Coordinator
+from zero_full.comm_dtype import comm_strategies
 from zero_full.config import Precision, ZeroConfig
 from zero_full.mics import MicsGroups, build_mics_groups, sync_replicas
 from zero_full.nonfinite import NonFiniteGuard
@@ -107,16 +108,19 @@ def build_stage(
         _cast_whole(model, dtype)
     # every stage steps its flat partitions sub_group_size elements at a time (offloaded or not)
     offload = z.offload_optimizer.to_offload_config(z.sub_group_size)
+    comm = comm_strategies(config)  # communication_data_type (refused with MiCS by the config)
     if config.stage == 3:
         mics = None
         if z.mics_enabled:
             mics = build_mics_groups(z, topology if topology is not None else Topology())
         built_under_init = any(zero_params.is_partitioned(p) for p in model.parameters())
+        comm.check_partitioned(model)
         zero_params.partition(
             model,
             mics.shard if mics is not None else None,
             persistence_threshold=z.param_persistence_threshold,
-            gather_strategy=mics.gather_strategy if mics is not None else None,
+            gather_strategy=mics.gather_strategy if mics is not None else comm.gather,
+            reduce_strategy=comm.reduce_scatter,
         )
         if mics is not None and built_under_init:  # a whole model was broadcast from rank 0 already
             sync_replicas(model, mics)
@@ -144,6 +148,8 @@ def build_stage(
         working_dtype=dtype,
         offload=offload if config.stage >= 1 else None,
         sub_group_size=z.sub_group_size,
+        reduce_strategy=comm.reduce_scatter,
+        all_reduce_strategy=comm.all_reduce,
     )
     return StagePieces(opt, None, reduction)
 

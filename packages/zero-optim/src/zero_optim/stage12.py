@@ -281,17 +281,23 @@ class ReduceScatterInto:
 
     Attributes:
         partitioning: Where each parameter's fp32 gradient partition lives.
+        strategy: The reduce-scatter over the partitioning's group (``None``: the plain
+            ``zero_comm.reduce_scatter_coalesced``; e.g. ``zero_comm.CastReduceScatter``).
     """
 
     partitioning: ReplicaPartitioning
+    strategy: zero_comm.ReduceScatterStrategy | None = None
 
     def __call__(self, params: Sequence[nn.Parameter], *, async_op: bool = False) -> ReduceHandle:
         """Reduce-scatter the ``.grad`` of ``params`` (``None`` = zeros) and free them."""
         with record_function("zero.optim.reduce_scatter_grads"):
             grads = _take_grads(params)
-            handle = zero_comm.reduce_scatter_coalesced_padded(
-                grads, self.partitioning.group, op="avg", async_op=True
-            )
+            if self.strategy is not None:
+                handle = self.strategy.reduce_scatter_coalesced(grads, op="avg", async_op=True)
+            else:
+                handle = zero_comm.reduce_scatter_coalesced_padded(
+                    grads, self.partitioning.group, op="avg", async_op=True
+                )
             targets = [self.partitioning.grad_partition(p) for p in params]
 
             def finish() -> None:
@@ -315,9 +321,11 @@ class ReduceScatterInPlace:
 
     Attributes:
         partitioning: A partitioning built with ``grads_in_place``.
+        strategy: The reduce-scatter over the partitioning's group (``None``: the plain one).
     """
 
     partitioning: ReplicaPartitioning
+    strategy: zero_comm.ReduceScatterStrategy | None = None
 
     def __call__(self, params: Sequence[nn.Parameter], *, async_op: bool = False) -> ReduceHandle:
         """Reduce-scatter the whole gradients of ``params`` into their own partitions."""
@@ -327,7 +335,10 @@ class ReduceScatterInPlace:
             live = [r for r in regions if r.numel()]
             if not live:
                 return _AccumulateHandle(lambda: None)
-            handle = zero_comm.reduce_scatter_coalesced_padded(live, part.group, op="avg", async_op=True)
+            if self.strategy is not None:
+                handle = self.strategy.reduce_scatter_coalesced(live, op="avg", async_op=True)
+            else:
+                handle = zero_comm.reduce_scatter_coalesced_padded(live, part.group, op="avg", async_op=True)
 
             def finish() -> None:
                 for region, reduced in zip(live, handle.wait(), strict=True):
@@ -354,17 +365,23 @@ class AllReduceInto:
     Attributes:
         partitioning: A one-rank-world partitioning (each gradient partition is the whole gradient).
         group: The data-parallel group to average over (``None``: the world).
+        strategy: An all-reduce strategy over ``group`` (``None``: the plain
+            ``zero_comm.all_reduce``; e.g. ``zero_comm.CastAllReduce``).
     """
 
     partitioning: ReplicaPartitioning
     group: ProcessGroup | None = None
+    strategy: zero_comm.CastAllReduce | None = None
 
     def __call__(self, params: Sequence[nn.Parameter], *, async_op: bool = False) -> ReduceHandle:
         """All-reduce (average) the ``.grad`` of ``params`` (``None`` = zeros) and free them."""
         with record_function("zero.optim.all_reduce_grads"):
             grads = _take_grads(params)
             flat = torch.cat([g.reshape(-1) for g in grads]) if grads else torch.zeros(0)
-            handle = zero_comm.all_reduce(flat, self.group, op="avg", async_op=True)
+            if self.strategy is not None:
+                handle = self.strategy.all_reduce(flat, op="avg")
+            else:
+                handle = zero_comm.all_reduce(flat, self.group, op="avg", async_op=True)
             targets = [self.partitioning.grad_partition(p) for p in params]
 
             def finish() -> None:
@@ -500,6 +517,8 @@ def replicated_optimizer(
     group: ProcessGroup | None = None,
     offload: OptimizerOffloadConfig | None = None,
     sub_group_size: int = 1_000_000_000,
+    reduce_strategy: zero_comm.ReduceScatterStrategy | None = None,
+    all_reduce_strategy: zero_comm.CastAllReduce | None = None,
 ) -> tuple[PartitionedOptimizer, GradientReduction]:
     """Build the optimizer and gradient reduction of ZeRO stage 0, 1 or 2 for a whole model.
 
@@ -517,6 +536,11 @@ def replicated_optimizer(
         offload: Offload the optimizer state (``zero_offload.OptimizerOffloadConfig``), or ``None``.
         sub_group_size: Elements of the flat partition stepped at once (bounds the step's
             temporaries; see :class:`zero_optim.PartitionedOptimizer`).
+        reduce_strategy: Stages 1 and 2: the gradient reduce-scatter over ``group`` (``None``:
+            ``zero_comm.reduce_scatter_coalesced``; ``zero_comm.CastReduceScatter`` for
+            ``communication_data_type``).
+        all_reduce_strategy: Stage 0: the gradient all-reduce over ``group`` (``None``:
+            ``zero_comm.all_reduce``; ``zero_comm.CastAllReduce`` for ``communication_data_type``).
 
     Stages 1 and 2 (without offload) move the whole parameters into one flat buffer per
     parameter group (``param.data`` becomes a view of it; see
@@ -567,8 +591,12 @@ def replicated_optimizer(
     )
     params = [p for _, p in order]
     if stage == 0:
-        return opt, BoundaryReduction(plan, AllReduceInto(part, group), config.max_inflight)
+        reduce = AllReduceInto(part, group, all_reduce_strategy)
+        return opt, BoundaryReduction(plan, reduce, config.max_inflight)
+    strategy = reduce_strategy
     if stage == 1:
-        reduce_fn = ReduceScatterInPlace(part) if part.in_place_grads else ReduceScatterInto(part)
+        reduce_fn = (
+            ReduceScatterInPlace(part, strategy) if part.in_place_grads else ReduceScatterInto(part, strategy)
+        )
         return opt, BoundaryReduction(plan, reduce_fn, config.max_inflight)
-    return opt, HookedReduction(params, BucketedReducer(plan, ReduceScatterInto(part), config))
+    return opt, HookedReduction(params, BucketedReducer(plan, ReduceScatterInto(part, strategy), config))

@@ -1,0 +1,310 @@
+"""Cost growth: step time and real memory against model size and world size, formula beside each point.
+
+Run from the repository root (``python -m nox -s bench`` does)::
+
+    python benchmarks/growth.py --out benchmarks/results [--sizes 1M 10M 100M] [--worlds 1 2 4]
+
+For each model size (a stack of bias-free ``Linear`` layers, where parameters dominate: ~1M,
+~10M, ~100M parameters), world size and implementation (DDP, FSDP2, zero stages 1-3), ``W``
+FRESH gloo ranks are spawned and measured with :mod:`memory`'s code (``MALLOC_MMAP_THRESHOLD_``
+set, RSS at rest above the post-import baseline, the step's peak RSS), with each measured step
+also timed (per step the slowest rank, the median). Stage 3 runs with the memory benchmark's
+release policy. Beside each point:
+
+* memory: the fp32 AdamW ZeRO formula (DDP 16P, stage 1 8P + 8P/N, stage 2 4P + 12P/N, stage 3
+  and FSDP2 16P/N);
+* time: ``compute + ring-ideal bytes x cost per byte``, where ``compute`` is DDP's step at world 1
+  for that size (the per-rank micro-batch is the same at every world size) and the cost per byte
+  is fitted on an all-gather / all-to-all sweep at that world size (``profile_step.comm_sweep``).
+
+Writes ``growth.json``, ``growth.md`` and ``growth.png`` into ``--out``; with ``--docs DIR`` the
+table goes into ``DIR/benchmarks.md`` between its ``growth`` markers. Not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import pathlib
+import statistics
+import sys
+import time
+from typing import Any
+
+from _report import environment, markdown_table, spawn_ranks, write_results
+from impls import ring_ideal_bytes
+from memory import MEASURED_ENV, Run, count_params, summarize
+from workloads import Workload
+
+IMPLS = ("ddp", "fsdp2", "zero-1", "zero-2", "zero-3")
+SIZES = {
+    "1M": Workload("linear", layers=4, hidden=512, micro_batch=2),  # 1.05M
+    "10M": Workload("linear", layers=4, hidden=1600, micro_batch=2),  # 10.2M
+    "100M": Workload("linear", layers=6, hidden=4096, micro_batch=2),  # 100.7M
+}
+MARK_BEGIN, MARK_END = "<!-- growth:begin -->", "<!-- growth:end -->"
+
+
+# ----------------------------------------------------------------------------- ranks
+
+
+def _timed_measure(run: Run, rank: int) -> dict[str, Any]:
+    """:func:`memory._measure`'s steps, each also timed (seconds, this rank)."""
+    import torch.distributed as dist
+    from _report import peak_rss_bytes, reset_peak_rss, rss_bytes
+    from impls import IMPLEMENTATIONS, model_state_bytes
+    from memory import _import_libraries, _settle, split_impl
+    from workloads import global_batch, rank_slice
+
+    w, world = run.workload, run.world
+    dist.barrier()
+    runtime = _settle()
+    _import_libraries(run.impl, w)
+    baseline = _settle()
+    base, options = split_impl(run.impl)
+    runner = IMPLEMENTATIONS[base](w, world, options)
+    batches = [rank_slice(global_batch(w, s, world), rank, world) for s in range(run.warmup + run.steps + 1)]
+    for s in range(run.warmup):
+        runner.forward_backward(batches[s])
+        runner.optimizer_step()
+    steps = []
+    for s in range(run.warmup, run.warmup + run.steps):
+        dist.barrier()
+        rest = _settle()
+        reset_peak_rss()
+        t = time.perf_counter()
+        loss = runner.forward(batches[s])
+        forward = rss_bytes()
+        runner.backward(loss)
+        runner.optimizer_step()
+        seconds = time.perf_counter() - t
+        steps.append(
+            {
+                "rest": rest,
+                "forward": forward,
+                "peak": peak_rss_bytes(),
+                "loss": loss.item(),
+                "seconds": seconds,
+            }
+        )
+        del loss
+    runner.forward_backward(batches[-1])
+    state = model_state_bytes(runner)
+    runner.optimizer_step()
+    runner.close()
+    return {
+        "rank": rank,
+        "runtime": runtime,
+        "baseline": baseline,
+        "steps": steps,
+        "model_state_bytes": state,
+    }
+
+
+def _init(rank: int, world: int, store: str, timeout: float) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{store}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout),
+    )
+
+
+def _rank_main(rank: int, run: Run, store: str, results: Any) -> None:
+    import torch.distributed as dist
+
+    _init(rank, run.world, store, run.timeout)
+    mine = _timed_measure(run, rank)
+    gathered: list[Any] = [None] * run.world
+    dist.all_gather_object(gathered, mine)
+    dist.destroy_process_group()
+    if rank == 0:
+        results.put(gathered)
+
+
+def _sweep_main(rank: int, args: tuple[int, float], store: str, results: Any) -> None:
+    import torch.distributed as dist
+    from profile_step import comm_sweep, fit_cost
+
+    world, timeout = args
+    _init(rank, world, store, timeout)
+    rows = comm_sweep(world, repeats=3)
+    dist.destroy_process_group()
+    if rank == 0:
+        results.put(fit_cost(rows))
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def point(impl: str, size: str, world: int, psi: int, ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """Memory columns from :func:`memory.summarize`, plus the median step time of the slowest rank."""
+    row = summarize(impl, size, world, psi, ranks)
+    per_step = [max(r["steps"][i]["seconds"] for r in ranks) for i in range(len(ranks[0]["steps"]))]
+    row["step_s"] = statistics.median(per_step)
+    return row
+
+
+def predict(rows: list[dict[str, Any]], costs: dict[int, float]) -> None:
+    """Fill ``predicted_step_s``: DDP's world-1 step of the size + ring-ideal bytes x cost per byte."""
+    compute = {r["workload"]: r["step_s"] for r in rows if r["impl"] == "ddp" and r["world"] == 1}
+    for r in rows:
+        base = compute.get(r["workload"])
+        cost = costs.get(r["world"], 0.0)
+        wire = ring_ideal_bytes(r["impl"], r["psi"], r["world"])
+        r["predicted_step_s"] = None if base is None else base + wire * cost
+
+
+def markdown(result: dict[str, Any]) -> str:
+    rows = []
+    for r in result["rows"]:
+        pred = r.get("predicted_step_s")
+        rows.append(
+            (
+                r["workload"],
+                f"{r['psi'] / 1e6:.1f}M",
+                r["world"],
+                r["impl"],
+                f"{r['step_s'] * 1e3:.1f}",
+                "-" if pred is None else f"{pred * 1e3:.1f}",
+                f"{r['rest_bytes'] / 1e6:.1f}",
+                f"{r['formula_bytes'] / 1e6:.1f}",
+                f"{r['step_peak_bytes'] / 1e6:.1f}",
+            )
+        )
+    costs = ", ".join(f"world {w}: {c * 1e9:.3f} ns/B" for w, c in result["cost_s_per_byte"].items())
+    headers = [
+        "size",
+        "P",
+        "world",
+        "impl",
+        "step ms",
+        "predicted ms",
+        "rest MB",
+        "formula MB",
+        "step peak MB",
+    ]
+    return "\n".join(
+        [
+            f"Cost growth ({result['meta']['label']}). Command: `{result['meta']['command']}`. "
+            f"Gloo cost per byte (fit): {costs or 'world 1 only'}.",
+            "",
+            markdown_table(headers, rows, "lrrlrrrrr"),
+            "",
+            "step ms: median over the measured steps of the slowest rank. predicted: DDP's world-1 step "
+            "of the same size + ring-ideal bytes (2P(N-1)/N x 4, 3P(N-1)/N x 4 for stage 3 and FSDP2) "
+            "x cost per byte. rest / step peak: RSS above the post-import baseline, largest rank "
+            "(fresh processes, MALLOC_MMAP_THRESHOLD_=1048576); formula: fp32 AdamW ZeRO formula.",
+        ]
+    )
+
+
+def plot(result: dict[str, Any], path: pathlib.Path) -> pathlib.Path:
+    """Step time and RSS at rest against P, one line per implementation and world, formula dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (t_ax, m_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
+    rows = result["rows"]
+    colors = dict(zip(IMPLS, plt.rcParams["axes.prop_cycle"].by_key()["color"]))
+    markers = {1: "o", 2: "s", 4: "^"}
+    for impl in IMPLS:
+        for world in sorted({r["world"] for r in rows}):
+            pts = sorted(
+                (r for r in rows if r["impl"] == impl and r["world"] == world), key=lambda r: r["psi"]
+            )
+            if not pts:
+                continue
+            xs = [r["psi"] for r in pts]
+            style = {"color": colors[impl], "marker": markers.get(world, "D")}
+            t_ax.plot(xs, [r["step_s"] * 1e3 for r in pts], label=f"{impl} W={world}", **style)
+            pred = [r["predicted_step_s"] for r in pts]
+            if all(p is not None for p in pred):
+                t_ax.plot(xs, [p * 1e3 for p in pred], ls="--", mfc="none", alpha=0.6, **style)
+            m_ax.plot(xs, [r["rest_bytes"] / 1e6 for r in pts], **style)
+            m_ax.plot(xs, [r["formula_bytes"] / 1e6 for r in pts], ls="--", mfc="none", alpha=0.6, **style)
+    for ax, label in (
+        (t_ax, "step ms (hollow, dashed: predicted)"),
+        (m_ax, "RSS at rest MB (hollow, dashed: formula)"),
+    ):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("parameters P")
+        ax.set_ylabel(label)
+    t_ax.legend(fontsize=6, ncol=2)
+    fig.suptitle(f"Cost growth ({result['meta']['label']})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def update_docs(docs: pathlib.Path, text: str) -> None:
+    """Put the table into ``docs/benchmarks.md`` between the ``growth`` markers."""
+    page = docs / "benchmarks.md"
+    content = page.read_text()
+    begin, end = content.find(MARK_BEGIN), content.find(MARK_END)
+    if begin < 0 or end < begin:
+        raise RuntimeError(f"{page} has no {MARK_BEGIN} ... {MARK_END} section to hold the table")
+    page.write_text(content[: begin + len(MARK_BEGIN)] + "\n\n" + text + "\n\n" + content[end:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
+    parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS))
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--timeout", type=float, default=1800.0)
+    parser.add_argument("--label", default="quiet machine")
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
+    parser.add_argument("--docs", type=pathlib.Path, default=None)
+    args = parser.parse_args()
+    os.environ.update(MEASURED_ENV)  # inherited by every spawned rank (glibc reads it at start-up)
+    worlds = sorted(set(args.worlds) | ({1} if "ddp" in args.impls else set()))  # world 1 DDP: compute
+    costs = {w: spawn_ranks(_sweep_main, w, (w, args.timeout), args.timeout)[1] for w in worlds if w > 1}
+    meta = environment("zero-full", "matplotlib")
+    meta.update(label=args.label, command="python " + " ".join(sys.argv), env=MEASURED_ENV)
+    rows: list[dict[str, Any]] = []
+    for size in args.sizes:
+        w = SIZES[size]
+        psi = count_params(w)
+        for world in worlds:
+            for impl in args.impls:
+                t0 = time.monotonic()
+                ranks = spawn_ranks(
+                    _rank_main,
+                    world,
+                    Run(impl, w, world, args.warmup, args.steps, args.timeout),
+                    args.timeout,
+                )
+                rows.append(point(impl, size, world, psi, ranks))
+                print(
+                    f"  {size} world {world} {impl}: {rows[-1]['step_s'] * 1e3:.1f} ms "
+                    f"({time.monotonic() - t0:.0f} s)",
+                    flush=True,
+                )
+    predict(rows, costs)
+    result = {"meta": meta, "cost_s_per_byte": {str(k): v for k, v in costs.items()}, "rows": rows}
+    text = markdown(result)
+    paths = write_results(args.out, "growth", result, text)
+    paths.append(plot(result, args.out / "growth.png"))
+    for p in paths:
+        print(f"wrote {p}")
+    print(text)
+    if args.docs is not None:
+        update_docs(args.docs, text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,393 @@
+"""Where one stage-3 step's time goes, and how far it is from the floor set by DDP and the wire.
+
+Run from the repository root (``python -m nox -s bench`` does)::
+
+    python benchmarks/profile_step.py --out benchmarks/results --docs docs
+
+On ``--world`` gloo ranks (one thread each), with the side-by-side's GPT-2 workload:
+
+1. **Cost per byte.** A small sweep of ``all_gather_single`` and ``all_to_all_single`` (how
+   zero reduce-scatters) over a few sizes; a least-squares line ``t = latency + bytes x cost``
+   over the ring-ideal bytes a rank sends gives gloo's cost per byte on this machine.
+2. **DDP.** ``--steps`` timed steps (per step the slowest rank; the median).
+3. **zero stage 3, released** (``stage3_param_persistence_threshold`` 0, live / prefetch
+   bounds of 1.5 / 0.5 blocks, reuse distance 0: every parameter is gathered and freed per use),
+   the same timed steps, its wire bytes per step from the engine's ``CommLedger``; then
+   ``--profile-steps`` steps under ``torch.profiler`` (CPU): every event's self time on the
+   training thread is attributed to the innermost category its ``record_function`` ranges
+   name (compute forward / backward, collective calls, waiting for collectives, zero's copies
+   and casts, hooks and coordinator, optimizer, ...), and the CPU time of every other thread
+   (gloo's) is read from ``/proc/self/task``. Rank 0 writes a Chrome trace (``--trace``).
+
+The floor: ``DDP step + (stage-3 wire bytes - DDP's ring all-reduce bytes) x cost per byte``;
+stage 3's distance to it is reported as a % of its step. Writes ``profile_step.json`` and
+``profile_step.md`` into ``--out``; with ``--docs DIR`` the table goes into
+``DIR/benchmarks.md`` between its ``profile-step`` markers. Not a test: nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import pathlib
+import statistics
+import sys
+import time
+import traceback
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from _report import environment, markdown_table, spawn_ranks, write_results
+from impls import IMPLEMENTATIONS, ImplOptions, ring_ideal_bytes
+from workloads import Workload, build_model, global_batch, num_params, rank_slice
+
+MARK_BEGIN, MARK_END = "<!-- profile-step:begin -->", "<!-- profile-step:end -->"
+RELEASED = ImplOptions(persistence_threshold=0, prefetch_blocks=0.5, live_blocks=1.5)
+SWEEP_BYTES = (1 << 16, 1 << 18, 1 << 20, 1 << 22)  # bytes per rank's input
+COPY_OPS = {
+    "aten::copy_",
+    "aten::cat",
+    "aten::_to_copy",
+    "aten::to",
+    "aten::split_with_sizes_copy",
+    "aten::clone",
+    "aten::zero_",
+    "aten::fill_",
+    "aten::zeros",
+    "aten::add_",
+    "aten::div_",
+    "aten::add",
+}
+CATEGORIES = (
+    "compute forward",
+    "compute backward",
+    "collective calls (issue / synchronous)",
+    "waiting for collectives",
+    "zero copies / casts / local sums",
+    "hooks and coordinator (Python)",
+    "optimizer",
+    "step: other (zero_grad, checks)",
+    "other",
+)
+
+
+# ----------------------------------------------------------------------------- attribution
+
+
+def _category(chain: list[str]) -> str:
+    """The category of an event's self time; ``chain`` = its name, then its ancestors' names."""
+    own = chain[0]
+    if own.startswith(("c10d::", "gloo")) or "record_param_comms" in own:
+        return "collective calls (issue / synchronous)"
+    if own.startswith("zero.") and own.endswith(".wait"):
+        return "waiting for collectives"
+    zero_inner = next((n for n in chain if n.startswith("zero.") and not n.startswith("zero.engine.")), None)
+    in_optim = zero_inner is not None and zero_inner.startswith(("zero.optim.step", "zero.optim.sub_group"))
+    if own in COPY_OPS and zero_inner is not None and not in_optim:
+        return "zero copies / casts / local sums"
+    for name in chain:
+        if name.startswith(("zero.optim.step", "zero.optim.sub_group_step")):
+            return "optimizer"
+        if name.startswith(
+            ("zero.coord.", "zero.params.", "zero.all_gather", "zero.reduce_scatter", "zero.optim.")
+        ):
+            return "hooks and coordinator (Python)"
+        if name == "zero.engine.forward":
+            return "compute forward"
+        if name == "zero.engine.backward":
+            return "compute backward"
+        if name == "zero.engine.step":
+            return "step: other (zero_grad, checks)"
+    return "other"
+
+
+def breakdown(events: Any, steps: int) -> dict[str, float]:
+    """Milliseconds per step per category, from the training thread's events under ``bench.step``."""
+    tops = [e for e in events if e.name == "bench.step"]
+    if not tops:
+        return {}
+    thread = tops[0].thread
+    totals = dict.fromkeys(CATEGORIES, 0.0)
+    for e in events:
+        if e.thread != thread:
+            continue
+        chain, node = [], e
+        while node is not None:
+            chain.append(node.name)
+            node = node.cpu_parent
+        if "bench.step" not in chain:
+            continue
+        if e.name == "bench.step":
+            totals["other"] += e.self_cpu_time_total
+            continue
+        totals[_category(chain)] += e.self_cpu_time_total
+    return {k: v / 1e3 / steps for k, v in totals.items()}
+
+
+def _thread_cpu_seconds() -> dict[int, float]:
+    """utime + stime of every thread of this process (seconds)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for task in pathlib.Path("/proc/self/task").iterdir():
+        try:
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[int(task.name)] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def _slowest(seconds: float) -> float:
+    t = torch.tensor([seconds], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def comm_sweep(world: int, repeats: int) -> list[dict[str, Any]]:
+    """Median seconds of all_gather_single / all_to_all_single per size, with the ring-ideal bytes sent."""
+    rows = []
+    for nbytes in SWEEP_BYTES:
+        n = nbytes // 4
+        shard = torch.randn(n)
+        gathered = torch.empty(world * n)
+        send, recv = torch.randn(n * world), torch.empty(n * world)
+        calls = (
+            ("all_gather", dist.all_gather_single, (gathered, shard)),
+            ("all_to_all", dist.all_to_all_single, (recv, send)),
+        )
+        for op, fn, fn_args in calls:
+            wire = (world - 1) * nbytes
+            times = []
+            for _ in range(repeats + 1):
+                dist.barrier()
+                t = time.perf_counter()
+                fn(*fn_args)
+                times.append(_slowest(time.perf_counter() - t))
+            rows.append({"op": op, "wire_bytes": wire, "seconds": statistics.median(times[1:])})
+    return rows
+
+
+def fit_cost(rows: list[dict[str, Any]]) -> tuple[float, float]:
+    """Least squares ``seconds = latency + wire_bytes x cost``; returns ``(latency_s, cost_s_per_byte)``."""
+    xs = [r["wire_bytes"] for r in rows]
+    ys = [r["seconds"] for r in rows]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    cost = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    return my - cost * mx, cost
+
+
+def _timed_steps(
+    runner: Any, batches: list[dict[str, torch.Tensor]], ledger_of: Any = None
+) -> dict[str, Any]:
+    times, wire = [], []
+    for batch in batches:
+        dist.barrier()
+        t = time.perf_counter()
+        runner.forward_backward(batch)
+        runner.optimizer_step()
+        times.append(_slowest(time.perf_counter() - t))
+        if ledger_of is not None:
+            wire.append(ledger_of(runner))
+    return {"step_s": statistics.median(times), "steps_s": times, "wire_bytes": wire}
+
+
+def _profiled(
+    runner: Any, batches: list[dict[str, torch.Tensor]], trace: pathlib.Path | None
+) -> dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    main = os.getpid()
+    dist.barrier()
+    before = _thread_cpu_seconds()
+    t0 = time.perf_counter()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for batch in batches:
+            with record_function("bench.step"):
+                runner.forward_backward(batch)
+                runner.optimizer_step()
+    wall = (time.perf_counter() - t0) / len(batches)
+    after = _thread_cpu_seconds()
+    others = sum(v - before.get(k, 0.0) for k, v in after.items() if k != main)
+    if trace is not None:
+        trace.parent.mkdir(parents=True, exist_ok=True)
+        prof.export_chrome_trace(str(trace))
+    return {
+        "profiled_step_ms": wall * 1e3,
+        "breakdown_ms": breakdown(prof.events(), len(batches)),
+        "other_threads_cpu_ms": others * 1e3 / len(batches),
+        "main_thread_cpu_ms": (after.get(main, 0.0) - before.get(main, 0.0)) * 1e3 / len(batches),
+    }
+
+
+def _rank_main(rank: int, args: argparse.Namespace, store: str, results: Any) -> None:
+    try:
+        os.environ.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1")
+        torch.set_num_threads(1)
+        world = args.world
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{store}",
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=args.timeout),
+        )
+        w = _workload(args)
+        total = args.warmup + args.steps + args.profile_steps
+        batches = [rank_slice(global_batch(w, s, world), rank, world) for s in range(total)]
+        warm, timed, prof = (
+            batches[: args.warmup],
+            batches[args.warmup : args.warmup + args.steps],
+            batches[args.warmup + args.steps :],
+        )
+        sweep = comm_sweep(world, args.sweep_repeats)
+        ddp = IMPLEMENTATIONS["ddp"](w, world)
+        _timed_steps(ddp, warm)
+        ddp_result = _timed_steps(ddp, timed)
+        ddp.close()
+        del ddp
+        zero = IMPLEMENTATIONS["zero-3"](w, world, RELEASED)
+        _timed_steps(zero, warm)
+        zero_result = _timed_steps(zero, timed, lambda r: r.engine.stats.comm.wire_bytes)
+        trace = args.trace if rank == 0 else None
+        profiled = _profiled(zero, prof, trace)
+        zero.close()
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, profiled)
+        dist.destroy_process_group()
+        if rank == 0:
+            results.put({"sweep": sweep, "ddp": ddp_result, "zero3": zero_result, "profiled": gathered})
+    except BaseException:
+        results.put({"error": f"rank {rank}:\n{traceback.format_exc()}"})
+
+
+def _workload(args: argparse.Namespace) -> Workload:
+    return Workload("gpt2", args.layers, args.hidden, args.heads, args.vocab, args.seq, args.micro_batch)
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def summarize(args: argparse.Namespace, raw: dict[str, Any], psi: int) -> dict[str, Any]:
+    """Floor and distance from the raw per-rank measurements."""
+    latency, cost = fit_cost(raw["sweep"])
+    world = args.world
+    ddp_s, zero_s = raw["ddp"]["step_s"], raw["zero3"]["step_s"]
+    zero_wire = statistics.median(raw["zero3"]["wire_bytes"])
+    ddp_wire = ring_ideal_bytes("ddp", psi, world)
+    floor = ddp_s + (zero_wire - ddp_wire) * cost
+    rank0 = raw["profiled"][0]
+    return {
+        "psi": psi,
+        "world": world,
+        "latency_s": latency,
+        "cost_s_per_byte": cost,
+        "ddp_step_s": ddp_s,
+        "zero3_step_s": zero_s,
+        "ddp_wire_bytes": ddp_wire,
+        "zero3_wire_bytes": zero_wire,
+        "floor_s": floor,
+        "distance_pct_of_step": 100.0 * (zero_s - floor) / zero_s,
+        "ratio_to_ddp": zero_s / ddp_s,
+        "breakdown_ms": rank0["breakdown_ms"],
+        "profiled_step_ms": rank0["profiled_step_ms"],
+        "other_threads_cpu_ms": [p["other_threads_cpu_ms"] for p in raw["profiled"]],
+        "main_thread_cpu_ms": [p["main_thread_cpu_ms"] for p in raw["profiled"]],
+    }
+
+
+def markdown(result: dict[str, Any]) -> str:
+    s, meta = result["summary"], result["meta"]
+    step = s["profiled_step_ms"]
+    rows = [(k, f"{v:.1f}", f"{100 * v / step:.1f}%") for k, v in s["breakdown_ms"].items()]
+    rows.append(("**profiled step (wall)**", f"{step:.1f}", "100%"))
+    gloo = ", ".join(f"{v:.1f}" for v in s["other_threads_cpu_ms"])
+    main = ", ".join(f"{v:.1f}" for v in s["main_thread_cpu_ms"])
+    floor_rows = [
+        ("DDP step (median of the slowest rank)", f"{s['ddp_step_s'] * 1e3:.1f} ms"),
+        ("zero stage 3 step, released", f"{s['zero3_step_s'] * 1e3:.1f} ms ({s['ratio_to_ddp']:.2f}x DDP)"),
+        ("stage 3 wire bytes / step (ledger)", f"{s['zero3_wire_bytes'] / 1e6:.2f} MB"),
+        ("DDP wire bytes / step (ring all-reduce, 2P(N-1)/N x 4)", f"{s['ddp_wire_bytes'] / 1e6:.2f} MB"),
+        (
+            "gloo cost per byte (fit) / latency per call",
+            f"{s['cost_s_per_byte'] * 1e9:.3f} ns/B / {s['latency_s'] * 1e6:.0f} us",
+        ),
+        ("floor = DDP + extra bytes x cost", f"{s['floor_s'] * 1e3:.1f} ms"),
+        ("**stage 3 distance to the floor**", f"**{s['distance_pct_of_step']:.1f}% of its step**"),
+    ]
+    return "\n".join(
+        [
+            f"Profile of one zero stage-3 step ({meta['label']}): {meta['workload']}, P = {s['psi']:,}, "
+            f"world {s['world']}, gloo, fp32 AdamW, parameters released after use. Command: "
+            f"`{meta['command']}`.",
+            "",
+            "Self time on the training thread of rank 0, per step, by the innermost `zero.*` range "
+            "(profiler overhead included; the timed steps below are unprofiled):",
+            "",
+            markdown_table(["category", "ms / step", "% of step"], rows, "lrr"),
+            "",
+            f"CPU time of the other threads (gloo) per step, per rank: {gloo} ms; "
+            f"training thread: {main} ms.",
+            "",
+            markdown_table(["floor", "value"], floor_rows, "lr"),
+        ]
+    )
+
+
+def update_docs(docs: pathlib.Path, text: str) -> None:
+    """Put the tables into ``docs/benchmarks.md`` between the ``profile-step`` markers."""
+    page = docs / "benchmarks.md"
+    content = page.read_text()
+    begin, end = content.find(MARK_BEGIN), content.find(MARK_END)
+    if begin < 0 or end < begin:
+        raise RuntimeError(f"{page} has no {MARK_BEGIN} ... {MARK_END} section to hold the table")
+    page.write_text(content[: begin + len(MARK_BEGIN)] + "\n\n" + text + "\n\n" + content[end:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--seq", type=int, default=128)
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--profile-steps", type=int, default=2)
+    parser.add_argument("--sweep-repeats", type=int, default=5)
+    parser.add_argument("--timeout", type=float, default=1800.0)
+    parser.add_argument("--label", default="quiet machine", help="how loaded the machine was (in the table)")
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
+    parser.add_argument(
+        "--trace", type=pathlib.Path, default=pathlib.Path("benchmarks/results/tmp/profile_step_trace.json")
+    )
+    parser.add_argument("--docs", type=pathlib.Path, default=None)
+    args = parser.parse_args()
+    w = _workload(args)
+    psi = num_params(build_model(w))
+    print(f"profile_step: {w.describe()}, P = {psi:,}, world {args.world}", flush=True)
+    raw = spawn_ranks(_rank_main, args.world, args, args.timeout)
+    if "error" in raw:
+        sys.exit(raw["error"])
+    meta = environment("zero-full", "transformers")
+    meta.update(
+        label=args.label, workload=w.describe(), command="python " + " ".join(sys.argv), trace=str(args.trace)
+    )
+    result = {"meta": meta, "raw": raw, "summary": summarize(args, raw, psi)}
+    text = markdown(result)
+    for path in write_results(args.out, "profile_step", result, text):
+        print(f"wrote {path}")
+    print(text)
+    if args.docs is not None:
+        update_docs(args.docs, text)
+
+
+if __name__ == "__main__":
+    main()
