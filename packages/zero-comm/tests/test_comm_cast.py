@@ -14,7 +14,7 @@ from zero_comm import (
     FlatAllGather,
     Topology,
     partition_numel,
-    reduce_scatter_coalesced,
+    reduce_scatter_coalesced_padded,
 )
 
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -55,8 +55,7 @@ def _reduce_scatter(rank, dtype_name):
     with CommLedger(Topology()) as ledger:
         tensors = [_grad(i, r, s) for i, s in enumerate(SHAPES)]
         parts = strategy.reduce_scatter_coalesced(tensors, op="avg", async_op=True).wait()
-        plain = reduce_scatter_coalesced(tensors, op="avg")
-        plain_parts = plain.wait()
+        plain_parts = reduce_scatter_coalesced_padded(tensors, op="avg")
     for i, (s, part) in enumerate(zip(SHAPES, parts)):
         per_rank = [_partition(_grad(i, q, s), world, r) for q in range(world)]
         exact = torch.stack([g.double() for g in per_rank]).sum(0) / world
