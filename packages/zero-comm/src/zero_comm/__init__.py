@@ -110,8 +110,14 @@ _QUANTIZED = frozenset(
 )
 
 
+_FEEDBACK = frozenset({"ErrorFeedbackConfig", "ErrorFeedbackReduceScatter"})
+
+
 def __getattr__(name: str) -> object:
-    """Lazy exports of :mod:`zero_comm.quantized`, which needs the optional zero-kernels package."""
+    """Lazy exports of :mod:`zero_comm.quantized` and :mod:`zero_comm.qgz_feedback`, which need
+    the optional zero-kernels package."""
     if name in _QUANTIZED:
         return getattr(importlib.import_module("zero_comm.quantized"), name)
+    if name in _FEEDBACK:
+        return getattr(importlib.import_module("zero_comm.qgz_feedback"), name)
     raise AttributeError(f"module 'zero_comm' has no attribute {name!r}")

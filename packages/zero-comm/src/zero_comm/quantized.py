@@ -35,6 +35,7 @@ from zero_comm.handles import AllGatherHandle, ReduceScatterHandle
 from zero_comm.ledger import record, ring_wire_bytes
 from zero_comm.partition import partition_numel
 from zero_comm.reduction import ReduceOpLike, Reduction
+from zero_comm.strategies import FlatAllGather
 from zero_comm.topology import Topology, group_size_and_rank
 from zero_comm.watchdog import watched_call
 
@@ -226,6 +227,8 @@ def _dequantize_gathered(recv: torch.Tensor, layout: GatherLayout, config: Quant
 class QuantizedAllGather:
     """qwZ as an :class:`~zero_comm.AllGatherStrategy`: one quantized all-gather per call.
 
+    :attr:`exact` is the plain :class:`~zero_comm.FlatAllGather` over the same group.
+
     Args:
         group: Process group (``None``: the world).
         config: Quantization, int8 with groups of 2048 by default.
@@ -235,13 +238,16 @@ class QuantizedAllGather:
         RuntimeError: no process group is initialised, or this rank is not in ``group``.
     """
 
-    __slots__ = ("config", "group", "group_rank", "group_size")
+    __slots__ = ("config", "exact", "group", "group_rank", "group_size")
 
     def __init__(self, group: ProcessGroup | None = None, config: QuantConfig = QWZ_DEFAULT_CONFIG) -> None:
         _check_config(config, "QuantizedAllGather")
         self.group = group
         self.config = config
         self.group_size, self.group_rank = group_size_and_rank(group, "QuantizedAllGather")
+        self.exact = FlatAllGather(group)
+        """The unquantized gather over the same group, for callers that need exact values (e.g.
+        ``zero_params.commit_shards`` refreshing whole parameters from updated shards)."""
 
     def __repr__(self) -> str:
         return (

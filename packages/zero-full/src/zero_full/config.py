@@ -323,18 +323,6 @@ class ZeroConfig(_Section):
         """
         z = self.zero_optimization
         found: list[str] = []
-        if z.stage == 3:
-            flags = {
-                "zero_quantized_weights": "ZeRO++ quantized weight all-gather, qwZ",
-                "zero_quantized_nontrainable_weights": "quantized storage of frozen weights",
-                "zero_quantized_gradients": "ZeRO++ quantized gradient reduction, qgZ",
-            }
-            found += [f"zero_optimization.{k} = true ({what})" for k, what in flags.items() if getattr(z, k)]
-            if z.zero_hpz_partition_size > 1:
-                found.append(
-                    f"zero_optimization.zero_hpz_partition_size = {z.zero_hpz_partition_size} "
-                    "(ZeRO++ hierarchical partitioning, hpZ)"
-                )
         if not z.load_from_fp32_weights:
             found.append(
                 "zero_optimization.load_from_fp32_weights = false (master weights from 16-bit copies)"

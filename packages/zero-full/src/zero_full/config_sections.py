@@ -37,6 +37,7 @@ from pydantic import (
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 if typing.TYPE_CHECKING:  # the lower packages are imported only when a mapping is asked for
+    from zero_comm.qgz_feedback import ErrorFeedbackConfig
     from zero_coord import CoordinatorConfig
     from zero_offload import OptimizerOffloadConfig, ParamOffloadConfig
     from zero_optim.buckets import ReduceConfig
@@ -691,6 +692,26 @@ def _require_nvme_path(device: OffloadDevice, path: pathlib.Path | None, section
 
 _DEPRECATED_OFFLOAD = 'a deprecated DeepSpeed key; use {{"{new}": {{"device": "cpu"}}}} instead'
 
+
+class ZeroppLocoConfig(_Section):
+    """``zero_optimization.zeropp_loco_param``: error feedback of qgZ (DeepSpeed's names)."""
+
+    _PATH = ("zero_optimization", "zeropp_loco_param")
+
+    err_beta: _real(0, 1, hi_open=True) = 0.8
+    """Moving-average factor of the qgZ error buffer, in [0, 1): each reduction folds this rank's
+    int4 quantization error into the buffer as ``e = err_beta * e + (1 - err_beta) * error`` and
+    adds the buffer to the next gradient before quantizing it (0: classic error feedback)."""
+    reset_T: _int(1) = 1024  # noqa: N815 - DeepSpeed's key
+    """Optimizer steps between resets of the qgZ error buffers to zero."""
+
+    def to_feedback_config(self) -> ErrorFeedbackConfig:
+        """This section as a ``zero_comm.ErrorFeedbackConfig``."""
+        from zero_comm.qgz_feedback import ErrorFeedbackConfig
+
+        return ErrorFeedbackConfig(err_beta=float(self.err_beta), reset_t=int(self.reset_T))
+
+
 # zero_optimization knobs -> the stages that use them (the others ignore them, as DeepSpeed does)
 _STAGE3 = frozenset({3})
 _STAGE12 = frozenset({1, 2})
@@ -706,6 +727,7 @@ KNOB_STAGES: dict[str, frozenset[int]] = {
     "zero_quantized_weights": _STAGE3,
     "zero_quantized_nontrainable_weights": _STAGE3,
     "zero_quantized_gradients": _STAGE3,
+    "zeropp_loco_param": _STAGE3,
     "mics_shard_size": _STAGE3,
     "mics_hierarchical_params_gather": _STAGE3,
     "round_robin_gradients": _STAGE12,
@@ -775,6 +797,10 @@ class ZeroOptimizationConfig(_Section):
     zero_quantized_weights: Flag = False
     zero_quantized_nontrainable_weights: Flag = False
     zero_quantized_gradients: Flag = False
+    zeropp_loco_param: ZeroppLocoConfig | None = None
+    """Stage 3 with ``zero_quantized_gradients``: error feedback for qgZ, DeepSpeed's
+    ``{"err_beta": 0.8, "reset_T": 1024}`` (section below); absent or null: no error feedback.
+    Costs one buffer per quantized gradient, of the gradient's full size, in working precision."""
     mics_shard_size: _int(-1) = -1
     """Ranks per MiCS shard group (stage 3); -1 (or 0) turns MiCS off. Must divide the world
     size (checked by ``initialize`` / ``Init``, where the world is known)."""
@@ -813,6 +839,44 @@ class ZeroOptimizationConfig(_Section):
                 "hierarchical gather off"
             )
         return self
+
+    @model_validator(mode="after")
+    def _zeropp_needs_stage3(self) -> ZeroOptimizationConfig:
+        if self.stage == 3:
+            if self.zeropp_loco_param is not None and not self.zero_quantized_gradients:
+                raise ValueError(
+                    "zero_optimization.zeropp_loco_param is the error feedback of qgZ and needs "
+                    "zero_quantized_gradients = true (got false); set it or drop zeropp_loco_param"
+                )
+            return self
+        wanted = [
+            f"{k} = true"
+            for k in (
+                "zero_quantized_weights",
+                "zero_quantized_gradients",
+                "zero_quantized_nontrainable_weights",
+            )
+            if getattr(self, k)
+        ]
+        if self.zero_hpz_partition_size > 1:
+            wanted.append(f"zero_hpz_partition_size = {self.zero_hpz_partition_size}")
+        if wanted:
+            raise ValueError(
+                f"zero_optimization.{', '.join(wanted)} (ZeRO++) needs stage 3, got stage {self.stage}: "
+                "ZeRO++ quantizes and re-partitions the stage-3 parameter gathers and gradient "
+                "reduction; set stage to 3 or turn these keys off"
+            )
+        return self
+
+    @property
+    def zeropp_enabled(self) -> bool:
+        """Whether any ZeRO++ feature is requested (stage 3)."""
+        return self.stage == 3 and (
+            self.zero_quantized_weights
+            or self.zero_quantized_gradients
+            or self.zero_quantized_nontrainable_weights
+            or self.zero_hpz_partition_size > 1
+        )
 
     @property
     def mics_enabled(self) -> bool:

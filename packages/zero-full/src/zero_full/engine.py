@@ -45,6 +45,7 @@ from zero_full.config import Precision, ZeroConfig
 from zero_full.memory_report import MemoryReport, build_memory_report, reset_peak_memory
 from zero_full.mics import MicsGroups, build_mics_groups
 from zero_full.stages import StepPipeline, build_stage, working_dtype
+from zero_full.zeropp import build_zeropp, check_zeropp_layout, env_ranks_per_node
 from zero_optim import LossScaler, OptimizerSpec, PartitionedOptimizer, check_replicas_consistent
 
 __all__ = ["Engine", "EngineStats", "Init", "initialize"]
@@ -85,10 +86,18 @@ class Init(zero_params.Init):
             kwargs.setdefault("enabled", cfg.stage == 3)
             if cfg.precision is not Precision.FP32:
                 kwargs.setdefault("dtype", working_dtype(cfg))  # partition in the bf16 / fp16 working dtype
+            topology = None
             if kwargs["enabled"] and cfg.stage == 3 and z.mics_enabled and "group" not in kwargs:
-                mics = build_mics_groups(z, Topology())
+                topology = Topology()
+                mics = build_mics_groups(z, topology)
                 kwargs["group"] = mics.shard
                 kwargs.setdefault("gather_strategy", mics.gather_strategy)
+            if kwargs["enabled"] and z.zeropp_enabled:
+                zpp = build_zeropp(z, topology if topology is not None else Topology(), kwargs.get("group"))
+                if zpp.gather is not None:
+                    kwargs["gather_strategy"] = zpp.gather
+                kwargs.setdefault("reduce_strategy", zpp.reduce)
+                kwargs.setdefault("secondary_strategy", zpp.secondary)
         super().__init__(**kwargs)
 
 
@@ -144,6 +153,8 @@ class Engine:
                 "zero_full.initialize needs torch.distributed: call torch.distributed.init_process_group "
                 "first (e.g. init_process_group('gloo') under torchrun)"
             )
+        world = dist.get_world_size()  # ZeRO++ layout errors name the keys, before Topology's own checks
+        check_zeropp_layout(config.zero_optimization, world, env_ranks_per_node(world))
         self.config = config
         self.module = model
         self.gradient_accumulation_steps = _accumulation_steps(config, dist.get_world_size())
@@ -214,6 +225,7 @@ class Engine:
         with self._ledger, record_function("zero.engine.backward"):
             if self._pipeline.pieces.reduction is not None:
                 self._pipeline.pieces.reduction.begin_micro_step(self.is_gradient_accumulation_boundary())
+            self._pipeline.pieces.begin_backward()
             factor = self._pipeline.loss_scale / self.gradient_accumulation_steps
             scaled = loss.float() * factor if factor != 1.0 else loss  # fp32: a 16-bit loss x scale overflows
             scaled.backward()
