@@ -150,7 +150,9 @@ def _qwz_gather(rank):
         part = partition_numel(full.numel(), world)
         padded = torch.zeros(padded_numel(full.numel(), world))
         padded[: full.numel()] = full
-        pieces = [dequantize(quantize(padded[i * part : (i + 1) * part], _qwz_config())) for i in range(world)]
+        pieces = [
+            dequantize(quantize(padded[i * part : (i + 1) * part], _qwz_config())) for i in range(world)
+        ]
         out[name + ".expected"] = torch.cat(pieces)[: full.numel()].view_as(out[name])
     engine.close()
     return out
@@ -175,7 +177,9 @@ def test_qwz_gather_equals_dequant_of_quant_per_shard(dist, world):
 
 def _grad_partitions(rank, zero: dict):
     model = Net()
-    engine = zero_full.initialize(model, _config(accumulation=2, **zero), lambda ps: torch.optim.SGD(ps, lr=LR))
+    engine = zero_full.initialize(
+        model, _config(accumulation=2, **zero), lambda ps: torch.optim.SGD(ps, lr=LR)
+    )
     r, n = rank.rank, BATCH // rank.world_size
     x, y = _data(0)
     engine.backward(engine(x[r * n : (r + 1) * n], y[r * n : (r + 1) * n]))
@@ -234,7 +238,9 @@ def test_all_three_with_bf16_and_accumulation(dist):
 
 def _ckpt_round_trip(rank, root: str, first: dict, second: dict):
     model = Net()
-    engine = zero_full.initialize(model, _config(**first), lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9))
+    engine = zero_full.initialize(
+        model, _config(**first), lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9)
+    )
     r, n = rank.rank, BATCH // rank.world_size
     for step in range(3):
         x, y = _data(step)
@@ -268,12 +274,12 @@ def test_checkpoints_hold_the_exact_master_across_zeropp_and_zero3(dist, tmp_pat
 @pytest.mark.parametrize(
     "zero,world,per_node,needles",
     [
-        ({"zero_hpz_partition_size": 3}, 4, 2, ["zero_hpz_partition_size = 3", "does not divide the world size 4"]),
-        ({"zero_hpz_partition_size": 4}, 8, 2, ["zero_hpz_partition_size = 4", "larger than a node", "2 ranks"]),
-        ({"zero_hpz_partition_size": 2}, 6, 3, ["zero_hpz_partition_size = 2", "does not divide the 3 ranks"]),
+        ({"zero_hpz_partition_size": 3}, 4, 2, ["= 3", "does not divide the world size 4"]),
+        ({"zero_hpz_partition_size": 4}, 8, 2, ["= 4", "larger than a node", "2 ranks"]),
+        ({"zero_hpz_partition_size": 2}, 6, 3, ["= 2", "does not divide the 3 ranks"]),
         ({"zero_quantized_gradients": True}, 6, 4, ["zero_quantized_gradients = true", "whole nodes", "6"]),
-        ({"zero_hpz_partition_size": 2, "mics_shard_size": 2}, 4, 2, ["zero_hpz_partition_size = 2", "MiCS"]),
-        ({"zero_quantized_gradients": True, "mics_shard_size": 2}, 4, 2, ["zero_quantized_gradients", "MiCS"]),
+        ({"zero_hpz_partition_size": 2, "mics_shard_size": 2}, 4, 2, ["hpz_partition_size = 2", "MiCS"]),
+        ({"zero_quantized_gradients": True, "mics_shard_size": 2}, 4, 2, ["quantized_gradients", "MiCS"]),
         (
             {"zero_quantized_weights": True, "mics_shard_size": 4, "mics_hierarchical_params_gather": True},
             4, 2, ["zero_quantized_weights = true", "mics_hierarchical_params_gather"],
@@ -288,19 +294,26 @@ def test_bad_layouts_name_key_value_and_rule(zero, world, per_node, needles):
         assert needle in str(info.value), (needle, str(info.value))
 
 
-@pytest.mark.parametrize("zero,world,per_node", [(ALL, 4, 2), (HPZ, 8, 4), ({**QWZ, "mics_shard_size": 2}, 4, 2)])
+@pytest.mark.parametrize(
+    "zero,world,per_node", [(ALL, 4, 2), (HPZ, 8, 4), ({**QWZ, "mics_shard_size": 2}, 4, 2)]
+)
 def test_good_layouts_pass(zero, world, per_node):
-    check_zeropp_layout(zero_full.ZeroConfig.model_validate(_config(**zero)).zero_optimization, world, per_node)
+    check_zeropp_layout(
+        zero_full.ZeroConfig.model_validate(_config(**zero)).zero_optimization, world, per_node
+    )
 
 
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize(
-    "key,value", [("zero_quantized_weights", True), ("zero_quantized_gradients", True), ("zero_hpz_partition_size", 2)]
+    "key,value",
+    [("zero_quantized_weights", True), ("zero_quantized_gradients", True), ("zero_hpz_partition_size", 2)],
 )
 def test_zeropp_below_stage_3_is_an_error(stage, key, value):
     with pytest.raises(ValueError) as info:
         zero_full.ZeroConfig.model_validate({"zero_optimization": {"stage": stage, key: value}})
-    assert key in str(info.value) and f"stage {stage}" in str(info.value) and "needs stage 3" in str(info.value)
+    assert (
+        key in str(info.value) and f"stage {stage}" in str(info.value) and "needs stage 3" in str(info.value)
+    )
 
 
 def test_loco_without_qgz_is_an_error():

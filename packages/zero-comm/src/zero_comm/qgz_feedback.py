@@ -10,11 +10,11 @@ buffer as a moving average::
     c = g + e
     e = err_beta * e + (1 - err_beta) * (c - dequant(quant(c)))
 
-(DeepSpeed's ``zeropp_loco_param = {"err_beta": ..., "reset_T": ...}``). The buffers are reset
-to zero every ``reset_T`` optimizer steps (:meth:`ErrorFeedbackReduceScatter.step_done`). Only
-tensors qgZ quantizes have a buffer (2-D or more, numel divisible by the world size); the others
-are reduced exactly anyway. The second hop's requantization of the node partial sums is not
-compensated.
+(DeepSpeed's ``zeropp_loco_param = {"err_beta": ..., "reset_T": ...}``). With two hops the
+requantization of the node partial sums between them gets the same treatment, with a second
+buffer (this rank's chunk of the partial sums). The buffers are reset to zero every ``reset_T``
+optimizer steps (:meth:`ErrorFeedbackReduceScatter.step_done`). Only tensors qgZ quantizes have
+a buffer (2-D or more, numel divisible by the world size); the others are reduced exactly anyway.
 
 A reduction is matched to its buffers by its position among the reductions of one backward
 (the caller marks each backward with :meth:`ErrorFeedbackReduceScatter.begin_backward`): the
@@ -22,12 +22,14 @@ gradient buckets of a model are the same, in the same order, on every backward. 
 shapes changed starts a fresh (zero) buffer.
 
 Memory: one buffer per quantized gradient, in the gradient's dtype — the full (unpartitioned)
-size, because the local quantization error is made on the full gradient.
+size, because the local quantization error is made on the full gradient — plus, with two hops,
+an fp32 buffer of ``1 / ranks_per_node`` of that per reduction.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -35,10 +37,10 @@ import torch
 from torch.profiler import record_function
 
 from zero_comm.handles import ReduceScatterHandle
-from zero_comm.quantized import QGZ_DEFAULT_CONFIG, QuantizedReduceScatter
+from zero_comm.quantized import QGZ_DEFAULT_CONFIG, QuantizedReduceScatter, _quant_reduce
 from zero_comm.reduction import ReduceOpLike
 from zero_comm.topology import Topology
-from zero_kernels import QuantConfig, dequantize, quantize
+from zero_kernels import QuantConfig, QuantizedTensor, dequantize, quantize
 
 __all__ = ["ErrorFeedbackConfig", "ErrorFeedbackReduceScatter"]
 
@@ -76,7 +78,7 @@ class ErrorFeedbackReduceScatter:
         steps: Optimizer steps seen (:meth:`step_done` calls).
     """
 
-    __slots__ = ("_call", "_errors", "feedback", "group_rank", "group_size", "inner", "steps")
+    __slots__ = ("_call", "_errors", "_hop_errors", "feedback", "group_rank", "group_size", "inner", "steps")
 
     def __init__(
         self,
@@ -96,6 +98,7 @@ class ErrorFeedbackReduceScatter:
         self.steps = 0
         self._call = 0
         self._errors: dict[int, list[torch.Tensor | None]] = {}
+        self._hop_errors: dict[int, torch.Tensor] = {}
 
     def __repr__(self) -> str:
         f = self.feedback
@@ -110,10 +113,12 @@ class ErrorFeedbackReduceScatter:
         self.steps += 1
         if self.steps % self.feedback.reset_t == 0:
             self._errors.clear()
+            self._hop_errors.clear()
 
     def error_numel(self) -> int:
         """Elements held in error buffers (for memory reports)."""
-        return sum(e.numel() for errs in self._errors.values() for e in errs if e is not None)
+        first = sum(e.numel() for errs in self._errors.values() for e in errs if e is not None)
+        return first + sum(e.numel() for e in self._hop_errors.values())
 
     def reduce_scatter_coalesced(
         self, tensors: Sequence[torch.Tensor], *, op: ReduceOpLike = "avg", async_op: bool = False
@@ -136,7 +141,30 @@ class ErrorFeedbackReduceScatter:
                 for i, r in zip(eligible, residual, strict=True):
                     err = errors[i]
                     err.copy_((err.float() * beta).add_(r, alpha=1.0 - beta).view_as(err))
-        return self.inner.reduce_scatter_coalesced(sent, op=op, async_op=async_op)
+        inner = self.inner
+        return _quant_reduce(
+            sent,
+            inner.topology,
+            inner.config,
+            op,
+            async_op,
+            inner._logged,  # noqa: SLF001 - the wrapped strategy's once-per-object log state
+            "ErrorFeedbackReduceScatter",
+            functools.partial(self._requantize, slot),
+        )
+
+    def _requantize(self, slot: int, partial: torch.Tensor) -> QuantizedTensor:
+        """Second-hop error feedback: quantize ``partial + e2`` and fold the new error into ``e2``."""
+        with record_function("zero.quantized_reduce_scatter.error_feedback"), torch.no_grad():
+            err = self._hop_errors.get(slot)
+            if err is None or err.shape != partial.shape:
+                err = torch.zeros_like(partial, dtype=torch.float32)
+                self._hop_errors[slot] = err
+            compensated = partial.float() + err
+            q = quantize(compensated, self.inner.config)
+            beta = float(self.feedback.err_beta)
+            err.mul_(beta).add_(compensated - dequantize(q), alpha=1.0 - beta)
+        return q
 
     def _buffers(self, slot: int, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
         """This position's error buffers (zeros when new or when the shapes changed)."""

@@ -20,7 +20,7 @@ really sends (codes + scales), as ``"quantized_all_gather"`` and, per qgZ hop,
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -432,6 +432,7 @@ def _quant_reduce(
     async_op: bool,
     logged: set[str] | None,
     what: str,
+    requantize: Callable[[torch.Tensor], QuantizedTensor] | None = None,
 ) -> ReduceScatterHandle:
     with record_function("zero.quantized_reduce_scatter.issue"):
         _check_topology(topology, what)
@@ -450,7 +451,8 @@ def _quant_reduce(
             if not eligible:
                 return fb_handle
         parts = [partition_numel(t.numel(), world) for t in tensors]
-        work, finish_q, keep = _issue_qgz([tensors[i] for i in eligible], topology, config, async_op)
+        chosen = [tensors[i] for i in eligible]
+        work, finish_q, keep = _issue_qgz(chosen, topology, config, async_op, requantize)
         average = reduction is Reduction.AVG
         dtype = tensors[0].dtype
 
@@ -474,9 +476,16 @@ def _quant_reduce(
 
 
 def _issue_qgz(
-    tensors: list[torch.Tensor], topology: Topology, config: QuantConfig, async_op: bool
+    tensors: list[torch.Tensor],
+    topology: Topology,
+    config: QuantConfig,
+    async_op: bool,
+    requantize: Callable[[torch.Tensor], QuantizedTensor] | None = None,
 ) -> tuple[Any, Any, tuple[torch.Tensor, ...]]:
     """Issue qgZ's hops for ``tensors`` (each numel divisible by the world size).
+
+    ``requantize`` (error feedback) replaces the fused dequantize-sum-requantize between the
+    hops: it gets the fp32 node partial sum and returns its quantized form.
 
     Returns the pending work of the last hop (or ``None``), a function giving this rank's fp32
     summed row (padded to whole groups), and the buffers to keep alive until then.
@@ -515,7 +524,10 @@ def _issue_qgz(
         piece_numel = q.numel // pieces
         if not last:
             with record_function("zero.quantized_reduce_scatter.dequant_reduce_requant"):
-                q = dequant_reduce_requant(_unpack(recv, piece_numel, config), pieces, config)
+                if requantize is None:
+                    q = dequant_reduce_requant(_unpack(recv, piece_numel, config), pieces, config)
+                else:
+                    q = requantize(dequant_reduce(_unpack(recv, piece_numel, config), pieces))
 
     def finish() -> torch.Tensor:
         with record_function("zero.quantized_reduce_scatter.dequant_reduce"):
