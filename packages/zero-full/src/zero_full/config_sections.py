@@ -816,7 +816,7 @@ class ZeroOptimizationConfig(_Section):
         if "overlap_comm" not in data and isinstance(data.get("stage"), int | float):
             data["overlap_comm"] = data["stage"] == 3
         # DeepSpeed accepts "offload_param": null for "no offload".
-        for key in ("offload_param", "offload_optimizer"):
+        for key in ("offload_param", "offload_optimizer", "zeropp_loco_param"):
             if key in data and data[key] is None:
                 del data[key]
         return data
@@ -843,7 +843,7 @@ class ZeroOptimizationConfig(_Section):
     @model_validator(mode="after")
     def _zeropp_needs_stage3(self) -> ZeroOptimizationConfig:
         if self.stage == 3:
-            if self.zeropp_loco_param is not None and not self.zero_quantized_gradients:
+            if self.loco_enabled and not self.zero_quantized_gradients:
                 raise ValueError(
                     "zero_optimization.zeropp_loco_param is the error feedback of qgZ and needs "
                     "zero_quantized_gradients = true (got false); set it or drop zeropp_loco_param"
@@ -867,6 +867,11 @@ class ZeroOptimizationConfig(_Section):
                 "reduction; set stage to 3 or turn these keys off"
             )
         return self
+
+    @property
+    def loco_enabled(self) -> bool:
+        """Whether qgZ error feedback was asked for (``zeropp_loco_param`` given, not null)."""
+        return self.zeropp_loco_param is not None
 
     @property
     def zeropp_enabled(self) -> bool:

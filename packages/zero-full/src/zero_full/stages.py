@@ -156,7 +156,7 @@ def build_stage(
         )
         coordinator.install()
         sync = ReplicaGradientSync(opt.groups, mics.replicate) if mics is not None else None
-        feedback = feedback_strategies(model) if z.zeropp_loco_param is not None else []
+        feedback = feedback_strategies(model) if z.loco_enabled else []
         return StagePieces(opt, coordinator, sync, mics, feedback)
     opt, reduction = zero_optim.replicated_optimizer(
         model,

@@ -167,7 +167,7 @@ def build_zeropp(
             hpz,
         )
     if z.zero_quantized_gradients:
-        if z.zeropp_loco_param is not None:
+        if z.loco_enabled:
             from zero_comm.qgz_feedback import ErrorFeedbackReduceScatter
 
             reduce = ErrorFeedbackReduceScatter(topology, z.zeropp_loco_param.to_feedback_config())
