@@ -53,6 +53,10 @@ def _config(precision: str = "fp32", accumulation: int = 1, **zero) -> dict:
     return cfg
 
 
+def _sgd(ps):
+    return torch.optim.SGD(ps, lr=LR, momentum=0.9)
+
+
 def _full(model: nn.Module) -> dict[str, torch.Tensor]:
     with zero_full.GatheredParameters(list(model.parameters())):
         return {n: p.detach().float().clone() for n, p in model.named_parameters()}
@@ -340,3 +344,55 @@ def test_initialize_refuses_a_bad_layout_by_key(dist):
         assert "zero_quantized_gradients = true needs a world of whole nodes" in msg
     for msg in dist.run(2, _initialize_with_local_world, "1", HPZ):
         assert "zero_hpz_partition_size = 2 is larger than a node" in msg
+
+
+# --------------------------------------------------------------------------- memory: estimator and report
+
+
+def test_estimate_adds_the_hpz_secondary_shard():
+    from zero_full.estimate import estimate_model_states
+
+    est = estimate_model_states(1000, 4, "mixed", (3,), None, 2)
+    plain, hpz = est.stages
+    assert hpz.name == "ZeRO-3 + hpZ 2"
+    assert hpz.total_bytes - plain.total_bytes == 2 * 1000 / 2  # + P/n elements of 2 bytes
+    fp32 = estimate_model_states(1000, 4, "fp32", (3,), None, 4).stages[-1]
+    assert fp32.params_bytes == 4 * 1000 / 4 + 4 * 1000 / 4
+    with pytest.raises(ValueError, match="zero_hpz_partition_size=3"):
+        estimate_model_states(1000, 4, "mixed", (3,), None, 3)
+
+
+def test_cli_estimate_hpz(capsys):
+    from zero_full.cli import main
+
+    assert main(["estimate", "--params", "1M", "--world", "4", "--hpz", "2", "--stage", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "ZeRO-3 + hpZ 2" in out and "16P/N + 2P/n" in out and "1.5 MB" in out
+
+
+def _memory(rank, zero: dict):
+    model = Net()
+    engine = zero_full.initialize(model, _config(**zero), _sgd)
+    r, n = rank.rank, BATCH // rank.world_size
+    x, y = _data(0)
+    engine.backward(engine(x[r * n : (r + 1) * n], y[r * n : (r + 1) * n]))
+    engine.step()
+    report = engine.memory_report()
+    secondary = sum(
+        zero_params.state_of(p).secondary_shard.numel() * 4
+        for p in model.parameters()
+        if zero_params.state_of(p).secondary_shard is not None
+    )
+    out = (report.formula, report.formula_bytes, engine.model_state_bytes(), secondary)
+    engine.close()
+    return out
+
+
+def test_memory_report_counts_the_secondary_shard(dist):
+    plain = dist.run(4, _memory, {}, ranks_per_node=2)
+    hpz = dist.run(4, _memory, HPZ, ranks_per_node=2)
+    numel = sum(p.numel() for p in Net().parameters())
+    for (f0, b0, s0, _), (f1, b1, s1, sec) in zip(plain, hpz, strict=True):
+        assert "hpZ" in f1 and "hpZ" not in f0
+        assert b1 - b0 == pytest.approx(4 * numel / 2)  # fp32: + 4 P/n bytes
+        assert sec > 0 and s1 - s0 == sec  # the engine's counter sees exactly the secondary shards

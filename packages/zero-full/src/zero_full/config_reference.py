@@ -114,13 +114,17 @@ _NOTES: dict[tuple[str, str], str] = {
     "compatibility (its `save_16bit_model`); with zero use `engine.consolidated_state_dict()` "
     "or `zero consolidate` for whole weights.",
     ("ZeroOptimizationConfig", "zero_hpz_partition_size"): "Stage 3, ZeRO++ hpZ: ranks holding "
-    "a secondary shard of the parameters (usually the ranks of one node); 1 is off.",
+    "a secondary shard of the parameters (usually the ranks of one node; must divide the world "
+    "size and the ranks per node); backward gathers stay inside the node; costs Ψ/n elements per "
+    "rank. 1 is off. See [ZeRO++](zeropp.md).",
     ("ZeroOptimizationConfig", "zero_quantized_weights"): "Stage 3, ZeRO++ qwZ: all-gather "
-    "parameters quantized to int8.",
+    "parameters as int8 codes + fp32 scales, dequantized on arrival; masters and optimizer stay "
+    "exact. See [ZeRO++](zeropp.md).",
     ("ZeroOptimizationConfig", "zero_quantized_nontrainable_weights"): "Stage 3: keep frozen "
-    "weights quantized.",
+    "weights quantized. Accepted, no effect yet (listed as ignored); see [ZeRO++](zeropp.md).",
     ("ZeroOptimizationConfig", "zero_quantized_gradients"): "Stage 3, ZeRO++ qgZ: reduce "
-    "gradients quantized to int4 with two all-to-all hops.",
+    "gradients quantized to int4 with two all-to-all hops (inside the node, then across); 1-D and "
+    "indivisible tensors exactly. Needs a world of whole nodes. See [ZeRO++](zeropp.md).",
     ("ZeroOptimizationConfig", "mics_hierarchical_params_gather"): "Stage 3, MiCS: gather "
     "parameters in two hops (inside a node, then across).",
     ("ZeroOptimizationConfig", "offload_param"): "Stage 3: where parameters live between uses "

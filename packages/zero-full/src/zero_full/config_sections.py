@@ -916,6 +916,9 @@ class ZeroOptimizationConfig(_Section):
             if name in self.model_fields_set and self.stage in KNOB_STAGES[name]:
                 if "nvme_path" in section.model_fields_set and section.device is not OffloadDevice.NVME:
                     ignored.append(f"zero_optimization.{name}.nvme_path")
+        if self.stage == 3 and self.zero_quantized_nontrainable_weights:
+            # frozen weights are stored in the working precision in this version (docs/zeropp.md)
+            ignored.append("zero_optimization.zero_quantized_nontrainable_weights")
         if "fast_init" in self.offload_optimizer.model_fields_set:
             # zero writes the initial swap files in one pass whatever this says
             ignored.append("zero_optimization.offload_optimizer.fast_init")

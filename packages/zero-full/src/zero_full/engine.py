@@ -420,8 +420,8 @@ class Engine:
 
         Counted from tensor storages, each storage once: parameter storages (empty for
         partitioned parameters that are not gathered, whole for persistent ones), the flat
-        fp32 master (which holds the shards), the flat gradient partitions, any ``.grad``
-        still attached and the optimizer state.
+        fp32 master (which holds the shards), the hpZ secondary shards, the flat gradient
+        partitions, any ``.grad`` still attached and the optimizer state.
         """
         tensors: list[torch.Tensor] = []
         for p in self.module.parameters():
@@ -431,6 +431,8 @@ class Engine:
             if zero_params.is_partitioned(p):
                 state = zero_params.state_of(p)
                 tensors.append(state.shard)
+                if state.secondary_shard is not None:  # hpZ
+                    tensors.append(state.secondary_shard)
                 if state.grad_partition is not None:
                     tensors.append(state.grad_partition)
         tensors.extend(self.optimizer.state_tensors())
