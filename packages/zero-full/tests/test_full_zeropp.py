@@ -396,3 +396,41 @@ def test_memory_report_counts_the_secondary_shard(dist):
         assert "hpZ" in f1 and "hpZ" not in f0
         assert b1 - b0 == pytest.approx(4 * numel / 2)  # fp32: + 4 P/n bytes
         assert sec > 0 and s1 - s0 == sec  # the engine's counter sees exactly the secondary shards
+
+
+# --------------------------------------------------------------------------- Init, fp16
+
+
+def _init_and_fp16(rank):
+    config = _config("fp16", **ALL, zeropp_loco_param={"err_beta": 0.5, "reset_T": 2})
+    with zero_full.Init(config=config):
+        model = Net()
+    kinds = {
+        type(s).__name__
+        for p in model.parameters()
+        for s in (
+            zero_params.state_of(p).gather_strategy,
+            zero_params.state_of(p).reduce_strategy,
+            zero_params.state_of(p).secondary_strategy,
+        )
+    }
+    engine = zero_full.initialize(model, config, _sgd)
+    feedback = engine._pipeline.pieces.feedback  # the strategies the Init-built parameters use
+    r, n = rank.rank, BATCH // rank.world_size
+    losses = []
+    for step in range(3):
+        x, y = (t.half() for t in _data(step))
+        loss = engine(x[r * n : (r + 1) * n], y[r * n : (r + 1) * n])
+        engine.backward(loss)
+        engine.step()
+        losses.append(float(loss.detach()))
+    out = (kinds, len(feedback), [f.steps for f in feedback], losses)
+    engine.close()
+    return out
+
+
+def test_init_built_model_gets_the_zeropp_strategies_and_trains_in_fp16(dist):
+    for kinds, n_feedback, steps, losses in dist.run(4, _init_and_fp16, ranks_per_node=2):
+        assert kinds == {"QuantizedAllGather", "ErrorFeedbackReduceScatter", "FlatAllGather"}
+        assert n_feedback == 1 and steps == [3]
+        assert all(torch.isfinite(torch.tensor(losses)))
