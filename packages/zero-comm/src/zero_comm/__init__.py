@@ -23,9 +23,9 @@ Topology, process groups and byte accounting for the zero stack:
   ``pip install zero-comm[quantized]``): :class:`QuantizedAllGather`,
   :func:`quantized_all_gather_coalesced`, :class:`QuantizedReduceScatter`,
   :func:`all_to_all_quant_reduce`; qgZ with error feedback (module :mod:`zero_comm.qgz_feedback`):
-  :class:`ErrorFeedbackReduceScatter`, :class:`ErrorFeedbackConfig`. Exported lazily: ``import zero_comm`` never imports
-  zero-kernels; the first use of one of these names does (ImportError naming the extra if it
-  is missing).
+  :class:`ErrorFeedbackReduceScatter`, :class:`ErrorFeedbackConfig`. Exported lazily:
+  ``import zero_comm`` never imports zero-kernels; the first use of one of these names does
+  (ImportError naming the extra if it is missing).
 """
 
 import importlib
