@@ -434,3 +434,11 @@ def test_init_built_model_gets_the_zeropp_strategies_and_trains_in_fp16(dist):
         assert kinds == {"QuantizedAllGather", "ErrorFeedbackReduceScatter", "FlatAllGather"}
         assert n_feedback == 1 and steps == [3]
         assert all(torch.isfinite(torch.tensor(losses)))
+
+
+def test_quantized_nontrainable_weights_is_reported_as_ignored():
+    cfg = zero_full.ZeroConfig.model_validate(_config(zero_quantized_nontrainable_weights=True))
+    assert "zero_optimization.zero_quantized_nontrainable_weights" in cfg.ignored_keys()
+    assert cfg.unsupported_features() == []
+    plain = zero_full.ZeroConfig.model_validate(_config())
+    assert "zero_optimization.zero_quantized_nontrainable_weights" not in plain.ignored_keys()
