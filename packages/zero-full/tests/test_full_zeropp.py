@@ -442,3 +442,30 @@ def test_quantized_nontrainable_weights_is_reported_as_ignored():
     assert cfg.unsupported_features() == []
     plain = zero_full.ZeroConfig.model_validate(_config())
     assert "zero_optimization.zero_quantized_nontrainable_weights" not in plain.ignored_keys()
+
+
+def _persistent_after_steps(rank):
+    model = Net()
+    config = _config(**QWZ)
+    config["zero_optimization"]["stage3_param_persistence_threshold"] = 25  # biases + c.weight whole
+    engine = zero_full.initialize(model, config, _sgd)
+    r, n = rank.rank, BATCH // rank.world_size
+    for step in range(2):
+        x, y = _data(step)
+        engine.backward(engine(x[r * n : (r + 1) * n], y[r * n : (r + 1) * n]))
+        engine.step()
+    whole = {
+        name: p.detach().clone() for name, p in model.named_parameters() if zero_params.state_of(p).persistent
+    }
+    master = engine.consolidated_state_dict()
+    engine.close()
+    return whole, master
+
+
+def test_qwz_refreshes_whole_parameters_exactly(dist):
+    results = dist.run(4, _persistent_after_steps, ranks_per_node=2)
+    master = results[0][1]  # the consolidated fp32 master (rank 0)
+    for whole, _ in results:
+        assert set(whole) == {"a.bias", "b.bias", "c.weight", "c.bias"}
+        for name, value in whole.items():
+            assert torch.equal(value, master[name]), name  # not int8-rounded
