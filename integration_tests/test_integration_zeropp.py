@@ -25,11 +25,12 @@ import zero_full
 VOCAB, SEQ, MICRO, TAIL = 64, 8, 4, 20
 STEPS = int(os.environ.get("ZEROPP_CONV_STEPS", 300))
 REL_TOL = 0.02  # the issue's bound on |final(variant) - final(plain)| / final(plain)
-ABS_FLOOR = 0.02
-TIMEOUT = 600.0  # |difference| below this passes whatever the ratio (both runs converged)
+ABS_FLOOR = 0.005  # |difference| below this passes whatever the ratio (both runs converged)
+MEAN_REL_TOL = 0.02  # on the mean loss over the whole run (see the measured figures above)
+TIMEOUT = 600.0
 
 
-def _model(freeze: bool):
+def _model():
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
@@ -44,10 +45,6 @@ def _model(freeze: bool):
         embd_pdrop=0.0,
     )
     model = GPT2LMHeadModel(cfg)
-    if freeze:  # a base model under an adapter: the first block and the embeddings frozen
-        for name, p in model.named_parameters():
-            if name.startswith(("transformer.h.0.", "transformer.wte", "transformer.wpe")):
-                p.requires_grad_(False)
     return model
 
 
@@ -60,14 +57,14 @@ def _batch(step: int, rank: int) -> torch.Tensor:
     return x
 
 
-def _run(rank, zero: dict, freeze: bool) -> list[float]:
+def _run(rank, zero: dict) -> list[float]:
     config = {
         "bf16": {"enabled": True},
         # 4 ranks building GPT-2 on a loaded CI machine: tolerate slow starts (silent peer: 5 x 10 s)
         "robustness": {"heartbeat_interval": 10},
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1000, **zero},
     }
-    model = _model(freeze)
+    model = _model()
     engine = zero_full.initialize(model, config, lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.0))
     losses = []
     for step in range(STEPS):
@@ -84,32 +81,36 @@ def _final(results: list[list[float]]) -> float:
     return sum(sum(losses[-TAIL:]) / TAIL for losses in results) / len(results)
 
 
+def _mean(results: list[list[float]]) -> float:
+    """Mean loss over the whole run and every rank: how fast it learned, not only where it ended."""
+    return sum(sum(losses) / len(losses) for losses in results) / len(results)
+
+
 VARIANTS = {
-    "qwz": ({"zero_quantized_weights": True}, False),
-    "hpz": ({"zero_hpz_partition_size": 2}, False),
-    "qgz": ({"zero_quantized_gradients": True}, False),
-    "qgz+loco": (
-        {"zero_quantized_gradients": True, "zeropp_loco_param": {"err_beta": 0.8, "reset_T": 1024}},
-        False,
-    ),
-    "all": (
-        {"zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True},
-        False,
-    ),
+    "qwz": {"zero_quantized_weights": True},
+    "hpz": {"zero_hpz_partition_size": 2},
+    "qgz": {"zero_quantized_gradients": True},
+    "qgz+loco": {"zero_quantized_gradients": True, "zeropp_loco_param": {"err_beta": 0.8, "reset_T": 1024}},
+    "all": {"zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True},
 }
 
 
 @pytest.fixture(scope="module")
 def plain_final(dist):
-    results = dist.run(4, _run, {}, False, ranks_per_node=2, timeout=TIMEOUT)
+    results = dist.run(4, _run, {}, ranks_per_node=2, timeout=TIMEOUT)
     return _final(results), results
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_zeropp_variant_converges_like_plain_zero3(dist, plain_final, name):
-    zero, freeze = VARIANTS[name]
+    zero = VARIANTS[name]
     plain, plain_runs = plain_final
     assert plain < 0.5 * sum(r[0] for r in plain_runs) / len(plain_runs)  # the task is learned
-    final = _final(dist.run(4, _run, zero, freeze, ranks_per_node=2, timeout=TIMEOUT))
-    print(f"zeropp convergence: {name} final {final:.4f} vs plain {plain:.4f}")
+    runs = dist.run(4, _run, zero, ranks_per_node=2, timeout=TIMEOUT)
+    final, mean, plain_mean = _final(runs), _mean(runs), _mean(plain_runs)
+    print(
+        f"zeropp convergence: {name} final {final:.4f} vs plain {plain:.4f}; "
+        f"mean {mean:.4f} vs plain {plain_mean:.4f} ({(mean - plain_mean) / plain_mean:+.2%})"
+    )
     assert abs(final - plain) <= max(REL_TOL * plain, ABS_FLOOR), (name, final, plain)
+    assert abs(mean - plain_mean) <= MEAN_REL_TOL * plain_mean, (name, mean, plain_mean)
