@@ -500,7 +500,7 @@ def test_coerce_rejects_other_types() -> None:
 # ----------------------------------------------------------------------------- unsupported / ignored
 
 
-def test_unsupported_features_are_listed_for_stage_3() -> None:
+def test_zeropp_mics_and_offload_are_not_listed_as_unsupported_at_stage_3() -> None:
     cfg = ZeroConfig.model_validate(
         zero_opt(
             stage=3,
@@ -510,21 +510,14 @@ def test_unsupported_features_are_listed_for_stage_3() -> None:
             zero_quantized_gradients=True,
             zero_quantized_nontrainable_weights=True,
             zero_hpz_partition_size=2,
+            zeropp_loco_param={"err_beta": 0.5, "reset_T": 7},
             mics_shard_size=2,
             mics_hierarchical_params_gather=True,
         )
     )
-    found = cfg.unsupported_features()
-    assert len(found) == 4
-    assert not any("mics" in line for line in found)  # MiCS is implemented
-    assert not any("offload" in line for line in found)  # parameter and partial optimizer offload are
-    for needle in (
-        "zero_quantized_weights = true",
-        "zero_quantized_gradients = true",
-        "zero_quantized_nontrainable_weights = true",
-        "zero_hpz_partition_size = 2",
-    ):
-        assert sum(needle in line for line in found) == 1, needle
+    assert cfg.unsupported_features() == []  # ZeRO++, MiCS and offload are implemented
+    loco = cfg.zero_optimization.zeropp_loco_param.to_feedback_config()
+    assert (loco.err_beta, loco.reset_t) == (0.5, 7)
 
 
 @pytest.mark.parametrize("device", ["cpu", "nvme"])
@@ -574,7 +567,6 @@ def test_stage3_knobs_under_stage_2_are_ignored_not_unsupported() -> None:
             stage3_max_live_parameters=10,
             stage3_gather_fp16_weights_on_model_save=True,
             offload_param={"device": "cpu"},
-            zero_quantized_weights=True,
             mics_shard_size=4,
             reduce_bucket_size=10,
         )
@@ -584,7 +576,6 @@ def test_stage3_knobs_under_stage_2_are_ignored_not_unsupported() -> None:
         "zero_optimization.stage3_prefetch_bucket_size",
         "zero_optimization.stage3_max_live_parameters",
         "zero_optimization.stage3_gather_16bit_weights_on_model_save",
-        "zero_optimization.zero_quantized_weights",
         "zero_optimization.mics_shard_size",
         "zero_optimization.offload_param",
     ]

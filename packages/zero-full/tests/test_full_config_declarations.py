@@ -26,7 +26,7 @@ def test_every_field_of_every_section_declares_its_stages_and_status():
             if isinstance(key.status, Ignored | Refused):
                 assert key.status.reason.strip(), (cls.__name__, name)
             fields += 1
-    assert len(SECTIONS) == 10 and fields >= 60
+    assert len(SECTIONS) == 11 and fields >= 60
 
 
 def test_a_field_without_a_declaration_is_named():
@@ -77,14 +77,14 @@ def test_the_value_zero_behaves_as_is_not_reported(key, value, stage):
 
 
 def test_refused_values_follow_the_declaration_and_the_stage():
-    refused = ZeroConfig.model_validate({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 3}})
+    refused = ZeroConfig.model_validate({"zero_optimization": {"stage": 3, "load_from_fp32_weights": False}})
     assert refused.unsupported_features() == [
-        "zero_optimization.zero_hpz_partition_size = 3 (ZeRO++ hierarchical partitioning, hpZ)"
+        "zero_optimization.load_from_fp32_weights = false (master weights from 16-bit copies)"
     ]
-    supported = ZeroConfig.model_validate({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 1}})
+    supported = ZeroConfig.model_validate({"zero_optimization": {"stage": 3, "load_from_fp32_weights": True}})
     assert supported.unsupported_features() == [] and supported.ignored_keys() == []
     under_stage_2 = ZeroConfig.model_validate(
-        {"zero_optimization": {"stage": 2, "zero_hpz_partition_size": 3}}
+        {"zero_optimization": {"stage": 2, "stage3_max_live_parameters": 3}}
     )
     assert under_stage_2.unsupported_features() == []
     (finding,) = under_stage_2.key_report().ignored

@@ -84,16 +84,16 @@ def test_a_rank_dying_stops_the_run_with_an_error_naming_it(capsys: pytest.Captu
 
 def test_a_rank_raising_names_it_and_shows_the_engine_error(tmp_path: pathlib.Path) -> None:
     cfg = tmp_path / "ds.json"
-    cfg.write_text(json.dumps({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}))
+    cfg.write_text(json.dumps({"zero_optimization": {"stage": 3, "load_from_fp32_weights": False}}))
     # one rank is enough to check that an exception inside a rank comes back named (and it is cheap)
     opts = TrainOptions(
         world=1, steps=2, layers=1, hidden=32, heads=2, vocab=97, seq=16, config=str(cfg), progress=False
     )
     with pytest.raises(
-        TrainError, match=r"(?s)rank 0 failed during setup: NotImplementedError: .*zero_quantized_weights"
+        TrainError, match=r"(?s)rank 0 failed during setup: NotImplementedError: .*load_from_fp32_weights"
     ) as info:
         run_training(opts)
-    assert "Traceback" in info.value.traceback and "zero_quantized_weights" in info.value.traceback
+    assert "Traceback" in info.value.traceback and "load_from_fp32_weights" in info.value.traceback
     assert info.value.rank == 0
 
 

@@ -49,8 +49,8 @@ def _full(model):
     "config,fragment",
     [
         (
-            {"zero_optimization": {"stage": 3, "zero_quantized_weights": True}},
-            "zero_quantized_weights = true",
+            {"zero_optimization": {"stage": 3, "load_from_fp32_weights": False}},
+            "load_from_fp32_weights = false",
         ),
     ],
 )
@@ -62,11 +62,11 @@ def test_what_is_not_implemented_yet_is_refused_by_name(config, fragment):
 
 def test_every_unsupported_feature_is_named_at_once():
     config = {
-        "zero_optimization": {"stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True}
+        "zero_optimization": {"stage": 3, "load_from_fp32_weights": False, "ignore_unused_parameters": False}
     }
     with pytest.raises(NotImplementedError) as info:
         zero_full.initialize(Net(), config)
-    assert "zero_quantized_weights" in str(info.value) and "zero_quantized_gradients" in str(info.value)
+    assert "load_from_fp32_weights" in str(info.value) and "ignore_unused_parameters" in str(info.value)
 
 
 class _Messages(logging.Handler):

@@ -26,9 +26,10 @@ Topology, process groups and byte accounting for the zero stack:
 * Quantized collectives (ZeRO++ qwZ / qgZ, module :mod:`zero_comm.quantized`, optional extra
   ``pip install zero-comm[quantized]``): :class:`QuantizedAllGather`,
   :func:`quantized_all_gather_coalesced`, :class:`QuantizedReduceScatter`,
-  :func:`all_to_all_quant_reduce`. Exported lazily: ``import zero_comm`` never imports
-  zero-kernels; the first use of one of these names does (ImportError naming the extra if it
-  is missing).
+  :func:`all_to_all_quant_reduce`; qgZ with error feedback (module :mod:`zero_comm.qgz_feedback`):
+  :class:`ErrorFeedbackReduceScatter`, :class:`ErrorFeedbackConfig`. Exported lazily:
+  ``import zero_comm`` never imports zero-kernels; the first use of one of these names does
+  (ImportError naming the extra if it is missing).
 """
 
 import importlib
@@ -125,8 +126,14 @@ _QUANTIZED = frozenset(
 )
 
 
+_FEEDBACK = frozenset({"ErrorFeedbackConfig", "ErrorFeedbackReduceScatter"})
+
+
 def __getattr__(name: str) -> object:
-    """Lazy exports of :mod:`zero_comm.quantized`, which needs the optional zero-kernels package."""
+    """Lazy exports of :mod:`zero_comm.quantized` and :mod:`zero_comm.qgz_feedback`, which need
+    the optional zero-kernels package."""
     if name in _QUANTIZED:
         return getattr(importlib.import_module("zero_comm.quantized"), name)
+    if name in _FEEDBACK:
+        return getattr(importlib.import_module("zero_comm.qgz_feedback"), name)
     raise AttributeError(f"module 'zero_comm' has no attribute {name!r}")

@@ -20,7 +20,7 @@ really sends (codes + scales), as ``"quantized_all_gather"`` and, per qgZ hop,
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -41,6 +41,7 @@ from zero_comm.handles import AllGatherHandle, ReduceScatterHandle
 from zero_comm.ledger import record, ring_wire_bytes
 from zero_comm.partition import partition_numel
 from zero_comm.reduction import ReduceOpLike, Reduction
+from zero_comm.strategies import FlatAllGather
 from zero_comm.topology import Topology, group_size_and_rank
 from zero_comm.watchdog import watched_call
 
@@ -250,6 +251,8 @@ def _dequantize_gathered(recv: torch.Tensor, layout: GatherLayout, config: Quant
 class QuantizedAllGather:
     """qwZ as an :class:`~zero_comm.AllGatherStrategy`: one quantized all-gather per call.
 
+    :attr:`exact` is the plain :class:`~zero_comm.FlatAllGather` over the same group.
+
     Args:
         group: Process group (``None``: the world).
         config: Quantization, int8 with groups of 2048 by default.
@@ -259,13 +262,16 @@ class QuantizedAllGather:
         RuntimeError: no process group is initialised, or this rank is not in ``group``.
     """
 
-    __slots__ = ("config", "group", "group_rank", "group_size")
+    __slots__ = ("config", "exact", "group", "group_rank", "group_size")
 
     def __init__(self, group: ProcessGroup | None = None, config: QuantConfig = QWZ_DEFAULT_CONFIG) -> None:
         _check_config(config, "QuantizedAllGather")
         self.group = group
         self.config = config
         self.group_size, self.group_rank = group_size_and_rank(group, "QuantizedAllGather")
+        self.exact = FlatAllGather(group)
+        """The unquantized gather over the same group, for callers that need exact values (e.g.
+        ``zero_params.commit_shards`` refreshing whole parameters from updated shards)."""
 
     def __repr__(self) -> str:
         return (
@@ -456,6 +462,7 @@ def _quant_reduce(
     async_op: bool,
     logged: set[str] | None,
     what: str,
+    requantize: Callable[[torch.Tensor], QuantizedTensor] | None = None,
 ) -> ReduceScatterHandle:
     with record_function("zero.quantized_reduce_scatter.issue"):
         _check_topology(topology, what)
@@ -474,7 +481,8 @@ def _quant_reduce(
             if not eligible:
                 return fb_handle
         parts = [partition_numel(t.numel(), world) for t in tensors]
-        work, finish_q, keep = _issue_qgz([tensors[i] for i in eligible], topology, config, async_op)
+        chosen = [tensors[i] for i in eligible]
+        work, finish_q, keep = _issue_qgz(chosen, topology, config, async_op, requantize)
         average = reduction is Reduction.AVG
         dtype = tensors[0].dtype
 
@@ -498,9 +506,16 @@ def _quant_reduce(
 
 
 def _issue_qgz(
-    tensors: list[torch.Tensor], topology: Topology, config: QuantConfig, async_op: bool
+    tensors: list[torch.Tensor],
+    topology: Topology,
+    config: QuantConfig,
+    async_op: bool,
+    requantize: Callable[[torch.Tensor], QuantizedTensor] | None = None,
 ) -> tuple[Any, Any, tuple[torch.Tensor, ...]]:
     """Issue qgZ's hops for ``tensors`` (each numel divisible by the world size).
+
+    ``requantize`` (error feedback) replaces the fused dequantize-sum-requantize between the
+    hops: it gets the fp32 node partial sum and returns its quantized form.
 
     Returns the pending work of the last hop (or ``None``), a function giving this rank's fp32
     summed row (padded to whole groups), and the buffers to keep alive until then.
@@ -539,7 +554,10 @@ def _issue_qgz(
         piece_numel = q.numel // pieces
         if not last:
             with record_function("zero.quantized_reduce_scatter.dequant_reduce_requant"):
-                q = dequant_reduce_requant(_unpack(recv, piece_numel, config), pieces, config)
+                if requantize is None:
+                    q = dequant_reduce_requant(_unpack(recv, piece_numel, config), pieces, config)
+                else:
+                    q = requantize(dequant_reduce(_unpack(recv, piece_numel, config), pieces))
 
     def finish() -> torch.Tensor:
         with record_function("zero.quantized_reduce_scatter.dequant_reduce"):

@@ -15,6 +15,7 @@ from zero_full.checkpoint.safetensors import add_consolidate_parser
 from zero_full.estimate import (
     EstimatePrecision,
     MemoryEstimate,
+    StageMemory,
     estimate_model_states,
     format_bytes,
     parse_count,
@@ -75,6 +76,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_count_arg,
         metavar="S",
         help="also show MiCS with partition groups of S ranks (16P/S; S must divide W)",
+    )
+    est.add_argument(
+        "--hpz",
+        type=_count_arg,
+        metavar="N",
+        help="also show ZeRO-3 with ZeRO++ hpZ over N ranks (secondary shard: + 2P/N mixed, 4P/N fp32)",
     )
     est.add_argument(
         "--precision",
@@ -153,11 +160,12 @@ def format_estimate(est: MemoryEstimate, paper_example: bool = False) -> str:
         f"  precision       {_PRECISION_TEXT[est.precision]}",
     ]
     lines += [f"  MiCS shard (S)  {s.shard_size} ranks" for s in est.stages if s.shard_size is not None]
+    lines += [f"  hpZ group (n)   {s.hpz_size} ranks" for s in est.stages if s.hpz_size is not None]
     lines += [""]
     rows = [
         [
             s.name,
-            "16P/S" if s.shard_size is not None else est.precision.formula(s.stage),
+            _stage_formula(s, est.precision),
             format_bytes(s.params_bytes),
             format_bytes(s.gradients_bytes),
             format_bytes(s.optimizer_bytes),
@@ -170,10 +178,18 @@ def format_estimate(est: MemoryEstimate, paper_example: bool = False) -> str:
     return "\n".join(lines)
 
 
+def _stage_formula(s: StageMemory, precision: EstimatePrecision) -> str:
+    if s.hpz_size is not None:
+        return "16P/N + " + ("2P/n" if precision is EstimatePrecision.MIXED else "4P/n")
+    return "16P/S" if s.shard_size is not None else precision.formula(s.stage)
+
+
 def _cmd_estimate(args: argparse.Namespace) -> int:
     stages = (args.stage,) if args.stage is not None else (0, 1, 2, 3)
     try:
-        est = estimate_model_states(args.params, args.world, args.precision, stages, args.mics_shard_size)
+        est = estimate_model_states(
+            args.params, args.world, args.precision, stages, args.mics_shard_size, args.hpz
+        )
     except ValueError as err:
         print(f"zero estimate: {err}", file=sys.stderr)
         return 2

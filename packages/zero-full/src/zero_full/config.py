@@ -346,6 +346,13 @@ class ZeroConfig(Section):
                 f"communication_data_type = {self.communication_data_type.value!r} with "
                 "zero_optimization.mics_shard_size (cast collectives over MiCS groups)"
             )
+        if self.communication_data_type is not None and z.zeropp_enabled:
+            if z.zero_quantized_weights or z.zero_quantized_gradients:
+                found.append(
+                    f"communication_data_type = {self.communication_data_type.value!r} with ZeRO++ "
+                    "quantization (zero_quantized_weights / zero_quantized_gradients choose the wire "
+                    "format themselves: use one or the other)"
+                )
         return found
 
     def ignored_keys(self) -> list[str]:

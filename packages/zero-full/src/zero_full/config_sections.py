@@ -40,6 +40,7 @@ from zero_full.config_types import (
 )
 
 if typing.TYPE_CHECKING:  # the lower packages are imported only when a mapping is asked for
+    from zero_comm.qgz_feedback import ErrorFeedbackConfig
     from zero_coord import CoordinatorConfig
     from zero_offload import OptimizerOffloadConfig, ParamOffloadConfig
     from zero_optim.buckets import ReduceConfig
@@ -501,6 +502,25 @@ def _deprecated_offload(new: str) -> Rejected:
     return Rejected(f'a deprecated DeepSpeed key; use {{"{new}": {{"device": "cpu"}}}} instead')
 
 
+class ZeroppLocoConfig(Section):
+    """``zero_optimization.zeropp_loco_param``: error feedback of qgZ (DeepSpeed's names)."""
+
+    _PATH = ("zero_optimization", "zeropp_loco_param")
+
+    err_beta: Annotated[Real(0, 1, hi_open=True), _USED] = 0.8
+    """Moving-average factor of the qgZ error buffer, in [0, 1): each reduction folds this rank's
+    int4 quantization error into the buffer as ``e = err_beta * e + (1 - err_beta) * error`` and
+    adds the buffer to the next gradient before quantizing it (0: classic error feedback)."""
+    reset_T: Annotated[Int(1), _USED] = 1024  # noqa: N815 - DeepSpeed's key
+    """Optimizer steps between resets of the qgZ error buffers to zero."""
+
+    def to_feedback_config(self) -> ErrorFeedbackConfig:
+        """This section as a ``zero_comm.ErrorFeedbackConfig``."""
+        from zero_comm.qgz_feedback import ErrorFeedbackConfig
+
+        return ErrorFeedbackConfig(err_beta=float(self.err_beta), reset_t=int(self.reset_T))
+
+
 def _stage3(status: Refused | Ignored | None = None, default_text: str | None = None) -> Key:
     """The declaration of a stage-3 knob (implemented unless ``status`` says otherwise)."""
     return Key(status or IMPLEMENTED, stages=_STAGE3, default_text=default_text)
@@ -623,23 +643,31 @@ class ZeroOptimizationConfig(Section):
     gather_16bit_weights_on_model_save: Annotated[Flag, _stage3(Ignored(_SAVE_16BIT))] = False
     """DeepSpeed: gather the 16-bit weights for ``save_16bit_model`` (its older name:
     ``stage3_gather_fp16_weights_on_model_save``)."""
-    zero_hpz_partition_size: Annotated[
-        Int(1), _stage3(Refused("ZeRO++ hierarchical partitioning, hpZ", supported=1))
-    ] = 1
+    zero_hpz_partition_size: Annotated[Int(1), _stage3()] = 1
     """ZeRO++ hpZ: ranks holding a secondary shard of the parameters (usually the ranks of one
-    node); 1 is off."""
-    zero_quantized_weights: Annotated[
-        Flag, _stage3(Refused("ZeRO++ quantized weight all-gather, qwZ", supported=False))
-    ] = False
-    """ZeRO++ qwZ: all-gather parameters quantized to int8."""
+    node; must divide the world size and the ranks per node); backward gathers stay inside the
+    node; costs P/n elements per rank. 1 is off. See [ZeRO++](zeropp.md)."""
+    zero_quantized_weights: Annotated[Flag, _stage3()] = False
+    """ZeRO++ qwZ: all-gather parameters as int8 codes + fp32 scales, dequantized on arrival;
+    masters and optimizer stay exact. See [ZeRO++](zeropp.md)."""
     zero_quantized_nontrainable_weights: Annotated[
-        Flag, _stage3(Refused("quantized storage of frozen weights", supported=False))
+        Flag,
+        _stage3(
+            Ignored(
+                "frozen weights are stored in the working precision in this version (see ZeRO++)",
+                behaves_as=False,
+            )
+        ),
     ] = False
     """Keep frozen weights quantized."""
-    zero_quantized_gradients: Annotated[
-        Flag, _stage3(Refused("ZeRO++ quantized gradient reduction, qgZ", supported=False))
-    ] = False
-    """ZeRO++ qgZ: reduce gradients quantized to int4 with two all-to-all hops."""
+    zero_quantized_gradients: Annotated[Flag, _stage3()] = False
+    """ZeRO++ qgZ: reduce gradients quantized to int4 with two all-to-all hops (inside the node,
+    then across); 1-D and indivisible tensors exactly. Needs a world of whole nodes. See
+    [ZeRO++](zeropp.md)."""
+    zeropp_loco_param: Annotated[ZeroppLocoConfig | None, _stage3()] = None
+    """With ``zero_quantized_gradients``: error feedback for qgZ, DeepSpeed's
+    ``{"err_beta": 0.8, "reset_T": 1024}`` (section below); absent or null: no error feedback.
+    Costs one buffer per quantized gradient, of the gradient's full size, in working precision."""
     mics_shard_size: Annotated[Int(-1), _stage3()] = -1
     """Ranks per MiCS shard group; -1 (or 0) turns MiCS off. Must divide the world size (checked
     by ``initialize`` / ``Init``, where the world is known)."""
@@ -659,7 +687,7 @@ class ZeroOptimizationConfig(Section):
         if "overlap_comm" not in data and isinstance(data.get("stage"), int | float):
             data["overlap_comm"] = data["stage"] == 3
         # DeepSpeed accepts "offload_param": null for "no offload".
-        for key in ("offload_param", "offload_optimizer"):
+        for key in ("offload_param", "offload_optimizer", "zeropp_loco_param"):
             if key in data and data[key] is None:
                 del data[key]
         return data
@@ -682,6 +710,49 @@ class ZeroOptimizationConfig(Section):
                 "hierarchical gather off"
             )
         return self
+
+    @model_validator(mode="after")
+    def _zeropp_needs_stage3(self) -> ZeroOptimizationConfig:
+        if self.stage == 3:
+            if self.loco_enabled and not self.zero_quantized_gradients:
+                raise ValueError(
+                    "zero_optimization.zeropp_loco_param is the error feedback of qgZ and needs "
+                    "zero_quantized_gradients = true (got false); set it or drop zeropp_loco_param"
+                )
+            return self
+        wanted = [
+            f"{k} = true"
+            for k in (
+                "zero_quantized_weights",
+                "zero_quantized_gradients",
+                "zero_quantized_nontrainable_weights",
+            )
+            if getattr(self, k)
+        ]
+        if self.zero_hpz_partition_size > 1:
+            wanted.append(f"zero_hpz_partition_size = {self.zero_hpz_partition_size}")
+        if wanted:
+            raise ValueError(
+                f"zero_optimization.{', '.join(wanted)} (ZeRO++) needs stage 3, got stage {self.stage}: "
+                "ZeRO++ quantizes and re-partitions the stage-3 parameter gathers and gradient "
+                "reduction; set stage to 3 or turn these keys off"
+            )
+        return self
+
+    @property
+    def loco_enabled(self) -> bool:
+        """Whether qgZ error feedback was asked for (``zeropp_loco_param`` given, not null)."""
+        return self.zeropp_loco_param is not None
+
+    @property
+    def zeropp_enabled(self) -> bool:
+        """Whether any ZeRO++ feature is requested (stage 3)."""
+        return self.stage == 3 and (
+            self.zero_quantized_weights
+            or self.zero_quantized_gradients
+            or self.zero_quantized_nontrainable_weights
+            or self.zero_hpz_partition_size > 1
+        )
 
     @property
     def mics_enabled(self) -> bool:

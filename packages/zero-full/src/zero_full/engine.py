@@ -48,6 +48,7 @@ from zero_full.config import Precision, ZeroConfig
 from zero_full.memory_report import MemoryReport, build_memory_report, reset_peak_memory
 from zero_full.mics import MicsGroups, build_mics_groups
 from zero_full.stages import StepPipeline, build_stage, working_dtype
+from zero_full.zeropp import build_zeropp, check_zeropp_layout, env_ranks_per_node
 from zero_optim import LossScaler, OptimizerSpec, PartitionedOptimizer, check_replicas_consistent
 
 __all__ = ["Engine", "EngineStats", "Init", "initialize"]
@@ -88,8 +89,10 @@ class Init(zero_params.Init):
             kwargs.setdefault("enabled", cfg.stage == 3)
             if cfg.precision is not Precision.FP32:
                 kwargs.setdefault("dtype", working_dtype(cfg))  # partition in the bf16 / fp16 working dtype
+            topology = None
             if kwargs["enabled"] and cfg.stage == 3 and z.mics_enabled and "group" not in kwargs:
-                mics = build_mics_groups(z, Topology())
+                topology = Topology()
+                mics = build_mics_groups(z, topology)
                 kwargs["group"] = mics.shard
                 kwargs.setdefault("gather_strategy", mics.gather_strategy)
             elif kwargs["enabled"] and cfg.stage == 3:
@@ -98,6 +101,13 @@ class Init(zero_params.Init):
                     kwargs.setdefault("gather_strategy", comm.gather)
                 if comm.reduce_scatter is not None:
                     kwargs.setdefault("reduce_strategy", comm.reduce_scatter)
+            if kwargs["enabled"] and z.zeropp_enabled:
+                zpp = build_zeropp(z, topology if topology is not None else Topology(), kwargs.get("group"))
+                if zpp.gather is not None:
+                    kwargs["gather_strategy"] = zpp.gather
+                if zpp.reduce is not None:
+                    kwargs["reduce_strategy"] = zpp.reduce
+                kwargs.setdefault("secondary_strategy", zpp.secondary)
         super().__init__(**kwargs)
 
 
@@ -153,6 +163,8 @@ class Engine:
                 "zero_full.initialize needs torch.distributed: call torch.distributed.init_process_group "
                 "first (e.g. init_process_group('gloo') under torchrun)"
             )
+        world = dist.get_world_size()  # ZeRO++ layout errors name the keys, before Topology's own checks
+        check_zeropp_layout(config.zero_optimization, world, env_ranks_per_node(world))
         self.config = config
         self.module = model
         self.counters = StepCounters(_accumulation_steps(config, dist.get_world_size()))
@@ -240,6 +252,7 @@ class Engine:
         with self._ledger, record_function("zero.engine.backward"):
             if self._pipeline.pieces.reduction is not None:
                 self._pipeline.pieces.reduction.begin_micro_step(self.is_gradient_accumulation_boundary())
+            self._pipeline.pieces.begin_backward()
             factor = self._pipeline.loss_scale / self.gradient_accumulation_steps
             scaled = loss.float() * factor if factor != 1.0 else loss  # fp32: a 16-bit loss x scale overflows
             scaled.backward()
@@ -465,8 +478,8 @@ class Engine:
 
         Counted from tensor storages, each storage once: parameter storages (empty for
         partitioned parameters that are not gathered, whole for persistent ones), the flat
-        fp32 master (which holds the shards), the flat gradient partitions, any ``.grad``
-        still attached and the optimizer state.
+        fp32 master (which holds the shards), the hpZ secondary shards, the flat gradient
+        partitions, any ``.grad`` still attached and the optimizer state.
         """
         tensors: list[torch.Tensor] = []
         for p in self.module.parameters():
@@ -476,6 +489,8 @@ class Engine:
             if zero_params.is_partitioned(p):
                 state = zero_params.state_of(p)
                 tensors.append(state.shard)
+                if state.secondary_shard is not None:  # hpZ
+                    tensors.append(state.secondary_shard)
                 if state.grad_partition is not None:
                     tensors.append(state.grad_partition)
         tensors.extend(self.optimizer.state_tensors())

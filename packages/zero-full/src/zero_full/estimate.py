@@ -85,6 +85,8 @@ class StageMemory:
         optimizer_bytes: Optimizer state (with the fp32 master weights in mixed precision).
         shard_size: MiCS partition-group size (stage 3 sharded over ``shard_size`` ranks
             only); ``None`` for plain ZeRO.
+        hpz_size: ZeRO++ hpZ secondary-group size (stage 3 plus a secondary shard of
+            ``Ψ/hpz_size`` parameters in the working precision); ``None`` without hpZ.
     """
 
     stage: int
@@ -92,10 +94,13 @@ class StageMemory:
     gradients_bytes: float
     optimizer_bytes: float
     shard_size: int | None = None
+    hpz_size: int | None = None
 
     @property
     def name(self) -> str:
-        """``DDP``, ``ZeRO-1``, ``ZeRO-2``, ``ZeRO-3`` or ``MiCS shard <shard_size>``."""
+        """``DDP``, ``ZeRO-1``, ``ZeRO-2``, ``ZeRO-3``, ``MiCS shard <s>`` or ``ZeRO-3 + hpZ <n>``."""
+        if self.hpz_size is not None:
+            return f"ZeRO-3 + hpZ {self.hpz_size}"
         return f"MiCS shard {self.shard_size}" if self.shard_size is not None else STAGE_NAMES[self.stage]
 
     @property
@@ -134,6 +139,7 @@ class MemoryEstimate:
                     "stage": s.stage,
                     "name": s.name,
                     "shard_size": s.shard_size,
+                    "hpz_size": s.hpz_size,
                     "params_bytes": s.params_bytes,
                     "gradients_bytes": s.gradients_bytes,
                     "optimizer_bytes": s.optimizer_bytes,
@@ -151,6 +157,7 @@ def estimate_model_states(
     precision: EstimatePrecision | str = EstimatePrecision.MIXED,
     stages: tuple[int, ...] = (0, 1, 2, 3),
     mics_shard_size: int | None = None,
+    hpz_partition_size: int | None = None,
 ) -> MemoryEstimate:
     """Model-state bytes per rank at each stage (ZeRO paper, Adam).
 
@@ -161,13 +168,15 @@ def estimate_model_states(
         stages: Stages to report, each 0 (DDP) to 3.
         mics_shard_size: Also report MiCS with partition groups of this many ranks (last
             entry: stage 3 over ``mics_shard_size`` ranks, ``16Ψ/p``).
+        hpz_partition_size: Also report ZeRO-3 with ZeRO++ hpZ over this many ranks (last
+            entry: ``16Ψ/N`` plus the secondary shard, ``2Ψ/n`` mixed or ``4Ψ/n`` fp32).
 
     Returns:
-        The per-stage breakdown (the MiCS entry last).
+        The per-stage breakdown (the MiCS entry, then the hpZ entry, last).
 
     Raises:
         ValueError: a count below 1, an unknown precision or stage, or a MiCS shard size
-            that does not divide the world size.
+            or hpZ partition size that does not divide the world size.
     """
     for what, value in (("num_params", num_params), ("world_size", world_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -193,6 +202,26 @@ def estimate_model_states(
         result.append(
             StageMemory(
                 3, float(p_bytes * part), float(g_bytes * part), float(o_bytes * part), mics_shard_size
+            )
+        )
+    if hpz_partition_size is not None:
+        if (
+            isinstance(hpz_partition_size, bool)
+            or not isinstance(hpz_partition_size, int)
+            or (hpz_partition_size < 1 or world_size % hpz_partition_size)
+        ):
+            raise ValueError(
+                f"zero_hpz_partition_size={hpz_partition_size!r} must be an integer >= 1 dividing the world "
+                f"size {world_size} (normally the ranks per node)"
+            )
+        secondary = p_bytes * Fraction(num_params, hpz_partition_size)
+        result.append(
+            StageMemory(
+                3,
+                float(p_bytes * share + secondary),
+                float(g_bytes * share),
+                float(o_bytes * share),
+                hpz_size=hpz_partition_size,
             )
         )
     return MemoryEstimate(num_params, world_size, prec, tuple(result))

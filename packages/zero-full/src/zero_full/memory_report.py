@@ -96,9 +96,13 @@ def _formula(engine: Engine, num_params: int, world: int) -> tuple[float, str]:
     precision = EstimatePrecision.FP32 if cfg.precision is Precision.FP32 else EstimatePrecision.MIXED
     z = cfg.zero_optimization
     shard = z.mics_shard_size if cfg.stage == 3 and z.mics_enabled else None
-    est = estimate_model_states(max(num_params, 1), world, precision, (cfg.stage,), shard)
+    hpz = z.zero_hpz_partition_size if cfg.stage == 3 and 1 < z.zero_hpz_partition_size < world else None
+    est = estimate_model_states(max(num_params, 1), world, precision, (cfg.stage,), shard, hpz)
     group = world if shard is None else shard
     text = f"ZeRO-{cfg.stage} {precision.formula(cfg.stage)} ({precision.value}, N = {group})"
+    if hpz is not None:  # + the hpZ secondary shard, in the working precision
+        extra = "2P/n" if precision is EstimatePrecision.MIXED else "4P/n"
+        text = f"ZeRO-3 16P/N + {extra} (hpZ, {precision.value}, N = {group}, n = {hpz})"
     return est.stages[-1].total_bytes, text
 
 

@@ -6,6 +6,9 @@
   ``zero_coord.Coordinator`` (gradients reduced by the coordinator's hooks); with
   ``offload_param`` the optimizer hands the shards to a ``zero_params.OffloadedShards``,
   which the coordinator asks to swap in the shards of upcoming modules;
+* ZeRO++ (stage 3 with ``zero_quantized_weights``, ``zero_hpz_partition_size``,
+  ``zero_quantized_gradients``): the strategies of :func:`zero_full.zeropp.build_zeropp`
+  handed to ``zero_params.partition``;
 * MiCS (stage 3 with ``mics_shard_size``): the same over the shard group (see
   :mod:`zero_full.mics`), plus ``zero_optim.ReplicaGradientSync`` as the reduction: the
   gradient partitions are averaged across the replicate group at the accumulation boundary;
@@ -25,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,6 +44,7 @@ from zero_full.comm_dtype import comm_strategies
 from zero_full.config import Precision, ZeroConfig
 from zero_full.mics import MicsGroups, build_mics_groups, sync_replicas
 from zero_full.nonfinite import NonFiniteGuard
+from zero_full.zeropp import build_zeropp, feedback_strategies
 from zero_optim import (
     GradientReduction,
     LossScaler,
@@ -72,12 +77,20 @@ class StagePieces:
         coordinator: Stage 3: gathers parameters and hands gradients to the bucketed sink.
         reduction: Stages 0-2: the gradient path; MiCS: the boundary replicate-group sync.
         mics: The MiCS groups (``None`` unless ``mics_shard_size`` is set).
+        feedback: The qgZ error-feedback strategies (``zeropp_loco_param``), told about each
+            backward and optimizer step.
     """
 
     optimizer: PartitionedOptimizer
     coordinator: Coordinator | None
     reduction: GradientReduction | None
     mics: MicsGroups | None = None
+    feedback: list[Any] = dataclasses.field(default_factory=list)
+
+    def begin_backward(self) -> None:
+        """Tell the qgZ error-feedback strategies that a backward starts (their reductions restart)."""
+        for strategy in self.feedback:
+            strategy.begin_backward()
 
     @property
     def norm_group(self) -> ProcessGroup | None:
@@ -111,16 +124,26 @@ def build_stage(
     comm = comm_strategies(config)  # communication_data_type (refused with MiCS by the config)
     if config.stage == 3:
         mics = None
+        topo = topology
+        if z.mics_enabled or z.zeropp_enabled:
+            topo = topo if topo is not None else Topology()
         if z.mics_enabled:
-            mics = build_mics_groups(z, topology if topology is not None else Topology())
+            mics = build_mics_groups(z, topo)
+        zpp = build_zeropp(z, topo, mics.shard if mics is not None else None) if z.zeropp_enabled else None
         built_under_init = any(zero_params.is_partitioned(p) for p in model.parameters())
         comm.check_partitioned(model)
+        gather = mics.gather_strategy if mics is not None else comm.gather
+        reduce = comm.reduce_scatter
+        if zpp is not None:  # ZeRO++ (refused together with communication_data_type by the config)
+            gather = zpp.gather if zpp.gather is not None else gather
+            reduce = zpp.reduce if zpp.reduce is not None else reduce
         zero_params.partition(
             model,
             mics.shard if mics is not None else None,
             persistence_threshold=z.param_persistence_threshold,
-            gather_strategy=mics.gather_strategy if mics is not None else comm.gather,
-            reduce_strategy=comm.reduce_scatter,
+            gather_strategy=gather,
+            reduce_strategy=reduce,
+            secondary_strategy=zpp.secondary if zpp is not None else None,
         )
         if mics is not None and built_under_init:  # a whole model was broadcast from rank 0 already
             sync_replicas(model, mics)
@@ -138,7 +161,8 @@ def build_stage(
         )
         coordinator.install()
         sync = ReplicaGradientSync(opt.groups, mics.replicate) if mics is not None else None
-        return StagePieces(opt, coordinator, sync, mics)
+        feedback = feedback_strategies(model) if z.loco_enabled else []
+        return StagePieces(opt, coordinator, sync, mics, feedback)
     opt, reduction = zero_optim.replicated_optimizer(
         model,
         optimizer,
@@ -271,4 +295,6 @@ class StepPipeline:
             if applied:
                 opt.step()
         opt.zero_grad()
+        for strategy in self.pieces.feedback:
+            strategy.step_done()
         return applied

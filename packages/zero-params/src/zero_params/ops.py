@@ -607,7 +607,9 @@ def commit_shards(params: nn.Parameter | Iterable[nn.Parameter], *, async_op: bo
 
     Invalidates hpZ secondary shards, and re-gathers the full value of every parameter
     that is whole right now — persistent parameters and any still gathered — into its
-    existing storage (one coalesced all-gather per strategy). ``NOT_AVAILABLE`` parameters
+    existing storage (one coalesced all-gather per strategy; a strategy with an ``exact``
+    attribute, such as the quantized ``zero_comm.QuantizedAllGather``, refreshes through that
+    exact twin, so whole parameters hold exactly their shards' values). ``NOT_AVAILABLE`` parameters
     need nothing: their next gather reads the new shards.
 
     Args:
@@ -628,8 +630,10 @@ def commit_shards(params: nn.Parameter | Iterable[nn.Parameter], *, async_op: bo
                     "wait() for the gather before updating shards"
                 )
             if state.status is ParamStatus.AVAILABLE:
-                key = (_strategy_key(state.gather_strategy), state.dtype, state.device)
-                buckets.setdefault(key, (state.gather_strategy, []))[1].append((p, state))
+                # a lossy strategy (qwZ) names its exact twin: whole parameters equal their shards
+                strategy = getattr(state.gather_strategy, "exact", None) or state.gather_strategy
+                key = (_strategy_key(strategy), state.dtype, state.device)
+                buckets.setdefault(key, (strategy, []))[1].append((p, state))
         ops = [
             _issue_gather(strategy, False, items, async_op, refresh=True)
             for strategy, items in buckets.values()
