@@ -23,7 +23,9 @@ ZeRO / ZeRO++ papers' per-rank volume, ``3M(N-1)/N`` for ZeRO-3), the bytes each
 the other from the rank-pair model of :mod:`zero_testing.traffic` (independent of the ledger's
 classification) and the same from the veth counters (physical, headers included).
 
-Writes ``cluster.json``, ``cluster.md`` and ``cluster.png`` into ``--out``. Not a test: the
+Writes ``cluster.json``, ``cluster.md`` and ``cluster.png`` into ``--out``; ``--docs DIR`` also
+copies the plot to ``DIR/assets/benchmarks/`` and the table into ``DIR/benchmarks.md`` (between
+``<!-- cluster:begin -->`` and ``<!-- cluster:end -->``). Not a test: the
 only check is that the rank-pair model and the veth counters agree (printed).
 """
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import shutil
 import signal
 import statistics
 import sys
@@ -149,13 +152,13 @@ def _make_step(name: str, args: argparse.Namespace):
 def _rank_variant(info: Any, name: str, args: argparse.Namespace) -> dict[str, Any]:
     """Train ``warmup + steps`` steps of variant ``name``; this rank's times, records and veth bytes."""
     from zero_comm import CommLedger, LinkKind, Topology
-    from zero_testing.netns import interface_tx_bytes
+    from zero_testing.netns import interface_counters
 
     step, close, numel = _make_step(name, args)
     gen = torch.Generator().manual_seed(info.rank)
     ledger = CommLedger(Topology())
     times: list[float] = []
-    veth: list[int] = []
+    veth: list[tuple[int, int]] = []
     ledger_inter: list[int] = []
     records: list[tuple] = []
     losses: list[float] = []
@@ -163,16 +166,17 @@ def _rank_variant(info: Any, name: str, args: argparse.Namespace) -> dict[str, A
         ids = torch.randint(0, args.vocab, (args.micro, args.seq), generator=gen)
         dist.barrier()
         ledger.records.clear()
-        tx0 = interface_tx_bytes()
+        tx0 = interface_counters()
+        dist.barrier()  # every rank has read the counters before any rank sends
         t0 = time.perf_counter()
         with ledger:
             losses.append(step(ids))
         seconds = time.perf_counter() - t0
         dist.barrier()
-        tx1 = interface_tx_bytes()
+        sent = interface_counters() - tx0
         if i >= args.warmup:
             times.append(seconds)
-            veth.append(tx1 - tx0)
+            veth.append((sent.tx_bytes, sent.payload_bytes))
             ledger_inter.append(ledger.totals(link=LinkKind.INTER_NODE).wire_bytes)
             if i == args.warmup:
                 records = [(r.op, r.group_ranks, r.payload_bytes, r.wire_bytes) for r in ledger.records]
@@ -205,7 +209,8 @@ def run_variant(name: str, args: argparse.Namespace, cluster: Any) -> dict[str, 
     )
     model_bytes = 2 * ranks[0]["numel"]  # M: bf16 working precision
     slowest = [max(r["times"][i] for r in ranks) for i in range(args.steps)]
-    veth = [statistics.median(ranks[n * RANKS_PER_NODE]["veth_tx"]) for n in range(NODES)]
+    veth = [statistics.median(p for _, p in ranks[n * RANKS_PER_NODE]["veth_tx"]) for n in range(NODES)]
+    veth_raw = [statistics.median(b for b, _ in ranks[n * RANKS_PER_NODE]["veth_tx"]) for n in range(NODES)]
     if VARIANTS[name] is None:
         model = [ddp_node_egress(model_bytes)] * NODES
         ledger = None
@@ -222,6 +227,7 @@ def run_variant(name: str, args: argparse.Namespace, cluster: Any) -> dict[str, 
         "ledger_inter_bytes_per_rank": ledger,
         "pair_model_node_egress_bytes": model,
         "veth_node_egress_bytes": veth,
+        "veth_node_egress_bytes_with_headers": veth_raw,
         "losses_rank0": ranks[0]["losses"],
     }
 
@@ -270,7 +276,7 @@ def write_reports(out: pathlib.Path, args: argparse.Namespace, rows: list[dict],
             "speed-up vs ZeRO-3",
             "ledger inter-node / rank (xM)",
             "pair model: node egress (xM)",
-            "veth: node egress (xM)",
+            "veth: node egress payload (xM)",
             "veth vs model",
         ],
         table_rows,
@@ -295,14 +301,16 @@ def write_reports(out: pathlib.Path, args: argparse.Namespace, rows: list[dict],
         "paper's per-rank cross-node volume: 3M(N-1)/N for ZeRO-3, 0.75M for all three ZeRO++ "
         "parts at large N); the bytes each node sends to the other by the rank-pair model of "
         "`zero_testing.traffic` (gloo's rings and all-to-alls, per pair); the same from the veth "
-        "counters (headers, ACKs and the barriers around each step included).",
+        "counters, less 66 bytes of TCP/IP headers per frame (the barriers around each step and "
+        "collectives outside the ledger, e.g. the loss scaler's flag, included). The JSON also has the "
+        "veth bytes with headers.",
     ]
     write_results(out, "cluster", {"meta": meta, "rows": rows}, "\n".join(lines))
     plot(out / "cluster.png", ran, m)
 
 
 def plot(path: pathlib.Path, rows: list[dict], m: float) -> None:
-    """Two panels: step time and inter-node bytes per node (veth) of each variant that ran."""
+    """Two panels: step time and inter-node payload per node (veth) of each variant that ran."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -322,6 +330,23 @@ def plot(path: pathlib.Path, rows: list[dict], m: float) -> None:
     plt.close(fig)
 
 
+MARK_BEGIN, MARK_END = "<!-- cluster:begin -->", "<!-- cluster:end -->"
+
+
+def update_docs(docs: pathlib.Path, out: pathlib.Path) -> None:
+    """Copy ``cluster.png`` to ``docs/assets/benchmarks`` and the table of ``cluster.md`` into the page."""
+    assets = docs / "assets" / "benchmarks"
+    assets.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(out / "cluster.png", assets / "cluster.png")
+    page = docs / "benchmarks.md"
+    content = page.read_text()
+    begin, end = content.find(MARK_BEGIN), content.find(MARK_END)
+    if begin < 0 or end < begin:
+        raise RuntimeError(f"{page} has no {MARK_BEGIN} ... {MARK_END} section to hold the table")
+    text = (out / "cluster.md").read_text().split("\n", 1)[1].strip()  # without the title line
+    page.write_text(content[: begin + len(MARK_BEGIN)] + "\n\n" + text + "\n\n" + content[end:])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rate-mbit", type=float, default=100.0, help="inter-node link rate; 0: unshaped")
@@ -335,6 +360,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
+    parser.add_argument("--docs", type=pathlib.Path, default=None, help="also update DIR/benchmarks.md")
     args = parser.parse_args()
     from zero_testing.netns import LinkShape, SimulatedCluster, cluster_unavailable_reason
 
@@ -359,6 +385,8 @@ def main() -> None:
             rows.append(row)
             print(name, {k: row[k] for k in row if k in ("status", "step_seconds_median")}, flush=True)
     write_reports(args.out, args, rows, link)
+    if args.docs is not None:
+        update_docs(args.docs, args.out)
     print((args.out / "cluster.md").read_text())
 
 

@@ -16,8 +16,10 @@ counters (:meth:`SimulatedCluster.tx_bytes`) give the physical inter-node bytes.
 ``cluster=None`` the same ranks run in the current namespace over ``lo`` (the reference run).
 
 Every name includes the creating process id and a counter, so parallel runs do not collide;
-everything is removed by :meth:`SimulatedCluster.close` (context manager exit, and ``atexit``
-for an interpreter that exits early). It needs root and iproute2:
+everything is removed by :meth:`SimulatedCluster.close`: on context manager exit (also after an
+exception or Ctrl-C), at interpreter exit (``atexit``) and on SIGTERM (turned into ``SystemExit``
+while the cluster is up). What a SIGKILLed run left behind is removed by the next cluster
+(:func:`remove_stale_namespaces`). It needs root and iproute2:
 :func:`cluster_unavailable_reason` says why a cluster cannot be made here (skip with it).
 """
 
@@ -33,8 +35,10 @@ import json
 import multiprocessing as mp
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -51,7 +55,10 @@ __all__ = [
     "SimulatedCluster",
     "cluster_unavailable_reason",
     "enter_namespace",
-    "interface_tx_bytes",
+    "remove_stale_namespaces",
+    "FRAME_HEADER_BYTES",
+    "LinkCounters",
+    "interface_counters",
     "run_on_cluster",
 ]
 
@@ -124,6 +131,27 @@ def cluster_unavailable_reason() -> str | None:
     return None
 
 
+def remove_stale_namespaces() -> list[str]:
+    """Remove the namespaces of clusters whose creating process is gone (e.g. killed); their names.
+
+    Names are ``zero-<pid>-...``: a namespace whose pid no longer runs was left behind by a
+    process that could not clean up (SIGKILL). Namespaces of live processes are left alone.
+    """
+    removed = []
+    for name in _ip("netns", "list").split():
+        parts = name.split("-")
+        if len(parts) < 3 or parts[0] != "zero" or not parts[1].isdigit():
+            continue
+        try:
+            os.kill(int(parts[1]), 0)
+        except ProcessLookupError:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+            removed.append(name)
+        except PermissionError:
+            continue
+    return removed
+
+
 def enter_namespace(name: str) -> None:
     """Move the calling thread into the network namespace ``name`` (made by ``ip netns add``).
 
@@ -140,6 +168,10 @@ def enter_namespace(name: str) -> None:
         os.close(fd)
 
 
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 class SimulatedCluster:
     """``nodes`` network namespaces joined by shaped veth links through a bridge.
 
@@ -151,7 +183,7 @@ class SimulatedCluster:
         shape: How each node's link is shaped.
     """
 
-    __slots__ = ("_closer", "nodes", "prefix", "shape", "state")
+    __slots__ = ("_closer", "_old_sigterm", "nodes", "prefix", "shape", "state")
 
     def __init__(self, nodes: int = 2, shape: LinkShape | None = None) -> None:
         if not isinstance(nodes, int) or not 1 <= nodes <= 250:
@@ -161,6 +193,7 @@ class SimulatedCluster:
         self.prefix = f"zero-{os.getpid()}-{next(_COUNTER)}"
         self.state = ClusterState.NEW
         self._closer: Callable[[], None] | None = None
+        self._old_sigterm: Any = None
 
     @property
     def hub(self) -> str:
@@ -186,15 +219,27 @@ class SimulatedCluster:
         """Create the namespaces, links, addresses and shaping; undone by :meth:`close`."""
         if self.state is not ClusterState.NEW:
             raise RuntimeError(f"SimulatedCluster {self.prefix} is {self.state.value}; make a new one")
+        remove_stale_namespaces()
         self.state = ClusterState.UP
         self._closer = self.close
         atexit.register(self._closer)
+        self._catch_sigterm()
         try:
             self._build()
         except BaseException:
             self.close()
             raise
         return self
+
+    def _catch_sigterm(self) -> None:
+        """While up, SIGTERM exits like ``sys.exit`` (so ``finally`` and ``atexit`` clean up).
+
+        Only when SIGTERM has its default action and this is the main thread; restored by close.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            self._old_sigterm = signal.signal(signal.SIGTERM, _exit_on_sigterm)
 
     def _build(self) -> None:
         hub = self.hub
@@ -223,6 +268,9 @@ class SimulatedCluster:
                 if ns in existing:
                     subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
         self.state = ClusterState.CLOSED
+        if self._old_sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self._old_sigterm)
+            self._old_sigterm = None
         if self._closer is not None:
             atexit.unregister(self._closer)
             self._closer = None
@@ -253,17 +301,43 @@ class SimulatedCluster:
         return [self.link_stats(n)["tx_bytes"] for n in range(self.nodes)]
 
 
-def interface_tx_bytes(ifname: str = NODE_IFNAME) -> int:
-    """Bytes sent so far over ``ifname`` in this process's network namespace (``/proc/self/net/dev``).
+FRAME_HEADER_BYTES = 66
+"""Headers of one TCP/IPv4 frame on a veth: Ethernet 14 + IPv4 20 + TCP 20 + timestamps option 12."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkCounters:
+    """What an interface has sent so far: bytes (headers included) and frames."""
+
+    tx_bytes: int
+    tx_packets: int
+
+    def __sub__(self, other: LinkCounters) -> LinkCounters:
+        return LinkCounters(self.tx_bytes - other.tx_bytes, self.tx_packets - other.tx_packets)
+
+    @property
+    def payload_bytes(self) -> int:
+        """``tx_bytes`` less :data:`FRAME_HEADER_BYTES` per frame: the TCP payload sent.
+
+        A veth counts a segmentation-offloaded super-frame once, with one set of headers, so
+        this is exact for TCP over IPv4 with timestamps (Linux's default); pure ACK frames
+        count zero.
+        """
+        return self.tx_bytes - FRAME_HEADER_BYTES * self.tx_packets
+
+
+def interface_counters(ifname: str = NODE_IFNAME) -> LinkCounters:
+    """Counters of ``ifname`` in this process's network namespace (``/proc/self/net/dev``).
 
     Inside a rank of :func:`run_on_cluster` the default is the node's inter-node interface: the
-    delta around a window is what the node (all its ranks) sent to other nodes, headers included.
+    difference around a window is what the node (all its ranks) sent to other nodes.
     """
     with open("/proc/self/net/dev", encoding="ascii") as f:
         for line in f:
             name, sep, rest = line.partition(":")
             if sep and name.strip() == ifname:
-                return int(rest.split()[8])
+                fields = rest.split()
+                return LinkCounters(tx_bytes=int(fields[8]), tx_packets=int(fields[9]))
     raise RuntimeError(f"no interface {ifname!r} in this network namespace (/proc/self/net/dev)")
 
 

@@ -61,7 +61,7 @@ def pair_bytes(sender: int, records: Iterable[Any]) -> dict[int, float]:
             for dest in others:
                 sent[dest] = sent.get(dest, 0.0) + wire / len(others)
         elif op == "broadcast":
-            for dest in others:
+            for dest in others if payload else ():
                 sent[dest] = sent.get(dest, 0.0) + payload
         else:
             raise ValueError(
