@@ -2,7 +2,7 @@
 
 Run from the repository root, as root (``nox -s cluster-bench`` does)::
 
-    python benchmarks/cluster.py --rate-mbit 100 --out benchmarks/results
+    python benchmarks/cluster.py --rate-mbit 20 --out benchmarks/results --docs docs
 
 Builds a :class:`zero_testing.netns.SimulatedCluster` (one network namespace per node, veth
 links through a bridge, each link shaped with ``tc tbf`` at ``--rate-mbit`` in both
@@ -38,6 +38,7 @@ import signal
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -53,6 +54,7 @@ RELEASE = {
     "stage3_prefetch_bucket_size": 0,
     "stage3_max_live_parameters": 100_000,
 }
+GATHER_OPS = ("all_gather", "quantized_all_gather")
 VARIANTS: dict[str, dict[str, Any] | None] = {
     "DDP": None,
     "ZeRO-3": {},
@@ -120,7 +122,7 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
 
 
 def _make_step(name: str, args: argparse.Namespace):
-    """``(step(ids) -> loss, close(), numel)`` for variant ``name`` on this rank."""
+    """``(step(ids, after_forward) -> loss, close(), numel)`` for variant ``name`` on this rank."""
     model = build_model(args)
     numel = sum(p.numel() for p in model.parameters())
     extra = VARIANTS[name]
@@ -128,8 +130,9 @@ def _make_step(name: str, args: argparse.Namespace):
         ddp = torch.nn.parallel.DistributedDataParallel(model.to(torch.bfloat16))
         opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
 
-        def step(ids: torch.Tensor) -> float:
+        def step(ids: torch.Tensor, after_forward: Callable[[], object]) -> float:
             loss = ddp(ids)
+            after_forward()
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -140,8 +143,9 @@ def _make_step(name: str, args: argparse.Namespace):
 
     engine = zero_full.initialize(model, zero_config(extra), lambda ps: torch.optim.AdamW(ps, lr=1e-4))
 
-    def zstep(ids: torch.Tensor) -> float:
+    def zstep(ids: torch.Tensor, after_forward: Callable[[], object]) -> float:
         loss = engine(ids)
+        after_forward()
         engine.backward(loss)
         engine.step()
         return loss.item()
@@ -160,6 +164,7 @@ def _rank_variant(info: Any, name: str, args: argparse.Namespace) -> dict[str, A
     times: list[float] = []
     veth: list[tuple[int, int]] = []
     ledger_inter: list[int] = []
+    backward_gathers: list[int] = []
     records: list[tuple] = []
     losses: list[float] = []
     for i in range(args.warmup + args.steps):
@@ -170,7 +175,7 @@ def _rank_variant(info: Any, name: str, args: argparse.Namespace) -> dict[str, A
         dist.barrier()  # every rank has read the counters before any rank sends
         t0 = time.perf_counter()
         with ledger:
-            losses.append(step(ids))
+            losses.append(step(ids, ledger.step))
         seconds = time.perf_counter() - t0
         dist.barrier()
         sent = interface_counters() - tx0
@@ -178,6 +183,8 @@ def _rank_variant(info: Any, name: str, args: argparse.Namespace) -> dict[str, A
             times.append(seconds)
             veth.append((sent.tx_bytes, sent.payload_bytes))
             ledger_inter.append(ledger.totals(link=LinkKind.INTER_NODE).wire_bytes)
+            backward = ledger.select(link=LinkKind.INTER_NODE, step=ledger.current_step)
+            backward_gathers.append(sum(r.wire_bytes for r in backward if r.op in GATHER_OPS))
             if i == args.warmup:
                 records = [(r.op, r.group_ranks, r.payload_bytes, r.wire_bytes) for r in ledger.records]
     close()
@@ -185,6 +192,7 @@ def _rank_variant(info: Any, name: str, args: argparse.Namespace) -> dict[str, A
         "times": times,
         "veth_tx": veth,
         "ledger_inter": ledger_inter,
+        "ledger_backward_gathers": backward_gathers,
         "records": records,
         "numel": numel,
         "losses": losses,
@@ -213,10 +221,11 @@ def run_variant(name: str, args: argparse.Namespace, cluster: Any) -> dict[str, 
     veth_raw = [statistics.median(b for b, _ in ranks[n * RANKS_PER_NODE]["veth_tx"]) for n in range(NODES)]
     if VARIANTS[name] is None:
         model = [ddp_node_egress(model_bytes)] * NODES
-        ledger = None
+        ledger = backward = None
     else:
         model = node_egress_bytes([r["records"] for r in ranks], RANKS_PER_NODE)
         ledger = statistics.mean(statistics.mean(r["ledger_inter"]) for r in ranks)
+        backward = statistics.mean(statistics.mean(r["ledger_backward_gathers"]) for r in ranks)
     return {
         "variant": name,
         "status": "ran",
@@ -225,6 +234,7 @@ def run_variant(name: str, args: argparse.Namespace, cluster: Any) -> dict[str, 
         "step_seconds_median": statistics.median(slowest),
         "step_seconds_all": slowest,
         "ledger_inter_bytes_per_rank": ledger,
+        "ledger_backward_gather_inter_bytes_per_rank": backward,
         "pair_model_node_egress_bytes": model,
         "veth_node_egress_bytes": veth,
         "veth_node_egress_bytes_with_headers": veth_raw,
@@ -251,7 +261,7 @@ def write_reports(out: pathlib.Path, args: argparse.Namespace, rows: list[dict],
     table_rows = []
     for r in rows:
         if r["status"] != "ran":
-            table_rows.append([r["variant"], r["status"], "", "", "", "", ""])
+            table_rows.append([r["variant"], r["status"], "", "", "", "", "", ""])
             continue
         ledger = r["ledger_inter_bytes_per_rank"]
         model, veth = (
@@ -264,6 +274,7 @@ def write_reports(out: pathlib.Path, args: argparse.Namespace, rows: list[dict],
                 f"{r['step_seconds_median'] * 1e3:.0f}",
                 f"{base / r['step_seconds_median']:.2f}" if base else "",
                 "torch DDP (no ledger)" if ledger is None else f"{ledger / m:.3f}",
+                "" if ledger is None else f"{r['ledger_backward_gather_inter_bytes_per_rank'] / m:.3f}",
                 f"{model / m:.3f}",
                 f"{veth / m:.3f}",
                 f"{veth / model - 1:+.1%}",
@@ -275,12 +286,13 @@ def write_reports(out: pathlib.Path, args: argparse.Namespace, rows: list[dict],
             "step ms",
             "speed-up vs ZeRO-3",
             "ledger inter-node / rank (xM)",
+            "of which backward gathers (xM)",
             "pair model: node egress (xM)",
             "veth: node egress payload (xM)",
             "veth vs model",
         ],
         table_rows,
-        align="llrrrrr",
+        align="llrrrrrr",
     )
     v = meta["versions"]
     lines = [
@@ -299,7 +311,8 @@ def write_reports(out: pathlib.Path, args: argparse.Namespace, rows: list[dict],
         "",
         "Columns: the ledger's wire bytes per rank on node-spanning groups (ring-ideal; the ZeRO++ "
         "paper's per-rank cross-node volume: 3M(N-1)/N for ZeRO-3, 0.75M for all three ZeRO++ "
-        "parts at large N); the bytes each node sends to the other by the rank-pair model of "
+        "parts at large N), and the part of it in backward's all-gathers (0 with hpZ); the bytes "
+        "each node sends to the other by the rank-pair model of "
         "`zero_testing.traffic` (gloo's rings and all-to-alls, per pair); the same from the veth "
         "counters, less 66 bytes of TCP/IP headers per frame (the barriers around each step and "
         "collectives outside the ledger, e.g. the loss scaler's flag, included). The JSON also has the "
@@ -349,13 +362,13 @@ def update_docs(docs: pathlib.Path, out: pathlib.Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rate-mbit", type=float, default=100.0, help="inter-node link rate; 0: unshaped")
+    parser.add_argument("--rate-mbit", type=float, default=20.0, help="inter-node link rate; 0: unshaped")
     parser.add_argument("--burst-kib", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--micro", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--micro", type=int, default=1)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
