@@ -141,6 +141,9 @@ def _make_step(name: str, args: argparse.Namespace):
         return step, lambda: None, numel
     import zero_full
 
+    # Ranks start at different times on a loaded machine: meet first, so the watchdog of
+    # initialize's first collective does not take a late rank for a dead one.
+    dist.barrier()
     engine = zero_full.initialize(model, zero_config(extra), lambda ps: torch.optim.AdamW(ps, lr=1e-4))
 
     def zstep(ids: torch.Tensor, after_forward: Callable[[], object]) -> float:

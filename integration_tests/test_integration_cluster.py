@@ -64,7 +64,9 @@ def _train(rank, on_cluster: bool) -> dict:
     from zero_comm import CommLedger, LinkKind, Topology, partition_numel
 
     config = {"bf16": {"enabled": True}, "zero_optimization": RELEASED}
-    engine = zero_full.initialize(_gpt2(), config, lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    model = _gpt2()
+    dist.barrier()  # ranks start at different times on a loaded machine; the watchdog waits 10 s
+    engine = zero_full.initialize(model, config, lambda ps: torch.optim.AdamW(ps, lr=1e-3))
     numel = sum(partition_numel(zero_params.state_of(p).numel, WORLD) for p in engine.module.parameters())
     gen = torch.Generator().manual_seed(rank.rank)
     losses, steps = [], []
