@@ -207,6 +207,27 @@ def ddp_node_egress(model_bytes: float) -> float:
     return 2 * (WORLD - 1) / WORLD * model_bytes
 
 
+def _link_rate(info: Any, nbytes: int) -> float:
+    """Rank 0 (node 0) sends ``nbytes`` to rank 1 (node 1) after a warm-up; Mbit/s seen by rank 1."""
+    payload = torch.zeros(nbytes, dtype=torch.uint8)
+    for _ in range(2):  # warm-up (connection, TCP window), then the timed transfer
+        dist.barrier()
+        t0 = time.perf_counter()
+        if info.rank == 0:
+            dist.send(payload, 1)
+        else:
+            dist.recv(payload, 0)
+        seconds = time.perf_counter() - t0
+    return nbytes * 8 / seconds / 1e6
+
+
+def measure_link(cluster: Any, nbytes: int = 4_000_000) -> float:
+    """The inter-node rate one gloo send achieves on ``cluster``'s link, Mbit/s (checks the shaping)."""
+    from zero_testing.netns import run_on_cluster
+
+    return run_on_cluster(cluster, NODES, _link_rate, nbytes, ranks_per_node=1, timeout=600)[1]
+
+
 def run_variant(name: str, args: argparse.Namespace, cluster: Any) -> dict[str, Any]:
     """One variant in fresh ranks on ``cluster``; the row of the table."""
     from zero_testing.netns import run_on_cluster
@@ -301,7 +322,9 @@ def write_reports(out: pathlib.Path, args: argparse.Namespace, rows: list[dict],
     lines = [
         f"# Simulated cluster: {NODES} nodes x {RANKS_PER_NODE} ranks over a {link['description']}",
         "",
-        f"Command: `{meta['command']}` (as root). {meta['cpus']} CPUs shared by the {WORLD} ranks and "
+        f"Command: `{meta['command']}` (as root). {_link_line(link)}",
+        "",
+        f"{meta['cpus']} CPUs shared by the {WORLD} ranks and "
         f"other work (1-min load {meta['load_average_1m']:.1f} at {meta['date']}): step times are from a "
         f"loaded machine, compare them only within this table. torch {v['torch']}, transformers "
         f"{v['transformers']}, zero-full {v['zero-full']}.",
@@ -323,6 +346,13 @@ def write_reports(out: pathlib.Path, args: argparse.Namespace, rows: list[dict],
     ]
     write_results(out, "cluster", {"meta": meta, "rows": rows}, "\n".join(lines))
     plot(out / "cluster.png", ran, m)
+
+
+def _link_line(link: dict) -> str:
+    measured = link.get("measured_mbit")
+    if measured is None:
+        return ""
+    return f"One 4 MB gloo send between the nodes ran at {measured:.1f} Mbit/s (the shaping at work)."
 
 
 def plot(path: pathlib.Path, rows: list[dict], m: float) -> None:
@@ -396,6 +426,8 @@ def main() -> None:
     }
     rows = []
     with SimulatedCluster(NODES, shape) as cluster:
+        link["measured_mbit"] = measure_link(cluster)
+        print(f"link: one gloo send node 0 -> node 1 at {link['measured_mbit']:.1f} Mbit/s", flush=True)
         for name in args.variants:
             row = run_variant(name, args, cluster)
             rows.append(row)
