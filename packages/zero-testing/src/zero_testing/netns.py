@@ -421,6 +421,10 @@ def run_on_cluster(
                 conns.append(parent)
                 procs.append(proc)
             return _collect(fn, conns, procs, timeout, world_size, ranks_per_node)
+        except BaseException:  # a failure, Ctrl-C or SIGTERM: no rank is worth waiting for
+            for proc in procs:
+                proc.kill()
+            raise
         finally:
             for proc in procs:
                 proc.join(timeout=10)
