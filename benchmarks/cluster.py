@@ -316,7 +316,7 @@ def write_reports(out: pathlib.Path, args: argparse.Namespace, rows: list[dict],
             "veth vs model",
         ],
         table_rows,
-        align="llrrrrrr",
+        align="lrrrrrrr",
     )
     v = meta["versions"]
     lines = [
