@@ -11,6 +11,7 @@
     nox -s wheels             install zero-full / zero-comm by name from freshly built wheels, smoke test
     nox -s demo               the demo, zero train (README's demo command)
     nox -s bench              benchmarks, results under benchmarks/results/
+    nox -s cluster-bench      step time and inter-node bytes on a simulated 2-node cluster (root)
 
 torch is pinned to 2.13.0 through constraints.txt (a CPU wheel; an unpinned torch
 would pull a multi-GB CUDA build). Package metadata keeps a normal range.
@@ -18,8 +19,10 @@ would pull a multi-GB CUDA build). Package metadata keeps a normal range.
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
+import shutil
 import sys
 
 import nox
@@ -345,4 +348,33 @@ def bench(session: nox.Session) -> None:
         "--out",
         out,
         env=dict(TEST_ENV, DS_ACCELERATOR="cpu"),
+    )
+
+
+@nox.session(name="cluster-bench")
+def cluster_bench(session: nox.Session) -> None:
+    """Step time and inter-node bytes at 2 simulated nodes x 2 ranks over a shaped link (needs root).
+
+    benchmarks/cluster.py builds the nodes as network namespaces joined by veth links shaped with
+    ``tc`` (``ip`` and ``tc`` come from iproute2, installed with apt-get when missing) and runs
+    DDP, ZeRO-3, MiCS (shard = node) and the ZeRO++ variants the installed zero-full implements;
+    results in benchmarks/results/cluster.{md,json,png} and the table in docs/benchmarks.md.
+    Options after ``--`` go to the script, e.g. ``nox -s cluster-bench -- --rate-mbit 50``.
+    """
+    if os.geteuid() != 0:
+        session.error("cluster-bench needs root: it creates network namespaces and shapes veth links")
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        session.run("apt-get", "update", "-q", external=True)
+        session.run("apt-get", "install", "-y", "-q", "iproute2", external=True)
+    _install(session, "zero-full", "zero-testing", extras="")
+    session.install("-c", CONSTRAINTS, "transformers>=4.45", "matplotlib>=3.8")
+    session.run(
+        "python",
+        str(ROOT / "benchmarks/cluster.py"),
+        "--out",
+        str(ROOT / "benchmarks/results"),
+        "--docs",
+        str(ROOT / "docs"),
+        *session.posargs,
+        env=TEST_ENV,
     )

@@ -1,0 +1,161 @@
+"""The simulated cluster (network namespaces, shaped veth links) and the rank-pair traffic model.
+
+The model is checked against arithmetic on hand-made records, and against the physical veth
+counters for each collective gloo runs on 2 nodes x 2 ranks (root + iproute2 only).
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from zero_testing.netns import (
+    ClusterState,
+    LinkShape,
+    SimulatedCluster,
+    cluster_unavailable_reason,
+    interface_counters,
+    run_on_cluster,
+)
+from zero_testing.traffic import node_egress_bytes, pair_bytes
+
+UNAVAILABLE = cluster_unavailable_reason()
+needs_cluster = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"simulated cluster: {UNAVAILABLE}")
+WORLD4 = (0, 1, 2, 3)
+
+
+def test_ring_ops_send_everything_to_the_next_member() -> None:
+    assert pair_bytes(1, [("all_gather", WORLD4, 7, 21)]) == {2: 21}
+    assert pair_bytes(3, [("all_reduce", WORLD4, 1023, 1534)]) == {0: 1534}
+    assert pair_bytes(2, [("quantized_all_gather", (0, 2), 5, 5)]) == {0: 5}
+
+
+def test_spread_ops_and_broadcast() -> None:
+    assert pair_bytes(0, [("all_to_all", WORLD4, 12, 9)]) == {1: 3, 2: 3, 3: 3}
+    assert pair_bytes(2, [("reduce_scatter", (1, 2, 3), 9, 6)]) == {1: 3, 3: 3}
+    assert pair_bytes(0, [("broadcast", WORLD4, 13, 9)]) == {1: 13, 2: 13, 3: 13}
+    assert pair_bytes(1, [("broadcast", WORLD4, 0, 9)]) == {}
+    assert pair_bytes(1, [("all_gather", (1,), 4, 0)]) == {}
+
+
+def test_unknown_collective_and_foreign_group_are_errors() -> None:
+    with pytest.raises(ValueError, match="no traffic model for collective 'gather'"):
+        pair_bytes(0, [("gather", WORLD4, 1, 1)])
+    with pytest.raises(ValueError, match="without that rank"):
+        pair_bytes(0, [("all_gather", (1, 2), 1, 1)])
+    with pytest.raises(ValueError, match="divide"):
+        node_egress_bytes([[], [], []], 2)
+
+
+def test_node_egress_of_world_gather_and_all_to_all_at_2x2() -> None:
+    shard = 1009
+    gathers = [[("all_gather", WORLD4, shard, 3 * shard)] for _ in WORLD4]
+    # ring 0->1->2->3->0: one edge leaves each node, carrying 3 shards
+    assert node_egress_bytes(gathers, 2) == [3 * shard, 3 * shard]
+    a2a = [[("all_to_all", WORLD4, 4 * shard, 3 * shard)] for _ in WORLD4]
+    assert node_egress_bytes(a2a, 2) == [4 * shard, 4 * shard]
+    # inside a node nothing leaves it
+    intra = [[("all_gather", (0, 1) if r < 2 else (2, 3), shard, shard)] for r in WORLD4]
+    assert node_egress_bytes(intra, 2) == [0, 0]
+
+
+def test_link_shape_tc_arguments() -> None:
+    assert LinkShape(100, burst_kib=64, queue_ms=50).tc_args() == [
+        "tbf",
+        "rate",
+        "100000kbit",
+        "burst",
+        "64kb",
+        "latency",
+        "50ms",
+    ]
+    assert LinkShape(None).tc_args() == []
+    with pytest.raises(ValueError, match="positive"):
+        LinkShape(0).tc_args()
+    with pytest.raises(ValueError, match="nodes"):
+        SimulatedCluster(0)
+
+
+def _netns_names() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+@needs_cluster
+def test_cluster_is_removed_on_interrupt() -> None:
+    cluster = SimulatedCluster(3, LinkShape(50))
+    with pytest.raises(KeyboardInterrupt):
+        with cluster:
+            assert set(cluster.namespaces()) <= _netns_names()
+            assert len(cluster.tx_bytes()) == 3
+            raise KeyboardInterrupt
+    assert cluster.state is ClusterState.CLOSED
+    assert not set(cluster.namespaces()) & _netns_names()
+    with pytest.raises(RuntimeError, match="closed"):
+        cluster.up()
+
+
+_SIGTERM_CHILD = """
+import sys, time
+from zero_testing.netns import LinkShape, SimulatedCluster
+with SimulatedCluster(2, LinkShape(None)) as cluster:
+    print(" ".join(cluster.namespaces()), flush=True)
+    time.sleep(120)
+"""
+
+
+@needs_cluster
+def test_sigterm_removes_the_cluster_and_stale_namespaces_are_collected() -> None:
+    child = subprocess.Popen([sys.executable, "-c", _SIGTERM_CHILD], stdout=subprocess.PIPE, text=True)
+    names = set(child.stdout.readline().split())
+    assert len(names) == 3 and names <= _netns_names()
+    child.terminate()
+    assert child.wait(timeout=60) == 128 + signal.SIGTERM
+    assert not names & _netns_names()
+    # a namespace left by a process that is gone (SIGKILL) is removed by the next cluster
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale = f"zero-{gone.pid}-0-n0"
+    subprocess.run(["ip", "netns", "add", stale], check=True)
+    with SimulatedCluster(1, LinkShape(None)):
+        assert stale not in _netns_names()
+
+
+def _collectives(rank) -> dict[str, tuple[int, list]]:
+    """Each collective once on the world group: this node's veth payload and this rank's record."""
+    n, world = 30011, rank.world_size
+    shard, full = torch.ones(n), torch.ones(n * world)
+    out = torch.empty(n * world)
+    calls = {
+        "all_gather": (lambda: dist.all_gather_single(out, shard), n * 4 * (world - 1), n * 4),
+        "all_to_all": (lambda: dist.all_to_all_single(out, full), n * 4 * (world - 1), n * 4 * world),
+        "all_reduce": (lambda: dist.all_reduce(full), 2 * n * 4 * (world - 1), full.numel() * 4),
+        "broadcast": (lambda: dist.broadcast(full, 0), 0, full.numel() * 4 if rank.rank == 0 else 0),
+    }
+    seen = {}
+    for op, (call, wire, payload) in calls.items():
+        dist.barrier()
+        before = interface_counters()
+        dist.barrier()  # every rank has read the counters before any rank sends
+        call()
+        dist.barrier()
+        sent = (interface_counters() - before).payload_bytes
+        seen[op] = (sent, [(op, WORLD4, payload, wire)])
+    return seen
+
+
+@needs_cluster
+def test_pair_model_matches_veth_counters_for_each_collective() -> None:
+    with SimulatedCluster(2, LinkShape(None)) as cluster:
+        ranks = run_on_cluster(cluster, 4, _collectives, ranks_per_node=2, timeout=240)
+    for op in ranks[0]:
+        model = node_egress_bytes([ranks[r][op][1] for r in WORLD4], 2)
+        for node in (0, 1):
+            veth = ranks[2 * node][op][0]
+            # the barriers around the call add a few hundred bytes per node
+            assert veth == pytest.approx(model[node], rel=0.02, abs=4096), f"{op} node {node}"
