@@ -182,9 +182,23 @@ def _measure(run: Run, rank: int) -> dict[str, Any]:
         reset_peak_rss()
         loss = runner.forward(batches[s])
         forward = rss_bytes()
+        forward_peak = peak_rss_bytes()
+        reset_peak_rss()  # VmHWM restarts at the current RSS: each phase's peak, the step's is their max
         runner.backward(loss)
+        backward_peak = peak_rss_bytes()
+        reset_peak_rss()
         runner.optimizer_step()
-        steps.append({"rest": rest, "forward": forward, "peak": peak_rss_bytes(), "loss": loss.item()})
+        step_peak = peak_rss_bytes()
+        steps.append(
+            {
+                "rest": rest,
+                "forward": forward,
+                "peak": max(forward_peak, backward_peak, step_peak),
+                "backward_peak": backward_peak,
+                "optimizer_peak": step_peak,
+                "loss": loss.item(),
+            }
+        )
         del loss
     runner.forward_backward(batches[-1])
     state = model_state_bytes(runner)
@@ -253,6 +267,8 @@ def summarize(impl: str, workload: str, world: int, psi: int, ranks: list[dict[s
         "rest_bytes": rest,
         "forward_bytes": worst(lambda r, s: s["forward"] - s["rest"]),
         "peak_added_bytes": worst(lambda r, s: s["peak"] - s["rest"]),
+        "backward_added_bytes": worst(lambda r, s: s["backward_peak"] - s["rest"]),
+        "optimizer_added_bytes": worst(lambda r, s: s["optimizer_peak"] - s["rest"]),
         "step_peak_bytes": worst(lambda r, s: s["peak"] - r["baseline"]),
         "formula_bytes": formula_bytes(impl, psi, world),
         "model_state_bytes": max(r["model_state_bytes"] for r in ranks),
