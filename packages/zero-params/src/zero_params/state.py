@@ -188,7 +188,12 @@ class SavedTensorGuard:
         return bool(self._hooks)
 
     def __enter__(self) -> SavedTensorGuard:
-        hooks = torch.autograd.graph.saved_tensors_hooks(_keep, self._unpack)
+        outer = _active_saved_tensors_hooks()
+        if outer is None:
+            hooks = torch.autograd.graph.saved_tensors_hooks(_keep, self._unpack)
+        else:  # the caller's hooks (e.g. save_on_cpu) keep working: ours wrap them
+            pack, unpack = outer
+            hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda kept: self._unpack(unpack(kept)))
         hooks.__enter__()
         self._hooks.append(hooks)
         return self
@@ -226,6 +231,12 @@ class SavedTensorGuard:
 
 def _keep(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
+
+
+def _active_saved_tensors_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    """The innermost ``saved_tensors_hooks`` pair in effect (``None``: none), which ours would shadow."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return None if top is None else top(False)
 
 
 class ShardHome(Protocol):
