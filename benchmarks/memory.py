@@ -374,6 +374,8 @@ def markdown(result: dict[str, Any]) -> str:
         "and DeepSpeed): reduce and all-gather buckets of 1 block, sub_group_size 1 block.",
     ]
     lines.append(" ".join(notes))
+    if result.get("note"):
+        lines += ["", result["note"]]
     return "\n".join(lines) + "\n"
 
 
