@@ -182,9 +182,23 @@ def _measure(run: Run, rank: int) -> dict[str, Any]:
         reset_peak_rss()
         loss = runner.forward(batches[s])
         forward = rss_bytes()
+        forward_peak = peak_rss_bytes()
+        reset_peak_rss()  # VmHWM restarts at the current RSS: each phase's peak, the step's is their max
         runner.backward(loss)
+        backward_peak = peak_rss_bytes()
+        reset_peak_rss()
         runner.optimizer_step()
-        steps.append({"rest": rest, "forward": forward, "peak": peak_rss_bytes(), "loss": loss.item()})
+        step_peak = peak_rss_bytes()
+        steps.append(
+            {
+                "rest": rest,
+                "forward": forward,
+                "peak": max(forward_peak, backward_peak, step_peak),
+                "backward_peak": backward_peak,
+                "optimizer_peak": step_peak,
+                "loss": loss.item(),
+            }
+        )
         del loss
     runner.forward_backward(batches[-1])
     state = model_state_bytes(runner)
@@ -253,6 +267,8 @@ def summarize(impl: str, workload: str, world: int, psi: int, ranks: list[dict[s
         "rest_bytes": rest,
         "forward_bytes": worst(lambda r, s: s["forward"] - s["rest"]),
         "peak_added_bytes": worst(lambda r, s: s["peak"] - s["rest"]),
+        "backward_added_bytes": worst(lambda r, s: s["backward_peak"] - s["rest"]),
+        "optimizer_added_bytes": worst(lambda r, s: s["optimizer_peak"] - s["rest"]),
         "step_peak_bytes": worst(lambda r, s: s["peak"] - r["baseline"]),
         "formula_bytes": formula_bytes(impl, psi, world),
         "model_state_bytes": max(r["model_state_bytes"] for r in ranks),
@@ -291,6 +307,7 @@ def table(rows: list[dict[str, Any]]) -> str:
         "rest / formula",
         "forward holds MB",
         "step peak MB (rest + added)",
+        "backward / optimizer step add MB",
         "peak / DDP's",
         "model states counted MB",
         "imports MB",
@@ -298,7 +315,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     cells = []
     for r in rows:
         if r["error"] is not None:
-            cells.append([r["impl"], f"failed: {r['error'].splitlines()[0]}", *["-"] * 7])
+            cells.append([r["impl"], f"failed: {r['error'].splitlines()[0]}", *["-"] * 8])
             continue
         cells.append(
             [
@@ -308,12 +325,13 @@ def table(rows: list[dict[str, Any]]) -> str:
                 f"{r['rest_bytes'] / r['formula_bytes']:.2f}",
                 _mb(r["forward_bytes"]),
                 f"{_mb(r['step_peak_bytes'])} ({_mb(r['rest_bytes'])} + {_mb(r['peak_added_bytes'])})",
+                f"{_mb(r.get('backward_added_bytes'))} / {_mb(r.get('optimizer_added_bytes'))}",
                 f"{r['step_peak_bytes'] / ddp['step_peak_bytes']:.2f}" if ddp else "-",
                 _mb(r["model_state_bytes"]),
                 _mb(r["imports_bytes"]),
             ]
         )
-    return markdown_table(headers, cells, align="lrrrrrrrr")
+    return markdown_table(headers, cells, align="lrrrrrrrrr")
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -347,13 +365,17 @@ def markdown(result: dict[str, Any]) -> str:
         "zero_grad(set_to_none=True)) holds only during the step: compare its step peak.",
         "Forward holds: RSS after forward minus at rest (activations and whatever gathered",
         "parameters forward still holds when backward starts). Step peak: VmHWM of the step (reset",
-        "before its forward) minus the baseline = at rest + what the step added at its peak. Model",
+        "before its forward) minus the baseline = at rest + what the step added at its peak;",
+        "backward / optimizer step add: the peak of each phase (VmHWM reset before it) minus at rest",
+        "(the step peak is the largest of forward's, backward's and the optimizer step's). Model",
         "states counted: distinct storages reachable from the implementation's module, optimizer",
         "and engine after backward (a second figure). Stage 3 (zero, DeepSpeed): persistence",
         "threshold 0, prefetch 1 block, at most 2 blocks live, reuse distance 0. Every stage (zero",
         "and DeepSpeed): reduce and all-gather buckets of 1 block, sub_group_size 1 block.",
     ]
     lines.append(" ".join(notes))
+    if result.get("note"):
+        lines += ["", result["note"]]
     return "\n".join(lines) + "\n"
 
 

@@ -81,6 +81,12 @@ def _train_and_check_release(rank, name: str) -> dict:
             saved: list = []
             with torch.autograd.graph.saved_tensors_hooks(*_saved_param_views(saved)):
                 loss = engine(*batch)
+            # every parameter released by the end of forward holds no bytes, saved or not
+            # (with checkpointing forward saves none: the blocks' storages must be empty too)
+            for p in model.parameters():
+                state = zero_params.state_of(p)
+                if state.status is zero_params.ParamStatus.NOT_AVAILABLE and state.unsharded.nbytes:
+                    held.append((state.name, state.unsharded.nbytes))
             for state, view in saved:
                 if state.status is zero_params.ParamStatus.NOT_AVAILABLE:
                     checked.add(state.name)

@@ -495,12 +495,113 @@ def _issue_reduce_scatter(
     async_op: bool,
 ) -> ReduceScatterHandle:
     first = tensors[0]
-    out = torch.empty(sum(parts), dtype=first.dtype, device=first.device)
     if world == 1:
+        out = torch.empty(sum(parts), dtype=first.dtype, device=first.device)
         torch.cat([t.view(-1) for t in tensors], out=out)
         views = list(torch.split(out, parts))
         return ReduceScatterHandle("reduce_scatter", None, lambda: views)
-    send = _interleave(tensors, parts, world)
+    if world > _ADD_CHAIN_MAX_ROWS:
+        return _issue_reduce_scatter_full(tensors, parts, world, reduction, group, async_op)
+    _, rank = group_size_and_rank(group, "reduce_scatter_coalesced")
+    exchange = _Exchange.build(tensors, parts, world, rank)
+    work = None
+    if exchange.send.numel():
+        work = watched_call(
+            "reduce_scatter",
+            dist.all_to_all_single,
+            exchange.recv.view(-1),
+            exchange.send,
+            exchange.splits,
+            exchange.splits,
+            group=group,
+            async_op=async_op,
+        )
+
+    def finish() -> list[torch.Tensor]:
+        return list(torch.split(exchange.reduce(reduction is Reduction.AVG), parts))
+
+    return ReduceScatterHandle("reduce_scatter", work, finish, keepalive=(exchange.send,))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Exchange:
+    """The buffers of one reduce-scatter over at most :data:`_ADD_CHAIN_MAX_ROWS` ranks.
+
+    No rank sends its own partition to itself: ``send`` holds the rows of the other ranks
+    (in rank order), ``recv`` receives theirs, and this rank's row (``own``) is read where it
+    lies. A single unpadded tensor is sent as it is (no staging copy); several are
+    interleaved into ``send`` and ``own``. The sum is accumulated in place into a row of
+    ``recv`` (or ``own`` when it is staging): in flight a bucket holds its input (or its
+    staging copy) and ``(W - 1) / W`` of it for the received rows, nothing more.
+
+    Attributes:
+        send: The rows sent, contiguous (for a single tensor whose own row lies between
+            others: the whole tensor, own row included, with ``recv`` of ``W`` rows).
+        recv: ``(R, P)`` rows received.
+        splits: Elements exchanged with each rank (``all_to_all_single`` split sizes).
+        own: This rank's row, or ``None`` when it arrives in ``recv``.
+        own_writable: Whether ``own`` is a staging copy (the sum may be written into it).
+        rank: This rank.
+    """
+
+    send: torch.Tensor
+    recv: torch.Tensor
+    splits: list[int]
+    own: torch.Tensor | None
+    own_writable: bool
+    rank: int
+
+    @classmethod
+    def build(cls, tensors: Sequence[torch.Tensor], parts: list[int], world: int, rank: int) -> _Exchange:
+        first = tensors[0]
+        total = sum(parts)
+        others = [0 if r == rank else total for r in range(world)]
+        if len(tensors) == 1 and first.numel() == world * total:
+            rows = first.view(world, total)
+            if rank in (0, world - 1):  # the other rows lie back to back: send them as they are
+                send = rows[1:] if rank == 0 else rows[:-1]
+                recv = torch.empty_like(send)
+                return cls(send.reshape(-1), recv, others, rows[rank], False, rank)
+            recv = torch.empty_like(rows)
+            return cls(first.view(-1), recv, [total] * world, None, False, rank)
+        send, own = _interleave(tensors, parts, world, rank)
+        return cls(send.view(-1), torch.empty_like(send), others, own, True, rank)
+
+    def reduce(self, average: bool) -> torch.Tensor:
+        """The rows summed in rank order (averaged), as :func:`_sum_rows` would: a view of one buffer."""
+        world = len(self.splits)
+        received = iter(self.recv)
+        rows = [self.own if r == self.rank and self.own is not None else next(received) for r in range(world)]
+        # a buffer of ours to sum into: x + y == y + x exactly, so either of the first two rows
+        dst = rows[0] if self.rank != 0 or self.own_writable else rows[1]
+        with record_function("zero.reduce_scatter.local_sum"):
+            if dst.dtype in (torch.float16, torch.bfloat16):
+                acc = rows[0].float()
+                for r in range(1, world):
+                    acc.add_(rows[r])
+                if average:
+                    acc.div_(world)
+                return dst.copy_(acc)
+            torch.add(rows[0], rows[1], out=dst)
+            for r in range(2, world):
+                dst.add_(rows[r])
+            if average:
+                dst.div_(world)
+        return dst
+
+
+def _issue_reduce_scatter_full(
+    tensors: Sequence[torch.Tensor],
+    parts: list[int],
+    world: int,
+    reduction: Reduction,
+    group: ProcessGroup | None,
+    async_op: bool,
+) -> ReduceScatterHandle:
+    """Many ranks: every row exchanged (own included) and summed by :func:`_sum_rows`."""
+    first = tensors[0]
+    out = torch.empty(sum(parts), dtype=first.dtype, device=first.device)
+    send, _ = _interleave(tensors, parts, world, None)
     recv = torch.empty_like(send)
     work = None
     if send.numel():
@@ -515,28 +616,43 @@ def _issue_reduce_scatter(
     return ReduceScatterHandle("reduce_scatter", work, finish, keepalive=(send,))
 
 
-def _interleave(tensors: Sequence[torch.Tensor], parts: list[int], world: int) -> torch.Tensor:
-    """``(world, P)`` buffer whose row ``r`` holds partition ``r`` of every tensor, zero-padded.
+def _interleave(
+    tensors: Sequence[torch.Tensor], parts: list[int], world: int, own: int | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(rows, P)`` buffer whose rows hold partition ``r`` of every tensor, zero-padded, rank order.
 
-    Built by one ``torch.cat`` over slices (and zero pads) in row-major order: one kernel,
-    cheaper than a strided copy per tensor.
+    With ``own`` given, row ``own`` goes into a separate ``(P,)`` buffer (returned second)
+    instead of the rows (``world - 1`` of them). Built by one ``torch.cat`` over slices (and
+    zero pads) per buffer: one kernel, cheaper than a strided copy per tensor.
     """
     first = tensors[0]
     flats = [t.view(-1) for t in tensors]
     pad = max((min(p, world * p - f.numel()) for f, p in zip(flats, parts)), default=0)
     zeros = torch.zeros(pad, dtype=first.dtype, device=first.device)
-    pieces = []
-    for r in range(world):
-        for f, p in zip(flats, parts):
-            n = f.numel()
-            piece = f[min(r * p, n) : min((r + 1) * p, n)]
-            pieces.append(piece)
-            if piece.numel() < p:
-                pieces.append(zeros[: p - piece.numel()])
-    send = torch.empty(world, sum(parts), dtype=first.dtype, device=first.device)
-    if pieces:
-        torch.cat(pieces, out=send.view(-1))
-    return send
+
+    def pieces(ranks: Sequence[int]) -> list[torch.Tensor]:
+        found = []
+        for r in ranks:
+            for f, p in zip(flats, parts):
+                n = f.numel()
+                piece = f[min(r * p, n) : min((r + 1) * p, n)]
+                found.append(piece)
+                if piece.numel() < p:
+                    found.append(zeros[: p - piece.numel()])
+        return found
+
+    rows = [r for r in range(world) if r != own]
+    send = torch.empty(len(rows), sum(parts), dtype=first.dtype, device=first.device)
+    sent = pieces(rows)
+    if sent and send.numel():
+        torch.cat(sent, out=send.view(-1))
+    if own is None:
+        return send, None
+    mine = torch.empty(sum(parts), dtype=first.dtype, device=first.device)
+    kept = pieces([own])
+    if kept and mine.numel():
+        torch.cat(kept, out=mine)
+    return send, mine
 
 
 def _sum_rows(recv: torch.Tensor, out: torch.Tensor, average: bool) -> None:

@@ -148,6 +148,11 @@ class Coordinator:
         self._acc = StatsAccumulator()
         self._last = StepStats()
         self._total = StepStats()
+        # Active from a step's root pre-forward to its post-forward: a saved view of a released
+        # parameter read by backward raises a PartitionedParameterError naming it.
+        self._guard = zero_params.SavedTensorGuard(
+            lambda: [zero_params.state_of(s.param) for s in self._slots]
+        )
 
     def __repr__(self) -> str:
         return (
@@ -432,6 +437,8 @@ class Coordinator:
             if step is not None:
                 self._close_step(finished=False)
             step = self._begin_step(ms)
+            if not self._guard.active:
+                self._guard.__enter__()
         if ms.slots:
             self._advance(step, ms.index << 1)
             with profile_range("zero.coord.fetch"):
@@ -452,6 +459,7 @@ class Coordinator:
         step = self._step
         if recompute or step is None or step.root is not ms or step.forward_done:
             return
+        self._guard.__exit__(None, None, None)
         if failed:
             self._close_step(finished=False)
             return
@@ -552,6 +560,7 @@ class Coordinator:
                 self._diverged(step, None)
         elif step.recording:
             step.trace.begin_step()  # an abandoned recording restarts next step
+        self._guard.__exit__(None, None, None)
         self._release_everything(force=True)
         self._step = None
         self._last = self._acc.close(step.phase, self._live)

@@ -423,7 +423,7 @@ class BoundaryReduction:
     __slots__ = ("max_inflight", "plan", "reduce_fn")
 
     def __init__(
-        self, plan: BucketPlan, reduce_fn: Callable[..., ReduceHandle], max_inflight: int = 2
+        self, plan: BucketPlan, reduce_fn: Callable[..., ReduceHandle], max_inflight: int = 1
     ) -> None:
         self.plan = plan
         self.reduce_fn = reduce_fn

@@ -65,6 +65,7 @@ __all__ = [
     "ParamStatus",
     "PartitionedParameter",
     "PartitionedParameterError",
+    "SavedTensorGuard",
     "ShardHome",
     "ShardedParam",
     "UnshardedStorage",
@@ -154,6 +155,88 @@ class UnshardedStorage:
         """Resize the storage to 0 bytes (its tensors, saved views included, stay valid objects)."""
         if self.flat is not None and self.flat.untyped_storage().nbytes():
             self.flat.untyped_storage().resize_(0)
+
+
+class SavedTensorGuard:
+    """Names the parameter when autograd reads a saved view of a released gathered storage.
+
+    Autograd saves views of the gathered weights in forward; release empties their storage
+    (:class:`UnshardedStorage`) and zero_coord's backward hooks refill it before the module's
+    backward reads them. Code that escapes those hooks (a hook of the user's running ops on
+    the saved graph, a checkpointed region whose recomputation is bypassed) would otherwise
+    fail deep in autograd with an opaque ``setStorage ... out of bounds for storage of size
+    0``, or worse. Inside ``with guard:`` every tensor autograd saves passes through
+    ``torch.autograd.graph.saved_tensors_hooks``; the pack hook keeps the tensor as it is (no
+    copy, no lookup) and the unpack hook raises :class:`PartitionedParameterError`, naming
+    the parameter, when the tensor has elements but its storage holds no bytes. Nested
+    ``saved_tensors_hooks`` (non-reentrant checkpointing's own) take precedence inside them.
+
+    Args:
+        states: Called on the error path only: the states that may own the storage (e.g.
+            every parameter a coordinator manages).
+    """
+
+    __slots__ = ("_hooks", "_states")
+
+    def __init__(self, states: Callable[[], Sequence[ShardedParam]]) -> None:
+        self._states = states
+        self._hooks: list[torch.autograd.graph.saved_tensors_hooks] = []
+
+    @property
+    def active(self) -> bool:
+        """Whether the hooks are pushed (between :meth:`__enter__` and :meth:`__exit__`)."""
+        return bool(self._hooks)
+
+    def __enter__(self) -> SavedTensorGuard:
+        outer = _active_saved_tensors_hooks()
+        if outer is None:
+            hooks = torch.autograd.graph.saved_tensors_hooks(_keep, self._unpack)
+        else:  # the caller's hooks (e.g. save_on_cpu) keep working: ours wrap them
+            pack, unpack = outer
+            hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda kept: self._unpack(unpack(kept)))
+        hooks.__enter__()
+        self._hooks.append(hooks)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._hooks:
+            self._hooks.pop().__exit__(*exc)
+
+    def _unpack(self, saved: torch.Tensor) -> torch.Tensor:
+        if saved.numel() and not saved.untyped_storage().nbytes():
+            raise PartitionedParameterError(self._describe(saved))
+        return saved
+
+    def _describe(self, saved: torch.Tensor) -> str:
+        key = saved.untyped_storage()._cdata
+        owner = next(
+            (
+                st.display_name
+                for st in self._states()
+                if st.unsharded.flat is not None and st.unsharded.flat.untyped_storage()._cdata == key
+            ),
+            None,
+        )
+        what = f"parameter {owner!r}" if owner else "a released tensor (no parameter this guard knows)"
+        return (
+            f"backward read the copy autograd saved in forward of {what} (shape {tuple(saved.shape)}), "
+            "but its gathered storage was released and not gathered again: zero_coord gathers a module's "
+            "parameters before that module's backward, so this op runs outside the module that used "
+            "the parameter (a hook of yours, or a checkpointed function that escapes the hooked "
+            "modules). Gather it around that code (zero_params.GatheredParameters, or "
+            "Coordinator.fetch(module) before and release(module) after), use the parameter inside "
+            "the module that owns it, or register it with zero_params.register_external_parameter"
+        )
+
+
+def _keep(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+def _active_saved_tensors_hooks() -> tuple[Callable[..., Any], Callable[..., Any]] | None:
+    """The innermost ``saved_tensors_hooks`` pair in effect (``None``: none), which ours would shadow."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return None if top is None else top(False)
 
 
 class ShardHome(Protocol):
