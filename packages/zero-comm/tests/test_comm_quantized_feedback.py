@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zero_comm import Topology, reduce_scatter_coalesced
+from zero_comm import Topology, reduce_scatter_coalesced_padded
 from zero_comm.qgz_feedback import ErrorFeedbackConfig, ErrorFeedbackReduceScatter
 from zero_comm.quantized import QuantizedReduceScatter
 
@@ -30,7 +30,7 @@ def _grads(rank: int) -> list[torch.Tensor]:
 def _mean_error(rank, err_beta: float | None, reset_t: int):
     topo = Topology()
     grads = _grads(rank.rank)
-    exact = [t.clone() for t in reduce_scatter_coalesced(grads, op="avg").wait()]
+    exact = [t.clone() for t in reduce_scatter_coalesced_padded(grads, op="avg")]
     if err_beta is None:
         strategy = QuantizedReduceScatter(topo)
     else:
