@@ -37,10 +37,19 @@ import torch
 from torch.profiler import record_function
 
 from zero_comm.handles import ReduceScatterHandle
-from zero_comm.quantized import QGZ_DEFAULT_CONFIG, QuantizedReduceScatter, _quant_reduce
+
+# zero-kernels through zero_comm.quantized, which says how to install it when it is missing
+from zero_comm.quantized import (
+    QGZ_DEFAULT_CONFIG,
+    QuantConfig,
+    QuantizedReduceScatter,
+    QuantizedTensor,
+    _quant_reduce,
+    dequantize,
+    quantize,
+)
 from zero_comm.reduction import ReduceOpLike
 from zero_comm.topology import Topology
-from zero_kernels import QuantConfig, QuantizedTensor, dequantize, quantize
 
 __all__ = ["ErrorFeedbackConfig", "ErrorFeedbackReduceScatter"]
 

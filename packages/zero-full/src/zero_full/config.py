@@ -172,7 +172,7 @@ class ZeroConfig(Section):
     dtype, stage-3 parameters are gathered in: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (``null``: the
     working dtype). Reductions sum and average in the working dtype after the cast back (no
     prescaling); fp32 training with ``"bf16"`` halves the bytes. Not with ``mics_shard_size``
-    (see [Precision](precision.md#communication-data-type))."""
+    (see the Precision page of the docs)."""
     robustness: Annotated[RobustnessConfig, _USED] = Field(default_factory=RobustnessConfig)
     """Collective watchdog, non-finite gradient policy, rank agreement (section below; not a
     DeepSpeed section)."""
