@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 WORKER = Path(__file__).with_name("robustness_worker.py")
 TIMEOUT = 3.0
 
@@ -56,9 +58,11 @@ def test_an_extra_submodule_call_on_one_rank_raises_on_both_naming_the_module(tm
         assert res[r]["seconds"] < TIMEOUT + 5
 
 
-def test_with_check_paths_an_extra_call_in_the_first_step_is_caught(tmp_path):
-    # in the first step no module order is recorded yet: check_paths compares every collective
-    res = _torchrun("extra0", tmp_path, ZERO_ROBUST_CHECK_PATHS="1")
+@pytest.mark.parametrize("check_paths", ["0", "1"])
+def test_an_extra_call_in_the_first_step_is_caught(tmp_path, check_paths):
+    # in the first step no module order is recorded yet: the default config checks every
+    # collective's path while a step records (check_paths = true: in every step)
+    res = _torchrun("extra0", tmp_path, ZERO_ROBUST_CHECK_PATHS=check_paths)
     for r in (0, 1):
         assert res[r].get("error") == "RanksDivergedError", res
         message = res[r]["message"]

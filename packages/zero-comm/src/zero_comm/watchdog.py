@@ -51,6 +51,7 @@ __all__ = [
     "label",
     "note",
     "path_diverged",
+    "recording_paths",
     "watched_call",
     "watched_wait",
 ]
@@ -141,6 +142,7 @@ class CommWatchdog:
         "_departures",
         "_label",
         "_position",
+        "_recording",
         "_seen",
         "_stop",
         "_store_lock",
@@ -173,6 +175,7 @@ class CommWatchdog:
         self.timeout = float(timeout)
         self.heartbeat_interval = float(heartbeat_interval)
         self.check_paths = check_paths
+        self._recording = False
         self._call = 0
         self._beat = 0
         self._label = ""
@@ -285,6 +288,24 @@ class CommWatchdog:
         finally:
             op, call, label, since, _ = self._position
             self._position = (op, call, label, since, False)
+
+    @property
+    def paths_checked(self) -> bool:
+        """Whether the next collective is preceded by :meth:`check_same_path`.
+
+        Always with ``check_paths``; otherwise while a step records its module order (see
+        :meth:`recording`), the one stretch a departure cannot be told from the recorded trace.
+        """
+        return self.check_paths or self._recording
+
+    def recording(self, on: bool) -> None:
+        """Check every collective's path while ``on``: a stage-3 step that records its module order.
+
+        After the recording, a rank that leaves the order is caught before its gather (see
+        :meth:`diverged`); during it, nothing is recorded to compare with, so each collective is
+        checked as with ``check_paths`` — only for that step.
+        """
+        self._recording = on
 
     def check_same_path(self, op: str, call: int, group: Any) -> None:
         """All-gather ``(op, call, digest of what)`` over ``group``; raise on every rank if they differ.
@@ -586,6 +607,16 @@ def path_diverged(what: str) -> None:
         wd.diverged(what)
 
 
+def recording_paths(on: bool) -> None:
+    """Tell the active watchdog (if any) that a step starts (``True``) or stops recording its module order.
+
+    See :meth:`CommWatchdog.recording`; without an active watchdog nothing is checked.
+    """
+    wd = active_watchdog()
+    if wd is not None:
+        wd.recording(on)
+
+
 def watched_call(
     kind: str, fn: Callable[..., Any], /, *args: Any, async_op: bool = False, **kwargs: Any
 ) -> Any:
@@ -599,7 +630,7 @@ def watched_call(
     if wd is None:
         return fn(*args, async_op=async_op, **kwargs)
     call = wd.issued(kind)
-    if wd.check_paths:
+    if wd.paths_checked:
         wd.check_same_path(kind, call, kwargs.get("group"))
     work = fn(*args, async_op=True, **kwargs)
     if async_op:

@@ -35,7 +35,7 @@ from torch import nn
 from torch.autograd import Variable
 
 import zero_params
-from zero_comm.watchdog import label, path_diverged
+from zero_comm.watchdog import label, path_diverged, recording_paths
 from zero_comm.watchdog import note as watchdog_note
 from zero_coord._profile import profile_range
 from zero_coord._tree import collect_grad_tensors
@@ -546,6 +546,8 @@ class Coordinator:
         trace = self._trace_for(phase, root)
         step = _Step(phase, root, trace, valid=trace.begin_step())
         self._step = step
+        # Nothing recorded to tell a departure by: check each collective's path this step.
+        recording_paths(step.recording)
         return step
 
     def _close_step(self, finished: bool) -> None:
@@ -560,6 +562,7 @@ class Coordinator:
                 self._diverged(step, None)
         elif step.recording:
             step.trace.begin_step()  # an abandoned recording restarts next step
+        recording_paths(False)
         self._guard.__exit__(None, None, None)
         self._release_everything(force=True)
         self._step = None

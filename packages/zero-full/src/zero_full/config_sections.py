@@ -186,14 +186,14 @@ class RobustnessConfig(Section):
     ``zero_full.NonFiniteGradientError`` naming it. fp16 keeps its loss-scaler rule (skip and
     lower the scale)."""
     check_paths: Annotated[Flag, _USED] = False
-    """Before every collective, all-gather a small signature (operation, call number, what it is
-    for) and raise ``zero_comm.RanksDivergedError`` on every rank at the first difference, naming
-    each rank's position. Off by default: it adds one small collective per collective, and with
-    the watchdog on, stage 3 already catches a rank that leaves the module order recorded in the
-    first step (checked through the store before its gather, no collective). Turn it on for what
-    that does not cover: a different path in the very first step, or collectives issued outside
-    the model's modules; with gloo mismatched sizes otherwise abort the process in C++
-    ("Received data size doesn't match expected size"), before any timeout could fire."""
+    """Before every collective of every step, all-gather a small signature (operation, call
+    number, what it is for) and raise ``zero_comm.RanksDivergedError`` on every rank at the first
+    difference, naming each rank's position. Off by default: it adds one small collective per
+    collective. Without it, stage 3 checks this way only while a step records its module order
+    (the first step), and afterwards catches a rank that leaves the recorded order before its
+    gather (through the store, no collective). Turn it on for collectives outside the model's
+    modules; with gloo mismatched sizes otherwise abort the process in C++ ("Received data size
+    doesn't match expected size"), before any timeout could fire."""
     check_rank_agreement: Annotated[Flag, _USED] = True
     """At ``initialize``, compare every rank's parameter names, shapes, dtypes, ``requires_grad``
     flags and effective config values (one all-gather of digests) and raise on every rank naming
