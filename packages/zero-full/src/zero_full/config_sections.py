@@ -646,10 +646,10 @@ class ZeroOptimizationConfig(Section):
     zero_hpz_partition_size: Annotated[Int(1), _stage3()] = 1
     """ZeRO++ hpZ: ranks holding a secondary shard of the parameters (usually the ranks of one
     node; must divide the world size and the ranks per node); backward gathers stay inside the
-    node; costs P/n elements per rank. 1 is off. See [ZeRO++](zeropp.md)."""
+    node; costs P/n elements per rank. 1 is off. See the ZeRO++ page of the docs."""
     zero_quantized_weights: Annotated[Flag, _stage3()] = False
     """ZeRO++ qwZ: all-gather parameters as int8 codes + fp32 scales, dequantized on arrival;
-    masters and optimizer stay exact. See [ZeRO++](zeropp.md)."""
+    masters and optimizer stay exact. See the ZeRO++ page of the docs."""
     zero_quantized_nontrainable_weights: Annotated[
         Flag,
         _stage3(
@@ -663,7 +663,7 @@ class ZeroOptimizationConfig(Section):
     zero_quantized_gradients: Annotated[Flag, _stage3()] = False
     """ZeRO++ qgZ: reduce gradients quantized to int4 with two all-to-all hops (inside the node,
     then across); 1-D and indivisible tensors exactly. Needs a world of whole nodes. See
-    [ZeRO++](zeropp.md)."""
+    the ZeRO++ page of the docs."""
     zeropp_loco_param: Annotated[ZeroppLocoConfig | None, _stage3()] = None
     """With ``zero_quantized_gradients``: error feedback for qgZ, DeepSpeed's
     ``{"err_beta": 0.8, "reset_T": 1024}`` (section below); absent or null: no error feedback.
