@@ -113,9 +113,9 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=3600.0)
     parser.add_argument("--out", type=pathlib.Path, default=None)
     args = parser.parse_args()
+    env = environment("zero-full")  # before the ranks run: the load they add is not "other work"
     found = spawn_ranks(_rank_main, args.world, args, args.timeout)
     summary = summarize(found["times"])
-    env = environment("zero-full")
     loaded = env["load_average_1m"] > 0.5 * (env["cpus"] or 1)
     label = " (LOADED machine: not a valid timing)" if loaded else ""
     text = (
