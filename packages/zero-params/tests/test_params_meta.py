@@ -12,7 +12,7 @@ from params_cases import run
 from torch import nn
 
 import zero_params as zp
-from zero_params.ops import meta_target_device
+from zero_params.partitioning import meta_target_device
 
 
 class _Reinit(nn.Module):

@@ -42,7 +42,8 @@ from torch.profiler import record_function
 
 import zero_params
 from zero_full.checkpoint.io import CheckpointError
-from zero_params.ops import meta_target_device, reshard_from_full
+from zero_params.partitioning import meta_target_device
+from zero_params.transitions import reshard_from_full
 
 if TYPE_CHECKING:
     from zero_full.engine import ConfigLike, Engine
@@ -411,7 +412,7 @@ class MetaParameters:
     Buffers are left real. Parameters already on ``meta`` or already partitioned (a tied
     parameter registered again) are left alone. Enter it before :class:`zero_full.Init` so
     that Init partitions the meta parameters (zero-filled shards, see
-    ``zero_params.ops._partition_one``).
+    ``zero_params.partitioning._partition_one``).
 
     Args:
         skip_hf_init: Mark each module that registers a parameter as initialised the way

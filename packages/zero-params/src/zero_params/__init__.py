@@ -12,6 +12,7 @@ Init and GatheredParameters.
 * :class:`OffloadedShards`: shards kept in host memory or on NVMe (``offload_param``).
 """
 
+from zero_params.commit import commit_shards
 from zero_params.external import (
     ModuleParamsState,
     external_parameters,
@@ -19,18 +20,12 @@ from zero_params.external import (
     unregister_external_parameter,
 )
 from zero_params.gathered import GatheredParameters
+from zero_params.gathering import GatherHandle, gather, release
+from zero_params.grad_reduce import GradReduceHandle, reduce_scatter_grads
+from zero_params.hpz import invalidate_secondary
 from zero_params.init import Init
 from zero_params.offload import OffloadedShards
-from zero_params.ops import (
-    GatherHandle,
-    GradReduceHandle,
-    commit_shards,
-    gather,
-    invalidate_secondary,
-    partition,
-    reduce_scatter_grads,
-    release,
-)
+from zero_params.partitioning import partition
 from zero_params.spec import ShardingSpec
 from zero_params.state import (
     ParamStatus,

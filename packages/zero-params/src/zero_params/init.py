@@ -19,14 +19,8 @@ from torch.profiler import record_function
 from torch.utils.weak import WeakIdKeyDictionary
 
 from zero_comm import AllGatherStrategy, ReduceScatterStrategy
-from zero_params.ops import (
-    gather,
-    make_available,
-    make_not_available,
-    materialize_uninitialized,
-    partition_with,
-    reshard_from_full,
-)
+from zero_params.gathering import gather
+from zero_params.partitioning import partition_with
 from zero_params.spec import ShardingSpec
 from zero_params.state import (
     STATE_ATTR,
@@ -35,6 +29,12 @@ from zero_params.state import (
     ShardedParam,
     _func_label,
     is_metadata_func,
+)
+from zero_params.transitions import (
+    make_available,
+    make_not_available,
+    materialize_uninitialized,
+    reshard_from_full,
 )
 
 __all__ = ["Init"]

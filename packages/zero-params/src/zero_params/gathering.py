@@ -1,0 +1,223 @@
+"""gather / release: all-gather partitioned parameters into their own storage, and drop it again.
+
+Collectives are issued in the order the parameters are passed (buckets in order of first
+appearance), so every rank of a group must pass the same parameters in the same order —
+like any collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.profiler import record_function
+
+from zero_comm import AllGatherHandle, AllGatherStrategy, group_ranks
+from zero_params.hpz import build_secondary
+from zero_params.selection import Item, bucket_key, iter_states
+from zero_params.state import ParamStatus, ShardedParam, ShardHome
+from zero_params.transitions import make_available, make_not_available, unsharded_dest, unsharded_view
+
+__all__ = ["GatherHandle", "gather", "issue_gather", "release"]
+
+
+@dataclasses.dataclass(eq=False)
+class _GatherOp:
+    """One issued all-gather for a bucket of parameters.
+
+    ``dests`` are the tensors the gather fills, one per item: the parameters' unsharded
+    storages (or, for a refresh, their current full data). ``copy_out`` is set for a
+    strategy without ``all_gather_coalesced_into``: the gathered tensors then land in the
+    strategy's own flat buffer and are copied into ``dests`` on ``wait()``.
+    """
+
+    comm: AllGatherHandle | None
+    items: list[tuple[nn.Parameter, ShardedParam]]
+    dests: list[torch.Tensor]
+    copy_out: bool
+    secondary: bool
+    refresh: bool  # commit_shards: the full data stays where it is, only its values change
+
+    def wait(self) -> None:
+        if self.comm is None:
+            return
+        with record_function("zero.params.gather.wait"), torch._C.DisableTorchFunction(), torch.no_grad():
+            outputs = self.comm.wait()
+            if self.copy_out:
+                for dest, gathered in zip(self.dests, outputs):
+                    dest.view(-1).copy_(gathered[: dest.numel()])
+            if not self.refresh:
+                primary = not self.secondary
+                for p, state in self.items:
+                    make_available(p, state, unsharded_view(state))
+                    if primary and state.secondary_strategy is not None and not state.secondary_valid:
+                        build_secondary(state, state.unsharded.flat)
+        self.comm = None
+        self.items = []
+        self.dests = []
+
+    def is_completed(self) -> bool:
+        return self.comm is None or self.comm.is_completed()
+
+
+class GatherHandle:
+    """The all-gathers one :func:`gather` (or :func:`commit_shards`) call issued or joined.
+
+    ``wait()`` completes them: the parameters become ``AVAILABLE`` views into their
+    gathered buffers. Waiting twice is a no-op.
+    """
+
+    __slots__ = ("_ops",)
+
+    def __init__(self, ops: list[_GatherOp]) -> None:
+        self._ops = ops
+
+    def __repr__(self) -> str:
+        return f"GatherHandle(collectives={len(self._ops)}, completed={self.is_completed()})"
+
+    def wait(self) -> None:
+        """Block until every gather of this handle completed and the parameters are ``AVAILABLE``."""
+        for op in self._ops:
+            op.wait()
+
+    def is_completed(self) -> bool:
+        """Whether ``wait()`` would not block on communication."""
+        return all(op.is_completed() for op in self._ops)
+
+
+def gather(
+    params: nn.Parameter | Iterable[nn.Parameter],
+    *,
+    async_op: bool = True,
+    secondary: bool = False,
+    group: ProcessGroup | None = None,
+) -> GatherHandle:
+    """All-gather the ``NOT_AVAILABLE`` parameters among ``params``, coalesced.
+
+    One collective per distinct (gather strategy, dtype, device) among the parameters that
+    need it. Strategies are compared with ``==`` (identity for zero_comm's strategies
+    today), so partition a model with one call, one :class:`Init`, or by passing the same
+    strategy objects, and every gather is a single collective. Parameters become
+    ``INFLIGHT``, then on ``wait()`` ``AVAILABLE`` views (full shape) of their own
+    :class:`UnshardedStorage`, which the collective fills directly (one copy per element
+    out of the rank-major gathered buffer, none for a lone unpadded parameter).
+    ``AVAILABLE`` (and persistent) parameters cost nothing; ``INFLIGHT`` ones join the
+    existing collective (the returned handle waits for it) — no duplicate traffic.
+    Non-partitioned parameters are ignored.
+
+    With ``secondary=True`` (hpZ, e.g. for backward), parameters holding a valid
+    secondary shard are gathered over their secondary group only; the others fall back to
+    the primary group (and build their secondary shard). Secondary shards are built on
+    every primary gather and invalidated by :func:`commit_shards` / :func:`invalidate_secondary`.
+
+    Args:
+        params: Parameters (or one parameter), the same on every rank, in the same order.
+        async_op: Return before the communication completes (call ``wait()``).
+        secondary: Use the hpZ secondary shards where valid.
+        group: If given, every partitioned parameter must be partitioned over exactly this group.
+
+    Returns:
+        A :class:`GatherHandle` (already waited for when ``async_op=False``).
+
+    Raises:
+        ValueError: a parameter is partitioned over another group than ``group``.
+    """
+    with record_function("zero.params.gather"):
+        want = group_ranks(group) if group is not None else None
+        joined: list[_GatherOp] = []
+        buckets: dict[tuple[Any, ...], tuple[AllGatherStrategy, bool, list[Item]]] = {}
+        for p, state in iter_states(params):
+            if want is not None and state.group_ranks != want:
+                raise ValueError(
+                    f"parameter {state.display_name!r} is partitioned over ranks {list(state.group_ranks)}, "
+                    f"but gather was asked to gather over ranks {list(want)}; gather it over its own group "
+                    "(omit group=) or partition it over the group you need"
+                )
+            if state.status is ParamStatus.AVAILABLE:
+                continue
+            if state.status is ParamStatus.INFLIGHT:
+                if not any(op is state.handle for op in joined):
+                    joined.append(state.handle)
+                continue
+            use_sec = secondary and state.secondary_valid and state.secondary_strategy is not None
+            strategy = state.secondary_strategy if use_sec else state.gather_strategy
+            key = (bucket_key(strategy), use_sec, state.dtype, state.device)
+            buckets.setdefault(key, (strategy, use_sec, []))[2].append((p, state))
+        ops = [
+            issue_gather(strategy, use_sec, items, async_op) for strategy, use_sec, items in buckets.values()
+        ]
+        handle = GatherHandle(joined + ops)
+    if not async_op:
+        handle.wait()
+    return handle
+
+
+def issue_gather(
+    strategy: AllGatherStrategy,
+    use_secondary: bool,
+    items: list[tuple[nn.Parameter, ShardedParam]],
+    async_op: bool,
+    refresh: bool = False,
+) -> _GatherOp:
+    with torch._C.DisableTorchFunction():
+        shards = _upload_shards(items, use_secondary)
+        if refresh:
+            dests = [p.data for p, _ in items]
+            # a persistent parameter's shard is a view of its full data: send a copy, so the
+            # collective never reads and writes the same memory
+            shards = [s.clone() if state.persistent else s for s, (_, state) in zip(shards, items)]
+        else:
+            dests = [unsharded_dest(state, strategy) for _, state in items]
+        into = getattr(strategy, "all_gather_coalesced_into", None)
+        if into is not None:
+            comm = into(shards, dests, async_op=async_op)
+        else:  # e.g. hierarchical or quantized: through their flat output, then one copy each
+            comm = strategy.all_gather_coalesced(shards, async_op=async_op)
+        op = _GatherOp(comm, items, dests, into is None, use_secondary, refresh)
+        if not refresh:
+            for _, state in items:
+                state.status = ParamStatus.INFLIGHT
+                state.handle = op
+        return op
+
+
+def _upload_shards(items: list[tuple[nn.Parameter, ShardedParam]], use_secondary: bool) -> list[torch.Tensor]:
+    """The shards to all-gather, on the gather device; offloaded ones come from their home (one call each)."""
+    shards: list[torch.Tensor | None] = []
+    homes: dict[int, tuple[ShardHome, list[int]]] = {}
+    for i, (_, state) in enumerate(items):
+        if state.offload is not None and not use_secondary:
+            homes.setdefault(id(state.offload), (state.offload, []))[1].append(i)
+            shards.append(None)
+            continue
+        shard = state.secondary_shard if use_secondary else state.shard
+        shards.append(shard.to(state.device, non_blocking=True) if shard.device != state.device else shard)
+    for home, indices in homes.values():
+        for i, t in zip(indices, home.upload([items[i][1] for i in indices]), strict=True):
+            shards[i] = t
+    return [s for s in shards if s is not None]
+
+
+def release(params: nn.Parameter | Iterable[nn.Parameter]) -> None:
+    """Drop the full data of gathered parameters: back to ``NOT_AVAILABLE``.
+
+    Each parameter's unsharded storage is resized to 0 bytes: the memory is freed at once,
+    also where autograd saved views of the parameter for backward (they read the storage
+    again once a gather refilled it — the coordinator's backward hooks do that).
+    ``INFLIGHT`` parameters are waited for first; persistent, ``NOT_AVAILABLE`` and
+    non-partitioned parameters are left alone. Edits made to the full data are discarded
+    (use :class:`GatheredParameters` with ``modifier_rank`` to keep them). Local, no
+    communication.
+    """
+    with record_function("zero.params.release"), torch._C.DisableTorchFunction():
+        for p, state in iter_states(params):
+            if state.persistent:
+                continue
+            if state.status is ParamStatus.INFLIGHT:
+                state.handle.wait()
+            if state.status is ParamStatus.AVAILABLE:
+                make_not_available(p, state)
