@@ -32,11 +32,12 @@ from torch.distributed import ProcessGroup
 from torch.profiler import record_function
 
 from zero_comm.checks import check_flat_inputs
+from zero_comm.coalesced import copy_columns_strided
 from zero_comm.handles import AllGatherHandle, ReduceScatterHandle, TensorHandle
 from zero_comm.ledger import record, ring_wire_bytes
 from zero_comm.partition import partition_numel
 from zero_comm.reduction import ReduceOpLike, Reduction
-from zero_comm.topology import group_size_and_rank
+from zero_comm.strategies import OnGroup
 from zero_comm.watchdog import watched_call
 
 __all__ = ["COMM_DTYPES", "CastAllGather", "CastAllReduce", "CastReduceScatter"]
@@ -61,7 +62,20 @@ def _check_float(tensors: Sequence[torch.Tensor], what: str) -> None:
         raise ValueError(f"{what}: casting collectives move floating-point tensors, got {tensors[0].dtype}")
 
 
-class CastAllGather:
+class _OnGroupThroughDtype(OnGroup):
+    """A strategy over one group that moves its values as ``dtype`` (checked first)."""
+
+    __slots__ = ("dtype",)
+
+    def __init__(self, dtype: torch.dtype, group: ProcessGroup | None = None) -> None:
+        self.dtype = _check_dtype(dtype, type(self).__name__)
+        super().__init__(group)
+
+    def _repr_fields(self) -> str:
+        return f"dtype={self.dtype}, {super()._repr_fields()}"
+
+
+class CastAllGather(_OnGroupThroughDtype):
     """All-gather that sends the shards as ``dtype`` and writes the result back in the shards' dtype.
 
     Args:
@@ -69,17 +83,7 @@ class CastAllGather:
         group: Process group (``None``: the world).
     """
 
-    __slots__ = ("dtype", "group", "group_rank", "group_size")
-
-    def __init__(self, dtype: torch.dtype, group: ProcessGroup | None = None) -> None:
-        self.dtype = _check_dtype(dtype, "CastAllGather")
-        self.group = group
-        self.group_size, self.group_rank = group_size_and_rank(group, "CastAllGather")
-
-    def __repr__(self) -> str:
-        return (
-            f"CastAllGather(dtype={self.dtype}, group_size={self.group_size}, group_rank={self.group_rank})"
-        )
+    __slots__ = ()
 
     def all_gather_coalesced(
         self, shards: Sequence[torch.Tensor], *, async_op: bool = False, out: torch.Tensor | None = None
@@ -149,7 +153,7 @@ class CastAllGather:
                 )
 
             def finish() -> list[torch.Tensor]:
-                _copy_rows_cast(staging, sizes, outs)
+                copy_columns_strided(staging, sizes, outs)
                 return outs
 
             handle = AllGatherHandle("all_gather", work, finish, keepalive=(send,))
@@ -173,22 +177,7 @@ def _check_outputs(
             )
 
 
-def _copy_rows_cast(staging: torch.Tensor, sizes: list[int], outputs: list[torch.Tensor]) -> None:
-    """Copy column block ``i`` of the rank-major ``staging`` into ``outputs[i]``, casting to its dtype."""
-    offset = 0
-    for n, out in zip(sizes, outputs):
-        flat = out.view(-1)
-        numel = flat.numel()
-        rows = numel // n if n else 0
-        if rows:
-            flat[: rows * n].view(rows, n).copy_(staging[:rows, offset : offset + n])
-        rest = numel - rows * n
-        if rest:
-            flat[rows * n :].copy_(staging[rows, offset : offset + rest])
-        offset += n
-
-
-class CastReduceScatter:
+class CastReduceScatter(_OnGroupThroughDtype):
     """Reduce-scatter that sends ``dtype`` and sums / averages the received rows in the input dtype.
 
     Same result layout as :func:`zero_comm.reduce_scatter_coalesced` (this rank's padded
@@ -199,18 +188,7 @@ class CastReduceScatter:
         group: Process group (``None``: the world).
     """
 
-    __slots__ = ("dtype", "group", "group_rank", "group_size")
-
-    def __init__(self, dtype: torch.dtype, group: ProcessGroup | None = None) -> None:
-        self.dtype = _check_dtype(dtype, "CastReduceScatter")
-        self.group = group
-        self.group_size, self.group_rank = group_size_and_rank(group, "CastReduceScatter")
-
-    def __repr__(self) -> str:
-        return (
-            f"CastReduceScatter(dtype={self.dtype}, group_size={self.group_size}, "
-            f"group_rank={self.group_rank})"
-        )
+    __slots__ = ()
 
     def reduce_scatter_coalesced(
         self, tensors: Sequence[torch.Tensor], *, op: ReduceOpLike = "avg", async_op: bool = False

@@ -334,6 +334,15 @@ def _copy_rows(staging: torch.Tensor, sizes: list[int], outputs: list[torch.Tens
         dests = [out.view(world, n) for n, out in zip(sizes, outputs)]
         torch.split_with_sizes_copy(staging, sizes, dim=1, out=dests)
         return
+    copy_columns_strided(staging, sizes, outputs)
+
+
+def copy_columns_strided(staging: torch.Tensor, sizes: list[int], outputs: Sequence[torch.Tensor]) -> None:
+    """Copy column block ``i`` of the rank-major ``staging`` into ``outputs[i]``, one strided copy each.
+
+    ``outputs[i]`` takes the first ``outputs[i].numel()`` elements of its block read rank by rank
+    (its whole gathered tensor, or less when the padding is left out), cast to its dtype.
+    """
     offset = 0
     for n, out in zip(sizes, outputs):
         flat = out.view(-1)

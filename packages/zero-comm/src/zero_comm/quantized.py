@@ -41,7 +41,7 @@ from zero_comm.handles import AllGatherHandle, ReduceScatterHandle
 from zero_comm.ledger import record, ring_wire_bytes
 from zero_comm.partition import partition_numel
 from zero_comm.reduction import ReduceOpLike, Reduction
-from zero_comm.strategies import FlatAllGather
+from zero_comm.strategies import FlatAllGather, OnGroup
 from zero_comm.topology import Topology, group_size_and_rank
 from zero_comm.watchdog import watched_call
 
@@ -248,7 +248,7 @@ def _dequantize_gathered(recv: torch.Tensor, layout: GatherLayout, config: Quant
     return layout.outputs if single else layout.copy_out(staging)
 
 
-class QuantizedAllGather:
+class QuantizedAllGather(OnGroup):
     """qwZ as an :class:`~zero_comm.AllGatherStrategy`: one quantized all-gather per call.
 
     :attr:`exact` is the plain :class:`~zero_comm.FlatAllGather` over the same group.
@@ -262,22 +262,18 @@ class QuantizedAllGather:
         RuntimeError: no process group is initialised, or this rank is not in ``group``.
     """
 
-    __slots__ = ("config", "exact", "group", "group_rank", "group_size")
+    __slots__ = ("config", "exact")
 
     def __init__(self, group: ProcessGroup | None = None, config: QuantConfig = QWZ_DEFAULT_CONFIG) -> None:
-        _check_config(config, "QuantizedAllGather")
-        self.group = group
+        _check_config(config, type(self).__name__)
         self.config = config
-        self.group_size, self.group_rank = group_size_and_rank(group, "QuantizedAllGather")
+        super().__init__(group)
         self.exact = FlatAllGather(group)
         """The unquantized gather over the same group, for callers that need exact values (e.g.
         ``zero_params.commit_shards`` refreshing whole parameters from updated shards)."""
 
-    def __repr__(self) -> str:
-        return (
-            f"QuantizedAllGather(group_size={self.group_size}, group_rank={self.group_rank}, "
-            f"bits={self.config.bits}, quant_group={self.config.group_size})"
-        )
+    def _repr_fields(self) -> str:
+        return f"{super()._repr_fields()}, bits={self.config.bits}, quant_group={self.config.group_size}"
 
     def all_gather_coalesced(
         self, shards: Sequence[torch.Tensor], *, async_op: bool = False, out: torch.Tensor | None = None

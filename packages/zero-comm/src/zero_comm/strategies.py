@@ -75,21 +75,39 @@ class ReduceScatterStrategy(Protocol):
         ...
 
 
-class FlatAllGather:
-    """One ``all_gather_single`` over ``group`` per call.
+class OnGroup:
+    """Base of the strategies that run over one process group: the group, its size and this rank in it.
+
+    ``repr`` is ``<class>(<fields>)`` with the fields of :meth:`_repr_fields`; a subclass adds its own.
 
     Args:
         group: Process group (``None``: the world).
+
+    Raises:
+        RuntimeError: no process group is initialised, or this rank is not in ``group``.
     """
 
     __slots__ = ("group", "group_rank", "group_size")
 
     def __init__(self, group: ProcessGroup | None = None) -> None:
         self.group = group
-        self.group_size, self.group_rank = group_size_and_rank(group, "FlatAllGather")
+        self.group_size, self.group_rank = group_size_and_rank(group, type(self).__name__)
+
+    def _repr_fields(self) -> str:
+        return f"group_size={self.group_size}, group_rank={self.group_rank}"
 
     def __repr__(self) -> str:
-        return f"FlatAllGather(group_size={self.group_size}, group_rank={self.group_rank})"
+        return f"{type(self).__name__}({self._repr_fields()})"
+
+
+class FlatAllGather(OnGroup):
+    """One ``all_gather_single`` over ``group`` per call.
+
+    Args:
+        group: Process group (``None``: the world).
+    """
+
+    __slots__ = ()
 
     def all_gather_coalesced(
         self, shards: Sequence[torch.Tensor], *, async_op: bool = False, out: torch.Tensor | None = None
@@ -136,21 +154,14 @@ class HierarchicalAllGather:
         return issue_hierarchical_all_gather(shards, self.groups, async_op=async_op, out=out)
 
 
-class AllToAllReduceScatter:
+class AllToAllReduceScatter(OnGroup):
     """Reduce-scatter as one ``all_to_all_single`` plus a local sum (ring-ideal bytes).
 
     Args:
         group: Process group (``None``: the world).
     """
 
-    __slots__ = ("group", "group_rank", "group_size")
-
-    def __init__(self, group: ProcessGroup | None = None) -> None:
-        self.group = group
-        self.group_size, self.group_rank = group_size_and_rank(group, "AllToAllReduceScatter")
-
-    def __repr__(self) -> str:
-        return f"AllToAllReduceScatter(group_size={self.group_size}, group_rank={self.group_rank})"
+    __slots__ = ()
 
     def reduce_scatter_coalesced(
         self, tensors: Sequence[torch.Tensor], *, op: ReduceOpLike = "avg", async_op: bool = False

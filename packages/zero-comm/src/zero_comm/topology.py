@@ -226,19 +226,22 @@ def local_rank_partition(world_size: int, ranks_per_node: int) -> Partition:
     return tuple(tuple(range(lr, world_size, ranks_per_node)) for lr in range(ranks_per_node))
 
 
+def _check_divisor(name: str, value: object, world_size: int, fix: str) -> int:
+    """``value`` if it is an integer >= 1 dividing ``world_size``; else a ValueError naming ``name``."""
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if world_size % value:
+        raise ValueError(f"{name}={value} does not divide the world size {world_size}: {fix}")
+    return value
+
+
 def shard_partition(world_size: int, shard_size: int) -> Partition:
     """Consecutive blocks of ``shard_size`` ranks.
 
     Raises:
         ValueError: ``shard_size < 1`` or it does not divide ``world_size``.
     """
-    if not isinstance(shard_size, int) or shard_size < 1:
-        raise ValueError(f"shard_size must be an integer >= 1, got {shard_size!r}")
-    if world_size % shard_size:
-        raise ValueError(
-            f"shard_size={shard_size} does not divide the world size {world_size}: "
-            "choose a divisor of the world size"
-        )
+    _check_divisor("shard_size", shard_size, world_size, "choose a divisor of the world size")
     count = world_size // shard_size
     return tuple(tuple(range(g * shard_size, (g + 1) * shard_size)) for g in range(count))
 
@@ -285,11 +288,4 @@ def _resolve_ranks_per_node(explicit: int | None, world_size: int) -> int:
             value = int(env)
         except ValueError:
             raise ValueError(f"LOCAL_WORLD_SIZE={env!r} is not an integer; unset it or fix it") from None
-    if not isinstance(value, int) or value < 1:
-        raise ValueError(f"{source} must be an integer >= 1, got {value!r}")
-    if world_size % value:
-        raise ValueError(
-            f"{source}={value} does not divide the world size {world_size}: every node must hold "
-            "the same number of ranks"
-        )
-    return value
+    return _check_divisor(source, value, world_size, "every node must hold the same number of ranks")
