@@ -32,7 +32,7 @@ from torch.distributed import ProcessGroup
 from torch.profiler import record_function
 
 from zero_comm.checks import check_flat_inputs
-from zero_comm.coalesced import copy_columns_strided
+from zero_comm.coalesced import check_gather_outputs, copy_columns_strided
 from zero_comm.handles import AllGatherHandle, ReduceScatterHandle, TensorHandle
 from zero_comm.ledger import record, ring_wire_bytes
 from zero_comm.partition import partition_numel
@@ -122,7 +122,7 @@ class CastAllGather(_OnGroupThroughDtype):
         with record_function("zero.all_gather.issue"):
             check_flat_inputs(shards, what, require_1d=True)
             _check_float(shards, what)
-            _check_outputs(shards, outputs, self.group_size, what)
+            check_gather_outputs(shards, outputs, self.group_size, what, same_dtype=False)
             world = self.group_size
             sizes = [s.numel() for s in shards]
             total = sum(sizes)
@@ -160,21 +160,6 @@ class CastAllGather(_OnGroupThroughDtype):
             if not async_op:
                 handle.wait()
             return handle
-
-
-def _check_outputs(
-    shards: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], world: int, what: str
-) -> None:
-    if len(outputs) != len(shards):
-        raise ValueError(f"{what}: {len(outputs)} outputs for {len(shards)} shards; pass one per shard")
-    for i, (shard, out) in enumerate(zip(shards, outputs)):
-        if not isinstance(out, torch.Tensor) or not out.is_contiguous() or out.device != shard.device:
-            raise ValueError(f"{what}: outputs[{i}] must be a contiguous torch.Tensor on {shard.device}")
-        if out.numel() > world * shard.numel():
-            raise ValueError(
-                f"{what}: outputs[{i}] has {out.numel()} elements, more than the {world * shard.numel()} "
-                "gathered (group size x shard numel)"
-            )
 
 
 class CastReduceScatter(_OnGroupThroughDtype):

@@ -269,7 +269,7 @@ def issue_all_gather_into(
     with record_function("zero.all_gather.issue"):
         world, _ = group_size_and_rank(group, what)
         check_flat_inputs(shards, what, require_1d=True)
-        _check_outputs(shards, outputs, world, what)
+        check_gather_outputs(shards, outputs, world, what)
         sizes = [s.numel() for s in shards]
         total = sum(sizes)
         shard_bytes = total * shards[0].element_size()
@@ -303,15 +303,25 @@ def issue_all_gather_into(
         return AllGatherHandle("all_gather", work, finish, keepalive=(send,))
 
 
-def _check_outputs(
-    shards: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], world: int, what: str
+def check_gather_outputs(
+    shards: Sequence[torch.Tensor],
+    outputs: Sequence[torch.Tensor],
+    world: int,
+    what: str,
+    *,
+    same_dtype: bool = True,
 ) -> None:
+    """Raise ValueError unless ``outputs`` can take the gathered ``shards`` (one each, at most all of it).
+
+    Each output is contiguous, on its shard's device (and of its dtype with ``same_dtype``; a
+    casting gather passes ``False``) and holds at most ``world`` x its shard's elements.
+    """
     if len(outputs) != len(shards):
         raise ValueError(f"{what}: {len(outputs)} outputs for {len(shards)} shards; pass one per shard")
     for i, (shard, out) in enumerate(zip(shards, outputs)):
         if not isinstance(out, torch.Tensor) or not out.is_contiguous():
             raise ValueError(f"{what}: outputs[{i}] must be a contiguous torch.Tensor")
-        if out.dtype != shard.dtype or out.device != shard.device:
+        if (same_dtype and out.dtype != shard.dtype) or out.device != shard.device:
             raise ValueError(
                 f"{what}: outputs[{i}] is {out.dtype} on {out.device} but its shard is {shard.dtype} "
                 f"on {shard.device}"

@@ -199,14 +199,19 @@ def save_pretrained(
             if root:
                 os.replace(tmp, directory / fname)
         if root:
-            index = directory / INDEX_FILE
-            if len(names) > 1:
-                body = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
-                index.write_text(json.dumps(body, indent=2, sort_keys=True) + "\n")
-            else:
-                index.unlink(missing_ok=True)
+            _write_index(directory, names, sizes, weight_map)
     dist.barrier()
     return SavedPretrained(directory, tuple(names), len(entries), sum(sizes), max(sizes, default=0))
+
+
+def _write_index(directory: Path, names: list[str], sizes: list[int], weight_map: dict[str, str]) -> None:
+    """Write HF's weight index for several weight files; remove a stale one for a single file."""
+    index = directory / INDEX_FILE
+    if len(names) > 1:
+        body = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
+        index.write_text(json.dumps(body, indent=2, sort_keys=True) + "\n")
+    else:
+        index.unlink(missing_ok=True)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -251,12 +256,7 @@ def _write_shards(
             os.replace(tmp, directory / fname)
         finally:
             tmp.unlink(missing_ok=True)
-    index = directory / INDEX_FILE
-    if len(names) > 1:
-        body = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
-        index.write_text(json.dumps(body, indent=2, sort_keys=True) + "\n")
-    else:
-        index.unlink(missing_ok=True)
+    _write_index(directory, names, sizes, weight_map)
     return SavedPretrained(directory, tuple(names), len(entries), sum(sizes), max(sizes, default=0))
 
 

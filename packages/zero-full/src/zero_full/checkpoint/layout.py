@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
     from zero_optim import PartitionedOptimizer
 
-__all__ = ["LocalPiece", "elementwise_state", "local_pieces"]
+__all__ = ["LocalPiece", "covered_prefix", "elementwise_state", "local_pieces"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,3 +177,13 @@ def elementwise_state(optimizer: PartitionedOptimizer, group_index: int) -> dict
         for k, v in state.items()
         if isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape == master.shape
     }
+
+
+def covered_prefix(ranges: list[tuple[int, int]]) -> int:
+    """How far ``[0, n)`` the pieces ``[start, stop)`` cover without a gap (their order does not matter)."""
+    pos = 0
+    for a, b in sorted(ranges):
+        if a > pos:
+            break
+        pos = max(pos, b)
+    return pos

@@ -27,6 +27,7 @@ import torch
 
 from zero_full.checkpoint import io as ckpt_io
 from zero_full.checkpoint.io import CheckpointError
+from zero_full.checkpoint.layout import covered_prefix
 from zero_full.checkpoint.manifest import Manifest, StateDictKey
 from zero_full.estimate import format_bytes
 
@@ -262,11 +263,7 @@ class CheckpointReader:
             return self._shard(ckpt_io.BUFFERS_FILE)["buffers"][name]
         numel = self._params[name].numel
         pieces = self._where.get(name, [])
-        pos = 0
-        for _, a, b in sorted(pieces, key=lambda x: x[1]):
-            if a > pos:
-                break
-            pos = max(pos, b)
+        pos = covered_prefix([(a, b) for _, a, b in pieces])
         if pos < numel:
             raise CheckpointError(
                 f"the checkpoint's pieces of parameter {name!r} cover only [0, {pos}) of {numel}"

@@ -28,7 +28,7 @@ from zero_full.checkpoint import hygiene, io
 from zero_full.checkpoint.collectives import exchange, raise_if_failed
 from zero_full.checkpoint.consolidate import state_dict_buffers, state_dict_keys
 from zero_full.checkpoint.io import CheckpointError
-from zero_full.checkpoint.layout import elementwise_state, local_pieces
+from zero_full.checkpoint.layout import covered_prefix, elementwise_state, local_pieces
 from zero_full.checkpoint.manifest import FileEntry, Manifest, SavedBuffer, SavedOptimizerGroup, SavedParam
 from zero_full.checkpoint.state import TrainState
 
@@ -315,11 +315,7 @@ def _partition_layout(state: TrainState) -> dict[str, Any]:
 
 
 def _check_coverage(name: str, numel: int, ranges: list[tuple[int, int]]) -> None:
-    pos = 0
-    for a, b in sorted(ranges):
-        if a > pos:
-            break
-        pos = max(pos, b)
+    pos = covered_prefix(ranges)
     if pos < numel:
         raise CheckpointError(
             f"the ranks' pieces of parameter {name!r} cover only elements [0, {pos}) of {numel}: "
