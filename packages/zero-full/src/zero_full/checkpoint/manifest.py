@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Self
 
 from zero_full.checkpoint.io import FORMAT_NAME, FORMAT_VERSION, MANIFEST, CheckpointError
 
@@ -25,8 +26,42 @@ __all__ = [
 ]
 
 
+def _jsonable(value: Any) -> Any:
+    """Tuples (and tuples of tuples) as JSON lists; everything else as it is."""
+    return [_jsonable(v) for v in value] if isinstance(value, tuple) else value
+
+
+def _int_tuple(value: Any) -> tuple[int, ...]:
+    return tuple(int(n) for n in value)
+
+
+def _pieces(value: Any) -> tuple[tuple[str, int, int], ...]:
+    return tuple((str(n), int(a), int(b)) for n, a, b in value)
+
+
+class _FlatRecord:
+    """A manifest record whose JSON keys are its dataclass fields, in order.
+
+    ``to_json`` writes each field (tuples as lists); ``from_json`` reads it back through the
+    subclass' ``_PARSE`` table, one converter per field in field order.
+    """
+
+    __slots__ = ()
+    _PARSE: ClassVar[tuple[Callable[[Any], Any], ...]]
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest's JSON form."""
+        return {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Self:
+        """Parse the manifest's JSON form."""
+        fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+        return cls(*(parse(data[f.name]) for f, parse in zip(fields, cls._PARSE, strict=True)))
+
+
 @dataclasses.dataclass(frozen=True)
-class FileEntry:
+class FileEntry(_FlatRecord):
     """One file of a checkpoint as the manifest lists it.
 
     Attributes:
@@ -43,26 +78,7 @@ class FileEntry:
     rank: int
     pieces: tuple[tuple[str, int, int], ...]
 
-    def to_json(self) -> dict[str, Any]:
-        """The manifest's JSON form."""
-        return {
-            "name": self.name,
-            "size": self.size,
-            "sha256": self.sha256,
-            "rank": self.rank,
-            "pieces": [list(p) for p in self.pieces],
-        }
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> FileEntry:
-        """Parse the manifest's JSON form."""
-        return cls(
-            str(data["name"]),
-            int(data["size"]),
-            str(data["sha256"]),
-            int(data["rank"]),
-            tuple((str(n), int(a), int(b)) for n, a, b in data["pieces"]),
-        )
+    _PARSE: ClassVar[tuple[Callable[[Any], Any], ...]] = (str, int, str, int, _pieces)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +128,7 @@ class SavedParam:
         group = data["optimizer_group"]
         return cls(
             str(data["name"]),
-            tuple(int(n) for n in data["shape"]),
+            _int_tuple(data["shape"]),
             str(data["dtype"]),
             int(data["numel"]),
             bool(data["trainable"]),
@@ -123,43 +139,29 @@ class SavedParam:
 
 
 @dataclasses.dataclass(frozen=True)
-class SavedBuffer:
+class SavedBuffer(_FlatRecord):
     """A buffer of ``model.state_dict()`` as saved (its values are in ``buffers.pt``)."""
 
     name: str
     shape: tuple[int, ...]
     dtype: str
 
-    def to_json(self) -> dict[str, Any]:
-        """The manifest's JSON form."""
-        return {"name": self.name, "shape": list(self.shape), "dtype": self.dtype}
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> SavedBuffer:
-        """Parse the manifest's JSON form."""
-        return cls(str(data["name"]), tuple(int(n) for n in data["shape"]), str(data["dtype"]))
+    _PARSE: ClassVar[tuple[Callable[[Any], Any], ...]] = (str, _int_tuple, str)
 
 
 @dataclasses.dataclass(frozen=True)
-class StateDictKey:
+class StateDictKey(_FlatRecord):
     """A key of ``model.state_dict()``: a parameter (``source``: its canonical name) or a buffer."""
 
     key: str
     kind: str
     source: str
 
-    def to_json(self) -> dict[str, Any]:
-        """The manifest's JSON form."""
-        return {"key": self.key, "kind": self.kind, "source": self.source}
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> StateDictKey:
-        """Parse the manifest's JSON form."""
-        return cls(str(data["key"]), str(data["kind"]), str(data["source"]))
+    _PARSE: ClassVar[tuple[Callable[[Any], Any], ...]] = (str, str, str)
 
 
 @dataclasses.dataclass(frozen=True)
-class SavedOptimizerGroup:
+class SavedOptimizerGroup(_FlatRecord):
     """One torch optimizer group: hyperparameters, scalar state and the per-element state's dtypes.
 
     Attributes:
@@ -172,18 +174,7 @@ class SavedOptimizerGroup:
     scalar_state: dict[str, dict[str, Any]]
     elementwise_state: dict[str, str]
 
-    def to_json(self) -> dict[str, Any]:
-        """The manifest's JSON form."""
-        return {
-            "hyperparameters": self.hyperparameters,
-            "scalar_state": self.scalar_state,
-            "elementwise_state": self.elementwise_state,
-        }
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> SavedOptimizerGroup:
-        """Parse the manifest's JSON form."""
-        return cls(dict(data["hyperparameters"]), dict(data["scalar_state"]), dict(data["elementwise_state"]))
+    _PARSE: ClassVar[tuple[Callable[[Any], Any], ...]] = (dict, dict, dict)
 
 
 @dataclasses.dataclass(frozen=True)
