@@ -219,17 +219,10 @@ class StepPipeline:
         if config.precision is not Precision.FP16:
             self.guard = NonFiniteGuard(config.robustness.nonfinite_gradients, pieces.norm_group)
         if config.precision is Precision.FP16:
+            # the ``fp16`` section names each of the scaler's fields as the scaler does
             f = config.fp16
-            self.scaler = LossScaler(
-                LossScalerConfig(
-                    loss_scale=f.loss_scale,
-                    initial_scale_power=f.initial_scale_power,
-                    loss_scale_window=f.loss_scale_window,
-                    hysteresis=f.hysteresis,
-                    consecutive_hysteresis=f.consecutive_hysteresis,
-                    min_loss_scale=f.min_loss_scale,
-                )
-            )
+            names = [field.name for field in dataclasses.fields(LossScalerConfig)]
+            self.scaler = LossScaler(LossScalerConfig(**{name: getattr(f, name) for name in names}))
 
     @property
     def loss_scale(self) -> float:

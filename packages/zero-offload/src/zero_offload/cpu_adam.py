@@ -97,6 +97,10 @@ def adam_hyper_from_group(optimizer: torch.optim.Optimizer, group: dict[str, Any
     )
 
 
+_AdamTensors = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+"""``(param, grad, exp_avg, exp_avg_sq)`` of one Adam step."""
+
+
 def _scalar(value: float | torch.Tensor) -> float:
     return float(value.item()) if isinstance(value, torch.Tensor) else float(value)
 
@@ -132,54 +136,43 @@ class CpuAdam:
         Raises:
             ValueError: the tensors are not 1-D fp32 CPU tensors of the same length, or ``step`` < 1.
         """
-        _check_flat(param, grad, exp_avg, exp_avg_sq)
+        tensors = (param, grad, exp_avg, exp_avg_sq)
+        _check_flat(*tensors)
         if step < 1:
             raise ValueError(f"Adam step numbers start at 1, got {step}")
         if param.numel() == 0:
             return
         if self.kernel is AdamKernel.FUSED:
-            self._fused(param, grad, exp_avg, exp_avg_sq, step, hyper)
+            _fused(tensors, step, hyper)
         else:
             for start in range(0, param.numel(), _BLOCK):
                 n = min(_BLOCK, param.numel() - start)
-                _exact_block(
-                    param.narrow(0, start, n),
-                    grad.narrow(0, start, n),
-                    exp_avg.narrow(0, start, n),
-                    exp_avg_sq.narrow(0, start, n),
-                    step,
-                    hyper,
-                )
+                _exact_block(*(t.narrow(0, start, n) for t in tensors), step, hyper)
         self.elements_stepped += param.numel()
 
-    @staticmethod
-    def _fused(
-        param: torch.Tensor,
-        grad: torch.Tensor,
-        exp_avg: torch.Tensor,
-        exp_avg_sq: torch.Tensor,
-        step: int,
-        hyper: AdamHyper,
-    ) -> None:
-        # the fused kernel increments the step tensor before using it
-        step_t = torch.tensor(float(step - 1))
-        _torch_adam.adam(
-            [param],
-            [grad],
-            [exp_avg],
-            [exp_avg_sq],
-            [],
-            [step_t],
-            fused=True,
-            decoupled_weight_decay=hyper.decoupled,
-            amsgrad=False,
-            beta1=hyper.beta1,
-            beta2=hyper.beta2,
-            lr=hyper.lr,
-            weight_decay=hyper.weight_decay,
-            eps=hyper.eps,
-            maximize=hyper.maximize,
-        )
+
+def _fused(tensors: _AdamTensors, step: int, hyper: AdamHyper) -> None:
+    """torch's fused Adam over ``(param, grad, exp_avg, exp_avg_sq)``."""
+    param, grad, exp_avg, exp_avg_sq = tensors
+    # the fused kernel increments the step tensor before using it
+    step_t = torch.tensor(float(step - 1))
+    _torch_adam.adam(
+        [param],
+        [grad],
+        [exp_avg],
+        [exp_avg_sq],
+        [],
+        [step_t],
+        fused=True,
+        decoupled_weight_decay=hyper.decoupled,
+        amsgrad=False,
+        beta1=hyper.beta1,
+        beta2=hyper.beta2,
+        lr=hyper.lr,
+        weight_decay=hyper.weight_decay,
+        eps=hyper.eps,
+        maximize=hyper.maximize,
+    )
 
 
 def _exact_block(
