@@ -28,7 +28,7 @@ import logging
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import torch
 import torch.distributed as dist
@@ -133,6 +133,30 @@ class EngineStats:
     comm: CommTotals
     skipped_steps: int = 0
     loss_scale: float = 1.0
+
+
+class _Counter:
+    """An :class:`Engine` attribute that reads and writes the same-named field of ``engine.counters``."""
+
+    __slots__ = ("name",)
+
+    def __init__(self) -> None:
+        self.name = ""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, engine: None, owner: type | None = None) -> _Counter: ...
+
+    @overload
+    def __get__(self, engine: Engine, owner: type | None = None) -> int: ...
+
+    def __get__(self, engine: Engine | None, owner: type | None = None) -> int | _Counter:
+        return self if engine is None else int(getattr(engine.counters, self.name))
+
+    def __set__(self, engine: Engine, value: int) -> None:
+        setattr(engine.counters, self.name, value)
 
 
 class Engine:
@@ -342,23 +366,11 @@ class Engine:
         """Micro-steps per optimizer step."""
         return self.counters.gradient_accumulation_steps
 
-    @property
-    def micro_steps(self) -> int:
-        """``step()`` calls so far."""
-        return self.counters.micro_steps
+    micro_steps = _Counter()
+    """``step()`` calls so far (read and written through :attr:`counters`)."""
 
-    @micro_steps.setter
-    def micro_steps(self, value: int) -> None:
-        self.counters.micro_steps = value
-
-    @property
-    def global_steps(self) -> int:
-        """Optimizer steps taken so far."""
-        return self.counters.global_steps
-
-    @global_steps.setter
-    def global_steps(self, value: int) -> None:
-        self.counters.global_steps = value
+    global_steps = _Counter()
+    """Optimizer steps taken so far (read and written through :attr:`counters`)."""
 
     def train_state(self) -> TrainState:
         """What a checkpoint saves and restores: module, optimizer, config, counters, scaler, MiCS groups."""
