@@ -12,7 +12,8 @@ Topology, process groups and byte accounting for the zero stack:
   handle whose ``.wait()`` returns it.
 * Strategies (:class:`FlatAllGather`, :class:`HierarchicalAllGather`,
   :class:`AllToAllReduceScatter`) implementing the :class:`AllGatherStrategy` /
-  :class:`ReduceScatterStrategy` protocols.
+  :class:`ReduceScatterStrategy` protocols (both a :class:`GroupPosition`: ``group_size``,
+  ``group_rank``).
 * Casting strategies (:class:`CastAllGather`, :class:`CastReduceScatter`,
   :class:`CastAllReduce`): fp32 tensors communicated as bf16 / fp16 (``communication_data_type``).
 * :class:`CommLedger`: per-step record of every collective's payload and ring-ideal
@@ -60,6 +61,7 @@ from zero_comm.strategies import (
     AllGatherStrategy,
     AllToAllReduceScatter,
     FlatAllGather,
+    GroupPosition,
     HierarchicalAllGather,
     ReduceScatterStrategy,
 )
@@ -82,6 +84,7 @@ __all__ = [
     "CommWatchdog",
     "DeviceMemory",
     "FlatAllGather",
+    "GroupPosition",
     "HierarchicalAllGather",
     "HierarchicalGroups",
     "LinkKind",

@@ -24,22 +24,28 @@ __all__ = [
     "AllGatherStrategy",
     "AllToAllReduceScatter",
     "FlatAllGather",
+    "GroupPosition",
     "HierarchicalAllGather",
     "ReduceScatterStrategy",
 ]
 
 
 @runtime_checkable
-class AllGatherStrategy(Protocol):
-    """Gathers 1-D shards over a fixed group of ``group_size`` ranks.
+class GroupPosition(Protocol):
+    """What every strategy tells about the fixed group it runs over.
 
     Attributes:
-        group_size: Ranks in the group (the shard count of each tensor).
-        group_rank: This rank's position in the group (which shard it owns).
+        group_size: Ranks in the group (the shard / partition count of each tensor).
+        group_rank: This rank's position in the group (which shard it owns, which partition it keeps).
     """
 
     group_size: int
     group_rank: int
+
+
+@runtime_checkable
+class AllGatherStrategy(GroupPosition, Protocol):
+    """Gathers 1-D shards over a fixed group of ``group_size`` ranks (this rank owns shard ``group_rank``)."""
 
     def all_gather_coalesced(
         self, shards: Sequence[torch.Tensor], *, async_op: bool = False, out: torch.Tensor | None = None
@@ -53,16 +59,8 @@ class AllGatherStrategy(Protocol):
 
 
 @runtime_checkable
-class ReduceScatterStrategy(Protocol):
-    """Reduces tensors over a fixed group and keeps this rank's partition of each.
-
-    Attributes:
-        group_size: Ranks in the group (the partition count of each tensor).
-        group_rank: This rank's position in the group (which partition it keeps).
-    """
-
-    group_size: int
-    group_rank: int
+class ReduceScatterStrategy(GroupPosition, Protocol):
+    """Reduces tensors over a fixed group of ``group_size`` ranks; keeps partition ``group_rank`` of each."""
 
     def reduce_scatter_coalesced(
         self, tensors: Sequence[torch.Tensor], *, op: ReduceOpLike = "avg", async_op: bool = False

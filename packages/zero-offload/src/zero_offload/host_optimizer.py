@@ -21,7 +21,12 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
-from zero_offload.optimizer import OffloadedOptimizer, OffloadTarget, OptimizerOffloadConfig
+from zero_offload.optimizer import (
+    OffloadedOptimizer,
+    OffloadTarget,
+    OptimizerOffloadConfig,
+    check_one_per_group,
+)
 
 __all__ = ["HostOptimizer", "PartialOffload", "offload_optimizer_for", "twin_optimizer"]
 
@@ -92,11 +97,7 @@ class HostOptimizer:
                 f"offload_optimizer.device = nvme swaps Adam / AdamW state only, got {name}; use device "
                 "'cpu' (any torch optimizer steps in host memory) or Adam / AdamW"
             )
-        if len(masters) != len(optimizer.param_groups) or len(grads) != len(masters):
-            raise ValueError(
-                f"{len(masters)} masters and {len(grads)} gradients for "
-                f"{len(optimizer.param_groups)} param groups"
-            )
+        check_one_per_group(optimizer, masters, grads)
         pin = config.pin_memory and torch.cuda.is_available()
         self.optimizer = optimizer
         self.masters = tuple(masters)

@@ -261,6 +261,17 @@ class _SwapStore:
         return list(self.pool.buffers)
 
 
+def check_one_per_group(
+    optimizer: torch.optim.Optimizer, masters: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
+) -> None:
+    """Raise ValueError unless there is one master and one gradient per optimizer param group."""
+    if len(masters) != len(optimizer.param_groups) or len(grads) != len(masters):
+        raise ValueError(
+            f"{len(masters)} masters and {len(grads)} gradients for "
+            f"{len(optimizer.param_groups)} param groups"
+        )
+
+
 class OffloadedOptimizer:
     """Adam / AdamW steps of flat fp32 partitions with the state offloaded to host memory or NVMe.
 
@@ -292,11 +303,7 @@ class OffloadedOptimizer:
         rank: int = 0,
     ) -> None:
         check_offloadable(optimizer)
-        if len(masters) != len(optimizer.param_groups) or len(grads) != len(masters):
-            raise ValueError(
-                f"{len(masters)} masters and {len(grads)} gradients for "
-                f"{len(optimizer.param_groups)} param groups"
-            )
+        check_one_per_group(optimizer, masters, grads)
         self.optimizer = optimizer
         self.masters = tuple(masters)
         self.grads = tuple(grads)
