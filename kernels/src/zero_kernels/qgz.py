@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from zero_kernels._backend import HAS_TRITON, launch, resolve_backend
+from zero_kernels._backend import HAS_TRITON, resolve_backend
 from zero_kernels.quantize import (
     _check_config,
     _check_input,
@@ -102,9 +102,9 @@ if HAS_TRITON:
     from zero_kernels.quantize import (
         _launch_dequant_reduce,
         _launch_quantize,
+        _launch_tiles,
         _load_dequant_sum,
         _quantize_store,
-        _tile,
         _tile_index,
     )
 
@@ -168,22 +168,18 @@ if HAS_TRITON:
         """Triton twin of :func:`dequant_reduce_requant`."""
         n_rows = q.n_groups // n_sources
         codes, scales = _empty_codes(n_rows, config, q.codes.device)
-        lanes, rows, warps = _tile(q.group_size)
-        launch(
+        _launch_tiles(
             _dequant_reduce_requant_kernel,
-            (triton.cdiv(n_rows, rows),),
+            n_rows,
+            q.group_size,
             q.codes,
             q.scales,
             codes,
             scales,
             n_rows,
             n_sources,
-            GROUP=q.group_size,
-            LANES=lanes,
-            ROWS=rows,
             BITS_IN=q.bits,
             BITS_OUT=config.bits,
-            num_warps=warps,
         )
         return QuantizedTensor(codes, scales, q.numel // n_sources, config.bits, config.group_size)
 

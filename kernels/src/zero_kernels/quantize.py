@@ -20,6 +20,7 @@ one-source case); their helpers are shared with :mod:`zero_kernels.qgz`.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -273,6 +274,24 @@ if HAS_TRITON:
         tl.store(out_ptr + o0, x0.to(ty), mask=ok0 & (o0 < out_numel))
         tl.store(out_ptr + o0 + 1, x1.to(ty), mask=ok1 & (o0 + 1 < out_numel))
 
+    def _launch_tiles(kernel: Any, n_rows: int, group_size: int, *args: Any, **meta: Any) -> None:
+        """Launch a kernel over ``n_rows`` groups of ``group_size``, ``ROWS`` groups per program.
+
+        Passes the tile's ``GROUP``, ``LANES`` and ``ROWS`` (see :func:`_tile`) and its warps;
+        ``meta`` holds the kernel's other compile-time constants.
+        """
+        lanes, rows, warps = _tile(group_size)
+        launch(
+            kernel,
+            (triton.cdiv(n_rows, rows),),
+            *args,
+            GROUP=group_size,
+            LANES=lanes,
+            ROWS=rows,
+            num_warps=warps,
+            **meta,
+        )
+
     def _launch_quantize(
         x: torch.Tensor,
         config: QuantConfig,
@@ -284,10 +303,10 @@ if HAS_TRITON:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """New codes and scales of ``n_rows`` groups read from ``x`` in slot order (see the kernel)."""
         codes, scales = _empty_codes(n_rows, config, x.device)
-        lanes, rows, warps = _tile(config.group_size)
-        launch(
+        _launch_tiles(
             _quantize_kernel,
-            (triton.cdiv(n_rows, rows),),
+            n_rows,
+            config.group_size,
             x,
             codes,
             scales,
@@ -296,33 +315,25 @@ if HAS_TRITON:
             max(rows_per_part, 1),
             num_nodes,
             ranks_per_node,
-            GROUP=config.group_size,
-            LANES=lanes,
-            ROWS=rows,
             BITS=config.bits,
-            num_warps=warps,
         )
         return codes, scales
 
     def _launch_dequant_reduce(q: QuantizedTensor, n_sources: int, out: torch.Tensor) -> None:
         """Sum of the ``n_sources`` chunks of ``q``, dequantized, into the flat contiguous ``out``."""
         n_rows = q.n_groups // n_sources
-        lanes, rows, warps = _tile(q.group_size)
-        launch(
+        _launch_tiles(
             _dequant_reduce_kernel,
-            (triton.cdiv(n_rows, rows),),
+            n_rows,
+            q.group_size,
             q.codes,
             q.scales,
             out,
             n_rows,
             n_sources,
             out.numel(),
-            GROUP=q.group_size,
-            LANES=lanes,
-            ROWS=rows,
             BITS=q.bits,
             OUT_BF16=out.dtype == torch.bfloat16,
-            num_warps=warps,
         )
 
     def _quantize_triton(x: torch.Tensor, config: QuantConfig) -> QuantizedTensor:

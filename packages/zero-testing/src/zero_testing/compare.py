@@ -1,4 +1,9 @@
-"""Comparisons against references, in the terms DESIGN.md's yardstick uses."""
+"""Comparisons against references, in the terms of the project's correctness yardstick.
+
+A tensor matches its reference when ``max|actual - expected| <= rel * max|expected|`` (relative
+to the tensor's largest magnitude, e.g. ``rel = 1e-5`` for fp32 parameters against a
+single-process run); per-step losses compare relative to each step's value.
+"""
 
 from __future__ import annotations
 
