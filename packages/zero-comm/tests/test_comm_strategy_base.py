@@ -55,7 +55,7 @@ def test_every_strategy_reports_its_group_position_and_its_repr(dist, spec):
         assert kinds == [gather, reduce, gather, reduce, gather, gather, reduce]
 
 
-def _bad_dtype(_rank):
+def _bad_dtype():
     messages = []
     for cls in (CastAllGather, CastReduceScatter):
         with pytest.raises(ValueError, match="communication dtype must be") as info:
