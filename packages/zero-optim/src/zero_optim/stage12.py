@@ -316,18 +316,18 @@ class ReduceScatterInto:
     def __call__(self, params: Sequence[nn.Parameter], *, async_op: bool = False) -> ReduceHandle:
         """Reduce-scatter the ``.grad`` of ``params`` (``None`` = zeros) and free them.
 
-        When the gradient partitions of ``params`` lie back to back in the flat gradient (in
-        the order given or reversed: buckets run in reverse registration order), the
-        collective is issued in that order and the reduced partitions are added with one
-        ``add_`` over the whole span (the same order on every rank: the flat layout is).
+        Gradient partitions that lie back to back in a flat gradient take the reduced
+        partitions with one ``add_`` per run instead of one per parameter. Buckets run in
+        reverse registration order and the flat gradients in registration order, so the
+        collective is issued in the order (given or reversed) with fewer runs — the same on
+        every rank, since adjacency is judged within one storage, whose layout all ranks share.
         """
         with record_function("zero.optim.reduce_scatter_grads"):
             targets = [self.partitioning.grad_partition(p) for p in params]
-            span = adjacent_flat_view(targets[::-1]) if len(targets) > 1 else None
-            if span is not None:
-                params, targets = list(params)[::-1], targets[::-1]
-            else:
-                span = adjacent_flat_view(targets)
+            runs = _adjacent_runs(targets)
+            backwards = _adjacent_runs(targets[::-1])
+            if len(backwards) < len(runs):
+                params, targets, runs = list(params)[::-1], targets[::-1], backwards
             grads = _take_grads(params)
             if self.strategy is not None:
                 handle = self.strategy.reduce_scatter_coalesced(grads, op="avg", async_op=True)
@@ -338,12 +338,13 @@ class ReduceScatterInto:
 
             def finish() -> None:
                 parts = handle.wait()
-                reduced = adjacent_flat_view(parts) if span is not None else None
-                if span is not None and reduced is not None and reduced.numel() == span.numel():
-                    span.add_(reduced)
-                    return
-                for target, part in zip(targets, parts, strict=True):
-                    target.add_(part)
+                for a, b in runs:
+                    dst, src = adjacent_flat_view(targets[a:b]), adjacent_flat_view(parts[a:b])
+                    if dst is not None and src is not None and dst.numel() == src.numel():
+                        dst.add_(src)
+                        continue
+                    for target, part in zip(targets[a:b], parts[a:b], strict=True):
+                        target.add_(part)
 
             out = _AccumulateHandle(finish)
             if not async_op:
@@ -392,6 +393,27 @@ class ReduceScatterInPlace:
     def before_backward(self) -> None:
         """Bind every ``.grad`` to the flat buffer, so autograd accumulates in place."""
         self.partitioning.bind_grads()
+
+
+def _adjacent_runs(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
+    """``[start, stop)`` index runs of ``tensors`` each lying right after the previous in one storage.
+
+    Empty tensors join the run they are in. Judged by storage and offset only, so every rank
+    with the same layout finds the same runs (addresses of distinct buffers never matter).
+    """
+    runs: list[tuple[int, int]] = []
+    start, storage, end = 0, None, None
+    for i, t in enumerate(tensors):
+        if not t.numel():
+            continue
+        here = t.untyped_storage().data_ptr()
+        if end is not None and (here != storage or t.data_ptr() != end):
+            runs.append((start, i))
+            start = i
+        storage, end = here, t.data_ptr() + t.numel() * t.element_size()
+    if tensors:
+        runs.append((start, len(tensors)))
+    return runs
 
 
 def _keep_own_partition(regions: Sequence[torch.Tensor], reduced: Sequence[torch.Tensor], rank: int) -> None:
