@@ -19,6 +19,9 @@ On ``--world`` gloo ranks (one thread each), with the side-by-side's GPT-2 workl
    and casts, hooks and coordinator, optimizer, ...), and the CPU time of every other thread
    (gloo's) is read from ``/proc/self/task``. Rank 0 writes a Chrome trace (``--trace``).
 
+``--impl zero-1`` / ``zero-2`` profiles those stages the same way instead (their wire bytes
+are DDP's, so their floor is DDP's step).
+
 The floor: ``DDP step + (stage-3 wire bytes - DDP's ring all-reduce bytes) x cost per byte``;
 stage 3's distance to it is reported as a % of its step. Writes ``profile_step.json`` and
 ``profile_step.md`` into ``--out``; with ``--docs DIR`` the table goes into
@@ -251,7 +254,7 @@ def _rank_main(rank: int, args: argparse.Namespace, store: str, results: Any) ->
         ddp_result = _timed_steps(ddp, timed)
         ddp.close()
         del ddp
-        zero = IMPLEMENTATIONS["zero-3"](w, world, RELEASED)
+        zero = IMPLEMENTATIONS[args.impl](w, world, RELEASED)
         _timed_steps(zero, warm)
         zero_result = _timed_steps(zero, timed, lambda r: r.engine.stats.comm.wire_bytes)
         trace = args.trace if rank == 0 else None
@@ -310,19 +313,19 @@ def markdown(result: dict[str, Any]) -> str:
     main = ", ".join(f"{v:.1f}" for v in s["main_thread_cpu_ms"])
     floor_rows = [
         ("DDP step (median of the slowest rank)", f"{s['ddp_step_s'] * 1e3:.1f} ms"),
-        ("zero stage 3 step, released", f"{s['zero3_step_s'] * 1e3:.1f} ms ({s['ratio_to_ddp']:.2f}x DDP)"),
-        ("stage 3 wire bytes / step (ledger)", f"{s['zero3_wire_bytes'] / 1e6:.2f} MB"),
+        ("zero step, released", f"{s['zero3_step_s'] * 1e3:.1f} ms ({s['ratio_to_ddp']:.2f}x DDP)"),
+        ("zero wire bytes / step (ledger)", f"{s['zero3_wire_bytes'] / 1e6:.2f} MB"),
         ("DDP wire bytes / step (ring all-reduce, 2P(N-1)/N x 4)", f"{s['ddp_wire_bytes'] / 1e6:.2f} MB"),
         (
             "gloo cost per byte (fit) / latency per call",
             f"{s['cost_s_per_byte'] * 1e9:.3f} ns/B / {s['latency_s'] * 1e6:.0f} us",
         ),
         ("floor = DDP + extra bytes x cost", f"{s['floor_s'] * 1e3:.1f} ms"),
-        ("**stage 3 distance to the floor**", f"**{s['distance_pct_of_step']:.1f}% of its step**"),
+        ("**zero's distance to the floor**", f"**{s['distance_pct_of_step']:.1f}% of its step**"),
     ]
     return "\n".join(
         [
-            f"Profile of one zero stage-3 step ({meta['label']}): {meta['workload']}, P = {s['psi']:,}, "
+            f"Profile of one {meta['impl']} step ({meta['label']}): {meta['workload']}, P = {s['psi']:,}, "
             f"world {s['world']}, gloo, fp32 AdamW, parameters released after use. Command: "
             f"`{meta['command']}`.",
             "",
@@ -358,6 +361,12 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--world", type=int, default=2)
+    parser.add_argument(
+        "--impl",
+        choices=("zero-1", "zero-2", "zero-3"),
+        default="zero-3",
+        help="the zero stage profiled (stages 1 and 2: the floor is DDP's step, same bytes)",
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--profile-steps", type=int, default=2)
@@ -378,7 +387,11 @@ def main() -> None:
         sys.exit(raw["error"])
     meta = environment("zero-full", "transformers")
     meta.update(
-        label=args.label, workload=w.describe(), command="python " + " ".join(sys.argv), trace=str(args.trace)
+        label=args.label,
+        impl=args.impl,
+        workload=w.describe(),
+        command="python " + " ".join(sys.argv),
+        trace=str(args.trace),
     )
     result = {"meta": meta, "raw": raw, "summary": summarize(args, raw, psi)}
     text = markdown(result)

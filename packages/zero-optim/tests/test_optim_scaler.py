@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -113,3 +115,18 @@ def test_an_inf_or_nan_on_one_rank_is_seen_by_every_rank(dist, world):
     assert dist.run(world, _overflow, -1, 0.0) == [False] * world
     assert dist.run(world, _overflow, world - 1, float("inf")) == [True] * world
     assert dist.run(world, _overflow, 0, float("nan")) == [True] * world
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -float("inf"), 3.0e38])
+@pytest.mark.parametrize("where", [0, 1 << 20, (1 << 20) + 6])
+def test_found_overflow_sees_each_non_finite_value_anywhere_without_a_mask(value, where):
+    p = torch.nn.Parameter(torch.zeros((1 << 20) + 7))
+    group = FlatGroup([p], ["p"], [p.numel()], torch.device("cpu"))
+    group.grad.normal_()
+    group.grad[where] = value
+    with torch.profiler.profile(profile_memory=True) as prof:
+        seen = found_overflow([group])
+    assert seen == (not math.isfinite(value))
+    # one pass without temporaries: no allocation near the gradient's size (isfinite's mask was 1 MB)
+    allocated = max((e.cpu_memory_usage for e in prof.events()), default=0)
+    assert allocated < 1024

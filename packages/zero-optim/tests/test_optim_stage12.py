@@ -224,3 +224,57 @@ def test_bad_arguments_are_refused():
         replicated_optimizer(Odd().double(), None, 1)
     with pytest.raises(ValueError, match=r"rank 2 is not in \[0, 2\)"):
         ReplicaPartitioning(2, 2)
+
+
+def _kernels(rank, stage):
+    """Kernel names per zero range in one step: ``{range: [(op, parent op)]}`` (one bucket)."""
+    model = Odd()
+    cfg = ReduceConfig(reduce_bucket_size=10**6)
+    opt, reduction = replicated_optimizer(model, _make("adamw"), stage, cfg, allgather_bucket_size=10**6)
+    x = _batch(0, 0, rank.world_size)
+    with torch.profiler.profile() as prof:
+        model(x[4 * rank.rank : 4 * (rank.rank + 1)]).backward()
+        reduction.at_boundary()
+        opt.step()
+    reduction.remove()
+    found = {}
+    for e in prof.events():
+        chain, node = [], e.cpu_parent
+        while node is not None:
+            chain.append(node.name)
+            node = node.cpu_parent
+        zero = next((n for n in chain if n.startswith("zero.optim.")), None)
+        if (
+            zero is not None
+            and e.name.startswith("aten::")
+            and not any(n.startswith("zero.reduce_scatter.") for n in chain)
+        ):
+            found.setdefault(zero, []).append((e.name, chain[0]))
+    return found, len(opt.groups)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_bucket_is_finished_with_one_call_per_kernel_not_one_per_parameter(dist, world):
+    """One call per kernel for a bucket, not one per parameter.
+
+    Stage 2 adds its reduced partitions with one add_ per flat group, stage 1 zeroes the
+    consumed gradients with one foreach call, and both refresh the whole parameters from the
+    gathered rows with one fused copy.
+    """
+    for stage in (1, 2):
+        found, groups = dist.run(world, _kernels, stage)[world - 1]
+        assert groups == 2  # one run of adjacent gradient partitions per flat group
+        # stage 1 waits for its (async) bucket at the boundary, stage 2 in the reduction call
+        pairs = found.get("zero.optim.reduce_scatter_grads", []) + found.get(
+            "zero.optim.reduce_at_boundary", []
+        )
+        reduce = [op for op, _ in pairs]
+        if stage == 2:
+            assert reduce.count("aten::add_") == groups, reduce
+        else:
+            assert reduce.count("aten::_foreach_zero_") == 1, reduce
+            zeroed = [p for op, p in pairs if op == "aten::zero_"]
+            assert zeroed and set(zeroed) == {"aten::_foreach_zero_"}, pairs
+        gather = found["zero.optim.allgather_params"]
+        assert [op for op, _ in gather].count("aten::split_with_sizes_copy") == 1, gather
+        assert all(p == "aten::split_with_sizes_copy" for op, p in gather if op == "aten::copy_"), gather

@@ -44,6 +44,7 @@ from torch.profiler import record_function
 from torch.utils.hooks import RemovableHandle
 
 import zero_comm
+from zero_comm.coalesced import adjacent_flat_view
 from zero_offload import OptimizerOffloadConfig
 from zero_optim.buckets import BucketedReducer, BucketPlan, ReduceConfig, ReduceHandle
 from zero_optim.core import PartitionedOptimizer
@@ -84,7 +85,16 @@ class ReplicaPartitioning:
         ValueError: ``rank`` outside ``[0, world)`` or a bucket size below 1.
     """
 
-    __slots__ = ("_bound", "_grads", "allgather_bucket_size", "grads_in_place", "group", "rank", "world")
+    __slots__ = (
+        "_bound",
+        "_grads",
+        "_regions",
+        "allgather_bucket_size",
+        "grads_in_place",
+        "group",
+        "rank",
+        "world",
+    )
 
     def __init__(
         self,
@@ -106,6 +116,7 @@ class ReplicaPartitioning:
         self.grads_in_place = grads_in_place
         self._bound: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._grads: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
+        self._regions: dict[int, torch.Tensor] = {}
 
     def local_numel(self, param: nn.Parameter) -> int:
         """``ceil(numel / world)``: this rank's partition, padding included."""
@@ -141,6 +152,7 @@ class ReplicaPartitioning:
             region = full.narrow(0, offset, size * self.world)
             region[: p.numel()].copy_(p.detach().reshape(-1))
             p.data = region[: p.numel()].view(p.shape)
+            self._regions[id(p)] = region
             views.append(region.narrow(0, self.rank * size, size))
             offset += size * self.world
         return views
@@ -223,7 +235,12 @@ class ReplicaPartitioning:
         return self._bound[id(param)][1]
 
     def after_step(self, groups: Sequence[FlatGroup]) -> None:
-        """All-gather the updated working partitions into the whole parameters, bucket by bucket."""
+        """All-gather the updated working partitions into the whole parameters, bucket by bucket.
+
+        Parameters living in the flat buffer of :meth:`working_views` receive their whole padded
+        region (padding included), so each bucket's gathered rows reach the parameters with one
+        fused copy instead of one strided copy per parameter.
+        """
         with record_function("zero.optim.allgather_params"), torch.no_grad():
             bucket: list[tuple[nn.Parameter, torch.Tensor]] = []
             size = 0
@@ -246,8 +263,16 @@ class ReplicaPartitioning:
             return
         # Straight from the gathered buffer into the parameters: one copy of the model, not two.
         zero_comm.all_gather_coalesced_into(
-            [s for _, s in bucket], [param.data for param, _ in bucket], self.group
+            [s for _, s in bucket], [self._gather_dest(param) for param, _ in bucket], self.group
         )
+
+    def _gather_dest(self, param: nn.Parameter) -> torch.Tensor:
+        """The padded region ``param`` lives in, or its own data once moved out of it."""
+        region = self._regions.get(id(param))
+        data = param.data
+        if region is None or data.data_ptr() != region.data_ptr() or not data.is_contiguous():
+            return data
+        return region
 
 
 class _AccumulateHandle:
@@ -289,8 +314,20 @@ class ReduceScatterInto:
     strategy: zero_comm.ReduceScatterStrategy | None = None
 
     def __call__(self, params: Sequence[nn.Parameter], *, async_op: bool = False) -> ReduceHandle:
-        """Reduce-scatter the ``.grad`` of ``params`` (``None`` = zeros) and free them."""
+        """Reduce-scatter the ``.grad`` of ``params`` (``None`` = zeros) and free them.
+
+        Gradient partitions that lie back to back in a flat gradient take the reduced
+        partitions with one ``add_`` per run instead of one per parameter. Buckets run in
+        reverse registration order and the flat gradients in registration order, so the
+        collective is issued in the order (given or reversed) with fewer runs — the same on
+        every rank, since adjacency is judged within one storage, whose layout all ranks share.
+        """
         with record_function("zero.optim.reduce_scatter_grads"):
+            targets = [self.partitioning.grad_partition(p) for p in params]
+            runs = _adjacent_runs(targets)
+            backwards = _adjacent_runs(targets[::-1])
+            if len(backwards) < len(runs):
+                params, targets, runs = list(params)[::-1], targets[::-1], backwards
             grads = _take_grads(params)
             if self.strategy is not None:
                 handle = self.strategy.reduce_scatter_coalesced(grads, op="avg", async_op=True)
@@ -298,11 +335,16 @@ class ReduceScatterInto:
                 handle = zero_comm.reduce_scatter_coalesced_padded(
                     grads, self.partitioning.group, op="avg", async_op=True
                 )
-            targets = [self.partitioning.grad_partition(p) for p in params]
 
             def finish() -> None:
-                for target, part in zip(targets, handle.wait(), strict=True):
-                    target.add_(part)
+                parts = handle.wait()
+                for a, b in runs:
+                    dst, src = adjacent_flat_view(targets[a:b]), adjacent_flat_view(parts[a:b])
+                    if dst is not None and src is not None and dst.numel() == src.numel():
+                        dst.add_(src)
+                        continue
+                    for target, part in zip(targets[a:b], parts[a:b], strict=True):
+                        target.add_(part)
 
             out = _AccumulateHandle(finish)
             if not async_op:
@@ -341,12 +383,7 @@ class ReduceScatterInPlace:
                 handle = zero_comm.reduce_scatter_coalesced_padded(live, part.group, op="avg", async_op=True)
 
             def finish() -> None:
-                for region, reduced in zip(live, handle.wait(), strict=True):
-                    size = reduced.numel()
-                    mine = region.narrow(0, part.rank * size, size)
-                    mine.copy_(reduced)
-                    region[: part.rank * size].zero_()
-                    region[(part.rank + 1) * size :].zero_()
+                _keep_own_partition(live, handle.wait(), part.rank)
 
             out = _AccumulateHandle(finish)
             if not async_op:
@@ -356,6 +393,51 @@ class ReduceScatterInPlace:
     def before_backward(self) -> None:
         """Bind every ``.grad`` to the flat buffer, so autograd accumulates in place."""
         self.partitioning.bind_grads()
+
+
+def _adjacent_runs(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
+    """``[start, stop)`` index runs of ``tensors`` each lying right after the previous in one storage.
+
+    Empty tensors join the run they are in. Judged by storage and offset only, so every rank
+    with the same layout finds the same runs (addresses of distinct buffers never matter).
+    """
+    runs: list[tuple[int, int]] = []
+    start, storage, end = 0, None, None
+    for i, t in enumerate(tensors):
+        if not t.numel():
+            continue
+        here = t.untyped_storage().data_ptr()
+        if end is not None and (here != storage or t.data_ptr() != end):
+            runs.append((start, i))
+            start = i
+        storage, end = here, t.data_ptr() + t.numel() * t.element_size()
+    if tensors:
+        runs.append((start, len(tensors)))
+    return runs
+
+
+def _keep_own_partition(regions: Sequence[torch.Tensor], reduced: Sequence[torch.Tensor], rank: int) -> None:
+    """Copy each reduced partition into its place in the region, zero the rest of the region.
+
+    One fused copy and one fused zeroing for the whole bucket (``split_with_sizes_copy`` and
+    ``_foreach_zero_``) instead of three kernels per parameter. A reduced partition that lies
+    inside a region itself (a lone unpadded tensor of the first or last rank is reduced in
+    place) is copied element-wise first, before anything is zeroed.
+    """
+    mine, rest = [], []
+    for region, part in zip(regions, reduced, strict=True):
+        size = part.numel()
+        mine.append(region.narrow(0, rank * size, size))
+        rest.append(region[: rank * size])
+        rest.append(region[(rank + 1) * size :])
+    source = adjacent_flat_view(reduced)
+    inside = any(r.untyped_storage().data_ptr() == reduced[0].untyped_storage().data_ptr() for r in regions)
+    if source is None or inside:
+        for dest, part in zip(mine, reduced, strict=True):
+            dest.copy_(part)
+    else:
+        torch.split_with_sizes_copy(source, [m.numel() for m in mine], out=mine)
+    torch._foreach_zero_([r for r in rest if r.numel()])
 
 
 @dataclasses.dataclass(frozen=True)
