@@ -422,7 +422,8 @@ class Coordinator:
 
     def on_pre_backward(self, ms: ModuleHookState) -> None:
         """Before ``ms``'s backward: queue the final callback, fetch, prefetch."""
-        self._queue_final_callback()
+        if not self._callback_queued:
+            self._queue_final_callback()
         step = self._step
         if step is not None and step.forward_done:
             self._fetch_in_step(step, ms, backward=True)
@@ -437,12 +438,14 @@ class Coordinator:
 
     def on_grad_accumulated(self, param: torch.Tensor, slot: ParamSlot | None) -> None:
         """Post-accumulate-grad: hand the gradient to the sink, then release if the module is done."""
-        self._queue_final_callback()
+        if not self._callback_queued:
+            self._queue_final_callback()
         if self._sink is not None:
             self._sink.on_grad_ready(param)
         if slot is None:
             return
-        self._live.note_grad_ready(slot)
+        if not slot.grad_ready:
+            self._live.note_grad_ready(slot)
         if slot.release_on_grad:
             self._live.set_release_on_grad(slot, False)
             if slot.holds == 0 and slot.batch is not None:

@@ -31,7 +31,7 @@ class Fetcher:
         shard_prefetch: Offered the upcoming parameters, to swap in offloaded shards.
     """
 
-    __slots__ = ("bound", "bucket", "live", "releaser", "shard_prefetch")
+    __slots__ = ("bound", "bucket", "live", "prefetches", "releaser", "shard_prefetch")
 
     def __init__(
         self,
@@ -45,11 +45,8 @@ class Fetcher:
         self.live = live
         self.releaser = releaser
         self.shard_prefetch = shard_prefetch
-
-    @property
-    def prefetches(self) -> bool:
-        """Whether :meth:`prefetch` has anything to do (a bucket or a shard prefetcher)."""
-        return bool(self.bucket) or self.shard_prefetch is not None
+        # Whether prefetch() has anything to do (a bucket or a shard prefetcher): fixed, asked per fetch.
+        self.prefetches = bool(self.bucket) or shard_prefetch is not None
 
     def acquire(self, ms: ModuleHookState, backward: bool = False) -> None:
         """Hold ``ms``'s parameters: wait for in-flight ones, gather the missing ones (one call).
@@ -66,7 +63,7 @@ class Fetcher:
             if batch is None:
                 missing.append(s)
                 continue
-            if live.claim(s):
+            if (s.retained or s.prefetched) and live.claim(s):
                 acc.prefetch_hits += 1
             else:
                 acc.reuse_hits += 1
@@ -114,19 +111,20 @@ class Fetcher:
         pos = max(step.prefetch_pos, step.cursor)
         plan = step.plan
         event_slots = plan.event_slots
+        event_numel = plan.event_numel
         codes = plan.codes
         end = len(event_slots)
         while pos < end and room > 0:
-            add = [s for s in event_slots[pos] if s.batch is None]
+            slots = event_slots[pos]
+            add = [s for s in slots if s.batch is None]
             if add:
-                numel = sum(s.numel for s in add)
+                numel = event_numel[pos] if len(add) == len(slots) else sum(s.numel for s in add)
                 if live.bounded_live + numel > self.bound and not self.releaser.evict_later_than(
                     step, pos, numel
                 ):
                     break
-                live.gather(add, secondary=bool(codes[pos] & 1))
-                for s in add:
-                    live.mark_prefetched(s)
+                live.gather(add, secondary=bool(codes[pos] & 1), numel=numel)
+                live.mark_prefetched(add, numel)
                 room -= numel
             pos += 1
         step.prefetch_pos = pos

@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch._C import _current_graph_task_id as _graph_task_id  # -1 unless a backward runs here
 from torch.utils.hooks import RemovableHandle
 
 from zero_coord._tree import collect_grad_tensors, replace_grad_tensors
@@ -99,7 +100,9 @@ class _ModuleBoundary(torch.autograd.Function):
     def forward(ctx: Any, state: ModuleHookState, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.state = state
         ctx.set_materialize_grads(False)
-        return tuple(t.detach() for t in tensors)
+        if len(tensors) == 1:  # the common case, without a generator per call
+            return (tensors[0].detach(),)
+        return tuple([t.detach() for t in tensors])
 
 
 class PreBackward(_ModuleBoundary):
@@ -140,11 +143,6 @@ def _wrap_inputs(state: ModuleHookState, args: tuple, kwargs: dict) -> tuple[tup
     if not tensors:
         return None
     return replace_grad_tensors((args, kwargs), iter(PostBackward.apply(state, *tensors)))
-
-
-def in_backward() -> bool:
-    """True while the autograd engine runs a backward on this thread (e.g. a recompute)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 class ModuleHookState:
@@ -190,7 +188,7 @@ class ModuleHookState:
         """Forward pre-hook: start a step if none runs, fetch, arm the post-backward node."""
         if self.coord.paused:
             return None
-        recompute = in_backward()
+        recompute = _graph_task_id() != -1  # inside a backward (a recompute)
         self.coord.on_pre_forward(self, recompute)
         if self.slots and not recompute and torch.is_grad_enabled():
             return _wrap_inputs(self, args, kwargs)
@@ -208,7 +206,7 @@ class ModuleHookState:
         error = sys.exc_info()[1] if output is None else None
         if error is not None:
             self.coord.on_forward_error(self, error)
-        recompute = in_backward()
+        recompute = _graph_task_id() != -1  # inside a backward (a recompute)
         if self.slots and not recompute and error is None and torch.is_grad_enabled():
             output = _wrap(PreBackward, self, output)
         self.coord.on_post_forward(self, output, recompute, failed=error is not None)

@@ -6,6 +6,8 @@ the same parameters at the same points.
 
 from __future__ import annotations
 
+import bisect
+
 from zero_coord.config import CoordinatorConfig
 from zero_coord.hooks import ModuleHookState
 from zero_coord.slots import LiveSlots, ParamSlot
@@ -75,10 +77,13 @@ class Releaser:
             free = []
             plan = step.plan
             cum = plan.cum_numel
+            uses = plan.uses
             cursor = step.cursor
             here = cum[cursor]
             for s in slots:
-                nxt = plan.next_use(s.index, cursor)
+                positions = uses.get(s.index, ())  # plan.next_use(), inlined: once per released slot
+                i = bisect.bisect_left(positions, cursor)
+                nxt = positions[i] if i < len(positions) else None
                 if nxt is None:
                     free.append(s)
                 elif nxt == cursor:  # the very next module uses it: freeing only re-gathers it
@@ -86,7 +91,7 @@ class Releaser:
                 elif live.live > self.bound:
                     free.append(s)
                 elif nxt < step.prefetch_pos:
-                    live.mark_prefetched(s)
+                    live.mark_prefetched([s], s.numel)
                 elif cum[nxt] - here <= self.reuse:
                     live.mark_retained(s)
                 else:

@@ -202,19 +202,22 @@ class LiveSlots:
         ones except those waiting only for their gradient (autograd holds them)."""
         return self.live - self.pending_grad_numel
 
-    def gather(self, slots: list[ParamSlot], secondary: bool) -> GatherBatch:
+    def gather(self, slots: list[ParamSlot], secondary: bool, numel: int | None = None) -> GatherBatch:
         """Issue one coalesced async gather for ``slots`` (none of them live).
 
         ``secondary`` (backward uses): parameters with a valid hpZ secondary shard are gathered
         over their secondary (e.g. intra-node) group; the others over their own group.
+        ``numel``: their elements, when the caller knows them (from the trace plan).
         """
         watchdog_note(lambda: label("gathers", [s.name for s in slots]))
-        handle = zero_params.gather([s.param for s in slots], async_op=True, secondary=secondary)
-        numel = 0
+        params = []
         nbytes = 0
         for s in slots:
-            numel += s.numel
+            params.append(s.param)
             nbytes += s.nbytes
+        handle = zero_params.gather(params, async_op=True, secondary=secondary)
+        if numel is None:
+            numel = sum(s.numel for s in slots)
         batch = GatherBatch(handle, numel, len(slots))
         live_slots = self.live_slots
         for s in slots:
@@ -243,11 +246,13 @@ class LiveSlots:
             return True
         return False
 
-    def mark_prefetched(self, slot: ParamSlot) -> None:
-        """``slot`` (live, unheld) waits for its next use, which prefetching covers."""
-        slot.prefetched = True
-        self.ahead[slot] = None
-        self.ahead_numel += slot.numel
+    def mark_prefetched(self, slots: list[ParamSlot], numel: int) -> None:
+        """``slots`` (live, unheld; ``numel`` elements) wait for their next use, which prefetching covers."""
+        ahead = self.ahead
+        for s in slots:
+            s.prefetched = True
+            ahead[s] = None
+        self.ahead_numel += numel
 
     def mark_retained(self, slot: ParamSlot) -> None:
         """``slot`` (live, unheld) stays gathered for a near reuse."""
@@ -279,7 +284,8 @@ class LiveSlots:
             del live_slots[s]
             batch.live -= 1
             self.live -= s.numel  # its own storage was emptied: the bytes are gone now
-            self.claim(s)
+            if s.retained or s.prefetched:
+                self.claim(s)
             if s.release_on_grad:
                 self.set_release_on_grad(s, False)
 

@@ -21,6 +21,7 @@ class StepState:
         root: The module whose forward started the step.
         trace: The trace of ``(phase, root)``.
         plan: The trace's frozen plan when the step started against a complete trace.
+        codes: ``plan.codes`` (empty without a plan).
         valid: Matching a complete trace, no divergence so far (prefetching is on).
         recording: Recording the trace's order.
         cursor: Next trace position.
@@ -29,6 +30,7 @@ class StepState:
     """
 
     __slots__ = (
+        "codes",
         "cursor",
         "forward_done",
         "phase",
@@ -46,6 +48,7 @@ class StepState:
         self.trace = trace
         self.valid = trace.begin_step()
         self.plan: TracePlan | None = trace.plan
+        self.codes: tuple[int, ...] = self.plan.codes if self.plan is not None else ()
         self.recording = not self.valid
         self.cursor = 0
         self.prefetch_pos = 0
@@ -54,8 +57,10 @@ class StepState:
     def advance(self, code: int) -> bool:
         """Match (or record) the next event; ``False``: the step departs from its valid trace."""
         if self.valid:
-            if self.plan.matches(self.cursor, code):
-                self.cursor += 1
+            cursor = self.cursor  # plan.matches(), inlined: this runs once per module and pass
+            codes = self.codes
+            if cursor < len(codes) and codes[cursor] == code:
+                self.cursor = cursor + 1
                 return True
             return False
         if self.recording:

@@ -48,26 +48,29 @@ class TracePlan:
         event_slots: Parameter slots each event fetches, by trace position.
         cum_numel: Elements fetched before each position (``cum_numel[pos]``; one entry more
             than events).
+        event_numel: Elements each event fetches, by trace position.
         uses: Trace positions that fetch each slot, by slot index (ascending).
     """
 
     codes: tuple[int, ...]
     event_slots: tuple[tuple[PlannedSlot, ...], ...]
     cum_numel: tuple[int, ...]
+    event_numel: tuple[int, ...]
     uses: Mapping[int, tuple[int, ...]]
 
     @classmethod
     def build(cls, codes: Sequence[int], module_slots: Sequence[tuple[PlannedSlot, ...]]) -> TracePlan:
         """Plan ``codes`` given the parameter slots of each hooked module, by module index."""
         event_slots = tuple(module_slots[code >> 1] for code in codes)
+        numel = tuple(sum(s.numel for s in slots) for slots in event_slots)
         cum = [0]
         uses: dict[int, list[int]] = {}
         for pos, slots in enumerate(event_slots):
-            cum.append(cum[-1] + sum(s.numel for s in slots))
+            cum.append(cum[-1] + numel[pos])
             for s in slots:
                 uses.setdefault(s.index, []).append(pos)
         frozen_uses = MappingProxyType({index: tuple(positions) for index, positions in uses.items()})
-        return cls(tuple(codes), event_slots, tuple(cum), frozen_uses)
+        return cls(tuple(codes), event_slots, tuple(cum), numel, frozen_uses)
 
     def __len__(self) -> int:
         return len(self.codes)
