@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from coord_cases import (
@@ -136,7 +138,9 @@ def test_trace_lifecycle_in_process():
     trace = Trace(Phase.TRAIN, "", ["", "x", "y", "z"])
     assert trace.state is TraceState.RECORD and len(trace) == 0
     assert trace.begin_step() is False
-    trace._codes.extend([1 << 1, 2 << 1, 3 << 1, (3 << 1) | 1])
+    for code in [1 << 1, 2 << 1, 3 << 1, (3 << 1) | 1]:
+        trace.record(code)
+    assert trace.plan is None
     trace.complete(module_slots)
     assert trace.state is TraceState.COMPLETE
     assert trace.events == (
@@ -145,10 +149,35 @@ def test_trace_lifecycle_in_process():
         TraceEvent("z", False),
         TraceEvent("z", True),
     )
-    assert trace._cum_numel == [0, 5, 23, 39, 55]
-    assert trace._uses == {0: (0, 2, 3), 1: (1,), 2: (1, 2, 3)}
+    plan = trace.plan
+    assert plan.codes == (2, 4, 6, 7) and plan.event_slots == ((a,), (b, c), (a, c), (a, c))
+    assert plan.cum_numel == (0, 5, 23, 39, 55)
+    assert dict(plan.uses) == {0: (0, 2, 3), 1: (1,), 2: (1, 2, 3)}
+    assert [plan.next_use(0, cursor) for cursor in range(5)] == [0, 2, 2, 3, None]
+    assert plan.next_use(7, 0) is None  # a slot no event fetches
+    assert [plan.matches(1, code) for code in (4, 5, 6)] == [True, False, False]
+    assert not plan.matches(4, 2)  # past the recorded order
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.codes = ()
+    with pytest.raises(TypeError):
+        plan.uses[0] = ()
+    with pytest.raises(RuntimeError, match="only a recording trace records"):
+        trace.record(2)
+    assert trace.divergence(1, 6) == (
+        "TRAIN trace of '<root>' (event 1 of 4) diverged: "
+        "module 'z' (forward) ran where 'y' (forward) was expected"
+    )
+    assert trace.departure(1, 6) == "runs `z` (forward) where its recorded order has 'y' (forward)"
+    assert trace.divergence(4, 3) == (
+        "TRAIN trace of '<root>' (event 4 of 4) diverged: "
+        "module 'x' (backward) ran after the recorded order ended"
+    )
+    assert trace.departure(4, 3) == "runs `x` (backward) where its recorded order ended"
+    assert trace.divergence(2, None).endswith("the step ended where 'z' (forward) was expected next")
+    assert trace.departure(2, None) == "ends its step where its recorded order has 'z' (forward) next"
     assert trace.begin_step() is True  # a complete trace validates the next step
     assert trace.invalidate("first") is True and trace.state is TraceState.INVALID
+    assert trace.plan is None
     assert trace.begin_step() is False and trace.state is TraceState.RECORD and len(trace) == 0
     assert trace.invalidate("second") is False  # only the first divergence is logged at INFO
     assert trace.invalidate(None) is False and trace.invalidations == 2  # user request: not counted

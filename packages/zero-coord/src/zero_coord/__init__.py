@@ -2,11 +2,12 @@
 
 :class:`Coordinator` installs forward / backward hooks on a model whose parameters were
 partitioned with ``zero_params``: it gathers each module's parameters before it runs,
-prefetches the next modules of a recorded :class:`Trace`, releases parameters after use
-(never before their gradient reached the :class:`GradientSink`) and reports
-:class:`StepStats`. :func:`set_leaf_modules` marks blocks (mixture of experts) that are
-gathered as a whole. A :class:`ShardPrefetcher` (offloaded shards) is asked to swap in the
-shards of upcoming trace modules ahead of their gather.
+prefetches the next modules of a recorded :class:`Trace` (its frozen :class:`TracePlan`),
+releases parameters after use (never before their gradient reached the
+:class:`GradientSink`) and reports :class:`StepStats`. :func:`set_leaf_modules` marks
+blocks (mixture of experts) that are gathered as a whole. A :class:`ShardPrefetcher`
+(offloaded shards) is asked to swap in the shards of upcoming trace modules ahead of their
+gather.
 """
 
 from zero_coord.config import CoordinatorConfig, Phase, TraceState
@@ -16,7 +17,7 @@ from zero_coord.leaf import LeafRegistry, find_leaf_modules, set_leaf_modules
 from zero_coord.prefetch_source import ShardPrefetcher
 from zero_coord.sink import GradientSink
 from zero_coord.stats import StepStats
-from zero_coord.trace import Trace, TraceEvent
+from zero_coord.trace import Trace, TraceEvent, TracePlan
 
 __all__ = [
     "Coordinator",
@@ -30,6 +31,7 @@ __all__ = [
     "StepStats",
     "Trace",
     "TraceEvent",
+    "TracePlan",
     "TraceState",
     "find_leaf_modules",
     "set_leaf_modules",

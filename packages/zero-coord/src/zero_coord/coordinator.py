@@ -1,6 +1,7 @@
 """The coordinator: which partitioned parameters are gathered when, and when they are freed.
 
-Lifecycle of one training step (hooks are bound methods of :mod:`zero_coord.hooks` objects):
+Lifecycle of one training step (hooks are bound methods of :mod:`zero_coord.hooks` objects,
+which reach the coordinator through :class:`~zero_coord.hooks.HookTarget`):
 
 1. Root pre-forward starts the step and picks its trace (per phase and root module).
 2. Each hooked module's pre-forward *fetches*: waits for its parameters that are in flight,
@@ -19,12 +20,15 @@ Lifecycle of one training step (hooks are bound methods of :mod:`zero_coord.hook
    post-forward.
 
 Every decision (what to gather, prefetch, keep or free) depends only on the module order and
-sizes, never on timing, so all ranks issue the same collectives in the same order.
+sizes, never on timing, so all ranks issue the same collectives in the same order. The
+coordinator wires the pieces: :mod:`zero_coord.slots` (which parameters are live),
+:mod:`zero_coord.fetch` (gather and prefetch), :mod:`zero_coord.release` (keep, free, evict),
+:mod:`zero_coord.trace` (the recorded order and its plan) and :mod:`zero_coord.step` (the step
+in progress).
 """
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import logging
 from collections.abc import Iterator
@@ -35,47 +39,25 @@ from torch import nn
 from torch.autograd import Variable
 
 import zero_params
-from zero_comm.watchdog import label, path_diverged, recording_paths
-from zero_comm.watchdog import note as watchdog_note
+from zero_comm.watchdog import path_diverged, recording_paths
 from zero_coord._profile import profile_range
 from zero_coord._tree import collect_grad_tensors
 from zero_coord.config import CoordinatorConfig, Phase
 from zero_coord.error_hints import annotate_unseen_parameter
-from zero_coord.hooks import GatherBatch, GradHook, HookSet, ModuleHookState, ParamSlot
+from zero_coord.fetch import Fetcher
+from zero_coord.hooks import GradHook, HookSet, ModuleHookState
 from zero_coord.leaf import find_leaf_modules
 from zero_coord.prefetch_source import ShardPrefetcher
+from zero_coord.release import Releaser
 from zero_coord.sink import GradientSink
+from zero_coord.slots import LiveSlots, ParamSlot, SlotTable
 from zero_coord.stats import StatsAccumulator, StepStats
+from zero_coord.step import StepState
 from zero_coord.trace import Trace
 
 __all__ = ["Coordinator"]
 
 logger = logging.getLogger("zero.coord")
-
-
-class _Step:
-    """State of the step in progress."""
-
-    __slots__ = (
-        "cursor",
-        "forward_done",
-        "phase",
-        "prefetch_pos",
-        "recording",
-        "root",
-        "trace",
-        "valid",
-    )
-
-    def __init__(self, phase: Phase, root: ModuleHookState, trace: Trace, valid: bool) -> None:
-        self.phase = phase
-        self.root = root
-        self.trace = trace
-        self.valid = valid  # validating against a complete trace, no divergence so far
-        self.recording = not valid
-        self.cursor = 0  # next trace position
-        self.prefetch_pos = 0  # first trace position not yet considered for prefetch
-        self.forward_done = False
 
 
 class Coordinator:
@@ -119,45 +101,35 @@ class Coordinator:
         if shard_prefetch is not None and not isinstance(shard_prefetch, ShardPrefetcher):
             raise TypeError(f"shard_prefetch {type(shard_prefetch).__name__} lacks prefetch(params)")
         self._sink = grad_sink
-        self._shard_prefetch = shard_prefetch
         self._hooks = HookSet()
         self._installed = False
         self._paused = False
         self._states: list[ModuleHookState] = []
         self._state_of: dict[nn.Module, ModuleHookState] = {}
         self._manual_states: dict[nn.Module, ModuleHookState] = {}
-        self._slots: list[ParamSlot] = []
-        self._slot_of: dict[nn.Parameter, ParamSlot] = {}
-        self._param_names: dict[nn.Parameter, str] = {}
+        self._table = SlotTable({})
         self._module_slots: list[tuple[ParamSlot, ...]] = []
         self._names: list[str] = []
         self._traces: dict[tuple[Phase, int], Trace] = {}
-        self._step: _Step | None = None
-        self._live = 0
-        # Gathered elements whose module finished backward but whose gradient is not accumulated yet
-        # (e.g. a tied embedding, waiting for its other use): autograd holds them, like a running module,
-        # so they do not count against max_live_parameters when prefetching.
-        self._pending_grad_numel = 0
-        self._live_slots: dict[ParamSlot, None] = {}
-        self._ahead: dict[ParamSlot, None] = {}
-        self._ahead_numel = 0
-        self._retained: dict[ParamSlot, None] = {}
-        self._grad_ready: list[ParamSlot] = []
+        self._step: StepState | None = None
         self._frozen: list[nn.Parameter] = []
         self._callback_queued = False
         self._acc = StatsAccumulator()
         self._last = StepStats()
         self._total = StepStats()
+        self._live = LiveSlots(self._acc)
+        self._releaser = Releaser(config, self._live)
+        self._fetcher = Fetcher(config, self._live, self._releaser, shard_prefetch)
         # Active from a step's root pre-forward to its post-forward: a saved view of a released
         # parameter read by backward raises a PartitionedParameterError naming it.
         self._guard = zero_params.SavedTensorGuard(
-            lambda: [zero_params.state_of(s.param) for s in self._slots]
+            lambda: [zero_params.state_of(s.param) for s in self._table.slots]
         )
 
     def __repr__(self) -> str:
         return (
             f"Coordinator({type(self._model).__name__}, installed={self._installed}, "
-            f"hooked_modules={len(self._states)}, params={len(self._slots)})"
+            f"hooked_modules={len(self._states)}, params={len(self._table.slots)})"
         )
 
     # ------------------------------------------------------------------ public API
@@ -178,14 +150,14 @@ class Coordinator:
         return tuple(self._names)
 
     @property
-    def live_elements(self) -> int:
-        """Parameter elements currently gathered or in flight through this coordinator."""
-        return self._live
-
-    @property
     def last_step_stats(self) -> StepStats:
         """Statistics of the last finished step (empty before the first)."""
         return self._last
+
+    @property
+    def live_elements(self) -> int:
+        """Parameter elements currently gathered or in flight through this coordinator."""
+        return self._live.live
 
     @property
     def total_stats(self) -> StepStats:
@@ -227,8 +199,7 @@ class Coordinator:
         self._states = []
         self._state_of = {}
         self._manual_states = {}
-        self._slots = []
-        self._slot_of = {}
+        self._table = SlotTable({})
         self._frozen = []
         self._module_slots = []
         self._names = []
@@ -268,14 +239,14 @@ class Coordinator:
         ms = self._manual_state(module)
         if ms.slots:
             with profile_range("zero.coord.fetch"):
-                self._acquire(ms)
+                self._fetcher.acquire(ms)
 
     def release(self, module: nn.Module) -> None:
         """Drop one hold of ``module``'s parameters taken by :meth:`fetch`; free them when unheld."""
         ms = self._manual_state(module)
         if ms.slots:
             with profile_range("zero.coord.release"):
-                self._release_module(ms, backward=False)
+                self._releaser.release_module(ms, self._step, backward=False)
 
     def release_all(self) -> None:
         """Free every gathered and in-flight parameter and abandon the step in progress.
@@ -317,7 +288,7 @@ class Coordinator:
         if step is not None and (step.valid or step.recording):
             step.valid = False
             step.recording = False
-            self._drop_prefetched()
+            self._live.drop_prefetched()
 
     # ------------------------------------------------------------------ construction
 
@@ -328,9 +299,7 @@ class Coordinator:
     def _build(self) -> None:
         self._reset_structure()
         model = self._model
-        self._param_names = {}
-        for name, param in model.named_parameters():
-            self._param_names.setdefault(param, name)
+        self._table = SlotTable.for_model(model)
         leaves = find_leaf_modules(model)
         leaf_modules = set(leaves.values())
         inside_leaf: set[nn.Module] = set()
@@ -339,7 +308,7 @@ class Coordinator:
         for name, module in model.named_modules():
             if module in inside_leaf:
                 continue
-            slots = self._slots_for(module, name, leaf=module in leaf_modules)
+            slots = self._table.module_slots(module, name, leaf=module in leaf_modules)
             if slots or module is model:
                 self._add_state(module, name, slots, module in leaf_modules)
 
@@ -350,37 +319,6 @@ class Coordinator:
         self._module_slots.append(slots)
         self._names.append(name)
 
-    def _slots_for(self, module: nn.Module, name: str, leaf: bool) -> tuple[ParamSlot, ...]:
-        params: list[nn.Parameter] = []
-        owners = module.modules() if leaf else (module,)
-        for owner in owners:
-            params.extend(p for p in owner._parameters.values() if p is not None)
-            params.extend(zero_params.external_parameters(owner))
-        slots: dict[ParamSlot, None] = {}
-        for param in params:
-            slot = self._slot(param, name)
-            if slot is not None:
-                slots[slot] = None
-        return tuple(slots)
-
-    def _slot(self, param: nn.Parameter, module_name: str) -> ParamSlot | None:
-        slot = self._slot_of.get(param)
-        if slot is not None:
-            return slot
-        if not zero_params.is_partitioned(param):
-            return None
-        state = zero_params.state_of(param)
-        name = self._param_names.get(param) or state.name or f"{module_name}.<external parameter>"
-        if not state.name:
-            state.name = name  # lets zero_params' errors name it
-        if state.persistent:
-            return None
-        numel = state.numel
-        slot = ParamSlot(param, name, len(self._slots), numel, numel * param.element_size())
-        self._slots.append(slot)
-        self._slot_of[param] = slot
-        return slot
-
     def _register_hooks(self) -> None:
         hooks = self._hooks
         for ms in self._states:
@@ -388,7 +326,7 @@ class Coordinator:
             hooks.add(ms.module.register_forward_hook(ms.post_forward, always_call=True))
         seen: set[nn.Parameter] = set()
         self._frozen = []
-        for param in list(self._model.parameters()) + [s.param for s in self._slots]:
+        for param in list(self._model.parameters()) + [s.param for s in self._table.slots]:
             if param in seen or not zero_params.is_partitioned(param):
                 continue
             seen.add(param)
@@ -398,7 +336,7 @@ class Coordinator:
                 self._frozen.append(param)
 
     def _add_grad_hook(self, param: nn.Parameter) -> None:
-        hook = GradHook(self, self._slot_of.get(param))
+        hook = GradHook(self, self._table.slot_of.get(param))
         self._hooks.add(param.register_post_accumulate_grad_hook(hook.on_grad_accumulated))
 
     def _hook_unfrozen(self) -> None:
@@ -416,7 +354,9 @@ class Coordinator:
             return ms
         for name, candidate in self._model.named_modules():
             if candidate is module:
-                ms = ModuleHookState(self, module, name, -1, self._slots_for(module, name, leaf=False), False)
+                ms = ModuleHookState(
+                    self, module, name, -1, self._table.module_slots(module, name, leaf=False), False
+                )
                 self._manual_states[module] = ms
                 return ms
         raise ValueError(
@@ -430,7 +370,7 @@ class Coordinator:
         if recompute:
             if ms.slots:
                 with profile_range("zero.coord.fetch"):
-                    self._acquire(ms, backward=True)
+                    self._fetcher.acquire(ms, backward=True)
             return
         step = self._step
         if step is None or step.forward_done:
@@ -440,12 +380,18 @@ class Coordinator:
             if not self._guard.active:
                 self._guard.__enter__()
         if ms.slots:
-            self._advance(step, ms.index << 1)
-            with profile_range("zero.coord.fetch"):
-                self._acquire(ms)
-            if step.valid and (self._config.prefetch_bucket_size or self._shard_prefetch is not None):
-                with profile_range("zero.coord.prefetch"):
-                    self._prefetch(step)
+            self._fetch_in_step(step, ms, backward=False)
+
+    def _fetch_in_step(self, step: StepState, ms: ModuleHookState, backward: bool) -> None:
+        """``ms`` runs as the step's next event: match or record it, fetch, prefetch what follows."""
+        code = (ms.index << 1) | backward
+        if not step.advance(code):
+            self._diverged(step, code)
+        with profile_range("zero.coord.fetch"):
+            self._fetcher.acquire(ms, backward=backward)
+        if step.valid and self._fetcher.prefetches:
+            with profile_range("zero.coord.prefetch"):
+                self._fetcher.prefetch(step)
 
     def on_post_forward(self, ms: ModuleHookState, output: Any, recompute: bool, *, failed: bool) -> None:
         """Post-forward of a hooked module: release, and end an eval step at its root.
@@ -455,7 +401,7 @@ class Coordinator:
         """
         if ms.slots:
             with profile_range("zero.coord.release"):
-                self._release_module(ms, backward=recompute, recompute=recompute)
+                self._releaser.release_module(ms, self._step, backward=recompute, recompute=recompute)
         step = self._step
         if recompute or step is None or step.root is not ms or step.forward_done:
             return
@@ -472,43 +418,39 @@ class Coordinator:
 
         See :func:`zero_coord.error_hints.annotate_unseen_parameter`.
         """
-        annotate_unseen_parameter(error, self._model, ms.name, [s.name for s in self._slots])
+        annotate_unseen_parameter(error, self._model, ms.name, [s.name for s in self._table.slots])
 
     def on_pre_backward(self, ms: ModuleHookState) -> None:
         """Before ``ms``'s backward: queue the final callback, fetch, prefetch."""
-        self._queue_final_callback()
+        if not self._callback_queued:
+            self._queue_final_callback()
         step = self._step
         if step is not None and step.forward_done:
-            self._advance(step, (ms.index << 1) | 1)
-            with profile_range("zero.coord.fetch"):
-                self._acquire(ms, backward=True)
-            if step.valid and (self._config.prefetch_bucket_size or self._shard_prefetch is not None):
-                with profile_range("zero.coord.prefetch"):
-                    self._prefetch(step)
+            self._fetch_in_step(step, ms, backward=True)
         else:
             with profile_range("zero.coord.fetch"):
-                self._acquire(ms, backward=True)
+                self._fetcher.acquire(ms, backward=True)
 
     def on_post_backward(self, ms: ModuleHookState) -> None:
         """After ``ms``'s input gradients exist: release what has its gradient already."""
         with profile_range("zero.coord.release"):
-            self._release_module(ms, backward=True)
+            self._releaser.release_module(ms, self._step, backward=True)
 
     def on_grad_accumulated(self, param: torch.Tensor, slot: ParamSlot | None) -> None:
         """Post-accumulate-grad: hand the gradient to the sink, then release if the module is done."""
-        self._queue_final_callback()
+        if not self._callback_queued:
+            self._queue_final_callback()
         if self._sink is not None:
             self._sink.on_grad_ready(param)
         if slot is None:
             return
         if not slot.grad_ready:
-            slot.grad_ready = True
-            self._grad_ready.append(slot)
+            self._live.note_grad_ready(slot)
         if slot.release_on_grad:
-            self._set_release_on_grad(slot, False)
+            self._live.set_release_on_grad(slot, False)
             if slot.holds == 0 and slot.batch is not None:
                 with profile_range("zero.coord.release"):
-                    self._settle([slot])
+                    self._releaser.settle([slot], self._step)
 
     def _queue_final_callback(self) -> None:
         if not self._callback_queued:
@@ -537,14 +479,14 @@ class Coordinator:
             self._traces[key] = trace
         return trace
 
-    def _begin_step(self, root: ModuleHookState) -> _Step:
+    def _begin_step(self, root: ModuleHookState) -> StepState:
         # A backward that raised never ran its final callback: let the next one queue it.
         self._callback_queued = False
         phase = Phase.TRAIN if torch.is_grad_enabled() and root.module.training else Phase.EVAL
         if self._frozen and phase is Phase.TRAIN:
             self._hook_unfrozen()
         trace = self._trace_for(phase, root)
-        step = _Step(phase, root, trace, valid=trace.begin_step())
+        step = StepState(phase, root, trace)
         self._step = step
         # Nothing recorded to tell a departure by: check each collective's path this step.
         recording_paths(step.recording)
@@ -566,39 +508,19 @@ class Coordinator:
         self._guard.__exit__(None, None, None)
         self._release_everything(force=True)
         self._step = None
-        self._last = self._acc.close(step.phase, self._live)
+        self._last = self._acc.close(step.phase, self._live.live)
         self._total = self._total + self._last
 
-    def _advance(self, step: _Step, code: int) -> None:
-        """Validate (or record) the next trace event."""
-        if step.valid:
-            codes = step.trace._codes
-            cursor = step.cursor
-            if cursor < len(codes) and codes[cursor] == code:
-                step.cursor = cursor + 1
-                return
-            self._diverged(step, code)
-        elif step.recording:
-            step.trace._codes.append(code)
-
-    def _diverged(self, step: _Step, code: int | None) -> None:
+    def _diverged(self, step: StepState, code: int | None) -> None:
+        """The step departs from its valid trace at event ``code`` (``None``: it ended early)."""
         trace = step.trace
-        cursor = step.cursor
-        expected = trace.describe_code(trace._codes[cursor]).describe() if cursor < len(trace) else None
-        where = f"{trace.phase.name} trace of {trace.root or '<root>'!r} (event {cursor} of {len(trace)})"
-        if code is None:
-            what = f"the step ended where {expected} was expected next"
-        elif expected is None:
-            what = f"module {trace.describe_code(code).describe()} ran after the recorded order ended"
-        else:
-            what = f"module {trace.describe_code(code).describe()} ran where {expected} was expected"
-        reason = f"{where} diverged: {what}"
+        reason = trace.divergence(step.cursor, code)
         # Before anything is gathered along the new path: do the other ranks depart alike?
         # (A gather of another size than the peers' aborts the process inside gloo.)
-        path_diverged(_departure(trace, code, expected))
+        path_diverged(trace.departure(step.cursor, code))
         step.valid = False
         self._acc.trace_invalidations += 1
-        self._drop_prefetched()
+        self._live.drop_prefetched()
         first = trace.invalidate(reason)
         logger.log(
             logging.INFO if first else logging.DEBUG,
@@ -608,284 +530,11 @@ class Coordinator:
             reason,
         )
 
-    # ------------------------------------------------------------------ gather / release
-
-    def _acquire(self, ms: ModuleHookState, backward: bool = False) -> None:
-        """Hold ``ms``'s parameters: wait for in-flight ones, gather the missing ones (one call).
-
-        ``backward``: gather over the hpZ secondary group where parameters have one.
-        """
-        acc = self._acc
-        missing: list[ParamSlot] = []
-        waits: list[GatherBatch] = []
-        for s in ms.slots:
-            s.holds += 1
-            batch = s.batch
-            if batch is None:
-                missing.append(s)
-                continue
-            if s.retained:
-                s.retained = False
-                del self._retained[s]
-            if s.prefetched:
-                s.prefetched = False
-                del self._ahead[s]
-                self._ahead_numel -= s.numel
-                acc.prefetch_hits += 1
-            else:
-                acc.reuse_hits += 1
-            if batch.handle is not None:
-                waits.append(batch)
-        ms.active += 1
-        if missing:
-            acc.prefetch_misses += len(missing)
-            if self._retained:
-                need = sum(s.numel for s in missing)
-                if self._live + need > self._config.max_live_parameters:
-                    self._evict(need)
-            waits.append(self._gather(missing, secondary=backward))
-        for batch in waits:
-            batch.wait()
-
-    def _gather(self, slots: list[ParamSlot], secondary: bool) -> GatherBatch:
-        """Issue one coalesced async gather for ``slots`` (none of them live).
-
-        ``secondary`` (backward uses): parameters with a valid hpZ secondary shard are gathered
-        over their secondary (e.g. intra-node) group; the others over their own group.
-        """
-        watchdog_note(lambda: label("gathers", [s.name for s in slots]))
-        handle = zero_params.gather([s.param for s in slots], async_op=True, secondary=secondary)
-        numel = 0
-        nbytes = 0
-        for s in slots:
-            numel += s.numel
-            nbytes += s.nbytes
-        batch = GatherBatch(handle, numel, len(slots))
-        live_slots = self._live_slots
-        for s in slots:
-            s.batch = batch
-            live_slots[s] = None
-        self._live += numel
-        acc = self._acc
-        acc.gathers += 1
-        acc.bytes_gathered += nbytes
-        if self._live > acc.max_live_elements:
-            acc.max_live_elements = self._live
-        return batch
-
-    def _prefetch(self, step: _Step) -> None:
-        """Prefetch along the trace: gathers within the bucket, then swap-ins of offloaded shards beyond."""
-        if self._config.prefetch_bucket_size:
-            self._prefetch_gathers(step)
-        if self._shard_prefetch is not None:
-            self._acc.shard_prefetches += self._shard_prefetch.prefetch(self._upcoming_params(step))
-
-    def _upcoming_params(self, step: _Step) -> Iterator[tuple[nn.Parameter, bool]]:
-        """``(param, swap_in)`` along the trace from the current module (see :class:`ShardPrefetcher`).
-
-        First sight of a parameter that is not gathered: ``True`` (it will be gathered there);
-        a later sight of any parameter: ``False`` (needed again, keep its shard if resident).
-        """
-        event_slots = step.trace._event_slots
-        seen: set[ParamSlot] = set()
-        for pos in range(max(step.cursor - 1, 0), len(event_slots)):  # the current module first
-            for s in event_slots[pos]:
-                if s in seen:
-                    yield s.param, False
-                else:
-                    seen.add(s)
-                    if s.batch is None:
-                        yield s.param, True
-
-    def _prefetch_gathers(self, step: _Step) -> None:
-        """Issue async gathers (one per module) for the next trace modules within the bucket and bound."""
-        room = self._config.prefetch_bucket_size - self._ahead_numel
-        pos = max(step.prefetch_pos, step.cursor)
-        event_slots = step.trace._event_slots
-        codes = step.trace._codes
-        end = len(event_slots)
-        limit = self._config.max_live_parameters
-        ahead = self._ahead
-        while pos < end and room > 0:
-            add = [s for s in event_slots[pos] if s.batch is None]
-            if add:
-                numel = sum(s.numel for s in add)
-                if self._bounded_live + numel > limit and not self._evict_later_than(step, pos, numel):
-                    break
-                self._gather(add, secondary=bool(codes[pos] & 1))
-                for s in add:
-                    s.prefetched = True
-                    ahead[s] = None
-                self._ahead_numel += numel
-                room -= numel
-            pos += 1
-        step.prefetch_pos = pos
-
-    def _release_module(self, ms: ModuleHookState, backward: bool, recompute: bool = False) -> None:
-        """One activation of ``ms`` ended: drop its holds, free or keep what nobody holds.
-
-        ``recompute``: the end of a forward re-run inside backward (activation checkpointing).
-        Its backward reads the views autograd just saved, and releasing empties their storage,
-        so nothing is freed here: trainable parameters wait for their gradient, frozen ones
-        for the end of backward (a reentrant checkpoint's re-run has no backward hooks of
-        its own to release them earlier).
-        """
-        if ms.active == 0:
-            return  # already reset (release_all) or never fetched
-        ms.active -= 1
-        settle: list[ParamSlot] = []
-        for s in ms.slots:
-            if s.holds > 1:
-                s.holds -= 1
-                continue
-            s.holds = 0
-            if s.batch is None:
-                continue
-            if backward and not s.grad_ready and s.param.requires_grad:
-                self._set_release_on_grad(s, True)  # its gradient hook releases it
-                continue
-            if recompute:
-                continue  # frozen: live until the final callback releases it
-            settle.append(s)
-        if settle:
-            self._settle(settle)
-
-    def _settle(self, slots: list[ParamSlot]) -> None:
-        """Decide for unheld gathered slots: keep them or free them.
-
-        Kept (with a complete trace): a slot the very next module uses (freeing it would only
-        re-gather it at once, so it costs no extra peak); and, within ``max_live_parameters``, a
-        slot whose next use lies inside the window prefetching already covered (it counts as
-        prefetched; freeing it would turn that use into a miss), or within
-        ``max_reuse_distance`` elements.
-        """
-        step = self._step
-        free = slots
-        if step is not None and step.valid:
-            free = []
-            trace = step.trace
-            cum = trace._cum_numel
-            uses = trace._uses
-            cursor = step.cursor
-            here = cum[cursor]
-            reuse = self._config.max_reuse_distance
-            bound = self._config.max_live_parameters
-            for s in slots:
-                positions = uses.get(s.index, ())
-                nxt = bisect.bisect_left(positions, cursor)
-                if nxt == len(positions):
-                    free.append(s)
-                elif positions[nxt] == cursor:  # the very next module uses it: freeing only re-gathers it
-                    s.retained = True
-                    self._retained[s] = None
-                elif self._live > bound:
-                    free.append(s)
-                elif positions[nxt] < step.prefetch_pos:
-                    s.prefetched = True
-                    self._ahead[s] = None
-                    self._ahead_numel += s.numel
-                elif cum[positions[nxt]] - here <= reuse:
-                    s.retained = True
-                    self._retained[s] = None
-                else:
-                    free.append(s)
-        if free:
-            self._free(free)
-
-    def _evict_later_than(self, step: _Step, pos: int, need: int) -> bool:
-        """Make room for a prefetch for trace position ``pos``: free kept-for-reuse parameters
-        whose next use comes after ``pos`` (they are needed later than what is prefetched),
-        until ``need`` more elements fit. Returns whether they fit now."""
-        bound = self._config.max_live_parameters
-        uses = step.trace._uses
-        victims = []
-        projected = self._bounded_live
-        for s in self._retained:
-            if projected + need <= bound:
-                break
-            positions = uses.get(s.index, ())
-            nxt = bisect.bisect_left(positions, step.cursor)
-            if nxt == len(positions) or positions[nxt] > pos:
-                victims.append(s)
-                projected -= s.numel
-        if victims:
-            self._free(victims)
-        return self._bounded_live + need <= bound
-
-    @property
-    def _bounded_live(self) -> int:
-        """Live elements that count against ``max_live_parameters`` for prefetching: all gathered
-        ones except those waiting only for their gradient (autograd holds them)."""
-        return self._live - self._pending_grad_numel
-
-    def _set_release_on_grad(self, slot: ParamSlot, flag: bool) -> None:
-        if slot.release_on_grad != flag:
-            slot.release_on_grad = flag
-            self._pending_grad_numel += slot.numel if flag else -slot.numel
-
-    def _evict(self, need: int) -> None:
-        """Free kept-for-reuse parameters, oldest first, until ``need`` more elements fit."""
-        bound = self._config.max_live_parameters
-        while self._retained and self._live + need > bound:
-            self._free([next(iter(self._retained))])
-
-    def _free(self, slots: list[ParamSlot]) -> None:
-        """Release gathered parameters (waiting for their gather first if still in flight)."""
-        for s in slots:
-            if s.batch.handle is not None:
-                s.batch.wait()
-        zero_params.release([s.param for s in slots])
-        live_slots = self._live_slots
-        for s in slots:
-            batch = s.batch
-            s.batch = None
-            del live_slots[s]
-            batch.live -= 1
-            self._live -= s.numel  # its own storage was emptied: the bytes are gone now
-            if s.retained:
-                s.retained = False
-                del self._retained[s]
-            if s.prefetched:
-                s.prefetched = False
-                del self._ahead[s]
-                self._ahead_numel -= s.numel
-            if s.release_on_grad:
-                self._set_release_on_grad(s, False)
-
-    def _drop_prefetched(self) -> None:
-        """Free parameters prefetched for a trace that no longer holds."""
-        dropped = [s for s in self._ahead if s.holds == 0]
-        for s in self._ahead:
-            s.prefetched = False
-        self._ahead.clear()
-        self._ahead_numel = 0
-        if dropped:
-            self._free(dropped)
-
     def _release_everything(self, force: bool) -> None:
         """Free every live parameter (``force``) or every unheld one; reset per-backward flags."""
         if force:
-            free = list(self._live_slots)
-            for s in free:
-                s.holds = 0
-                self._set_release_on_grad(s, False)
             for ms in self._states:
                 ms.active = 0
             for ms in self._manual_states.values():
                 ms.active = 0
-        else:
-            free = [s for s in self._live_slots if s.holds == 0]
-        if free:
-            self._free(free)
-        for s in self._grad_ready:
-            s.grad_ready = False
-        self._grad_ready = []
-
-
-def _departure(trace: Trace, code: int | None, expected: str | None) -> str:
-    """``runs `mid` (forward) where its recorded order has 'out' (forward)`` for the watchdog."""
-    has = f"its recorded order has {expected}" if expected is not None else "its recorded order ended"
-    if code is None:
-        return f"ends its step where {has} next"
-    event = trace.describe_code(code)
-    return f"runs `{event.module or '<root>'}` ({'backward' if event.backward else 'forward'}) where {has}"
+        self._live.free_all(force)

@@ -4,7 +4,8 @@ Every hook is a bound method of a small slotted state object (no closures), so a
 be inspected and its owner found; every handle goes into one :class:`HookSet`, whose
 :meth:`HookSet.remove` takes them all out again.
 
-* :class:`ParamSlot`: the coordinator's bookkeeping for one managed parameter.
+* :class:`HookTarget`: what the hooks call on the coordinator (a protocol, so this module
+  does not import the coordinator).
 * :class:`ModuleHookState`: forward pre/post hooks of one module, and the pre/post-backward
   callbacks reached through :class:`PreBackward` / :class:`PostBackward`.
 * :class:`GradHook`: the post-accumulate-grad hook of one parameter.
@@ -13,26 +14,57 @@ be inspected and its owner found; every handle goes into one :class:`HookSet`, w
 from __future__ import annotations
 
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch._C import _current_graph_task_id as _graph_task_id  # -1 unless a backward runs here
 from torch.utils.hooks import RemovableHandle
 
 from zero_coord._tree import collect_grad_tensors, replace_grad_tensors
-
-if TYPE_CHECKING:
-    from zero_coord.coordinator import Coordinator
+from zero_coord.slots import ParamSlot
 
 __all__ = [
-    "GatherBatch",
     "GradHook",
     "HookSet",
+    "HookTarget",
     "ModuleHookState",
-    "ParamSlot",
     "PostBackward",
     "PreBackward",
 ]
+
+
+class HookTarget(Protocol):
+    """What the hooks call: the coordinator, seen from its hooks (it satisfies this protocol)."""
+
+    @property
+    def paused(self) -> bool:
+        """Whether the hooks do nothing (``Coordinator.pause``)."""
+        ...
+
+    def on_pre_forward(self, ms: ModuleHookState, recompute: bool) -> None:
+        """Before ``ms``'s forward (``recompute``: run inside a backward)."""
+        ...
+
+    def on_post_forward(self, ms: ModuleHookState, output: Any, recompute: bool, *, failed: bool) -> None:
+        """After ``ms``'s forward (``failed``: it raised)."""
+        ...
+
+    def on_forward_error(self, ms: ModuleHookState, error: BaseException) -> None:
+        """``ms``'s forward raised ``error``."""
+        ...
+
+    def on_pre_backward(self, ms: ModuleHookState) -> None:
+        """Before ``ms``'s backward."""
+        ...
+
+    def on_post_backward(self, ms: ModuleHookState) -> None:
+        """After ``ms``'s input gradients exist."""
+        ...
+
+    def on_grad_accumulated(self, param: torch.Tensor, slot: ParamSlot | None) -> None:
+        """``param.grad`` holds this backward's full gradient (``slot``: ``None`` if unmanaged)."""
+        ...
 
 
 class HookSet:
@@ -57,98 +89,24 @@ class HookSet:
         return len(self._handles)
 
 
-class GatherBatch:
-    """The parameters one gather call made live, until the gather was waited for.
-
-    Each parameter has its own unsharded storage (``zero_params.UnshardedStorage``), so
-    releasing one frees its bytes at once; the live-element accounting counts per
-    parameter accordingly.
-
-    Attributes:
-        handle: The gather handle while not waited for, else ``None``.
-        numel: Elements of the batch's parameters.
-        live: Parameters of the batch still gathered.
-    """
-
-    __slots__ = ("handle", "live", "numel")
-
-    def __init__(self, handle: Any, numel: int, live: int) -> None:
-        self.handle = handle
-        self.numel = numel
-        self.live = live
-
-    def wait(self) -> None:
-        """Wait for the gather (once)."""
-        handle = self.handle
-        if handle is not None:
-            self.handle = None
-            handle.wait()
-
-
-class ParamSlot:
-    """Per-parameter state of the coordinator (nothing is stored on the parameter itself).
-
-    Attributes:
-        param: The managed (partitioned, not persistent) parameter.
-        name: Its qualified name in the model.
-        index: Position in the coordinator's slot list (used as the trace key).
-        numel: Elements of the full parameter.
-        nbytes: Bytes of the full parameter.
-        holds: Module activations currently using the parameter (tied weights and external
-            parameters are held by several modules).
-        batch: The gather that made it live (``None`` while not gathered).
-        prefetched: Gathered ahead of its next use and not yet used.
-        retained: Kept gathered after use because its next use is close (reuse distance).
-        grad_ready: Its gradient was accumulated (and handed to the sink) in this backward.
-        release_on_grad: Its module finished backward before its gradient was ready: the
-            gradient hook releases it.
-    """
-
-    __slots__ = (
-        "batch",
-        "grad_ready",
-        "holds",
-        "index",
-        "name",
-        "nbytes",
-        "numel",
-        "param",
-        "prefetched",
-        "release_on_grad",
-        "retained",
-    )
-
-    def __init__(self, param: nn.Parameter, name: str, index: int, numel: int, nbytes: int) -> None:
-        self.param = param
-        self.name = name
-        self.index = index
-        self.numel = numel
-        self.nbytes = nbytes
-        self.holds = 0
-        self.batch: GatherBatch | None = None
-        self.prefetched = False
-        self.retained = False
-        self.grad_ready = False
-        self.release_on_grad = False
-
-    def __repr__(self) -> str:
-        return (
-            f"ParamSlot({self.name!r}, numel={self.numel}, holds={self.holds}, live={self.batch is not None})"
-        )
-
-
-class PreBackward(torch.autograd.Function):
-    """Identity on a module's outputs whose backward fetches the module's parameters.
+class _ModuleBoundary(torch.autograd.Function):
+    """Identity on tensors at a module boundary; its backward calls the module's hook state.
 
     The outputs are returned detached (not as views of the inputs), so in-place operations
-    on them later stay legal.
+    on them later stay legal. Subclasses say which hook their backward calls.
     """
 
     @staticmethod
     def forward(ctx: Any, state: ModuleHookState, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.state = state
         ctx.set_materialize_grads(False)
-        return tuple(t.detach() for t in tensors)
+        if len(tensors) == 1:  # the common case, without a generator per call
+            return (tensors[0].detach(),)
+        return tuple([t.detach() for t in tensors])
+
+
+class PreBackward(_ModuleBoundary):
+    """On a module's outputs: its backward fetches the module's parameters."""
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
@@ -156,14 +114,8 @@ class PreBackward(torch.autograd.Function):
         return (None, *grads)
 
 
-class PostBackward(torch.autograd.Function):
-    """Identity on a module's inputs whose backward runs once the module's backward is done."""
-
-    @staticmethod
-    def forward(ctx: Any, state: ModuleHookState, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.state = state
-        ctx.set_materialize_grads(False)
-        return tuple(t.detach() for t in tensors)
+class PostBackward(_ModuleBoundary):
+    """On a module's inputs: its backward runs once the module's backward is done."""
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
@@ -193,16 +145,11 @@ def _wrap_inputs(state: ModuleHookState, args: tuple, kwargs: dict) -> tuple[tup
     return replace_grad_tensors((args, kwargs), iter(PostBackward.apply(state, *tensors)))
 
 
-def in_backward() -> bool:
-    """True while the autograd engine runs a backward on this thread (e.g. a recompute)."""
-    return torch._C._current_graph_task_id() != -1
-
-
 class ModuleHookState:
     """Hooks of one module: fetch before its forward and backward, release after them.
 
     Attributes:
-        coord: The owning coordinator.
+        coord: The owning coordinator (as a :class:`HookTarget`).
         module: The hooked module.
         name: Its qualified name.
         index: Position in the coordinator's module list (trace events use it).
@@ -217,7 +164,7 @@ class ModuleHookState:
 
     def __init__(
         self,
-        coord: Coordinator,
+        coord: HookTarget,
         module: nn.Module,
         name: str,
         index: int,
@@ -241,7 +188,7 @@ class ModuleHookState:
         """Forward pre-hook: start a step if none runs, fetch, arm the post-backward node."""
         if self.coord.paused:
             return None
-        recompute = in_backward()
+        recompute = _graph_task_id() != -1  # inside a backward (a recompute)
         self.coord.on_pre_forward(self, recompute)
         if self.slots and not recompute and torch.is_grad_enabled():
             return _wrap_inputs(self, args, kwargs)
@@ -259,7 +206,7 @@ class ModuleHookState:
         error = sys.exc_info()[1] if output is None else None
         if error is not None:
             self.coord.on_forward_error(self, error)
-        recompute = in_backward()
+        recompute = _graph_task_id() != -1  # inside a backward (a recompute)
         if self.slots and not recompute and error is None and torch.is_grad_enabled():
             output = _wrap(PreBackward, self, output)
         self.coord.on_post_forward(self, output, recompute, failed=error is not None)
@@ -279,7 +226,7 @@ class GradHook:
 
     __slots__ = ("coord", "slot")
 
-    def __init__(self, coord: Coordinator, slot: ParamSlot | None) -> None:
+    def __init__(self, coord: HookTarget, slot: ParamSlot | None) -> None:
         self.coord = coord
         self.slot = slot
 

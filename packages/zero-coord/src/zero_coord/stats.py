@@ -50,62 +50,34 @@ class StepStats:
 
     def __add__(self, other: StepStats) -> StepStats:
         """Running total of two stats (phase dropped, peaks maxed, counts summed)."""
-        return StepStats(
-            phase=None,
-            steps=self.steps + other.steps,
-            max_live_elements=max(self.max_live_elements, other.max_live_elements),
-            gathers=self.gathers + other.gathers,
-            prefetch_hits=self.prefetch_hits + other.prefetch_hits,
-            prefetch_misses=self.prefetch_misses + other.prefetch_misses,
-            reuse_hits=self.reuse_hits + other.reuse_hits,
-            bytes_gathered=self.bytes_gathered + other.bytes_gathered,
-            trace_invalidations=self.trace_invalidations + other.trace_invalidations,
-            shard_prefetches=self.shard_prefetches + other.shard_prefetches,
-        )
+        counts = {name: getattr(self, name) + getattr(other, name) for name in _COUNTERS}
+        counts["max_live_elements"] = max(self.max_live_elements, other.max_live_elements)
+        return StepStats(phase=None, steps=self.steps + other.steps, **counts)
+
+
+# The per-step counters of StepStats (every field but the phase and the step count).
+_COUNTERS = tuple(f.name for f in dataclasses.fields(StepStats) if f.name not in ("phase", "steps"))
 
 
 class StatsAccumulator:
-    """Mutable counters of the step in progress; :meth:`close` turns them into a :class:`StepStats`."""
+    """Mutable counters of the step in progress; :meth:`close` turns them into a :class:`StepStats`.
 
-    __slots__ = (
-        "bytes_gathered",
-        "gathers",
-        "max_live_elements",
-        "prefetch_hits",
-        "prefetch_misses",
-        "reuse_hits",
-        "shard_prefetches",
-        "trace_invalidations",
-    )
+    It has one attribute per counter of :class:`StepStats` (``gathers``, ``prefetch_hits``, ...).
+    """
+
+    __slots__ = _COUNTERS
 
     def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
         """Zero every counter."""
-        self.max_live_elements = 0
-        self.gathers = 0
-        self.prefetch_hits = 0
-        self.prefetch_misses = 0
-        self.reuse_hits = 0
-        self.bytes_gathered = 0
-        self.trace_invalidations = 0
-        self.shard_prefetches = 0
+        for name in _COUNTERS:
+            setattr(self, name, 0)
 
     def close(self, phase: Phase | None, live_elements: int) -> StepStats:
         """Snapshot the counters as one step and start the next one from ``live_elements``."""
-        stats = StepStats(
-            phase=phase,
-            steps=1,
-            max_live_elements=self.max_live_elements,
-            gathers=self.gathers,
-            prefetch_hits=self.prefetch_hits,
-            prefetch_misses=self.prefetch_misses,
-            reuse_hits=self.reuse_hits,
-            bytes_gathered=self.bytes_gathered,
-            trace_invalidations=self.trace_invalidations,
-            shard_prefetches=self.shard_prefetches,
-        )
+        stats = StepStats(phase=phase, steps=1, **{name: getattr(self, name) for name in _COUNTERS})
         self.reset()
         self.max_live_elements = live_elements
         return stats

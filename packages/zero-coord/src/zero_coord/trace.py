@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import NamedTuple
+import bisect
+import dataclasses
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+from typing import NamedTuple, Protocol
 
 from zero_coord.config import Phase, TraceState
 
-__all__ = ["Trace", "TraceEvent"]
+__all__ = ["PlannedSlot", "Trace", "TraceEvent", "TracePlan"]
 
 
 class TraceEvent(NamedTuple):
@@ -21,17 +24,80 @@ class TraceEvent(NamedTuple):
         return f"{self.module or '<root>'!r} ({'backward' if self.backward else 'forward'})"
 
 
+class PlannedSlot(Protocol):
+    """What a plan needs of a parameter slot (:class:`zero_coord.slots.ParamSlot` has it)."""
+
+    @property
+    def index(self) -> int:
+        """Position of the slot in the coordinator's slot list."""
+        ...
+
+    @property
+    def numel(self) -> int:
+        """Elements of the full parameter."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class TracePlan:
+    """A complete trace, frozen: the order to match later steps against and what prefetch and
+    release look up in it.
+
+    Attributes:
+        codes: The events in order, each ``2 * module_index + backward``.
+        event_slots: Parameter slots each event fetches, by trace position.
+        cum_numel: Elements fetched before each position (``cum_numel[pos]``; one entry more
+            than events).
+        event_numel: Elements each event fetches, by trace position.
+        uses: Trace positions that fetch each slot, by slot index (ascending).
+    """
+
+    codes: tuple[int, ...]
+    event_slots: tuple[tuple[PlannedSlot, ...], ...]
+    cum_numel: tuple[int, ...]
+    event_numel: tuple[int, ...]
+    uses: Mapping[int, tuple[int, ...]]
+
+    @classmethod
+    def build(cls, codes: Sequence[int], module_slots: Sequence[tuple[PlannedSlot, ...]]) -> TracePlan:
+        """Plan ``codes`` given the parameter slots of each hooked module, by module index."""
+        event_slots = tuple(module_slots[code >> 1] for code in codes)
+        numel = tuple(sum(s.numel for s in slots) for slots in event_slots)
+        cum = [0]
+        uses: dict[int, list[int]] = {}
+        for pos, slots in enumerate(event_slots):
+            cum.append(cum[-1] + numel[pos])
+            for s in slots:
+                uses.setdefault(s.index, []).append(pos)
+        frozen_uses = MappingProxyType({index: tuple(positions) for index, positions in uses.items()})
+        return cls(tuple(codes), event_slots, tuple(cum), numel, frozen_uses)
+
+    def __len__(self) -> int:
+        return len(self.codes)
+
+    def matches(self, cursor: int, code: int) -> bool:
+        """Whether event ``code`` is the one recorded at position ``cursor``."""
+        codes = self.codes
+        return cursor < len(codes) and codes[cursor] == code
+
+    def next_use(self, slot_index: int, cursor: int) -> int | None:
+        """First position at or after ``cursor`` that fetches slot ``slot_index`` (``None``: none)."""
+        positions = self.uses.get(slot_index, ())
+        nxt = bisect.bisect_left(positions, cursor)
+        return positions[nxt] if nxt < len(positions) else None
+
+
 class Trace:
     """Order in which hooked modules fetched their parameters during one kind of step.
 
     The first step of a phase records (``RECORD``); at its end the trace becomes
-    ``COMPLETE`` and later steps are validated against it, event by event, and prefetched
-    from it. A step that diverges makes it ``INVALID`` (logged once per trace) and the next
-    step records again. An invalid or recording trace costs only prefetching: results are
-    the same.
+    ``COMPLETE`` with a frozen :attr:`plan`, and later steps are matched against it, event by
+    event, and prefetched from it. A step that diverges makes it ``INVALID`` (logged once per
+    trace) and the next step records again. An invalid or recording trace costs only
+    prefetching: results are the same.
 
-    Events are stored as ints, ``2 * module_index + backward``, so the hot path validates
-    with one list lookup; :attr:`events` renders them.
+    Events are stored as ints, ``2 * module_index + backward``, so the hot path matches
+    with one tuple lookup; :attr:`events` renders them.
 
     Args:
         phase: Phase of the steps this trace describes.
@@ -41,11 +107,9 @@ class Trace:
 
     __slots__ = (
         "_codes",
-        "_cum_numel",
-        "_event_slots",
         "_module_names",
+        "_plan",
         "_state",
-        "_uses",
         "invalidations",
         "last_invalidation",
         "phase",
@@ -58,10 +122,7 @@ class Trace:
         self._module_names = module_names
         self._state = TraceState.RECORD
         self._codes: list[int] = []
-        # Filled by complete():
-        self._event_slots: list[tuple] = []
-        self._cum_numel: list[int] = []
-        self._uses: dict[int, tuple[int, ...]] = {}
+        self._plan: TracePlan | None = None
         self.invalidations = 0
         self.last_invalidation: str | None = None
 
@@ -80,6 +141,11 @@ class Trace:
         return self._state
 
     @property
+    def plan(self) -> TracePlan | None:
+        """The frozen plan while the trace is ``COMPLETE``, else ``None``."""
+        return self._plan
+
+    @property
     def events(self) -> tuple[TraceEvent, ...]:
         """The recorded (or, while recording, the so far recorded) module fetches, in order."""
         return tuple(self.describe_code(code) for code in self._codes)
@@ -96,38 +162,62 @@ class Trace:
             return True
         self._state = TraceState.RECORD
         self._codes.clear()
-        self._event_slots = []
-        self._cum_numel = []
-        self._uses = {}
+        self._plan = None
         return False
 
-    def complete(self, module_slots: Sequence[tuple]) -> None:
-        """Freeze the recorded events and precompute what prefetch and release look up.
+    def record(self, code: int) -> None:
+        """Append event ``code`` to the order being recorded."""
+        if self._state is not TraceState.RECORD:
+            raise RuntimeError(f"{self!r}.record(): only a recording trace records; call begin_step() first")
+        self._codes.append(code)
+
+    def complete(self, module_slots: Sequence[tuple[PlannedSlot, ...]]) -> None:
+        """Freeze the recorded events into :attr:`plan`.
 
         Args:
-            module_slots: The parameter slots of each hooked module, by module index. Each
-                slot has ``index`` and ``numel``.
+            module_slots: The parameter slots of each hooked module, by module index.
         """
-        event_slots = [module_slots[code >> 1] for code in self._codes]
-        cum = [0]
-        uses: dict[int, list[int]] = {}
-        for pos, slots in enumerate(event_slots):
-            cum.append(cum[-1] + sum(s.numel for s in slots))
-            for s in slots:
-                uses.setdefault(s.index, []).append(pos)
-        self._event_slots = event_slots
-        self._cum_numel = cum
-        self._uses = {index: tuple(positions) for index, positions in uses.items()}
+        self._plan = TracePlan.build(self._codes, module_slots)
         self._state = TraceState.COMPLETE
 
     def invalidate(self, reason: str | None) -> bool:
-        """Drop the trace; returns True when this is its first invalidation (log it)."""
+        """Drop the plan; returns True when this is the trace's first counted invalidation (log it).
+
+        ``reason`` ``None``: dropped on request, not counted.
+        """
         self._state = TraceState.INVALID
-        self._event_slots = []
-        self._cum_numel = []
-        self._uses = {}
+        self._plan = None
         if reason is None:
             return False
         self.invalidations += 1
         self.last_invalidation = reason
         return self.invalidations == 1
+
+    # --- matching a live step against the plan -----------------------------------------
+
+    def _expected(self, cursor: int) -> str | None:
+        codes = self._codes
+        return self.describe_code(codes[cursor]).describe() if cursor < len(codes) else None
+
+    def divergence(self, cursor: int, code: int | None) -> str:
+        """Log text for a step that ran event ``code`` (``None``: ended) at position ``cursor``."""
+        expected = self._expected(cursor)
+        where = f"{self.phase.name} trace of {self.root or '<root>'!r} (event {cursor} of {len(self)})"
+        if code is None:
+            what = f"the step ended where {expected} was expected next"
+        elif expected is None:
+            what = f"module {self.describe_code(code).describe()} ran after the recorded order ended"
+        else:
+            what = f"module {self.describe_code(code).describe()} ran where {expected} was expected"
+        return f"{where} diverged: {what}"
+
+    def departure(self, cursor: int, code: int | None) -> str:
+        """The same departure for the collective watchdog (``zero_comm.watchdog.path_diverged``):
+        ``runs `mid` (forward) where its recorded order has 'out' (forward)``."""
+        expected = self._expected(cursor)
+        has = f"its recorded order has {expected}" if expected is not None else "its recorded order ended"
+        if code is None:
+            return f"ends its step where {has} next"
+        event = self.describe_code(code)
+        runs = f"`{event.module or '<root>'}` ({'backward' if event.backward else 'forward'})"
+        return f"runs {runs} where {has}"

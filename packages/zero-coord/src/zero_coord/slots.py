@@ -1,0 +1,316 @@
+"""Slot and batch bookkeeping: one slot per managed parameter, and which slots are live.
+
+* :class:`ParamSlot`: the coordinator's state of one managed parameter (nothing is stored on
+  the parameter itself).
+* :class:`GatherBatch`: the parameters one coalesced gather made live, until it was waited for.
+* :class:`SlotTable`: the slots of a model and the slots each module needs (built at install).
+* :class:`LiveSlots`: which slots are gathered or in flight, prefetched, kept for reuse or
+  waiting for their gradient, and how many elements that makes; it issues the gathers and
+  the frees. *What* to gather, keep or free is decided in :mod:`zero_coord.fetch` and
+  :mod:`zero_coord.release`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+import zero_params
+from zero_comm.watchdog import label
+from zero_comm.watchdog import note as watchdog_note
+from zero_coord.stats import StatsAccumulator
+
+__all__ = ["GatherBatch", "LiveSlots", "ParamSlot", "SlotTable"]
+
+
+class GatherBatch:
+    """The parameters one gather call made live, until the gather was waited for.
+
+    Each parameter has its own unsharded storage (``zero_params.UnshardedStorage``), so
+    releasing one frees its bytes at once; the live-element accounting counts per
+    parameter accordingly.
+
+    Attributes:
+        handle: The gather handle while not waited for, else ``None``.
+        numel: Elements of the batch's parameters.
+        live: Parameters of the batch still gathered.
+    """
+
+    __slots__ = ("handle", "live", "numel")
+
+    def __init__(self, handle: Any, numel: int, live: int) -> None:
+        self.handle = handle
+        self.numel = numel
+        self.live = live
+
+    def wait(self) -> None:
+        """Wait for the gather (once)."""
+        handle = self.handle
+        if handle is not None:
+            self.handle = None
+            handle.wait()
+
+
+class ParamSlot:
+    """Per-parameter state of the coordinator (nothing is stored on the parameter itself).
+
+    Attributes:
+        param: The managed (partitioned, not persistent) parameter.
+        name: Its qualified name in the model.
+        index: Position in the coordinator's slot list (used as the trace key).
+        numel: Elements of the full parameter.
+        nbytes: Bytes of the full parameter.
+        holds: Module activations currently using the parameter (tied weights and external
+            parameters are held by several modules).
+        batch: The gather that made it live (``None`` while not gathered).
+        prefetched: Gathered ahead of its next use and not yet used.
+        retained: Kept gathered after use because its next use is close (reuse distance).
+        grad_ready: Its gradient was accumulated (and handed to the sink) in this backward.
+        release_on_grad: Its module finished backward before its gradient was ready: the
+            gradient hook releases it.
+    """
+
+    __slots__ = (
+        "batch",
+        "grad_ready",
+        "holds",
+        "index",
+        "name",
+        "nbytes",
+        "numel",
+        "param",
+        "prefetched",
+        "release_on_grad",
+        "retained",
+    )
+
+    def __init__(self, param: nn.Parameter, name: str, index: int, numel: int, nbytes: int) -> None:
+        self.param = param
+        self.name = name
+        self.index = index
+        self.numel = numel
+        self.nbytes = nbytes
+        self.holds = 0
+        self.batch: GatherBatch | None = None
+        self.prefetched = False
+        self.retained = False
+        self.grad_ready = False
+        self.release_on_grad = False
+
+    def __repr__(self) -> str:
+        return (
+            f"ParamSlot({self.name!r}, numel={self.numel}, holds={self.holds}, live={self.batch is not None})"
+        )
+
+
+class SlotTable:
+    """The managed parameters of one installed model, each with its :class:`ParamSlot`.
+
+    Args:
+        param_names: Qualified name of each parameter of the model (first name of a tied one).
+    """
+
+    __slots__ = ("param_names", "slot_of", "slots")
+
+    def __init__(self, param_names: dict[nn.Parameter, str]) -> None:
+        self.param_names = param_names
+        self.slots: list[ParamSlot] = []
+        self.slot_of: dict[nn.Parameter, ParamSlot] = {}
+
+    @classmethod
+    def for_model(cls, model: nn.Module) -> SlotTable:
+        """An empty table that names parameters after ``model.named_parameters()``."""
+        names: dict[nn.Parameter, str] = {}
+        for name, param in model.named_parameters():
+            names.setdefault(param, name)
+        return cls(names)
+
+    def module_slots(self, module: nn.Module, name: str, leaf: bool) -> tuple[ParamSlot, ...]:
+        """Slots ``module`` needs: its direct and external parameters (a leaf: its whole subtree's)."""
+        params: list[nn.Parameter] = []
+        owners = module.modules() if leaf else (module,)
+        for owner in owners:
+            params.extend(p for p in owner._parameters.values() if p is not None)
+            params.extend(zero_params.external_parameters(owner))
+        slots: dict[ParamSlot, None] = {}
+        for param in params:
+            slot = self._slot(param, name)
+            if slot is not None:
+                slots[slot] = None
+        return tuple(slots)
+
+    def _slot(self, param: nn.Parameter, module_name: str) -> ParamSlot | None:
+        slot = self.slot_of.get(param)
+        if slot is not None:
+            return slot
+        if not zero_params.is_partitioned(param):
+            return None
+        state = zero_params.state_of(param)
+        name = self.param_names.get(param) or state.name or f"{module_name}.<external parameter>"
+        if not state.name:
+            state.name = name  # lets zero_params' errors name it
+        if state.persistent:
+            return None
+        numel = state.numel
+        slot = ParamSlot(param, name, len(self.slots), numel, numel * param.element_size())
+        self.slots.append(slot)
+        self.slot_of[param] = slot
+        return slot
+
+
+class LiveSlots:
+    """Which slots are live (gathered or in flight) and in which role, with element counts.
+
+    Attributes:
+        live: Elements gathered or in flight.
+        live_slots: Every live slot (insertion-ordered set).
+        ahead: Slots gathered ahead of their next use (prefetched), not used yet.
+        ahead_numel: Elements of ``ahead``.
+        retained: Slots kept gathered after use for a near reuse, oldest first.
+        pending_grad_numel: Gathered elements whose module finished backward but whose
+            gradient is not accumulated yet (e.g. a tied embedding waiting for its other use):
+            autograd holds them, like a running module, so they do not count against
+            ``max_live_parameters`` when prefetching.
+        grad_ready: Slots whose gradient was accumulated in this backward.
+    """
+
+    __slots__ = (
+        "acc",
+        "ahead",
+        "ahead_numel",
+        "grad_ready",
+        "live",
+        "live_slots",
+        "pending_grad_numel",
+        "retained",
+    )
+
+    def __init__(self, acc: StatsAccumulator) -> None:
+        self.acc = acc
+        self.live = 0
+        self.live_slots: dict[ParamSlot, None] = {}
+        self.ahead: dict[ParamSlot, None] = {}
+        self.ahead_numel = 0
+        self.retained: dict[ParamSlot, None] = {}
+        self.pending_grad_numel = 0
+        self.grad_ready: list[ParamSlot] = []
+
+    @property
+    def bounded_live(self) -> int:
+        """Live elements that count against ``max_live_parameters`` for prefetching: all gathered
+        ones except those waiting only for their gradient (autograd holds them)."""
+        return self.live - self.pending_grad_numel
+
+    def gather(self, slots: list[ParamSlot], secondary: bool, numel: int | None = None) -> GatherBatch:
+        """Issue one coalesced async gather for ``slots`` (none of them live).
+
+        ``secondary`` (backward uses): parameters with a valid hpZ secondary shard are gathered
+        over their secondary (e.g. intra-node) group; the others over their own group.
+        ``numel``: their elements, when the caller knows them (from the trace plan).
+        """
+        watchdog_note(lambda: label("gathers", [s.name for s in slots]))
+        params = []
+        nbytes = 0
+        for s in slots:
+            params.append(s.param)
+            nbytes += s.nbytes
+        handle = zero_params.gather(params, async_op=True, secondary=secondary)
+        if numel is None:
+            numel = sum(s.numel for s in slots)
+        batch = GatherBatch(handle, numel, len(slots))
+        live_slots = self.live_slots
+        for s in slots:
+            s.batch = batch
+            live_slots[s] = None
+        self.live += numel
+        acc = self.acc
+        acc.gathers += 1
+        acc.bytes_gathered += nbytes
+        if self.live > acc.max_live_elements:
+            acc.max_live_elements = self.live
+        return batch
+
+    def claim(self, slot: ParamSlot) -> bool:
+        """``slot`` (live) is used again or freed: drop its kept / prefetched role.
+
+        Returns whether it was prefetched (a prefetch hit when a module uses it).
+        """
+        if slot.retained:
+            slot.retained = False
+            del self.retained[slot]
+        if slot.prefetched:
+            slot.prefetched = False
+            del self.ahead[slot]
+            self.ahead_numel -= slot.numel
+            return True
+        return False
+
+    def mark_prefetched(self, slots: list[ParamSlot], numel: int) -> None:
+        """``slots`` (live, unheld; ``numel`` elements) wait for their next use, which prefetching covers."""
+        ahead = self.ahead
+        for s in slots:
+            s.prefetched = True
+            ahead[s] = None
+        self.ahead_numel += numel
+
+    def mark_retained(self, slot: ParamSlot) -> None:
+        """``slot`` (live, unheld) stays gathered for a near reuse."""
+        slot.retained = True
+        self.retained[slot] = None
+
+    def set_release_on_grad(self, slot: ParamSlot, flag: bool) -> None:
+        """Whether ``slot``'s gradient hook releases it (its module's backward is done)."""
+        if slot.release_on_grad != flag:
+            slot.release_on_grad = flag
+            self.pending_grad_numel += slot.numel if flag else -slot.numel
+
+    def note_grad_ready(self, slot: ParamSlot) -> None:
+        """``slot``'s gradient was accumulated in this backward."""
+        if not slot.grad_ready:
+            slot.grad_ready = True
+            self.grad_ready.append(slot)
+
+    def free(self, slots: list[ParamSlot]) -> None:
+        """Release gathered parameters (waiting for their gather first if still in flight)."""
+        for s in slots:
+            if s.batch.handle is not None:
+                s.batch.wait()
+        zero_params.release([s.param for s in slots])
+        live_slots = self.live_slots
+        for s in slots:
+            batch = s.batch
+            s.batch = None
+            del live_slots[s]
+            batch.live -= 1
+            self.live -= s.numel  # its own storage was emptied: the bytes are gone now
+            if s.retained or s.prefetched:
+                self.claim(s)
+            if s.release_on_grad:
+                self.set_release_on_grad(s, False)
+
+    def drop_prefetched(self) -> None:
+        """Free parameters prefetched for a trace that no longer holds."""
+        dropped = [s for s in self.ahead if s.holds == 0]
+        for s in self.ahead:
+            s.prefetched = False
+        self.ahead.clear()
+        self.ahead_numel = 0
+        if dropped:
+            self.free(dropped)
+
+    def free_all(self, force: bool) -> None:
+        """Free every live parameter (``force``: dropping every hold) or every unheld one;
+        forget this backward's ready gradients."""
+        if force:
+            free = list(self.live_slots)
+            for s in free:
+                s.holds = 0
+                self.set_release_on_grad(s, False)
+        else:
+            free = [s for s in self.live_slots if s.holds == 0]
+        if free:
+            self.free(free)
+        for s in self.grad_ready:
+            s.grad_ready = False
+        self.grad_ready = []
