@@ -196,11 +196,6 @@ def test_frozen_int8_with_offload_param_is_refused():
         zero_full.ZeroConfig.model_validate(_config(True, offload_param={"device": "cpu"}))
 
 
-def test_frozen_int8_key_is_implemented():
-    cfg = zero_full.ZeroConfig.model_validate(_config(True))
-    assert not any("nontrainable" in f.path for f in cfg.key_report().ignored)
-
-
 # ----------------------------------------------------------------------------- memory (RSS)
 
 RSS_LAYERS, RSS_WIDTH, RSS_WORLD = 4, 2048, 2
