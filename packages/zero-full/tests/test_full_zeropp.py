@@ -310,7 +310,12 @@ def test_good_layouts_pass(zero, world, per_node):
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize(
     "key,value",
-    [("zero_quantized_weights", True), ("zero_quantized_gradients", True), ("zero_hpz_partition_size", 2)],
+    [
+        ("zero_quantized_weights", True),
+        ("zero_quantized_gradients", True),
+        ("zero_hpz_partition_size", 2),
+        ("zero_quantized_nontrainable_weights", True),
+    ],
 )
 def test_zeropp_below_stage_3_is_an_error(stage, key, value):
     with pytest.raises(ValueError) as info:
@@ -436,12 +441,31 @@ def test_init_built_model_gets_the_zeropp_strategies_and_trains_in_fp16(dist):
         assert all(torch.isfinite(torch.tensor(losses)))
 
 
-def test_quantized_nontrainable_weights_is_reported_as_ignored():
+def test_quantized_nontrainable_weights_is_implemented_not_ignored():
     cfg = zero_full.ZeroConfig.model_validate(_config(zero_quantized_nontrainable_weights=True))
-    assert "zero_optimization.zero_quantized_nontrainable_weights" in cfg.ignored_keys()
+    assert "zero_optimization.zero_quantized_nontrainable_weights" not in cfg.ignored_keys()
     assert cfg.unsupported_features() == []
-    plain = zero_full.ZeroConfig.model_validate(_config())
-    assert "zero_optimization.zero_quantized_nontrainable_weights" not in plain.ignored_keys()
+
+
+def test_estimate_int8_frozen_entry():
+    from zero_full.estimate import estimate_model_states
+
+    est = estimate_model_states(10_000, 4, "mixed", (3,), frozen_int8_params=6144)
+    plain, frozen = est.stages
+    assert frozen.name == "ZeRO-3 + int8 frozen" and frozen.frozen_int8 == 6144
+    trainable = 10_000 - 6144
+    assert frozen.params_bytes == 2 * trainable / 4 + 6144 * (1 + 4 / 2048) / 4
+    assert frozen.gradients_bytes == 2 * trainable / 4 and frozen.optimizer_bytes == 12 * trainable / 4
+    with pytest.raises(ValueError, match="frozen_int8_params=20000"):
+        estimate_model_states(10_000, 4, frozen_int8_params=20_000)
+
+
+def test_cli_estimate_frozen_int8(capsys):
+    from zero_full.cli import main
+
+    assert main(["estimate", "--params", "1M", "--world", "4", "--frozen-int8", "900k", "--stage", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "ZeRO-3 + int8 frozen" in out and "16T/N + 1.002F/N" in out
 
 
 def _persistent_after_steps(rank):

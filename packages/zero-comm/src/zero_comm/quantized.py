@@ -69,6 +69,7 @@ __all__ = [
     "QuantizedAllGather",
     "QuantizedReduceScatter",
     "all_to_all_quant_reduce",
+    "issue_prequantized_all_gather",
     "issue_quantized_all_gather",
     "quantized_all_gather_coalesced",
 ]
@@ -280,6 +281,103 @@ class QuantizedAllGather(OnGroup):
     ) -> AllGatherHandle:
         """See :func:`issue_quantized_all_gather`."""
         return issue_quantized_all_gather(shards, self.group, config=self.config, async_op=async_op, out=out)
+
+
+def issue_prequantized_all_gather(
+    pieces: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    group: ProcessGroup | None = None,
+    *,
+    dtype: torch.dtype,
+    config: QuantConfig = QWZ_DEFAULT_CONFIG,
+    async_op: bool = False,
+) -> AllGatherHandle:
+    """Gather shards that are already stored quantized (int8 codes + fp32 scales); always a handle.
+
+    For ``zero_quantized_nontrainable_weights``: each piece is this rank's shard of one tensor,
+    quantized once with ``config`` and kept as ``(codes, scales)`` — ``codes`` the int8 codes of
+    the shard's ``n`` elements (not padded to whole groups), ``scales`` its
+    ``config.n_groups(n)`` fp32 scales. ONE ``all_gather_single`` moves every piece's codes and
+    scales (nothing is re-quantized); ``wait()`` dequantizes every rank's pieces into ``dtype``.
+    Dequantizing ``(codes, scales)`` locally gives bit for bit the values this rank receives for
+    its own piece, so every rank holds the same full tensors.
+
+    Args:
+        pieces: ``(codes, scales)`` per tensor, same numels on every rank of ``group``, one device.
+        group: Process group (``None``: the world).
+        dtype: Output dtype (float32, bfloat16 or float16).
+        config: The quantization the codes were made with (8 bits).
+        async_op: Return before the communication completes; ``wait()`` finishes it.
+
+    Returns:
+        A handle whose ``wait()`` returns, per piece, the full 1-D tensor of ``world * n``
+        elements in group-rank order (views into one flat buffer), in ``dtype``.
+
+    Raises:
+        TypeError: ``config`` is not a ``zero_kernels.QuantConfig``.
+        ValueError: ``config`` is not 8-bit, a piece's codes are not int8 or its scales do not
+            match its codes, or ``dtype`` is not a float dtype.
+    """
+    what = "issue_prequantized_all_gather"
+    with record_function("zero.quantized_all_gather.issue"):
+        _check_config(config, what)
+        _check_float(dtype, what, "all_gather_coalesced")
+        if config.bits != 8:
+            raise ValueError(f"{what}: stored codes are int8 (config.bits = 8), got bits = {config.bits}")
+        for i, (codes, scales) in enumerate(pieces):
+            if codes.dtype != torch.int8 or scales.dtype != torch.float32:
+                raise ValueError(
+                    f"{what}: piece {i} must be (int8 codes, float32 scales), got ({codes.dtype}, "
+                    f"{scales.dtype}); quantize the shard with zero_kernels.quantize(shard, config)"
+                )
+            if scales.numel() != config.n_groups(codes.numel()):
+                raise ValueError(
+                    f"{what}: piece {i} has {codes.numel()} codes but {scales.numel()} scales; "
+                    f"groups of {config.group_size} need {config.n_groups(codes.numel())}"
+                )
+        world, _ = group_size_and_rank(group, what)
+        numels = [codes.numel() for codes, _ in pieces]
+        device = pieces[0][0].device if pieces else torch.device("cpu")
+        flat_out = torch.empty(world * sum(numels), dtype=dtype, device=device)
+        outputs = list(flat_out.split([world * n for n in numels]))
+        send = (
+            torch.cat([t.reshape(-1).view(torch.uint8) for codes, scales in pieces for t in (codes, scales)])
+            if pieces
+            else torch.empty(0, dtype=torch.uint8, device=device)
+        )
+        record(
+            QWZ_OP, group, payload_bytes=send.numel(),
+            wire_bytes=ring_wire_bytes("all_gather", send.numel(), world),
+        )  # fmt: skip
+        if world == 1 or send.numel() == 0:
+            _decode_pieces(send.view(1, -1), numels, outputs, config)
+            return AllGatherHandle(QWZ_OP, None, lambda: outputs)
+        recv = torch.empty(world * send.numel(), dtype=torch.uint8, device=device)
+        work = watched_call("all_gather", dist.all_gather_single, recv, send, group=group, async_op=async_op)
+        return AllGatherHandle(
+            QWZ_OP,
+            work,
+            lambda: _decode_pieces(recv.view(world, -1), numels, outputs, config),
+            keepalive=(send,),
+        )
+
+
+def _decode_pieces(
+    rows: torch.Tensor, numels: list[int], outputs: list[torch.Tensor], config: QuantConfig
+) -> list[torch.Tensor]:
+    """Dequantize row ``r`` (rank ``r``'s packed pieces) into slice ``r`` of each output."""
+    with record_function("zero.quantized_all_gather.dequantize"):
+        for r in range(rows.shape[0]):
+            offset = 0
+            for n, out in zip(numels, outputs, strict=True):
+                groups = config.n_groups(n)
+                codes = torch.zeros(config.code_bytes(n), dtype=torch.int8, device=rows.device)
+                codes[:n].copy_(rows[r, offset : offset + n].view(torch.int8))
+                offset += n
+                scales = rows[r, offset : offset + 4 * groups].clone().view(torch.float32)
+                offset += 4 * groups
+                q = QuantizedTensor(codes, scales, n, 8, config.group_size)
+                dequantize(q, out=out[r * n : (r + 1) * n])
+    return outputs
 
 
 # ----------------------------------------------------------------------------- qgZ

@@ -84,6 +84,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="also show ZeRO-3 with ZeRO++ hpZ over N ranks (secondary shard: + 2P/N mixed, 4P/N fp32)",
     )
     est.add_argument(
+        "--frozen-int8",
+        type=_count_arg,
+        metavar="F",
+        help="also show ZeRO-3 with F of the parameters frozen and stored as int8 shards "
+        "(zero_quantized_nontrainable_weights): 16T/N + 1.002F/N, T = P - F",
+    )
+    est.add_argument(
         "--precision",
         choices=[p.value for p in EstimatePrecision],
         default=EstimatePrecision.MIXED.value,
@@ -161,6 +168,11 @@ def format_estimate(est: MemoryEstimate, paper_example: bool = False) -> str:
     ]
     lines += [f"  MiCS shard (S)  {s.shard_size} ranks" for s in est.stages if s.shard_size is not None]
     lines += [f"  hpZ group (n)   {s.hpz_size} ranks" for s in est.stages if s.hpz_size is not None]
+    lines += [
+        f"  int8 frozen (F) {_human_count(s.frozen_int8)}, trainable T = P - F"
+        for s in est.stages
+        if s.frozen_int8 is not None
+    ]
     lines += [""]
     rows = [
         [
@@ -179,6 +191,8 @@ def format_estimate(est: MemoryEstimate, paper_example: bool = False) -> str:
 
 
 def _stage_formula(s: StageMemory, precision: EstimatePrecision) -> str:
+    if s.frozen_int8 is not None:
+        return "16T/N + 1.002F/N"
     if s.hpz_size is not None:
         return "16P/N + " + ("2P/n" if precision is EstimatePrecision.MIXED else "4P/n")
     return "16P/S" if s.shard_size is not None else precision.formula(s.stage)
@@ -188,7 +202,7 @@ def _cmd_estimate(args: argparse.Namespace) -> int:
     stages = (args.stage,) if args.stage is not None else (0, 1, 2, 3)
     try:
         est = estimate_model_states(
-            args.params, args.world, args.precision, stages, args.mics_shard_size, args.hpz
+            args.params, args.world, args.precision, stages, args.mics_shard_size, args.hpz, args.frozen_int8
         )
     except ValueError as err:
         print(f"zero estimate: {err}", file=sys.stderr)

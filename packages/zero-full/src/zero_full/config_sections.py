@@ -650,16 +650,13 @@ class ZeroOptimizationConfig(Section):
     zero_quantized_weights: Annotated[Flag, _stage3()] = False
     """ZeRO++ qwZ: all-gather parameters as int8 codes + fp32 scales, dequantized on arrival;
     masters and optimizer stay exact. See the ZeRO++ page of the docs."""
-    zero_quantized_nontrainable_weights: Annotated[
-        Flag,
-        _stage3(
-            Ignored(
-                "frozen weights are stored in the working precision in this version (see ZeRO++)",
-                behaves_as=False,
-            )
-        ),
-    ] = False
-    """Keep frozen weights quantized."""
+    zero_quantized_nontrainable_weights: Annotated[Flag, _stage3()] = False
+    """ZeRO++: store the shards of frozen parameters (``requires_grad=False`` when ``initialize``
+    runs, e.g. the base model under LoRA) as int8 codes + one fp32 scale per 2048 elements
+    (~1 byte per element instead of 2-4), quantized once: the frozen values become the
+    dequantized ones. Gathers move the codes and dequantize into the working precision;
+    checkpoints save the dequantized values. Not with ``offload_param``. See the ZeRO++ page of
+    the docs."""
     zero_quantized_gradients: Annotated[Flag, _stage3()] = False
     """ZeRO++ qgZ: reduce gradients quantized to int4 with two all-to-all hops (inside the node,
     then across); 1-D and indivisible tensors exactly. Needs a world of whole nodes. See
@@ -736,6 +733,20 @@ class ZeroOptimizationConfig(Section):
                 f"zero_optimization.{', '.join(wanted)} (ZeRO++) needs stage 3, got stage {self.stage}: "
                 "ZeRO++ quantizes and re-partitions the stage-3 parameter gathers and gradient "
                 "reduction; set stage to 3 or turn these keys off"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _frozen_int8_not_offloaded(self) -> ZeroOptimizationConfig:
+        if (
+            self.stage == 3
+            and self.zero_quantized_nontrainable_weights
+            and self.offload_param.device is not OffloadDevice.NONE
+        ):
+            raise ValueError(
+                "zero_optimization.zero_quantized_nontrainable_weights = true cannot be combined with "
+                f"offload_param.device = {self.offload_param.device.value!r}: a frozen shard lives "
+                "either as int8 codes or in the offload store, not both; turn one of them off"
             )
         return self
 

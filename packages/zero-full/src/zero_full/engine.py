@@ -494,6 +494,7 @@ class Engine:
         partitions, any ``.grad`` still attached and the optimizer state.
         """
         tensors: list[torch.Tensor] = []
+        stores: dict[int, zero_params.FrozenInt8Store] = {}
         for p in self.module.parameters():
             tensors.append(p)
             if p.grad is not None:
@@ -501,10 +502,14 @@ class Engine:
             if zero_params.is_partitioned(p):
                 state = zero_params.state_of(p)
                 tensors.append(state.shard)
+                if isinstance(state.offload, zero_params.FrozenInt8Store):  # int8 frozen shards
+                    stores[id(state.offload)] = state.offload
                 if state.secondary_shard is not None:  # hpZ
                     tensors.append(state.secondary_shard)
                 if state.grad_partition is not None:
                     tensors.append(state.grad_partition)
+        for store in stores.values():
+            tensors.extend(store.tensors())
         tensors.extend(self.optimizer.state_tensors())
         offloaded = zero_optim.offloaded_shards(self.optimizer)
         if offloaded is not None:

@@ -87,6 +87,9 @@ class StageMemory:
             only); ``None`` for plain ZeRO.
         hpz_size: ZeRO++ hpZ secondary-group size (stage 3 plus a secondary shard of
             ``Ψ/hpz_size`` parameters in the working precision); ``None`` without hpZ.
+        frozen_int8: ZeRO++ ``zero_quantized_nontrainable_weights``: how many of the Ψ
+            parameters are frozen and kept as int8 shards (no gradient, no optimizer state,
+            ``(1 + 4/2048)`` bytes per element over ``N``); ``None`` otherwise.
     """
 
     stage: int
@@ -95,10 +98,14 @@ class StageMemory:
     optimizer_bytes: float
     shard_size: int | None = None
     hpz_size: int | None = None
+    frozen_int8: int | None = None
 
     @property
     def name(self) -> str:
-        """``DDP``, ``ZeRO-1``, ``ZeRO-2``, ``ZeRO-3``, ``MiCS shard <s>`` or ``ZeRO-3 + hpZ <n>``."""
+        """``DDP``, ``ZeRO-1``, ``ZeRO-2``, ``ZeRO-3``, ``MiCS shard <s>``, ``ZeRO-3 + hpZ <n>`` or
+        ``ZeRO-3 + int8 frozen``."""
+        if self.frozen_int8 is not None:
+            return "ZeRO-3 + int8 frozen"
         if self.hpz_size is not None:
             return f"ZeRO-3 + hpZ {self.hpz_size}"
         return f"MiCS shard {self.shard_size}" if self.shard_size is not None else STAGE_NAMES[self.stage]
@@ -140,6 +147,7 @@ class MemoryEstimate:
                     "name": s.name,
                     "shard_size": s.shard_size,
                     "hpz_size": s.hpz_size,
+                    "frozen_int8": s.frozen_int8,
                     "params_bytes": s.params_bytes,
                     "gradients_bytes": s.gradients_bytes,
                     "optimizer_bytes": s.optimizer_bytes,
@@ -158,6 +166,7 @@ def estimate_model_states(
     stages: tuple[int, ...] = (0, 1, 2, 3),
     mics_shard_size: int | None = None,
     hpz_partition_size: int | None = None,
+    frozen_int8_params: int | None = None,
 ) -> MemoryEstimate:
     """Model-state bytes per rank at each stage (ZeRO paper, Adam).
 
@@ -170,9 +179,12 @@ def estimate_model_states(
             entry: stage 3 over ``mics_shard_size`` ranks, ``16Ψ/p``).
         hpz_partition_size: Also report ZeRO-3 with ZeRO++ hpZ over this many ranks (last
             entry: ``16Ψ/N`` plus the secondary shard, ``2Ψ/n`` mixed or ``4Ψ/n`` fp32).
+        frozen_int8_params: Also report ZeRO-3 where this many of the Ψ parameters (``F``) are
+            frozen and stored as int8 shards (``zero_quantized_nontrainable_weights``; last
+            entry): ``16T/N`` for the ``T = Ψ - F`` trainable ones plus ``F (1 + 4/2048) / N``.
 
     Returns:
-        The per-stage breakdown (the MiCS entry, then the hpZ entry, last).
+        The per-stage breakdown (the MiCS entry, then the hpZ entry, then the int8-frozen entry, last).
 
     Raises:
         ValueError: a count below 1, an unknown precision or stage, or a MiCS shard size
@@ -224,7 +236,30 @@ def estimate_model_states(
                 hpz_size=hpz_partition_size,
             )
         )
+    if frozen_int8_params is not None:
+        result.append(_frozen_int8_entry(num_params, world_size, prec, frozen_int8_params))
     return MemoryEstimate(num_params, world_size, prec, tuple(result))
+
+
+FROZEN_INT8_BYTES = Fraction(2048 + 4, 2048)
+"""Bytes per element of an int8-stored frozen shard: one code, plus one fp32 scale per 2048."""
+
+
+def _frozen_int8_entry(num_params: int, world_size: int, prec: EstimatePrecision, frozen: int) -> StageMemory:
+    if isinstance(frozen, bool) or not isinstance(frozen, int) or not 0 <= frozen <= num_params:
+        raise ValueError(
+            f"frozen_int8_params={frozen!r} must be an integer between 0 and the number of "
+            f"parameters ({num_params})"
+        )
+    p_bytes, g_bytes, o_bytes = prec.bytes_per_param
+    trainable = Fraction(num_params - frozen, world_size)
+    return StageMemory(
+        3,
+        float(p_bytes * trainable + FROZEN_INT8_BYTES * Fraction(frozen, world_size)),
+        float(g_bytes * trainable),
+        float(o_bytes * trainable),
+        frozen_int8=frozen,
+    )
 
 
 def _check_shard_size(shard_size: int, world_size: int) -> None:

@@ -91,15 +91,30 @@ def _num_params(engine: Engine) -> int:
     return sum(zero_params.full_shape(p).numel() for p in unique)
 
 
+def _frozen_int8_numel(engine: Engine) -> int:
+    """F: elements of the parameters whose shards are int8 (``zero_quantized_nontrainable_weights``)."""
+    unique = dict.fromkeys(engine.module.parameters())
+    return sum(
+        zero_params.state_of(p).numel
+        for p in unique
+        if zero_params.is_partitioned(p)
+        and isinstance(zero_params.state_of(p).offload, zero_params.FrozenInt8Store)
+    )
+
+
 def _formula(engine: Engine, num_params: int, world: int) -> tuple[float, str]:
     cfg = engine.config
     precision = EstimatePrecision.FP32 if cfg.precision is Precision.FP32 else EstimatePrecision.MIXED
     z = cfg.zero_optimization
     shard = z.mics_shard_size if cfg.stage == 3 and z.mics_enabled else None
     hpz = z.zero_hpz_partition_size if cfg.stage == 3 and 1 < z.zero_hpz_partition_size < world else None
-    est = estimate_model_states(max(num_params, 1), world, precision, (cfg.stage,), shard, hpz)
+    frozen = _frozen_int8_numel(engine) if cfg.stage == 3 and z.zero_quantized_nontrainable_weights else None
+    est = estimate_model_states(max(num_params, 1), world, precision, (cfg.stage,), shard, hpz, frozen)
     group = world if shard is None else shard
     text = f"ZeRO-{cfg.stage} {precision.formula(cfg.stage)} ({precision.value}, N = {group})"
+    if frozen is not None:  # the int8-frozen entry is the last one: frozen params have no grads / optimizer
+        text = f"ZeRO-3 16T/N + 1.002F/N (int8 frozen, {precision.value}, N = {group}, F = {frozen})"
+        return est.stages[-1].total_bytes, text
     if hpz is not None:  # + the hpZ secondary shard, in the working precision
         extra = "2P/n" if precision is EstimatePrecision.MIXED else "4P/n"
         text = f"ZeRO-3 16P/N + {extra} (hpZ, {precision.value}, N = {group}, n = {hpz})"

@@ -147,6 +147,8 @@ def build_stage(
         )
         if mics is not None and built_under_init:  # a whole model was broadcast from rank 0 already
             sync_replicas(model, mics)
+        if z.zero_quantized_nontrainable_weights:  # ZeRO++: frozen shards kept as int8 codes
+            zero_params.quantize_frozen(model)
         opt, sink = zero_optim.stage3_optimizer(
             model,
             optimizer,

@@ -10,6 +10,8 @@ Init and GatheredParameters.
   parameters inside a block; :func:`register_external_parameter`: parameters a module
   uses but does not own.
 * :class:`OffloadedShards`: shards kept in host memory or on NVMe (``offload_param``).
+* :func:`quantize_frozen`, :class:`FrozenInt8Store`, :class:`FrozenInt8Gather`: frozen
+  parameters' shards kept as int8 codes (ZeRO++ ``zero_quantized_nontrainable_weights``).
 """
 
 from zero_params.commit import commit_shards
@@ -19,6 +21,7 @@ from zero_params.external import (
     register_external_parameter,
     unregister_external_parameter,
 )
+from zero_params.frozen import FrozenInt8Gather, FrozenInt8Store, quantize_frozen
 from zero_params.gathered import GatheredParameters
 from zero_params.gathering import GatherHandle, gather, release
 from zero_params.grad_reduce import GradReduceHandle, reduce_scatter_grads
@@ -41,6 +44,8 @@ from zero_params.state import (
 )
 
 __all__ = [
+    "FrozenInt8Gather",
+    "FrozenInt8Store",
     "GatherHandle",
     "GatheredParameters",
     "GradReduceHandle",
@@ -62,6 +67,7 @@ __all__ = [
     "invalidate_secondary",
     "is_partitioned",
     "partition",
+    "quantize_frozen",
     "reduce_scatter_grads",
     "register_external_parameter",
     "release",

@@ -164,6 +164,11 @@ def issue_gather(
     refresh: bool = False,
 ) -> _GatherOp:
     with torch._C.DisableTorchFunction():
+        stored = None if refresh or use_secondary else getattr(strategy, "all_gather_states", None)
+        if stored is not None:  # int8-stored frozen shards (zero_params.frozen): their codes travel
+            dests = [unsharded_dest(state, strategy) for _, state in items]
+            comm = stored([state for _, state in items], async_op=async_op)
+            return _inflight(_GatherOp(comm, items, dests, True, False, False))
         shards = _upload_shards(items, use_secondary)
         if refresh:
             dests = [p.data for p, _ in items]
@@ -178,11 +183,14 @@ def issue_gather(
         else:  # e.g. hierarchical or quantized: through their flat output, then one copy each
             comm = strategy.all_gather_coalesced(shards, async_op=async_op)
         op = _GatherOp(comm, items, dests, into is None, use_secondary, refresh)
-        if not refresh:
-            for _, state in items:
-                state.status = ParamStatus.INFLIGHT
-                state.handle = op
-        return op
+        return op if refresh else _inflight(op)
+
+
+def _inflight(op: _GatherOp) -> _GatherOp:
+    for _, state in op.items:
+        state.status = ParamStatus.INFLIGHT
+        state.handle = op
+    return op
 
 
 def _upload_shards(items: list[tuple[nn.Parameter, ShardedParam]], use_secondary: bool) -> list[torch.Tensor]:

@@ -154,15 +154,22 @@ def local_pieces(module: nn.Module, optimizer: PartitionedOptimizer) -> dict[str
                 )
             padded, opt_index, offset = group.master_view(seg), gi, seg.offset
         else:
-            padded = (
-                zero_params.state_of(p).shard if zero_params.is_partitioned(p) else p.detach().reshape(-1)
-            )
+            padded = _frozen_values(p)
             opt_index, offset = None, 0
         start, stop = shard_range(numel, world, rank)
         pieces[name] = LocalPiece(
             name, shape, dtype, numel, world, rank, pg, start, stop, padded, opt_index, offset
         )
     return pieces
+
+
+def _frozen_values(p: torch.Tensor) -> torch.Tensor:
+    """A frozen parameter's local values: its shard (an int8-stored or offloaded shard through its
+    home, dequantized: a copy that ``load`` writes back with ``ShardHome.replace``), or the whole tensor."""
+    if not zero_params.is_partitioned(p):
+        return p.detach().reshape(-1)
+    state = zero_params.state_of(p)
+    return state.offload.upload([state])[0] if state.offload is not None else state.shard
 
 
 def elementwise_state(optimizer: PartitionedOptimizer, group_index: int) -> dict[str, torch.Tensor]:

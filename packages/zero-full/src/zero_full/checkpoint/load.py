@@ -83,6 +83,10 @@ def load_checkpoint(
         ]
         if frozen:
             with torch.no_grad():
+                for n, p in state.module.named_parameters():
+                    home = zero_params.state_of(p).offload if zero_params.is_partitioned(p) else None
+                    if home is not None and not pieces[n].trainable:  # the copy _frozen_values made
+                        home.replace(zero_params.state_of(p), pieces[n].padded)
                 zero_params.commit_shards(frozen)
     logger.info("zero: loaded checkpoint %s (saved at world size %s)", path, manifest.world_size)
     return path
