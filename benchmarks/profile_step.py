@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _report import environment, markdown_table, spawn_ranks, write_results
+from _report import benchmark_parser, environment, markdown_table, replace_section, spawn_ranks, write_results
 from impls import IMPLEMENTATIONS, ImplOptions, ring_ideal_bytes
 from workloads import Workload, build_model, global_batch, num_params, rank_slice
 
@@ -341,30 +341,26 @@ def markdown(result: dict[str, Any]) -> str:
 
 def update_docs(docs: pathlib.Path, text: str) -> None:
     """Put the tables into ``docs/benchmarks.md`` between the ``profile-step`` markers."""
-    page = docs / "benchmarks.md"
-    content = page.read_text()
-    begin, end = content.find(MARK_BEGIN), content.find(MARK_END)
-    if begin < 0 or end < begin:
-        raise RuntimeError(f"{page} has no {MARK_BEGIN} ... {MARK_END} section to hold the table")
-    page.write_text(content[: begin + len(MARK_BEGIN)] + "\n\n" + text + "\n\n" + content[end:])
+    replace_section(docs / "benchmarks.md", MARK_BEGIN, MARK_END, "\n\n" + text + "\n\n")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--profile-steps", type=int, default=2)
-    parser.add_argument("--sweep-repeats", type=int, default=5)
+    parser = benchmark_parser(
+        __doc__,
+        layers=4,
+        hidden=256,
+        heads=4,
+        vocab=8192,
+        seq=128,
+        micro_batch=4,
+        world=2,
+        warmup=3,
+        steps=8,
+        profile_steps=2,
+        sweep_repeats=5,
+    )
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--label", default="quiet machine", help="how loaded the machine was (in the table)")
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
     parser.add_argument(
         "--trace", type=pathlib.Path, default=pathlib.Path("benchmarks/results/tmp/profile_step_trace.json")
     )
