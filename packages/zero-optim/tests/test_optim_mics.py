@@ -12,20 +12,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
+from optim_cases import OddParams
 
 import zero_params
 from zero_comm import CommLedger, Topology, group_ranks
 from zero_optim import ReplicaGradientSync, ReplicaMismatchError, check_replicas_consistent, stage3_optimizer
 
-SHAPES = [(0,), (1,), (7,), (3, 5), (1023,), (13, 11), (2,)]
 
-
-class Odd(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.ps = nn.ParameterList(nn.Parameter(torch.randn(*s)) for s in SHAPES)
+class Odd(OddParams):
+    """The odd parameters alone, the loss scaled by the batch's spread."""
 
     def forward(self, x):
         total = x.new_zeros(())

@@ -11,41 +11,13 @@ import copy
 
 import pytest
 import torch
+from optim_cases import SHAPES, Odd, batch, make_optimizer
 from torch import nn
 
 import zero_coord
 import zero_params
 from zero_optim import ReduceConfig, stage3_optimizer
 from zero_testing import assert_state_close
-
-SHAPES = [(0,), (1,), (7,), (3, 5), (1023,), (13, 11), (2,)]
-
-
-class Odd(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.ps = nn.ParameterList(nn.Parameter(torch.randn(*s)) for s in SHAPES)
-        self.inner = nn.Linear(5, 3)
-
-    def forward(self, x):
-        total = self.inner(x[:, :5]).pow(2).mean()
-        for i, p in enumerate(self.ps):
-            total = total + ((p * (i + 1) - x.mean()) ** 2).mean() + p.sum() ** 2 * 1e-3
-        return total
-
-
-def _batch(step, micro, world):
-    g = torch.Generator().manual_seed(100 * step + micro)
-    return torch.randn(4 * world, 6, generator=g)
-
-
-def _make(kind):
-    if kind == "sgd":
-        return lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)
-    return lambda ps: torch.optim.AdamW(
-        [{"params": ps[:4], "lr": 1e-2}, {"params": ps[4:], "weight_decay": 0.1}], lr=3e-3
-    )
 
 
 def _micro_step(model, sink, x):
@@ -63,7 +35,7 @@ def _layout(rank, threshold):
     model = Odd()
     values = {n: p.detach().clone() for n, p in model.named_parameters()}
     zero_params.partition(model, persistence_threshold=threshold)
-    opt, sink = stage3_optimizer(model, _make("adamw"))
+    opt, sink = stage3_optimizer(model, make_optimizer("adamw"))
     assert [len(g.segments) for g in opt.groups] == [4, len(SHAPES) - 4 + 2]
     for group in opt.groups:
         assert group.working is group.master and group.master.grad is group.grad
@@ -95,11 +67,11 @@ def _train(rank, kind, threshold, steps, accumulate, overlap):
     model = Odd()
     zero_params.partition(model, persistence_threshold=threshold)
     cfg = ReduceConfig(reduce_bucket_size=300, overlap_comm=overlap)
-    opt, sink = stage3_optimizer(model, _make(kind), cfg)
+    opt, sink = stage3_optimizer(model, make_optimizer(kind), cfg)
     world, r = rank.world_size, rank.rank
     for step in range(steps):
         for micro in range(accumulate):
-            x = _batch(step, micro, world)
+            x = batch(step, micro, world)
             _micro_step(model, sink, x[4 * r : 4 * (r + 1)])
         opt.step()
         opt.zero_grad()
@@ -112,12 +84,12 @@ def _train(rank, kind, threshold, steps, accumulate, overlap):
 
 def _reference(kind, steps, accumulate, world):
     model = Odd()
-    opt = _make(kind)(list(model.parameters()))
+    opt = make_optimizer(kind)(list(model.parameters()))
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     for step in range(steps):
         for micro in range(accumulate):
-            x = _batch(step, micro, world)
+            x = batch(step, micro, world)
             (sum(model(x[4 * r : 4 * (r + 1)]) for r in range(world)) / world).backward()
         opt.step()
         opt.zero_grad(set_to_none=False)
@@ -147,10 +119,10 @@ def _accumulated_partitions(rank):
     model = Odd()
     ref = copy.deepcopy(model)
     zero_params.partition(model)
-    opt, sink = stage3_optimizer(model, _make("sgd"), ReduceConfig(reduce_bucket_size=64))
+    opt, sink = stage3_optimizer(model, make_optimizer("sgd"), ReduceConfig(reduce_bucket_size=64))
     world, r = rank.world_size, rank.rank
     for micro in range(3):
-        x = _batch(0, micro, world)
+        x = batch(0, micro, world)
         _micro_step(model, sink, x[4 * r : 4 * (r + 1)])
         (sum(ref(x[4 * q : 4 * (q + 1)]) for q in range(world)) / world).backward()
     ref_grads = dict(ref.named_parameters())
@@ -198,8 +170,8 @@ def test_leaf_module_parameters_are_deferred_to_the_end_of_backward(dist):
 def _bf16_working_shards(rank):
     model = Odd().to(torch.bfloat16)
     zero_params.partition(model)
-    opt, sink = stage3_optimizer(model, _make("sgd"), working_dtype=torch.bfloat16)
-    x = _batch(0, 0, rank.world_size)[4 * rank.rank : 4 * (rank.rank + 1)].to(torch.bfloat16)
+    opt, sink = stage3_optimizer(model, make_optimizer("sgd"), working_dtype=torch.bfloat16)
+    x = batch(0, 0, rank.world_size)[4 * rank.rank : 4 * (rank.rank + 1)].to(torch.bfloat16)
     _micro_step(model, sink, x)
     opt.step()
     for group, seg in opt.segments():
