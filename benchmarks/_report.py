@@ -191,9 +191,16 @@ def replace_section(page: pathlib.Path, begin: str, end: str, body: str) -> None
 
 
 def write_results(
-    out: str | os.PathLike[str], name: str, result: dict[str, Any], markdown: str | None = None
+    out: str | os.PathLike[str],
+    name: str,
+    result: dict[str, Any],
+    markdown: str | None = None,
+    echo: bool = False,
 ) -> list[pathlib.Path]:
-    """Write ``out/name.json`` (``result``, indented) and, if given, ``out/name.md``; return the paths."""
+    """Write ``out/name.json`` (``result``, indented) and, if given, ``out/name.md``; return the paths.
+
+    ``echo``: print ``wrote <path>`` for each, then the markdown.
+    """
     directory = pathlib.Path(out)
     directory.mkdir(parents=True, exist_ok=True)
     paths = [directory / f"{name}.json"]
@@ -201,6 +208,8 @@ def write_results(
     if markdown is not None:
         paths.append(directory / f"{name}.md")
         paths[1].write_text(markdown if markdown.endswith("\n") else markdown + "\n")
+    if echo:
+        print("\n".join([*(f"wrote {p}" for p in paths), *([markdown] if markdown is not None else [])]))
     return paths
 
 

@@ -221,11 +221,8 @@ def main() -> None:
     predict(rows, costs)
     result = {"meta": meta, "cost_s_per_byte": {str(k): v for k, v in costs.items()}, "rows": rows}
     text = markdown(result)
-    paths = write_results(args.out, "growth", result, text)
-    paths.append(plot(result, args.out / "growth.png"))
-    for p in paths:
-        print(f"wrote {p}")
-    print(text)
+    write_results(args.out, "growth", result, text, echo=True)
+    print(f"wrote {plot(result, args.out / 'growth.png')}")
     if args.docs is not None:
         update_docs(args.docs, text)
 

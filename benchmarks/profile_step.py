@@ -39,9 +39,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _report import benchmark_parser, environment, markdown_table, replace_section, spawn_ranks, write_results
+from _report import environment, markdown_table, replace_section, spawn_ranks, write_results
 from impls import IMPLEMENTATIONS, ImplOptions, ring_ideal_bytes
-from workloads import Workload, build_model, global_batch, num_params, rank_slice
+from workloads import (
+    Workload,
+    build_model,
+    global_batch,
+    num_params,
+    rank_slice,
+    workload_of,
+    workload_parser,
+)
 
 MARK_BEGIN, MARK_END = "<!-- profile-step:begin -->", "<!-- profile-step:end -->"
 RELEASED = ImplOptions(persistence_threshold=0, prefetch_blocks=0.5, live_blocks=1.5)
@@ -267,7 +275,7 @@ def _rank_main(rank: int, args: argparse.Namespace, store: str, results: Any) ->
 
 
 def _workload(args: argparse.Namespace) -> Workload:
-    return Workload("gpt2", args.layers, args.hidden, args.heads, args.vocab, args.seq, args.micro_batch)
+    return workload_of(args)
 
 
 # ----------------------------------------------------------------------------- report
@@ -345,20 +353,7 @@ def update_docs(docs: pathlib.Path, text: str) -> None:
 
 
 def main() -> None:
-    parser = benchmark_parser(
-        __doc__,
-        layers=4,
-        hidden=256,
-        heads=4,
-        vocab=8192,
-        seq=128,
-        micro_batch=4,
-        world=2,
-        warmup=3,
-        steps=8,
-        profile_steps=2,
-        sweep_repeats=5,
-    )
+    parser = workload_parser(__doc__, world=2, warmup=3, steps=8, profile_steps=2, sweep_repeats=5)
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--label", default="quiet machine", help="how loaded the machine was (in the table)")
     parser.add_argument(
@@ -378,9 +373,7 @@ def main() -> None:
     )
     result = {"meta": meta, "raw": raw, "summary": summarize(args, raw, psi)}
     text = markdown(result)
-    for path in write_results(args.out, "profile_step", result, text):
-        print(f"wrote {path}")
-    print(text)
+    write_results(args.out, "profile_step", result, text, echo=True)
     if args.docs is not None:
         update_docs(args.docs, text)
 

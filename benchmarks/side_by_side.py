@@ -51,14 +51,23 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _report import benchmark_parser, environment, markdown_table, read_wchar, replace_section, write_results
+from _report import environment, markdown_table, read_wchar, replace_section, write_results
 from impls import (
     IMPLEMENTATIONS,
     formula_state_bytes,
     model_state_bytes,
     ring_ideal_bytes,
 )
-from workloads import ADAMW, Workload, build_model, global_batch, num_params, rank_slice
+from workloads import (
+    ADAMW,
+    Workload,
+    build_model,
+    global_batch,
+    num_params,
+    rank_slice,
+    workload_of,
+    workload_parser,
+)
 
 from zero_comm.launch import RankContext, launch
 
@@ -412,18 +421,7 @@ def update_docs(docs: pathlib.Path, text: str, images: list[pathlib.Path]) -> No
 
 
 def main() -> None:
-    parser = benchmark_parser(
-        __doc__,
-        layers=4,
-        hidden=256,
-        heads=4,
-        vocab=8192,
-        seq=128,
-        micro_batch=4,
-        rounds=3,
-        warmup=2,
-        steps=6,
-    )
+    parser = workload_parser(__doc__, rounds=3, warmup=2, steps=6)
     parser.add_argument("--workload", choices=("gpt2", "mlp"), default="gpt2")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--impls", nargs="+", default=DISTRIBUTED, choices=DISTRIBUTED)
@@ -436,7 +434,7 @@ def main() -> None:
         dropped = [i for i in impls if i.startswith("deepspeed")]
         impls = [i for i in impls if not i.startswith("deepspeed")]
         print(f"deepspeed is not installed: skipping {dropped}", file=sys.stderr)
-    w = Workload(args.workload, args.layers, args.hidden, args.heads, args.vocab, args.seq, args.micro_batch)
+    w = workload_of(args, args.workload)
     plan = Plan(w, tuple(impls), tuple(args.worlds), args.rounds, args.warmup, args.steps, args.timeout)
     psi = num_params(build_model(w))
     env = environment("deepspeed", "transformers", "matplotlib", "zero-full", "zero-optim", "zero-params")

@@ -14,10 +14,12 @@ ranks' gradients (what every data-parallel implementation does) gives its gradie
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import torch
+from _report import benchmark_parser
 from torch import nn
 
 if TYPE_CHECKING:
@@ -33,6 +35,9 @@ __all__ = [
     "global_batch",
     "loss_of",
     "num_params",
+    "shape_defaults",
+    "workload_of",
+    "workload_parser",
 ]
 
 # Every implementation's AdamW, all hyperparameters explicit (torch's defaults, lr raised).
@@ -85,6 +90,26 @@ class Workload:
         else:
             shape = f"MLP {self.layers} x Linear({self.hidden}) + GELU, in {self.vocab // 32}, out {self.seq}"
         return f"{shape}, micro-batch {self.micro_batch} per rank"
+
+
+SHAPE_FIELDS = ("layers", "hidden", "heads", "vocab", "seq", "micro_batch")
+
+
+def shape_defaults() -> dict[str, int]:
+    """A script's command-line defaults for the workload's shape: :class:`Workload`'s own."""
+    default = Workload()
+    return {name: getattr(default, name) for name in SHAPE_FIELDS}
+
+
+def workload_parser(doc: str, **ints: int | None) -> argparse.ArgumentParser:
+    """:func:`_report.benchmark_parser` with the workload's shape options first (``--layers``, ...,
+    ``--micro-batch``, defaults :func:`shape_defaults`); read them back with :func:`workload_of`."""
+    return benchmark_parser(doc, **shape_defaults(), **ints)
+
+
+def workload_of(args: Any, kind: str = "gpt2") -> Workload:
+    """The ``kind`` workload of the shape options ``args`` holds (``--layers``, ..., ``--micro-batch``)."""
+    return Workload(kind, **{name: getattr(args, name) for name in SHAPE_FIELDS})
 
 
 class MLP(nn.Module):

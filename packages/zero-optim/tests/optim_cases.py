@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+import zero_params
+
 # Parameter shapes of every odd kind: numel 0, 1, a prime, a matrix, 1023, and one smaller than the world.
 SHAPES = [(0,), (1,), (7,), (3, 5), (1023,), (13, 11), (2,)]
 
@@ -50,3 +52,34 @@ def make_optimizer(kind: str):
     return lambda ps: torch.optim.AdamW(
         [{"params": ps[:4], "lr": 1e-2}, {"params": ps[4:], "weight_decay": 0.1}], lr=3e-3
     )
+
+
+def micro_step(model: nn.Module, sink, x: torch.Tensor) -> None:
+    """Forward/backward with every parameter gathered; hand gradients to the sink like the hooks do."""
+    params = list(model.parameters())
+    zero_params.gather(params).wait()
+    model(x).backward()
+    for p in reversed(params):
+        sink.on_grad_ready(p)
+    sink.on_backward_end()
+    zero_params.release(params)
+
+
+def reference_run(model: nn.Module, kind: str, steps: int, accumulate: int, world: int, mean_micro: bool):
+    """``model`` trained by a torch optimizer in one process on the whole batch: the reference.
+
+    A micro-step's loss is the mean of the ``world`` rank slices' losses (and, with ``mean_micro``,
+    divided by ``accumulate``: the mean over the micro-steps rather than their sum). Returns the
+    final parameters by name.
+    """
+    opt = make_optimizer(kind)(list(model.parameters()))
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    for step in range(steps):
+        for micro in range(accumulate):
+            x = batch(step, micro, world)
+            loss = sum(model(x[4 * r : 4 * (r + 1)]) for r in range(world)) / world
+            (loss / accumulate if mean_micro else loss).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+    return {n: p.detach() for n, p in model.named_parameters()}

@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from optim_cases import Odd, batch, make_optimizer
+from optim_cases import Odd, batch, make_optimizer, reference_run
 
 import zero_comm
 import zero_params
@@ -55,17 +55,7 @@ def _train(rank, stage, kind, steps, accumulate, bucket, overlap):
 
 
 def _reference(kind, steps, accumulate, world):
-    model = Odd(unused=True)
-    opt = make_optimizer(kind)(list(model.parameters()))
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    for step in range(steps):
-        for micro in range(accumulate):
-            x = batch(step, micro, world)
-            (sum(model(x[4 * r : 4 * (r + 1)]) for r in range(world)) / world / accumulate).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-    return {n: p.detach() for n, p in model.named_parameters()}
+    return reference_run(Odd(unused=True), kind, steps, accumulate, world, mean_micro=True)
 
 
 CASES = [

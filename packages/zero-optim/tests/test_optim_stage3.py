@@ -11,24 +11,13 @@ import copy
 
 import pytest
 import torch
-from optim_cases import SHAPES, Odd, batch, make_optimizer
+from optim_cases import SHAPES, Odd, batch, make_optimizer, micro_step, reference_run
 from torch import nn
 
 import zero_coord
 import zero_params
 from zero_optim import ReduceConfig, stage3_optimizer
 from zero_testing import assert_state_close
-
-
-def _micro_step(model, sink, x):
-    """Forward/backward with every parameter gathered; hand gradients to the sink like the hooks do."""
-    params = list(model.parameters())
-    zero_params.gather(params).wait()
-    model(x).backward()
-    for p in reversed(params):
-        sink.on_grad_ready(p)
-    sink.on_backward_end()
-    zero_params.release(params)
 
 
 def _layout(rank, threshold):
@@ -72,7 +61,7 @@ def _train(rank, kind, threshold, steps, accumulate, overlap):
     for step in range(steps):
         for micro in range(accumulate):
             x = batch(step, micro, world)
-            _micro_step(model, sink, x[4 * r : 4 * (r + 1)])
+            micro_step(model, sink, x[4 * r : 4 * (r + 1)])
         opt.step()
         opt.zero_grad()
     whole = {n: p.detach().clone() for n, p in model.named_parameters() if zero_params.state_of(p).persistent}
@@ -83,17 +72,7 @@ def _train(rank, kind, threshold, steps, accumulate, overlap):
 
 
 def _reference(kind, steps, accumulate, world):
-    model = Odd()
-    opt = make_optimizer(kind)(list(model.parameters()))
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    for step in range(steps):
-        for micro in range(accumulate):
-            x = batch(step, micro, world)
-            (sum(model(x[4 * r : 4 * (r + 1)]) for r in range(world)) / world).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-    return {n: p.detach() for n, p in model.named_parameters()}
+    return reference_run(Odd(), kind, steps, accumulate, world, mean_micro=False)
 
 
 @pytest.mark.parametrize(
@@ -123,7 +102,7 @@ def _accumulated_partitions(rank):
     world, r = rank.world_size, rank.rank
     for micro in range(3):
         x = batch(0, micro, world)
-        _micro_step(model, sink, x[4 * r : 4 * (r + 1)])
+        micro_step(model, sink, x[4 * r : 4 * (r + 1)])
         (sum(ref(x[4 * q : 4 * (q + 1)]) for q in range(world)) / world).backward()
     ref_grads = dict(ref.named_parameters())
     for group, seg in opt.segments():
@@ -172,7 +151,7 @@ def _bf16_working_shards(rank):
     zero_params.partition(model)
     opt, sink = stage3_optimizer(model, make_optimizer("sgd"), working_dtype=torch.bfloat16)
     x = batch(0, 0, rank.world_size)[4 * rank.rank : 4 * (rank.rank + 1)].to(torch.bfloat16)
-    _micro_step(model, sink, x)
+    micro_step(model, sink, x)
     opt.step()
     for group, seg in opt.segments():
         state = zero_params.state_of(seg.param)
