@@ -41,15 +41,7 @@ import torch
 import torch.distributed as dist
 from _report import environment, markdown_table, replace_section, spawn_ranks, write_results
 from impls import IMPLEMENTATIONS, ImplOptions, ring_ideal_bytes
-from workloads import (
-    Workload,
-    build_model,
-    global_batch,
-    num_params,
-    rank_slice,
-    workload_of,
-    workload_parser,
-)
+from workloads import Workload, count_params, rank_batches, workload_of, workload_parser
 
 MARK_BEGIN, MARK_END = "<!-- profile-step:begin -->", "<!-- profile-step:end -->"
 RELEASED = ImplOptions(persistence_threshold=0, prefetch_blocks=0.5, live_blocks=1.5)
@@ -247,7 +239,7 @@ def _rank_main(rank: int, args: argparse.Namespace, store: str, results: Any) ->
         )
         w = _workload(args)
         total = args.warmup + args.steps + args.profile_steps
-        batches = [rank_slice(global_batch(w, s, world), rank, world) for s in range(total)]
+        batches = rank_batches(w, rank, world, total)
         warm, timed, prof = (
             batches[: args.warmup],
             batches[args.warmup : args.warmup + args.steps],
@@ -362,7 +354,7 @@ def main() -> None:
     parser.add_argument("--docs", type=pathlib.Path, default=None)
     args = parser.parse_args()
     w = _workload(args)
-    psi = num_params(build_model(w))
+    psi = count_params(w)
     print(f"profile_step: {w.describe()}, P = {psi:,}, world {args.world}", flush=True)
     raw = spawn_ranks(_rank_main, args.world, args, args.timeout)
     if "error" in raw:

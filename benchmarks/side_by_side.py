@@ -58,16 +58,7 @@ from impls import (
     model_state_bytes,
     ring_ideal_bytes,
 )
-from workloads import (
-    ADAMW,
-    Workload,
-    build_model,
-    global_batch,
-    num_params,
-    rank_slice,
-    workload_of,
-    workload_parser,
-)
+from workloads import ADAMW, Workload, count_params, rank_batches, workload_of, workload_parser
 
 from zero_comm.launch import RankContext, launch
 
@@ -107,7 +98,7 @@ def run_one(impl: str, plan: Plan, rank: int, world: int, rows: int) -> dict[str
     """Train ``impl`` on this rank (``rows``: the slice index; ``world`` 1 = the reference)."""
     w = plan.workload
     gc.collect()
-    batches = [rank_slice(global_batch(w, s, rows), rank, world) for s in range(plan.total_steps)]
+    batches = rank_batches(w, rank, world, plan.total_steps, rows)
     t0 = time.perf_counter()
     runner = IMPLEMENTATIONS[impl](w, world)
     setup_s = time.perf_counter() - t0
@@ -436,7 +427,7 @@ def main() -> None:
         print(f"deepspeed is not installed: skipping {dropped}", file=sys.stderr)
     w = workload_of(args, args.workload)
     plan = Plan(w, tuple(impls), tuple(args.worlds), args.rounds, args.warmup, args.steps, args.timeout)
-    psi = num_params(build_model(w))
+    psi = count_params(w)
     env = environment("deepspeed", "transformers", "matplotlib", "zero-full", "zero-optim", "zero-params")
     print(
         f"side-by-side: {w.describe()}, P = {psi:,}; worlds {plan.worlds}, {plan.rounds} rounds x "

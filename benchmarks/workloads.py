@@ -31,10 +31,12 @@ __all__ = [
     "adamw",
     "block_modules",
     "build_model",
+    "count_params",
     "enable_checkpointing",
     "global_batch",
     "loss_of",
     "num_params",
+    "rank_batches",
     "shape_defaults",
     "workload_of",
     "workload_parser",
@@ -202,6 +204,17 @@ def global_batch(w: Workload, step: int, world: int) -> dict[str, torch.Tensor]:
 def rank_slice(batch: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, torch.Tensor]:
     """Rank ``rank``'s rows of a global batch (contiguous, equal slices)."""
     return {k: v.chunk(world)[rank].contiguous() for k, v in batch.items()}
+
+
+def rank_batches(w: Workload, rank: int, world: int, steps: int, rows: int | None = None) -> list[dict]:
+    """Rank ``rank``'s slices of the first ``steps`` global batches (of ``rows`` ranks' rows,
+    default ``world``; ``world`` 1 with ``rows`` N: the whole batch of N ranks, for a reference)."""
+    return [rank_slice(global_batch(w, s, rows or world), rank, world) for s in range(steps)]
+
+
+def count_params(w: Workload) -> int:
+    """P of the workload's model (built once, on the CPU)."""
+    return num_params(build_model(w))
 
 
 def loss_of(model: Any, w: Workload, batch: dict[str, torch.Tensor]) -> torch.Tensor:
