@@ -48,6 +48,8 @@ PACKAGE_DIRS = {
 TORCH = "torch==2.13.0"
 # Ranks of multi-process tests share 2 cores: one thread each.
 TEST_ENV = {"OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+# Benchmarks that run DeepSpeed (or may import it) keep it on the CPU.
+DS_ENV = dict(TEST_ENV, DS_ACCELERATOR="cpu")
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = False
@@ -85,6 +87,19 @@ def _internal_deps(dist: str, extras: tuple[str, ...] = ()) -> list[str]:
 
     visit(dist, extras)
     return seen
+
+
+def _pytest(session: nox.Session, tests: pathlib.Path, env: dict[str, str] | None = TEST_ENV) -> None:
+    """Run the tests under ``tests`` (quiet, no cache files in the checkout)."""
+    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests), env=env)
+
+
+def _bench(
+    session: nox.Session, script: str, *args: str, docs: bool = False, env: dict[str, str] = TEST_ENV
+) -> None:
+    """Run ``benchmarks/<script>``: results into benchmarks/results (``docs``: and docs/), then ``args``."""
+    where = ["--out", str(ROOT / "benchmarks/results"), *(["--docs", str(ROOT / "docs")] if docs else [])]
+    session.run("python", str(ROOT / "benchmarks" / script), *where, *args, env=env)
 
 
 def _install(session: nox.Session, *dists: str, extras: str = "test", editable: bool = False) -> None:
@@ -172,9 +187,7 @@ def tests(session: nox.Session, package: str) -> None:
     if not _has_tests(pkg_dir / "tests"):
         session.log(f"{package}: not implemented yet (no tests); the import check above is all there is")
         return
-    session.run(
-        "python", "-m", "pytest", "-q", "-p", "no:cacheprovider", str(pkg_dir / "tests"), env=TEST_ENV
-    )
+    _pytest(session, pkg_dir / "tests")
 
 
 @nox.session(tags=["ci"])
@@ -186,9 +199,7 @@ def kernels(session: nox.Session) -> None:
     # The Triton tests skip when triton is missing; here that would hide them, so fail loudly first.
     check = "import triton, triton.language; print('triton', triton.__version__)"
     session.run("python", "-c", check, env=env)
-    session.run(
-        "python", "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "kernels/tests"), env=env
-    )
+    _pytest(session, ROOT / "kernels/tests", env)
 
 
 @nox.session(tags=["ci"])
@@ -201,10 +212,9 @@ def integration(session: nox.Session) -> None:
     if not _has_tests(tests_dir):
         session.log("integration_tests: none yet")
         return
-    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests_dir), env=TEST_ENV)
+    _pytest(session, tests_dir)
     # The benchmarks' own helpers (formulas, storage counting, report files): fast, torch only.
-    bench_tests = str(ROOT / "benchmarks/tests")
-    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", bench_tests, env=TEST_ENV)
+    _pytest(session, ROOT / "benchmarks/tests")
 
 
 @nox.session(tags=["ci"])
@@ -331,61 +341,24 @@ def bench(session: nox.Session) -> None:
     check = "import torch, deepspeed; print('torch', torch.__version__, 'deepspeed', deepspeed.__version__)"
     session.run("python", "-c", check, env={"DS_ACCELERATOR": "cpu"})
     session.run("python", "-c", f"import torch; assert torch.__version__.startswith('{TORCH[7:]}')")
-    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ROOT / "benchmarks/tests"))
-    out = str(ROOT / "benchmarks/results")
-    session.run("python", str(ROOT / "benchmarks/comm.py"), "--world", "2", "--out", out, env=TEST_ENV)
-    session.run("python", str(ROOT / "benchmarks/quantize_kernels.py"), "--out", out, env=TEST_ENV)
-    session.run("python", str(ROOT / "benchmarks/quantized.py"), "--out", out, env=TEST_ENV)
-    session.run("python", str(ROOT / "benchmarks/mics.py"), "--out", out, env=TEST_ENV)
-    session.run("python", str(ROOT / "benchmarks/generate.py"), "--out", out, env=TEST_ENV)
-    session.run("python", str(ROOT / "benchmarks/watchdog_overhead.py"), "--out", out, env=TEST_ENV)
-    session.run(
-        "python", str(ROOT / "benchmarks/offload.py"), "--out", out, env=dict(TEST_ENV, DS_ACCELERATOR="cpu")
-    )
+    _pytest(session, ROOT / "benchmarks/tests", env=None)
+    _bench(session, "comm.py", "--world", "2")
+    _bench(session, "quantize_kernels.py")
+    _bench(session, "quantized.py")
+    _bench(session, "mics.py")
+    _bench(session, "generate.py")
+    _bench(session, "watchdog_overhead.py")
+    _bench(session, "offload.py", env=DS_ENV)
     # Real memory per rank, each implementation in fresh processes (the script sets MALLOC_MMAP_THRESHOLD_).
-    session.run(
-        "python",
-        str(ROOT / "benchmarks/memory.py"),
-        "--out",
-        out,
-        "--docs",
-        str(ROOT / "docs"),
-        env=dict(TEST_ENV, DS_ACCELERATOR="cpu"),
-    )
-    session.run(
-        "python",
-        str(ROOT / "benchmarks/side_by_side.py"),
-        "--out",
-        out,
-        "--docs",
-        str(ROOT / "docs"),
-        *session.posargs,
-        env=dict(TEST_ENV, DS_ACCELERATOR="cpu"),
-    )
+    _bench(session, "memory.py", docs=True, env=DS_ENV)
+    _bench(session, "side_by_side.py", *session.posargs, docs=True, env=DS_ENV)
     # Where one released stage-3 step's time goes, and its distance to the DDP + wire floor (world 2).
-    session.run(
-        "python",
-        str(ROOT / "benchmarks/profile_step.py"),
-        "--out",
-        out,
-        "--docs",
-        str(ROOT / "docs"),
-        env=dict(TEST_ENV, DS_ACCELERATOR="cpu"),
-    )
+    _bench(session, "profile_step.py", docs=True, env=DS_ENV)
     # Step time and memory against model size and world size (fresh processes per point).
-    session.run(
-        "python", str(ROOT / "benchmarks/growth.py"), "--out", out, "--docs", str(ROOT / "docs"), env=TEST_ENV
-    )
+    _bench(session, "growth.py", docs=True)
     # The plain-MLP variant of the same comparison (world 2; results only, the docs show GPT-2).
     mlp = ["--workload", "mlp", "--worlds", "2", "--rounds", "2", "--name", "side_by_side_mlp"]
-    session.run(
-        "python",
-        str(ROOT / "benchmarks/side_by_side.py"),
-        *mlp,
-        "--out",
-        out,
-        env=dict(TEST_ENV, DS_ACCELERATOR="cpu"),
-    )
+    _bench(session, "side_by_side.py", *mlp, env=DS_ENV)
 
 
 @nox.session(name="cluster-bench")
@@ -405,13 +378,4 @@ def cluster_bench(session: nox.Session) -> None:
         session.run("apt-get", "install", "-y", "-q", "iproute2", external=True)
     _install(session, "zero-full", "zero-testing", extras="")
     _pip(session, "-c", CONSTRAINTS, "transformers>=4.45", "matplotlib>=3.8")
-    session.run(
-        "python",
-        str(ROOT / "benchmarks/cluster.py"),
-        "--out",
-        str(ROOT / "benchmarks/results"),
-        "--docs",
-        str(ROOT / "docs"),
-        *session.posargs,
-        env=TEST_ENV,
-    )
+    _bench(session, "cluster.py", *session.posargs, docs=True)

@@ -3,12 +3,17 @@
 Every script under ``benchmarks/`` writes ``<name>.json`` (everything measured, plus
 :func:`environment`) and usually ``<name>.md`` (a table) into its ``--out`` directory through
 :func:`write_results`; tables are built with :func:`markdown_table`. Physical bytes written
-by a process come from :func:`read_wchar`. Ranks are launched by :func:`spawn_ranks` through
-``zero_comm.launch`` (the only zero package imported here: every benchmark needs zero-comm's torch).
+by a process come from :func:`read_wchar`; :func:`time_and_count` times a collective on every
+rank (the slowest rank per run) and counts the bytes it wrote. Ranks are launched by
+:func:`spawn_ranks` through ``zero_comm.launch`` (the only zero package imported here: every
+benchmark needs zero-comm's torch). A script's command line starts from
+:func:`benchmark_parser`; a table that goes into a docs page goes between its markers with
+:func:`replace_section`.
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import importlib.metadata
 import json
@@ -24,15 +29,18 @@ from typing import Any
 from zero_comm.launch import RankContext, launch
 
 __all__ = [
+    "benchmark_parser",
     "environment",
     "markdown_table",
     "median_seconds",
     "peak_rss_bytes",
     "read_wchar",
+    "replace_section",
     "ResultSink",
     "reset_peak_rss",
     "rss_bytes",
     "spawn_ranks",
+    "time_and_count",
     "versions",
     "write_results",
 ]
@@ -94,6 +102,28 @@ def median_seconds(fn: Callable[[], object], repeats: int, warmup: int = 1) -> f
     return statistics.median(times)
 
 
+def time_and_count(fn: Callable[[], object], repeats: int) -> tuple[list[float], list[int]]:
+    """Run ``fn()`` ``repeats`` times on every rank, each run after a barrier (the group is up).
+
+    Returns per run the slowest rank's seconds (the same list on every rank) and the bytes this
+    rank wrote (``wchar``, see :func:`read_wchar`).
+    """
+    import torch
+    import torch.distributed as dist
+
+    times, wrote = [], []
+    for _ in range(repeats):
+        dist.barrier()
+        w0, t0 = read_wchar(), time.perf_counter()
+        fn()
+        t1, w1 = time.perf_counter(), read_wchar()
+        times.append(t1 - t0)
+        wrote.append(w1 - w0)
+    slowest = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return slowest.tolist(), wrote
+
+
 def versions(*dists: str) -> dict[str, str | None]:
     """Installed version of each distribution (``None`` when it is not installed)."""
     found: dict[str, str | None] = {}
@@ -135,10 +165,42 @@ def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[object]], ali
     return "\n".join(lines)
 
 
+def benchmark_parser(doc: str, **ints: int | None) -> argparse.ArgumentParser:
+    """A script's parser: its docstring's first line, an ``--<name>`` integer option per keyword
+    (``new_tokens=64`` is ``--new-tokens``, default 64) and ``--out`` (default ``benchmarks/results``).
+
+    Add the script's other options to what it returns.
+    """
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    for name, default in ints.items():
+        parser.add_argument("--" + name.replace("_", "-"), type=int, default=default)
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
+    return parser
+
+
+def replace_section(page: pathlib.Path, begin: str, end: str, body: str) -> None:
+    """Put ``body`` into ``page`` between the markers ``begin`` and ``end`` (both kept).
+
+    Raises ``RuntimeError`` naming the page and the markers when it does not hold them in order.
+    """
+    content = page.read_text()
+    start, stop = content.find(begin), content.find(end)
+    if start < 0 or stop < start:
+        raise RuntimeError(f"{page} has no {begin} ... {end} section to hold the table")
+    page.write_text(content[: start + len(begin)] + body + content[stop:])
+
+
 def write_results(
-    out: str | os.PathLike[str], name: str, result: dict[str, Any], markdown: str | None = None
+    out: str | os.PathLike[str],
+    name: str,
+    result: dict[str, Any],
+    markdown: str | None = None,
+    echo: bool = False,
 ) -> list[pathlib.Path]:
-    """Write ``out/name.json`` (``result``, indented) and, if given, ``out/name.md``; return the paths."""
+    """Write ``out/name.json`` (``result``, indented) and, if given, ``out/name.md``; return the paths.
+
+    ``echo``: print ``wrote <path>`` for each, then the markdown.
+    """
     directory = pathlib.Path(out)
     directory.mkdir(parents=True, exist_ok=True)
     paths = [directory / f"{name}.json"]
@@ -146,6 +208,8 @@ def write_results(
     if markdown is not None:
         paths.append(directory / f"{name}.md")
         paths[1].write_text(markdown if markdown.endswith("\n") else markdown + "\n")
+    if echo:
+        print("\n".join([*(f"wrote {p}" for p in paths), *([markdown] if markdown is not None else [])]))
     return paths
 
 
@@ -168,17 +232,27 @@ def _benchmark_rank(ctx: RankContext, target: Callable[..., None], args: Any) ->
     return sink.filled, sink.value
 
 
-def spawn_ranks(target: Callable[..., None], world: int, args: Any, timeout: float) -> Any:
+def spawn_ranks(
+    target: Callable[..., None], world: int, args: Any, timeout: float, process_group: bool = False
+) -> Any:
     """Run ``target(rank, args, store_path, results)`` on ``world`` spawned processes.
 
-    The ranks rendezvous through a file store in a temporary directory (they join the process
-    group themselves); one of them calls ``results.put(result)``, and that result is returned.
+    The ranks rendezvous through a file store in a temporary directory (they join the gloo
+    process group themselves, or with ``process_group`` have joined it before ``target`` runs,
+    with ``timeout`` as its limit); one of them calls ``results.put(result)``, and that result
+    is returned.
     Launched by :func:`zero_comm.launch.launch`: a rank that raises or dies is an error naming
     it (its exception, exit code or signal) at once, the others killed; so is a rank still
     running after ``timeout``.
     """
     answers = launch(
-        _benchmark_rank, world, target, args, timeout=timeout, process_group=False, name="benchmark"
+        _benchmark_rank,
+        world,
+        target,
+        args,
+        timeout=timeout,
+        process_group=process_group,
+        name="benchmark",
     )
     for answer in answers:
         filled, value = answer.value

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _report import environment, markdown_table, write_results
+from _report import benchmark_parser, environment, markdown_table, replace_section, write_results
 
 NODES, RANKS_PER_NODE = 2, 2
 WORLD = NODES * RANKS_PER_NODE
@@ -384,28 +384,16 @@ def update_docs(docs: pathlib.Path, out: pathlib.Path) -> None:
     assets = docs / "assets" / "benchmarks"
     assets.mkdir(parents=True, exist_ok=True)
     shutil.copy2(out / "cluster.png", assets / "cluster.png")
-    page = docs / "benchmarks.md"
-    content = page.read_text()
-    begin, end = content.find(MARK_BEGIN), content.find(MARK_END)
-    if begin < 0 or end < begin:
-        raise RuntimeError(f"{page} has no {MARK_BEGIN} ... {MARK_END} section to hold the table")
     text = (out / "cluster.md").read_text().split("\n", 1)[1].strip()  # without the title line
-    page.write_text(content[: begin + len(MARK_BEGIN)] + "\n\n" + text + "\n\n" + content[end:])
+    replace_section(docs / "benchmarks.md", MARK_BEGIN, MARK_END, "\n\n" + text + "\n\n")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = benchmark_parser(
+        __doc__, burst_kib=64, layers=2, width=256, vocab=4096, seq=32, micro=1, warmup=2, steps=5
+    )
     parser.add_argument("--rate-mbit", type=float, default=20.0, help="inter-node link rate; 0: unshaped")
-    parser.add_argument("--burst-kib", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--micro", type=int, default=1)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
     parser.add_argument("--docs", type=pathlib.Path, default=None, help="also update DIR/benchmarks.md")
     args = parser.parse_args()
     from zero_testing.netns import LinkShape, SimulatedCluster, cluster_unavailable_reason

@@ -27,12 +27,19 @@ import argparse
 import os
 import pathlib
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from _report import ResultSink, environment, markdown_table, read_wchar, spawn_ranks, write_results
+from _report import (
+    ResultSink,
+    benchmark_parser,
+    environment,
+    markdown_table,
+    spawn_ranks,
+    time_and_count,
+    write_results,
+)
 
 import zero_comm
 from zero_comm import Topology, all_gather_coalesced, partition_numel, reduce_scatter_coalesced
@@ -49,17 +56,8 @@ def tensor_sizes(count: int, total: int, seed: int = 0) -> list[int]:
 def measure(fn: Callable[[], object], repeats: int) -> tuple[float, int]:
     """Median seconds (slowest rank per run) and median bytes this rank wrote, after a warm-up."""
     fn()
-    times, wrote = [], []
-    for _ in range(repeats):
-        dist.barrier()
-        w0, t0 = read_wchar(), time.perf_counter()
-        fn()
-        t1, w1 = time.perf_counter(), read_wchar()
-        times.append(t1 - t0)
-        wrote.append(w1 - w0)
-    slowest = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return statistics.median(slowest.tolist()), int(statistics.median(wrote))
+    slowest, wrote = time_and_count(fn, repeats)
+    return statistics.median(slowest), int(statistics.median(wrote))
 
 
 def gather_variants(sizes: list[int], topo: Topology) -> dict[str, tuple[Callable[[], object], int]]:
@@ -139,8 +137,8 @@ def _rank_main(rank: int, args: argparse.Namespace, store: str, results: ResultS
         results.put({"sizes": sizes, "rows": rows})
 
 
-def write_reports(out: pathlib.Path, args: argparse.Namespace, result: dict) -> None:
-    """``comm.json`` (everything) and ``comm.md`` (a table) in ``out``."""
+def write_reports(out: pathlib.Path, args: argparse.Namespace, result: dict) -> str:
+    """``comm.json`` (everything) and ``comm.md`` (a table) in ``out``; returns the table's text."""
     env = environment("zero-comm")
     meta = {
         "date": env["date"],
@@ -184,20 +182,13 @@ def write_reports(out: pathlib.Path, args: argparse.Namespace, result: dict) -> 
         ]
     )
     write_results(out, "comm", {"meta": meta, **result}, text)
+    return text
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--ranks-per-node", type=int, default=None)
-    parser.add_argument("--tensors", type=int, default=64)
-    parser.add_argument("--numel", type=int, default=4_000_000)
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
+    parser = benchmark_parser(__doc__, world=2, ranks_per_node=None, tensors=64, numel=4_000_000, repeats=10)
     args = parser.parse_args()
-    result = spawn_ranks(_rank_main, args.world, args, timeout=600)
-    write_reports(args.out, args, result)
-    print((args.out / "comm.md").read_text())
+    print(write_reports(args.out, args, spawn_ranks(_rank_main, args.world, args, timeout=600)))
 
 
 if __name__ == "__main__":

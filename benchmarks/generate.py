@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from _report import ResultSink, environment, markdown_table, spawn_ranks, write_results
+from _report import ResultSink, benchmark_parser, environment, markdown_table, spawn_ranks, write_results
 
 from zero_full.workloads import GPT2Workload
 
@@ -142,8 +142,8 @@ def _rank_main(rank: int, args: argparse.Namespace, store: str, results: ResultS
         results.put(rows)
 
 
-def write_reports(out: pathlib.Path, args: argparse.Namespace, rows: list[dict]) -> None:
-    """``generate.json`` (everything) and ``generate.md`` (a table) in ``out``."""
+def write_reports(out: pathlib.Path, args: argparse.Namespace, rows: list[dict]) -> str:
+    """``generate.json`` (everything) and ``generate.md`` (a table) in ``out``; returns the table's text."""
     meta = {**environment("transformers"), **{k: v for k, v in vars(args).items() if k != "out"}}
     summary = summarize(rows)
     table = markdown_table(
@@ -171,24 +171,17 @@ def write_reports(out: pathlib.Path, args: argparse.Namespace, rows: list[dict])
         "",
         f"Gathering once is {summary['speedup']:.2f}x the per-token way.",
     ]
-    write_results(out, "generate", {"meta": meta, "rows": rows, "summary": summary}, "\n".join(lines))
+    text = "\n".join(lines)
+    write_results(out, "generate", {"meta": meta, "rows": rows, "summary": summary}, text)
+    return text
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--width", type=int, default=256)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--prompt", type=int, default=8)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
+    parser = benchmark_parser(
+        __doc__, world=2, layers=4, width=256, vocab=8192, batch=1, prompt=8, new_tokens=64, repeats=3
+    )
     args = parser.parse_args()
-    rows = spawn_ranks(_rank_main, args.world, args, timeout=1800)
-    write_reports(args.out, args, rows)
-    print((args.out / "generate.md").read_text())
+    print(write_reports(args.out, args, spawn_ranks(_rank_main, args.world, args, timeout=1800)))
 
 
 if __name__ == "__main__":

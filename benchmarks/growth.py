@@ -6,7 +6,7 @@ Run from the repository root (``python -m nox -s bench`` does)::
 
 For each model size (a stack of bias-free ``Linear`` layers, where parameters dominate: ~1M,
 ~10M, ~100M parameters), world size and implementation (DDP, FSDP2, zero stages 1-3), ``W``
-FRESH gloo ranks are spawned and measured with :mod:`memory`'s code (``MALLOC_MMAP_THRESHOLD_``
+FRESH gloo ranks are spawned and measured with :func:`memory._measure` (``MALLOC_MMAP_THRESHOLD_``
 set, RSS at rest above the post-import baseline, the step's peak RSS), with each measured step
 also timed (per step the slowest rank, the median). Stage 3 runs with the memory benchmark's
 release policy. Beside each point:
@@ -23,8 +23,6 @@ table goes into ``DIR/benchmarks.md`` between its ``growth`` markers. Not a test
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import os
 import pathlib
 import statistics
@@ -32,7 +30,7 @@ import sys
 import time
 from typing import Any
 
-from _report import environment, markdown_table, spawn_ranks, write_results
+from _report import benchmark_parser, environment, markdown_table, replace_section, spawn_ranks, write_results
 from impls import ring_ideal_bytes
 from memory import MEASURED_ENV, Run, count_params, summarize
 from workloads import Workload
@@ -49,94 +47,23 @@ MARK_BEGIN, MARK_END = "<!-- growth:begin -->", "<!-- growth:end -->"
 # ----------------------------------------------------------------------------- ranks
 
 
-def _timed_measure(run: Run, rank: int) -> dict[str, Any]:
-    """:func:`memory._measure`'s steps, each also timed (seconds, this rank)."""
-    import torch.distributed as dist
-    from _report import peak_rss_bytes, reset_peak_rss, rss_bytes
-    from impls import IMPLEMENTATIONS, model_state_bytes
-    from memory import _import_libraries, _settle, split_impl
-    from workloads import global_batch, rank_slice
-
-    w, world = run.workload, run.world
-    dist.barrier()
-    runtime = _settle()
-    _import_libraries(run.impl, w)
-    baseline = _settle()
-    base, options = split_impl(run.impl)
-    runner = IMPLEMENTATIONS[base](w, world, options)
-    batches = [rank_slice(global_batch(w, s, world), rank, world) for s in range(run.warmup + run.steps + 1)]
-    for s in range(run.warmup):
-        runner.forward_backward(batches[s])
-        runner.optimizer_step()
-    steps = []
-    for s in range(run.warmup, run.warmup + run.steps):
-        dist.barrier()
-        rest = _settle()
-        reset_peak_rss()
-        t = time.perf_counter()
-        loss = runner.forward(batches[s])
-        forward = rss_bytes()
-        runner.backward(loss)
-        runner.optimizer_step()
-        seconds = time.perf_counter() - t
-        steps.append(
-            {
-                "rest": rest,
-                "forward": forward,
-                "peak": peak_rss_bytes(),
-                "loss": loss.item(),
-                "seconds": seconds,
-            }
-        )
-        del loss
-    runner.forward_backward(batches[-1])
-    state = model_state_bytes(runner)
-    runner.optimizer_step()
-    runner.close()
-    return {
-        "rank": rank,
-        "runtime": runtime,
-        "baseline": baseline,
-        "steps": steps,
-        "model_state_bytes": state,
-    }
-
-
-def _init(rank: int, world: int, store: str, timeout: float) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=timeout),
-    )
-
-
 def _rank_main(rank: int, run: Run, store: str, results: Any) -> None:
+    """:func:`memory._measure` on every rank (its steps are timed too); rank 0 reports them all."""
     import torch.distributed as dist
+    from memory import _measure
 
-    _init(rank, run.world, store, run.timeout)
-    mine = _timed_measure(run, rank)
+    mine = _measure(run, rank)
     gathered: list[Any] = [None] * run.world
     dist.all_gather_object(gathered, mine)
-    dist.destroy_process_group()
     if rank == 0:
         results.put(gathered)
 
 
 def _sweep_main(rank: int, args: tuple[int, float], store: str, results: Any) -> None:
-    import torch.distributed as dist
     from profile_step import comm_sweep, fit_cost
 
-    world, timeout = args
-    _init(rank, world, store, timeout)
+    world, _ = args
     rows = comm_sweep(world, repeats=3)
-    dist.destroy_process_group()
     if rank == 0:
         results.put(fit_cost(rows))
 
@@ -250,29 +177,25 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> pathlib.Path:
 
 def update_docs(docs: pathlib.Path, text: str) -> None:
     """Put the table into ``docs/benchmarks.md`` between the ``growth`` markers."""
-    page = docs / "benchmarks.md"
-    content = page.read_text()
-    begin, end = content.find(MARK_BEGIN), content.find(MARK_END)
-    if begin < 0 or end < begin:
-        raise RuntimeError(f"{page} has no {MARK_BEGIN} ... {MARK_END} section to hold the table")
-    page.write_text(content[: begin + len(MARK_BEGIN)] + "\n\n" + text + "\n\n" + content[end:])
+    replace_section(docs / "benchmarks.md", MARK_BEGIN, MARK_END, "\n\n" + text + "\n\n")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = benchmark_parser(__doc__, warmup=2, steps=4)
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS))
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--label", default="quiet machine")
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
     parser.add_argument("--docs", type=pathlib.Path, default=None)
     args = parser.parse_args()
     os.environ.update(MEASURED_ENV)  # inherited by every spawned rank (glibc reads it at start-up)
     worlds = sorted(set(args.worlds) | ({1} if "ddp" in args.impls else set()))  # world 1 DDP: compute
-    costs = {w: spawn_ranks(_sweep_main, w, (w, args.timeout), args.timeout)[1] for w in worlds if w > 1}
+    costs = {
+        w: spawn_ranks(_sweep_main, w, (w, args.timeout), args.timeout, process_group=True)[1]
+        for w in worlds
+        if w > 1
+    }
     meta = environment("zero-full", "matplotlib")
     meta.update(label=args.label, command="python " + " ".join(sys.argv), env=MEASURED_ENV)
     rows: list[dict[str, Any]] = []
@@ -287,6 +210,7 @@ def main() -> None:
                     world,
                     Run(impl, w, world, args.warmup, args.steps, args.timeout),
                     args.timeout,
+                    process_group=True,
                 )
                 rows.append(point(impl, size, world, psi, ranks))
                 print(
@@ -297,11 +221,8 @@ def main() -> None:
     predict(rows, costs)
     result = {"meta": meta, "cost_s_per_byte": {str(k): v for k, v in costs.items()}, "rows": rows}
     text = markdown(result)
-    paths = write_results(args.out, "growth", result, text)
-    paths.append(plot(result, args.out / "growth.png"))
-    for p in paths:
-        print(f"wrote {p}")
-    print(text)
+    write_results(args.out, "growth", result, text, echo=True)
+    print(f"wrote {plot(result, args.out / 'growth.png')}")
     if args.docs is not None:
         update_docs(args.docs, text)
 

@@ -180,6 +180,7 @@ def _measure(run: Run, rank: int) -> dict[str, Any]:
         dist.barrier()
         rest = _settle()
         reset_peak_rss()
+        start = time.perf_counter()
         loss = runner.forward(batches[s])
         forward = rss_bytes()
         forward_peak = peak_rss_bytes()
@@ -189,6 +190,7 @@ def _measure(run: Run, rank: int) -> dict[str, Any]:
         reset_peak_rss()
         runner.optimizer_step()
         step_peak = peak_rss_bytes()
+        seconds = time.perf_counter() - start  # growth.py's step time (the peak readings included)
         steps.append(
             {
                 "rest": rest,
@@ -197,6 +199,7 @@ def _measure(run: Run, rank: int) -> dict[str, Any]:
                 "backward_peak": backward_peak,
                 "optimizer_peak": step_peak,
                 "loss": loss.item(),
+                "seconds": seconds,
             }
         )
         del loss
@@ -204,6 +207,13 @@ def _measure(run: Run, rank: int) -> dict[str, Any]:
     state = model_state_bytes(runner)
     runner.optimizer_step()
     runner.close()
+    return rank_figures(rank, runtime, baseline, steps, state)
+
+
+def rank_figures(
+    rank: int, runtime: int, baseline: int, steps: list[dict[str, Any]], state: int
+) -> dict[str, Any]:
+    """One rank's figures as :func:`summarize` reads them (``steps``: one dict per measured step)."""
     return {
         "rank": rank,
         "runtime": runtime,

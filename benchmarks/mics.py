@@ -37,7 +37,7 @@ import time
 
 import torch
 import torch.distributed as dist
-from _report import ResultSink, environment, markdown_table, spawn_ranks, write_results
+from _report import ResultSink, benchmark_parser, environment, markdown_table, spawn_ranks, write_results
 
 from zero_full.workloads import GPT2Workload
 
@@ -148,8 +148,8 @@ def _rank_main(rank: int, args: argparse.Namespace, store: str, results: ResultS
         results.put(rows)
 
 
-def write_reports(out: pathlib.Path, args: argparse.Namespace, rows: list[dict]) -> None:
-    """``mics.json`` (everything) and ``mics.md`` (a table) in ``out``."""
+def write_reports(out: pathlib.Path, args: argparse.Namespace, rows: list[dict]) -> str:
+    """``mics.json`` (everything) and ``mics.md`` (a table) in ``out``; returns the table's text."""
     meta = {
         **environment("transformers"),
         "world": WORLD,
@@ -203,24 +203,17 @@ def write_reports(out: pathlib.Path, args: argparse.Namespace, rows: list[dict])
         "a slow inter-node network. The inter-node bytes are what a real cluster would send across "
         "nodes; they equal the formula exactly.",
     ]
-    write_results(out, "mics", {"meta": meta, "rows": rows}, "\n".join(lines))
+    text = "\n".join(lines)
+    write_results(out, "mics", {"meta": meta, "rows": rows}, text)
+    return text
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--width", type=int, default=128)
-    parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--micro", type=int, default=2)
-    parser.add_argument("--accum", type=int, default=2)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
+    parser = benchmark_parser(
+        __doc__, layers=2, width=128, vocab=4096, seq=64, micro=2, accum=2, warmup=2, steps=6
+    )
     args = parser.parse_args()
-    rows = spawn_ranks(_rank_main, WORLD, args, timeout=1800)
-    write_reports(args.out, args, rows)
-    print((args.out / "mics.md").read_text())
+    print(write_reports(args.out, args, spawn_ranks(_rank_main, WORLD, args, timeout=1800)))
 
 
 if __name__ == "__main__":

@@ -45,24 +45,13 @@ import zlib
 from collections.abc import Callable
 
 import torch
+from _report import median_seconds
 
 import zero_offload
 from zero_offload import AdamHyper, AdamKernel, AsyncSwapper, CpuAdam, aligned_empty
 
 ADAM_BYTES_PER_ELEMENT = 28
 HYPER = AdamHyper(lr=1e-3, weight_decay=0.01, decoupled=True)
-
-
-def timed(fn: Callable[[], object], repeats: int, warmup: int = 1) -> float:
-    """Median seconds of ``fn`` over ``repeats`` runs after ``warmup`` runs."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def copy_bandwidth(numel: int) -> float:
@@ -252,11 +241,11 @@ def bench_swap(directory: pathlib.Path, mib: int, repeats: int) -> dict:
 
     whole = torch.cat(chunks)
     view = memoryview(whole.numpy())
-    res["crc32_bytes_per_s"] = total / timed(lambda: zlib.crc32(view), repeats)
+    res["crc32_bytes_per_s"] = total / median_seconds(lambda: zlib.crc32(view), repeats)
     checksum = zero_offload.payload_checksum
-    res["payload_checksum_bytes_per_s"] = total / timed(lambda: checksum(whole), repeats)
-    res["plain_write_s"] = timed(pw, repeats)
-    res["plain_read_s"] = timed(pr, repeats)
+    res["payload_checksum_bytes_per_s"] = total / median_seconds(lambda: checksum(whole), repeats)
+    res["plain_write_s"] = median_seconds(pw, repeats)
+    res["plain_read_s"] = median_seconds(pr, repeats)
     plain.unlink()
     with AsyncSwapper(directory / "swap", io_threads=2) as sw:
         res["io_mode"] = sw.io_mode.value
@@ -273,8 +262,8 @@ def bench_swap(directory: pathlib.Path, mib: int, repeats: int) -> dict:
             for h in [sw.read(f"c{i}", o) for i, o in enumerate(outs)]:
                 h.wait()
 
-        res["swap_write_s"] = timed(sw_write, repeats)
-        res["swap_read_s"] = timed(sw_read, repeats)
+        res["swap_write_s"] = median_seconds(sw_write, repeats)
+        res["swap_read_s"] = median_seconds(sw_read, repeats)
         if not all(torch.equal(a, b) for a, b in zip(chunks, outs)):
             raise RuntimeError("swap read returned other bytes than written")
     for k in ("write", "read"):
@@ -331,18 +320,25 @@ def _param_nvme(directory: pathlib.Path) -> dict:
     }
 
 
+def _optimizer_nvme(directory: pathlib.Path) -> dict:
+    """Optimizer-state swap files, pipelined, stepped in sub-groups of 2M elements."""
+    return {
+        "offload_optimizer": {
+            "device": "nvme",
+            "nvme_path": str(directory / "step_swap"),
+            "pipeline_read": True,
+            "pipeline_write": True,
+        },
+        "sub_group_size": 2_000_000,
+    }
+
+
 def bench_steps(directory: pathlib.Path) -> list[dict]:
     variants = {
         "no offload": {},
         "offload_optimizer: cpu": {"offload_optimizer": {"device": "cpu"}},
         "offload_optimizer: nvme (sub_group_size 2M, pipelined)": {
-            "offload_optimizer": {
-                "device": "nvme",
-                "nvme_path": str(directory / "step_swap"),
-                "pipeline_read": True,
-                "pipeline_write": True,
-            },
-            "sub_group_size": 2_000_000,
+            **_optimizer_nvme(directory),
         },
         "offload_param: cpu": {"offload_param": {"device": "cpu"}},
         "offload_param: nvme (4 buffers of 1.1M, prefetch bucket 2M)": {
@@ -351,13 +347,7 @@ def bench_steps(directory: pathlib.Path) -> list[dict]:
         },
         "offload_param: nvme + offload_optimizer: nvme": {
             "offload_param": _param_nvme(directory),
-            "offload_optimizer": {
-                "device": "nvme",
-                "nvme_path": str(directory / "step_swap"),
-                "pipeline_read": True,
-                "pipeline_write": True,
-            },
-            "sub_group_size": 2_000_000,
+            **_optimizer_nvme(directory),
             "stage3_prefetch_bucket_size": 2_000_000,
         },
     }

@@ -42,9 +42,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _report import environment, markdown_table, spawn_ranks, write_results
+from _report import environment, markdown_table, replace_section, spawn_ranks, write_results
 from impls import IMPLEMENTATIONS, ImplOptions, ring_ideal_bytes
-from workloads import Workload, build_model, global_batch, num_params, rank_slice
+from workloads import Workload, count_params, rank_batches, workload_of, workload_parser
 
 MARK_BEGIN, MARK_END = "<!-- profile-step:begin -->", "<!-- profile-step:end -->"
 RELEASED = ImplOptions(persistence_threshold=0, prefetch_blocks=0.5, live_blocks=1.5)
@@ -242,7 +242,7 @@ def _rank_main(rank: int, args: argparse.Namespace, store: str, results: Any) ->
         )
         w = _workload(args)
         total = args.warmup + args.steps + args.profile_steps
-        batches = [rank_slice(global_batch(w, s, world), rank, world) for s in range(total)]
+        batches = rank_batches(w, rank, world, total)
         warm, timed, prof = (
             batches[: args.warmup],
             batches[args.warmup : args.warmup + args.steps],
@@ -270,7 +270,7 @@ def _rank_main(rank: int, args: argparse.Namespace, store: str, results: Any) ->
 
 
 def _workload(args: argparse.Namespace) -> Workload:
-    return Workload("gpt2", args.layers, args.hidden, args.heads, args.vocab, args.seq, args.micro_batch)
+    return workload_of(args)
 
 
 # ----------------------------------------------------------------------------- report
@@ -344,43 +344,26 @@ def markdown(result: dict[str, Any]) -> str:
 
 def update_docs(docs: pathlib.Path, text: str) -> None:
     """Put the tables into ``docs/benchmarks.md`` between the ``profile-step`` markers."""
-    page = docs / "benchmarks.md"
-    content = page.read_text()
-    begin, end = content.find(MARK_BEGIN), content.find(MARK_END)
-    if begin < 0 or end < begin:
-        raise RuntimeError(f"{page} has no {MARK_BEGIN} ... {MARK_END} section to hold the table")
-    page.write_text(content[: begin + len(MARK_BEGIN)] + "\n\n" + text + "\n\n" + content[end:])
+    replace_section(docs / "benchmarks.md", MARK_BEGIN, MARK_END, "\n\n" + text + "\n\n")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--world", type=int, default=2)
+    parser = workload_parser(__doc__, world=2, warmup=3, steps=8, profile_steps=2, sweep_repeats=5)
     parser.add_argument(
         "--impl",
         choices=("zero-1", "zero-2", "zero-3"),
         default="zero-3",
         help="the zero stage profiled (stages 1 and 2: the floor is DDP's step, same bytes)",
     )
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--profile-steps", type=int, default=2)
-    parser.add_argument("--sweep-repeats", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--label", default="quiet machine", help="how loaded the machine was (in the table)")
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
     parser.add_argument(
         "--trace", type=pathlib.Path, default=pathlib.Path("benchmarks/results/tmp/profile_step_trace.json")
     )
     parser.add_argument("--docs", type=pathlib.Path, default=None)
     args = parser.parse_args()
     w = _workload(args)
-    psi = num_params(build_model(w))
+    psi = count_params(w)
     print(f"profile_step: {w.describe()}, P = {psi:,}, world {args.world}", flush=True)
     raw = spawn_ranks(_rank_main, args.world, args, args.timeout)
     if "error" in raw:
@@ -395,9 +378,7 @@ def main() -> None:
     )
     result = {"meta": meta, "raw": raw, "summary": summarize(args, raw, psi)}
     text = markdown(result)
-    for path in write_results(args.out, "profile_step", result, text):
-        print(f"wrote {path}")
-    print(text)
+    write_results(args.out, "profile_step", result, text, echo=True)
     if args.docs is not None:
         update_docs(args.docs, text)
 

@@ -36,22 +36,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import pathlib
 import re
 import statistics
 import subprocess
-import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from _report import (
     ResultSink,
+    benchmark_parser,
     environment,
     markdown_table,
     median_seconds,
-    read_wchar,
     spawn_ranks,
+    time_and_count,
     write_results,
 )
 
@@ -145,16 +144,7 @@ def measure(
         fn()
     inter = ledger.totals(link=LinkKind.INTER_NODE)
     intra = ledger.totals(link=LinkKind.INTRA_NODE)
-    times, wrote = [], []
-    for _ in range(repeats):
-        dist.barrier()
-        w0, t0 = read_wchar(), time.perf_counter()
-        fn()
-        t1, w1 = time.perf_counter(), read_wchar()
-        times.append(t1 - t0)
-        wrote.append(w1 - w0)
-    slowest = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    slowest, wrote = time_and_count(fn, repeats)
     wchar = torch.tensor([statistics.median(wrote)], dtype=torch.float64)
     dist.all_reduce(wchar)
     node_of_pid = {pid: r // topo.ranks_per_node for r, pid in enumerate(pids)}
@@ -176,7 +166,7 @@ def measure(
             "cross_node_bytes": statistics.median(link[1] for link in links) / per_rank,
         }
     return {
-        "ms": statistics.median(slowest.tolist()) * 1e3,
+        "ms": statistics.median(slowest) * 1e3,
         "ledger_inter_wire_bytes": inter.wire_bytes,
         "ledger_intra_wire_bytes": intra.wire_bytes,
         "ledger_calls": inter.calls + intra.calls,
@@ -353,14 +343,9 @@ def markdown(result: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--world", type=int, default=4)
-    parser.add_argument("--ranks-per-node", type=int, default=2)
-    parser.add_argument("--numel", type=int, default=10_000_000)
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--ss-repeats", type=int, default=3)
-    parser.add_argument("--kernel-repeats", type=int, default=7)
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
+    parser = benchmark_parser(
+        __doc__, world=4, ranks_per_node=2, numel=10_000_000, repeats=5, ss_repeats=3, kernel_repeats=7
+    )
     args = parser.parse_args()
     if args.world % args.ranks_per_node or args.numel % (1000 * args.world):
         parser.error("--ranks-per-node must divide --world, and --numel must be a multiple of 1000 * --world")
@@ -386,8 +371,9 @@ def main() -> None:
         "qwz_group": QWZ_DEFAULT_CONFIG.group_size,
     }
     result = {"meta": meta, **dist_result, "ratios": ratios(dist_result["rows"]), "kernels": kernels}
-    write_results(args.out, "quantized", result, markdown(result))
-    print((args.out / "quantized.md").read_text())
+    text = markdown(result)
+    write_results(args.out, "quantized", result, text)
+    print(text)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,6 @@ Writes ``side_by_side.json`` and ``side_by_side.md`` and three PNG plots into ``
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import gc
@@ -52,14 +51,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _report import environment, markdown_table, read_wchar, write_results
+from _report import environment, markdown_table, read_wchar, replace_section, write_results
 from impls import (
     IMPLEMENTATIONS,
     formula_state_bytes,
     model_state_bytes,
     ring_ideal_bytes,
 )
-from workloads import ADAMW, Workload, build_model, global_batch, num_params, rank_slice
+from workloads import ADAMW, Workload, count_params, rank_batches, workload_of, workload_parser
 
 from zero_comm.launch import RankContext, launch
 
@@ -99,7 +98,7 @@ def run_one(impl: str, plan: Plan, rank: int, world: int, rows: int) -> dict[str
     """Train ``impl`` on this rank (``rows``: the slice index; ``world`` 1 = the reference)."""
     w = plan.workload
     gc.collect()
-    batches = [rank_slice(global_batch(w, s, rows), rank, world) for s in range(plan.total_steps)]
+    batches = rank_batches(w, rank, world, plan.total_steps, rows)
     t0 = time.perf_counter()
     runner = IMPLEMENTATIONS[impl](w, world)
     setup_s = time.perf_counter() - t0
@@ -406,33 +405,19 @@ def update_docs(docs: pathlib.Path, text: str, images: list[pathlib.Path]) -> No
     page = docs / "benchmarks.md"
     if not page.exists():
         return
-    content = page.read_text()
-    begin, end = content.find(MARK_BEGIN), content.find(MARK_END)
-    if begin < 0 or end < begin:
-        raise RuntimeError(f"{page} has no {MARK_BEGIN} ... {MARK_END} section to hold the table")
-    page.write_text(content[: begin + len(MARK_BEGIN)] + "\n\n" + text + "\n" + content[end:])
+    replace_section(page, MARK_BEGIN, MARK_END, "\n\n" + text + "\n")
 
 
 # ----------------------------------------------------------------------------- main
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = workload_parser(__doc__, rounds=3, warmup=2, steps=6)
     parser.add_argument("--workload", choices=("gpt2", "mlp"), default="gpt2")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--impls", nargs="+", default=DISTRIBUTED, choices=DISTRIBUTED)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds any one run may take")
     parser.add_argument("--name", default="side_by_side", help="result file stem (default side_by_side)")
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
     parser.add_argument("--docs", type=pathlib.Path, default=None, help="docs dir to copy plots and table to")
     args = parser.parse_args()
     impls = list(args.impls)
@@ -440,9 +425,9 @@ def main() -> None:
         dropped = [i for i in impls if i.startswith("deepspeed")]
         impls = [i for i in impls if not i.startswith("deepspeed")]
         print(f"deepspeed is not installed: skipping {dropped}", file=sys.stderr)
-    w = Workload(args.workload, args.layers, args.hidden, args.heads, args.vocab, args.seq, args.micro_batch)
+    w = workload_of(args, args.workload)
     plan = Plan(w, tuple(impls), tuple(args.worlds), args.rounds, args.warmup, args.steps, args.timeout)
-    psi = num_params(build_model(w))
+    psi = count_params(w)
     env = environment("deepspeed", "transformers", "matplotlib", "zero-full", "zero-optim", "zero-params")
     print(
         f"side-by-side: {w.describe()}, P = {psi:,}; worlds {plan.worlds}, {plan.rounds} rounds x "

@@ -14,10 +14,12 @@ ranks' gradients (what every data-parallel implementation does) gives its gradie
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import torch
+from _report import benchmark_parser
 from torch import nn
 
 if TYPE_CHECKING:
@@ -29,10 +31,15 @@ __all__ = [
     "adamw",
     "block_modules",
     "build_model",
+    "count_params",
     "enable_checkpointing",
     "global_batch",
     "loss_of",
     "num_params",
+    "rank_batches",
+    "shape_defaults",
+    "workload_of",
+    "workload_parser",
 ]
 
 # Every implementation's AdamW, all hyperparameters explicit (torch's defaults, lr raised).
@@ -85,6 +92,26 @@ class Workload:
         else:
             shape = f"MLP {self.layers} x Linear({self.hidden}) + GELU, in {self.vocab // 32}, out {self.seq}"
         return f"{shape}, micro-batch {self.micro_batch} per rank"
+
+
+SHAPE_FIELDS = ("layers", "hidden", "heads", "vocab", "seq", "micro_batch")
+
+
+def shape_defaults() -> dict[str, int]:
+    """A script's command-line defaults for the workload's shape: :class:`Workload`'s own."""
+    default = Workload()
+    return {name: getattr(default, name) for name in SHAPE_FIELDS}
+
+
+def workload_parser(doc: str, **ints: int | None) -> argparse.ArgumentParser:
+    """:func:`_report.benchmark_parser` with the workload's shape options first (``--layers``, ...,
+    ``--micro-batch``, defaults :func:`shape_defaults`); read them back with :func:`workload_of`."""
+    return benchmark_parser(doc, **shape_defaults(), **ints)
+
+
+def workload_of(args: Any, kind: str = "gpt2") -> Workload:
+    """The ``kind`` workload of the shape options ``args`` holds (``--layers``, ..., ``--micro-batch``)."""
+    return Workload(kind, **{name: getattr(args, name) for name in SHAPE_FIELDS})
 
 
 class MLP(nn.Module):
@@ -177,6 +204,17 @@ def global_batch(w: Workload, step: int, world: int) -> dict[str, torch.Tensor]:
 def rank_slice(batch: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, torch.Tensor]:
     """Rank ``rank``'s rows of a global batch (contiguous, equal slices)."""
     return {k: v.chunk(world)[rank].contiguous() for k, v in batch.items()}
+
+
+def rank_batches(w: Workload, rank: int, world: int, steps: int, rows: int | None = None) -> list[dict]:
+    """Rank ``rank``'s slices of the first ``steps`` global batches (of ``rows`` ranks' rows,
+    default ``world``; ``world`` 1 with ``rows`` N: the whole batch of N ranks, for a reference)."""
+    return [rank_slice(global_batch(w, s, rows or world), rank, world) for s in range(steps)]
+
+
+def count_params(w: Workload) -> int:
+    """P of the workload's model (built once, on the CPU)."""
+    return num_params(build_model(w))
 
 
 def loss_of(model: Any, w: Workload, batch: dict[str, torch.Tensor]) -> torch.Tensor:

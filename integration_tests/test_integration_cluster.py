@@ -28,14 +28,13 @@ from zero_testing import RankFailure
 from zero_testing.netns import (
     LinkShape,
     SimulatedCluster,
-    cluster_unavailable_reason,
     interface_counters,
+    needs_cluster,
     run_on_cluster,
 )
 from zero_testing.traffic import node_egress_bytes
 
-UNAVAILABLE = cluster_unavailable_reason()
-pytestmark = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"simulated cluster: {UNAVAILABLE}")
+pytestmark = needs_cluster()
 
 WORLD, PER_NODE, STEPS, VOCAB, SEQ = 4, 2, 3, 97, 16
 RELEASED = {

@@ -33,16 +33,21 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGE_DIRS = {
-    "zero-kernels": "kernels",
-    "zero-comm": "packages/zero-comm",
-    "zero-offload": "packages/zero-offload",
-    "zero-params": "packages/zero-params",
-    "zero-coord": "packages/zero-coord",
-    "zero-optim": "packages/zero-optim",
-    "zero-full": "packages/zero-full",
-    "zero-testing": "packages/zero-testing",
-}
+
+
+def package_dirs() -> dict[str, str]:
+    """Each package's folder, as ``noxfile.py`` declares them in ``PACKAGE_DIRS`` (read, not imported:
+    nox need not be installed here), so a package CI tests is a package this test checks."""
+    for node in ast.parse((ROOT / "noxfile.py").read_text()).body:
+        names = [getattr(t, "id", None) for t in getattr(node, "targets", ())]
+        if names == ["PACKAGE_DIRS"]:
+            return ast.literal_eval(node.value)
+    raise RuntimeError(
+        f"{ROOT / 'noxfile.py'} has no literal PACKAGE_DIRS = {{...}}: declare the packages there"
+    )
+
+
+PACKAGE_DIRS = package_dirs()
 NOT_EXTRAS = {"test"}  # extras for the package's own test suite, not for users
 
 

@@ -93,14 +93,19 @@ CONFIGS = {
 }
 
 
+def _consolidated(model, config: dict) -> dict[str, torch.Tensor]:
+    """``model`` under a zero engine of ``config``: rank 0's consolidated state dict (others: empty)."""
+    engine = zero_full.initialize(model, config, lambda ps: torch.optim.SGD(ps, lr=0.1))
+    try:
+        return engine.consolidated_state_dict()
+    finally:
+        engine.close()
+
+
 def _load_and_compare(kind: str, path: str, config: dict) -> tuple[int, list[str]]:
     """Rank 0: (tensors compared, keys that differ from the file) after load + consolidation."""
     model = zero_full.from_pretrained(_model_class(kind.split("-")[0]), path, config)
-    engine = zero_full.initialize(model, config, lambda ps: torch.optim.SGD(ps, lr=0.1))
-    try:
-        got = engine.consolidated_state_dict()
-    finally:
-        engine.close()
+    got = _consolidated(model, config)
     if not got:
         return 0, []
     saved = _saved_tensors(path)
@@ -340,11 +345,7 @@ def _hf_from_pretrained_under_init(kind: str, path: str) -> tuple[int, list[str]
     config = CONFIGS["stage3"]
     with zero_full.Init(config=config):  # parameters on meta become partitioned; HF then loads them
         model = _model_class(kind).from_pretrained(path)
-    engine = zero_full.initialize(model, config, lambda ps: torch.optim.SGD(ps, lr=0.1))
-    try:
-        got = engine.consolidated_state_dict()
-    finally:
-        engine.close()
+    got = _consolidated(model, config)
     if not got:
         return 0, []
     saved = _saved_tensors(path)

@@ -31,7 +31,7 @@ from models import (
 
 import zero_full
 import zero_params
-from zero_testing import assert_losses_close
+from zero_testing import assert_losses_close, captured_logs
 
 STEPS = 20
 BATCH = 8
@@ -89,22 +89,15 @@ def _cast(batch, dtype):
     return tuple(t.to(dtype) if t.is_floating_point() else t for t in batch)
 
 
-class _Collect(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def stage_run(rank, name: str, kind: str, config: dict, inject_step: int = -1) -> dict:
     """Train with the engine; optionally put an inf into rank 1's gradient at ``inject_step``."""
+    with captured_logs("zero.engine", logging.INFO) as messages:
+        result = _stage_train(rank, name, kind, config, inject_step)
+    return {**result, "log": [m for m in messages if "overflow" in m]}
+
+
+def _stage_train(rank, name: str, kind: str, config: dict, inject_step: int) -> dict:
     world = dist.get_world_size()
-    log = logging.getLogger("zero.engine")
-    collect = _Collect()
-    log.addHandler(collect)
-    log.setLevel(logging.INFO)
     model = build(name)
     engine = zero_full.initialize(model, config, make_optimizer(kind))
     dtype = next(model.parameters()).dtype
@@ -129,7 +122,6 @@ def stage_run(rank, name: str, kind: str, config: dict, inject_step: int = -1) -
     params = _full_params(model, stage)
     skipped = engine.stats.skipped_steps
     engine.close()
-    log.removeHandler(collect)
     return {
         "losses": losses,
         "params": params,
@@ -137,7 +129,6 @@ def stage_run(rank, name: str, kind: str, config: dict, inject_step: int = -1) -
         "after": after,
         "scales": scales,
         "skipped": skipped,
-        "log": [m for m in collect.messages if "overflow" in m],
     }
 
 

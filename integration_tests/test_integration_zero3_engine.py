@@ -141,18 +141,19 @@ def test_model_state_bytes_match_the_stage3_formula(dist, topo):
 # --------------------------------------------------------------------------- errors
 
 
-def _unregistered_external_use(rank):
-    model = build("external")
-    engine = zero_full.initialize(model, zero_config(), None)
-    batch = rank_slice(global_batch("external", 0, BATCH), rank.rank, rank.world_size)
+def _forward_error(rank, engine, name: str) -> str | None:
+    """The ``PartitionedParameterError`` a forward of ``name``'s first batch raises (``None``: none)."""
     try:
-        engine(*batch)
+        engine(*rank_slice(global_batch(name, 0, BATCH), rank.rank, rank.world_size))
     except zero_params.PartitionedParameterError as exc:
-        message = str(exc)
-    else:
-        message = None
-    engine.close()
-    return message
+        return str(exc)
+    finally:
+        engine.close()
+    return None
+
+
+def _unregistered_external_use(rank):
+    return _forward_error(rank, zero_full.initialize(build("external"), zero_config(), None), "external")
 
 
 def _unregistered_module(rank):
@@ -162,15 +163,8 @@ def _unregistered_module(rank):
         helpers = [torch.nn.Linear(7, 7)]  # built under Init, never registered as a submodule
     engine = zero_full.initialize(model, cfg, None)
     x = torch.ones(2, 7)
-    try:
-        engine.module.out.register_forward_hook(lambda m, args, out: helpers[0](x))
-        engine(*rank_slice(global_batch("mlp", 0, BATCH), rank.rank, rank.world_size))
-    except zero_params.PartitionedParameterError as exc:
-        message = str(exc)
-    else:
-        message = None
-    engine.close()
-    return message
+    engine.module.out.register_forward_hook(lambda m, args, out: helpers[0](x))
+    return _forward_error(rank, engine, "mlp")
 
 
 @_topos(W4, W2)

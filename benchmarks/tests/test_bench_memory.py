@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 from impls import block_numel, zero_section
-from memory import RELEASE, failed_row, formula_bytes, markdown, split_impl, summarize, table
+from memory import RELEASE, failed_row, formula_bytes, markdown, rank_figures, split_impl, summarize, table
 from workloads import Workload, build_model, enable_checkpointing, global_batch, loss_of, num_params
 
 MB = 10**6
@@ -54,20 +54,12 @@ def test_formulas_and_the_release_policy_of_stage_3():
     assert "sub_group_size" not in zero_section(2, w)  # the side-by-side keeps DeepSpeed's default
 
 
-def _rank(rank, runtime, baseline, steps, state):
-    return {
-        "rank": rank,
-        "runtime": runtime,
-        "baseline": baseline,
-        "steps": steps,
-        "model_state_bytes": state,
-    }
-
-
 def test_summarize_takes_the_largest_rank_and_step_above_the_baseline():
     ranks = [
-        _rank(0, 200 * MB, 300 * MB, [{"rest": 400 * MB, "forward": 450 * MB, "peak": 500 * MB}], 90 * MB),
-        _rank(
+        rank_figures(
+            0, 200 * MB, 300 * MB, [{"rest": 400 * MB, "forward": 450 * MB, "peak": 500 * MB}], 90 * MB
+        ),
+        rank_figures(
             1,
             210 * MB,
             305 * MB,
@@ -90,9 +82,9 @@ def test_summarize_takes_the_largest_rank_and_step_above_the_baseline():
 
 def test_the_table_compares_with_ddp_and_names_a_failed_run():
     steps = [{"rest": 300 * MB, "forward": 310 * MB, "peak": 400 * MB}]
-    ddp = summarize("ddp", "linear", 2, 10 * MB, [_rank(0, 100 * MB, 100 * MB, steps, 160 * MB)])
+    ddp = summarize("ddp", "linear", 2, 10 * MB, [rank_figures(0, 100 * MB, 100 * MB, steps, 160 * MB)])
     half = [{"rest": 200 * MB, "forward": 210 * MB, "peak": 250 * MB}]
-    zero = summarize("zero-3", "linear", 2, 10 * MB, [_rank(0, 100 * MB, 100 * MB, half, 80 * MB)])
+    zero = summarize("zero-3", "linear", 2, 10 * MB, [rank_figures(0, 100 * MB, 100 * MB, half, 80 * MB)])
     dead = failed_row("deepspeed-3", "linear", 2, 10 * MB, "benchmark rank 1 exited with code 1")
     lines = table([ddp, zero, dead]).splitlines()
     assert lines[2].split(" | ")[1:4] == ["200", "160", "1.25"]

@@ -22,6 +22,7 @@ from zero_full import checkpoint
 from zero_full.checkpoint import io as ckpt_io
 from zero_full.checkpoint.safetensors import SafetensorsWriter
 from zero_full.cli import main as cli_main
+from zero_testing import raised_message
 
 BATCH = 8
 
@@ -139,13 +140,9 @@ def _save_twice(rank, root):
     engine = _engine()
     _train(engine, 1)
     engine.save_checkpoint(root, tag="one")
-    try:
-        engine.save_checkpoint(root, tag="one")
-    except checkpoint.CheckpointError as exc:
-        return str(exc)
-    finally:
-        engine.close()
-    return None
+    error = raised_message(checkpoint.CheckpointError, engine.save_checkpoint, root, tag="one")
+    engine.close()
+    return error
 
 
 def test_saving_over_an_existing_tag_is_an_error_on_every_rank(dist, tmp_path):
@@ -217,11 +214,7 @@ def _failing_save(rank, root):
     if rank.rank == 1:
         ckpt_io.write_torch = half_then_fail
     try:
-        engine.save_checkpoint(root, tag="bad")
-    except checkpoint.CheckpointError as exc:
-        error = str(exc)
-    else:
-        error = None
+        error = raised_message(checkpoint.CheckpointError, engine.save_checkpoint, root, tag="bad")
     finally:
         ckpt_io.write_torch = real
     # The engine is still usable and the old checkpoint still loads.
@@ -303,13 +296,9 @@ def _save_plain(rank, root):
 
 def _load_error(rank, root, model_kw):
     engine = _engine(**model_kw)
-    try:
-        engine.load_checkpoint(root)
-    except checkpoint.CheckpointError as exc:
-        return str(exc)
-    finally:
-        engine.close()
-    return None
+    error = raised_message(checkpoint.CheckpointError, engine.load_checkpoint, root)
+    engine.close()
+    return error
 
 
 def test_a_checkpoint_that_does_not_match_the_model_lists_every_mismatch(dist, tmp_path):

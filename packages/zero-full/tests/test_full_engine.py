@@ -12,6 +12,7 @@ from torch import nn
 import zero_full
 import zero_params
 from zero_comm import partition_numel
+from zero_testing import captured_logs
 
 BATCH = 8
 
@@ -69,26 +70,10 @@ def test_every_unsupported_feature_is_named_at_once():
     assert "load_from_fp32_weights" in str(info.value) and "ignore_unused_parameters" in str(info.value)
 
 
-class _Messages(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def _ignored_keys_log(rank):
-    logger, handler = logging.getLogger("zero.engine"), _Messages()
-    logger.addHandler(handler)
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    try:
+    with captured_logs("zero.engine", logging.INFO) as messages:
         zero_full.initialize(Net(), {"zero_optimization": {"stage": 1, "reduce_scatter": False}}).close()
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
-    return [m for m in handler.messages if "no effect" in m]
+    return [m for m in messages if "no effect" in m]
 
 
 def test_keys_without_effect_are_logged_with_the_reason(dist):

@@ -32,6 +32,18 @@ def _batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor
     return x[rank * 4 : (rank + 1) * 4], y[rank * 4 : (rank + 1) * 4]
 
 
+def _steps(engine, rank) -> list[float]:
+    """:data:`STEPS` training steps of ``engine`` on this rank's batches; this rank's losses."""
+    losses = []
+    for step in range(STEPS):
+        x, y = _batch(step, rank.rank, rank.world_size)
+        loss = (engine(x) - y).square().mean()
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
 def _train(rank, stage: int, name: str, offload: bool) -> dict:
     zero = {"stage": stage}
     if stage == 3:
@@ -39,14 +51,8 @@ def _train(rank, stage: int, name: str, offload: bool) -> dict:
     if offload:
         zero["offload_optimizer"] = {"device": "cpu"}
     engine = zero_full.initialize(_model(), {"zero_optimization": zero}, OPTIMIZERS[name])
-    losses = []
     try:
-        for step in range(STEPS):
-            x, y = _batch(step, rank.rank, rank.world_size)
-            loss = (engine(x) - y).square().mean()
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+        losses = _steps(engine, rank)
         host = isinstance(engine.optimizer.offload, zero_offload.HostOptimizer)
         weights = engine.consolidated_state_dict()
     finally:
@@ -90,14 +96,8 @@ def _train_partial(rank, name: str, ratio: float | None) -> dict:
     if ratio is not None:
         zero["offload_optimizer"] = {"device": "cpu", "ratio": ratio}
     engine = zero_full.initialize(_model(), {"zero_optimization": zero}, PARTIAL[name])
-    losses = []
     try:
-        for step in range(STEPS):
-            x, y = _batch(step, rank.rank, rank.world_size)
-            loss = (engine(x) - y).square().mean()
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+        losses = _steps(engine, rank)
         off = engine.optimizer.offload
         split = (off.offloaded_numel, off.device_numel) if ratio is not None else None
         master = sum(g.master.numel() for g in engine.optimizer.groups)

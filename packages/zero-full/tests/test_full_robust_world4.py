@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 from torch import nn
 
 import zero_full
+from zero_testing import captured_logs
 
 WORLD = 4
 
@@ -66,12 +65,8 @@ def _nan_on_rank_3(rank, precision, policy):
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
     engine = zero_full.initialize(Net(), config)
-    warnings: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("zero.engine").addHandler(handler)
     error = None
-    try:
+    with captured_logs("zero.engine") as warnings:
         for step in range(3):
             x, y = _data(step, rank.rank, dtype)
             if step == 1 and rank.rank == 3:
@@ -87,8 +82,6 @@ def _nan_on_rank_3(rank, precision, policy):
             if step == 1:
                 after = engine.consolidated_state_dict()
                 unchanged = all(torch.equal(before[k], after[k]) for k in before)
-    finally:
-        logging.getLogger("zero.engine").removeHandler(handler)
     finite = all(bool(torch.isfinite(t).all()) for t in engine.consolidated_state_dict().values())
     result = {
         "error": error,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import os
 import shutil
 import subprocess
@@ -13,6 +12,7 @@ from torch import nn
 
 import zero_full
 from zero_full import checkpoint
+from zero_testing import captured_logs, raised_message
 
 BATCH = 6
 
@@ -88,12 +88,8 @@ def _nan_on_rank1(rank, precision, policy, clip, stage):
     if precision != "fp32":
         config[precision] = {"enabled": True}
     engine = zero_full.initialize(Net(), config)
-    records: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("zero.engine").addHandler(handler)
     error = None
-    try:
+    with captured_logs("zero.engine") as records:
         for step in range(4):
             x, y = (
                 t.to(torch.bfloat16 if precision == "bf16" else torch.float32) for t in _data(step, rank.rank)
@@ -114,8 +110,6 @@ def _nan_on_rank1(rank, precision, policy, clip, stage):
                 unchanged = all(torch.equal(before[k], after[k]) for k in before)
                 steps_after = [s["step"].item() for s in engine.optimizer.torch_optimizer.state.values()]
         finite = all(torch.isfinite(t).all() for t in _weights(engine).values())
-    finally:
-        logging.getLogger("zero.engine").removeHandler(handler)
     result = {
         "error": error,
         "warnings": [m for m in records if "non-finite" in m],
@@ -256,11 +250,7 @@ def _disk_full(rank, root, fake_free):
     if fake_free:  # no tmpfs could be mounted: the file system says 20 kB are free
         ckpt_hygiene.shutil = _FakeShutil(real)  # type: ignore[assignment]
     try:
-        engine.save_checkpoint(root)
-    except checkpoint.CheckpointError as exc:
-        message = str(exc)
-    else:
-        message = None
+        message = raised_message(checkpoint.CheckpointError, engine.save_checkpoint, root)
     finally:
         ckpt_hygiene.shutil = shutil
     loaded = engine.load_checkpoint(root).name  # the previous checkpoint still loads

@@ -46,21 +46,27 @@ OPTS = [
 ]
 
 
-@pytest.mark.parametrize("numel", SIZES)
-@pytest.mark.parametrize("cls,opts", OPTS, ids=[f"{c.__name__}-{i}" for i, (c, _) in enumerate(OPTS)])
+def _over_settings(test):
+    """Parametrize ``test`` over every optimizer setting of :data:`OPTS` and size of :data:`SIZES`."""
+    ids = [f"{c.__name__}-{i}" for i, (c, _) in enumerate(OPTS)]
+    return pytest.mark.parametrize("numel", SIZES)(pytest.mark.parametrize("cls,opts", OPTS, ids=ids)(test))
+
+
+def _kernel_and_torch(cls, opts, numel, kernel, steps):
+    """(kernel's, torch's, name) for the parameter, exp_avg and exp_avg_sq after ``steps`` steps."""
+    got, ref = _run(cls, kernel, numel, steps, **opts), _run(cls, None, numel, steps, **opts)
+    return zip(got, ref, ("param", "exp_avg", "exp_avg_sq"))
+
+
+@_over_settings
 def test_exact_kernel_is_bit_identical_to_torch(cls, opts, numel):
-    ref = _run(cls, None, numel, 6, **opts)
-    got = _run(cls, AdamKernel.EXACT, numel, 6, **opts)
-    for a, b, what in zip(got, ref, ("param", "exp_avg", "exp_avg_sq")):
+    for a, b, what in _kernel_and_torch(cls, opts, numel, AdamKernel.EXACT, 6):
         assert torch.equal(a, b), f"{what} differs: max {(a - b).abs().max()}"
 
 
-@pytest.mark.parametrize("numel", SIZES)
-@pytest.mark.parametrize("cls,opts", OPTS, ids=[f"{c.__name__}-{i}" for i, (c, _) in enumerate(OPTS)])
+@_over_settings
 def test_fused_kernel_is_within_float_rounding_of_torch(cls, opts, numel):
-    ref = _run(cls, None, numel, 10, **opts)
-    got = _run(cls, AdamKernel.FUSED, numel, 10, **opts)
-    for a, b, what in zip(got, ref, ("param", "exp_avg", "exp_avg_sq")):
+    for a, b, what in _kernel_and_torch(cls, opts, numel, AdamKernel.FUSED, 10):
         if numel:
             err = ((a - b).abs().max() / b.abs().max()).item()
             assert err <= 1e-6, f"{what}: relative error {err:.2e}"

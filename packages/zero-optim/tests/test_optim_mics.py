@@ -12,20 +12,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
+from optim_cases import OddParams, micro_step
 
 import zero_params
 from zero_comm import CommLedger, Topology, group_ranks
 from zero_optim import ReplicaGradientSync, ReplicaMismatchError, check_replicas_consistent, stage3_optimizer
 
-SHAPES = [(0,), (1,), (7,), (3, 5), (1023,), (13, 11), (2,)]
 
-
-class Odd(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.ps = nn.ParameterList(nn.Parameter(torch.randn(*s)) for s in SHAPES)
+class Odd(OddParams):
+    """The odd parameters alone, the loss scaled by the batch's spread."""
 
     def forward(self, x):
         total = x.new_zeros(())
@@ -47,16 +42,6 @@ def _mics_model(shard: int):
     return model, opt, sink, ReplicaGradientSync(opt.groups, replicate), replicate
 
 
-def _micro_step(model, sink, x):
-    params = list(model.parameters())
-    zero_params.gather(params).wait()
-    model(x).backward()
-    for p in reversed(params):
-        sink.on_grad_ready(p)
-    sink.on_backward_end()
-    zero_params.release(params)
-
-
 def _batch(micro: int, rank: int) -> torch.Tensor:
     return torch.randn(5, 3, generator=torch.Generator().manual_seed(100 * micro + rank))
 
@@ -68,7 +53,7 @@ def _two_hop_vs_plain_all_reduce(rank, shard: int, accumulate: int) -> dict:
     plain = Odd()
     for micro in range(accumulate):
         x = _batch(micro, rank.rank)
-        _micro_step(model, sink, x)
+        micro_step(model, sink, x)
         plain.zero_grad()
         plain(x).backward()
         for n, p in plain.named_parameters():
@@ -113,7 +98,7 @@ def test_two_hop_sync_equals_a_plain_all_reduce_over_all_ranks(dist, world, per_
 def _check_replicas(rank, shard: int, perturb_rank: int | None) -> str | None:
     model, opt, sink, sync, _ = _mics_model(shard)
     for micro in range(2):
-        _micro_step(model, sink, _batch(micro, rank.rank))
+        micro_step(model, sink, _batch(micro, rank.rank))
     sync.at_boundary()
     opt.step()
     opt.zero_grad()

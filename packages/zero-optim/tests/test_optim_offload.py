@@ -24,6 +24,25 @@ def _make(params):
     )
 
 
+def _twins(make, cfg):
+    """The reference: a model and its torch optimizer (zero gradients); a copy under an offloaded one."""
+    ref = OddModel()
+    for p in ref.parameters():
+        p.grad = torch.zeros_like(p)
+    model = copy.deepcopy(ref)
+    opt = PartitionedOptimizer(model, make, WholeParams(), offload=cfg)
+    return ref, make(list(ref.parameters())), model, opt
+
+
+def _train_both(ref, ref_opt, model, opt, seeds: range) -> None:
+    """Step the reference and the offloaded copy on the same batches: their parameters stay equal."""
+    for s in seeds:
+        _step(ref, ref_opt, s)
+        _step(model, opt, s)
+    for a, b in zip(ref.parameters(), model.parameters()):
+        assert torch.equal(a, b)
+
+
 def _step(model, opt, seed):
     x = torch.randn(5, generator=torch.Generator().manual_seed(seed))
     opt.zero_grad() if isinstance(opt, PartitionedOptimizer) else opt.zero_grad(set_to_none=False)
@@ -41,18 +60,9 @@ def test_offloaded_partitioned_optimizer_matches_torch_and_round_trips_state(tmp
         pipeline_read=True,
         kernel=AdamKernel.EXACT,
     )
-    ref = OddModel()
-    for p in ref.parameters():
-        p.grad = torch.zeros_like(p)
-    ref_opt = _make(list(ref.parameters()))
-    model = copy.deepcopy(ref)
-    opt = PartitionedOptimizer(model, _make, WholeParams(), offload=cfg)
+    ref, ref_opt, model, opt = _twins(_make, cfg)
     assert opt.offload is not None and len(opt.torch_optimizer.state) == 0
-    for s in range(4):
-        _step(ref, ref_opt, s)
-        _step(model, opt, s)
-    for a, b in zip(ref.parameters(), model.parameters()):
-        assert torch.equal(a, b)
+    _train_both(ref, ref_opt, model, opt, range(4))
     saved = copy.deepcopy(opt.state_dict())
     assert len(opt.torch_optimizer.state) == 0  # materialized only while saving
     st = saved["torch_optimizer"]["state"]
@@ -63,11 +73,7 @@ def test_offloaded_partitioned_optimizer_matches_torch_and_round_trips_state(tmp
     )
     twin_opt.load_state_dict(saved)
     assert twin_opt.offload.step_count == 4
-    for s in range(4, 6):
-        _step(ref, ref_opt, s)
-        _step(twin, twin_opt, s)
-    for a, b in zip(ref.parameters(), twin.parameters()):
-        assert torch.equal(a, b)
+    _train_both(ref, ref_opt, twin, twin_opt, range(4, 6))
     opt.close()
     twin_opt.close()
     assert list(tmp_path.rglob("*.zswap")) == []
@@ -87,12 +93,7 @@ OTHER_OPTIMIZERS = {
 @pytest.mark.parametrize("name", list(OTHER_OPTIMIZERS))
 def test_any_torch_optimizer_is_offloaded_to_host_and_steps_as_torch_does(name):
     make = OTHER_OPTIMIZERS[name]
-    ref = OddModel()
-    for p in ref.parameters():
-        p.grad = torch.zeros_like(p)
-    ref_opt = make(list(ref.parameters()))
-    model = copy.deepcopy(ref)
-    opt = PartitionedOptimizer(model, make, WholeParams(), offload=OptimizerOffloadConfig())
+    ref, ref_opt, model, opt = _twins(make, OptimizerOffloadConfig())
     assert isinstance(opt.offload, HostOptimizer) and len(opt.torch_optimizer.state) == 0
     for s in range(3):
         _step(ref, ref_opt, s)
@@ -109,11 +110,7 @@ def test_any_torch_optimizer_is_offloaded_to_host_and_steps_as_torch_does(name):
     twin = copy.deepcopy(ref)
     twin_opt = PartitionedOptimizer(twin, make, WholeParams(), offload=OptimizerOffloadConfig())
     twin_opt.load_state_dict(saved)
-    for s in range(4, 6):
-        _step(ref, ref_opt, s)
-        _step(twin, twin_opt, s)
-    for a, b in zip(ref.parameters(), twin.parameters()):
-        assert torch.equal(a, b)
+    _train_both(ref, ref_opt, twin, twin_opt, range(4, 6))
 
 
 def test_nvme_offload_of_other_optimizers_is_refused_naming_it(tmp_path):
@@ -130,29 +127,16 @@ def test_nvme_offload_of_other_optimizers_is_refused_naming_it(tmp_path):
 def test_partial_offload_matches_torch_and_round_trips_state(name):
     make = _make if name == "adamw" else OTHER_OPTIMIZERS[name]
     cfg = OptimizerOffloadConfig(sub_group_size=7, ratio=0.5, kernel=AdamKernel.EXACT)
-    ref = OddModel()
-    for p in ref.parameters():
-        p.grad = torch.zeros_like(p)
-    ref_opt = make(list(ref.parameters()))
-    model = copy.deepcopy(ref)
-    opt = PartitionedOptimizer(model, make, WholeParams(), offload=cfg)
+    ref, ref_opt, model, opt = _twins(make, cfg)
     assert isinstance(opt.offload, PartialOffload)
     total = sum(g.master.numel() for g in opt.groups)
     assert opt.offload.offloaded_numel + opt.offload.device_numel == total
     assert 0 < opt.offload.offloaded_numel < total
-    for s in range(3):
-        _step(ref, ref_opt, s)
-        _step(model, opt, s)
-    for a, b in zip(ref.parameters(), model.parameters()):
-        assert torch.equal(a, b)
+    _train_both(ref, ref_opt, model, opt, range(3))
     saved = copy.deepcopy(opt.state_dict())  # one torch-format state over each whole master
     key = "exp_avg" if name == "adamw" else "momentum_buffer"
     assert saved["torch_optimizer"]["state"][0][key].numel() == opt.groups[0].numel
     twin = copy.deepcopy(ref)
     twin_opt = PartitionedOptimizer(twin, make, WholeParams(), offload=cfg)
     twin_opt.load_state_dict(saved)
-    for s in range(3, 5):
-        _step(ref, ref_opt, s)
-        _step(twin, twin_opt, s)
-    for a, b in zip(ref.parameters(), twin.parameters()):
-        assert torch.equal(a, b)
+    _train_both(ref, ref_opt, twin, twin_opt, range(3, 5))

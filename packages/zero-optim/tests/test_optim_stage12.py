@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from torch import nn
+from optim_cases import Odd, batch, make_optimizer, reference_run
 
 import zero_comm
 import zero_params
@@ -26,47 +26,22 @@ from zero_optim import (
 )
 from zero_testing import assert_state_close
 
-SHAPES = [(0,), (1,), (7,), (3, 5), (1023,), (13, 11), (2,)]
-
-
-class Odd(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.ps = nn.ParameterList(nn.Parameter(torch.randn(*s)) for s in SHAPES)
-        self.inner = nn.Linear(5, 3)
-        self.unused = nn.Linear(2, 2)  # never gets a gradient: reduced as zeros
-
-    def forward(self, x):
-        total = self.inner(x[:, :5]).pow(2).mean()
-        for i, p in enumerate(self.ps):
-            total = total + ((p * (i + 1) - x.mean()) ** 2).mean() + p.sum() ** 2 * 1e-3
-        return total
-
-
-def _batch(step, micro, world):
-    g = torch.Generator().manual_seed(100 * step + micro)
-    return torch.randn(4 * world, 6, generator=g)
-
-
-def _make(kind):
-    if kind == "sgd":
-        return lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)
-    return lambda ps: torch.optim.AdamW(
-        [{"params": ps[:4], "lr": 1e-2}, {"params": ps[4:], "weight_decay": 0.1}], lr=3e-3
-    )
-
 
 def _train(rank, stage, kind, steps, accumulate, bucket, overlap):
-    model = Odd()
+    model = Odd(unused=True)
     cfg = ReduceConfig(reduce_bucket_size=bucket, overlap_comm=overlap)
     opt, reduction = replicated_optimizer(
-        model, _make(kind), stage, cfg, allgather_bucket_size=bucket, sub_group_size=max(bucket // 7, 1)
+        model,
+        make_optimizer(kind),
+        stage,
+        cfg,
+        allgather_bucket_size=bucket,
+        sub_group_size=max(bucket // 7, 1),
     )
     world, r = rank.world_size, rank.rank
     for step in range(steps):
         for micro in range(accumulate):
-            x = _batch(step, micro, world)
+            x = batch(step, micro, world)
             (model(x[4 * r : 4 * (r + 1)]) / accumulate).backward()
             if stage == 2:  # gradients were reduced during backward and freed
                 assert all(p.grad is None for p in model.parameters())
@@ -80,17 +55,7 @@ def _train(rank, stage, kind, steps, accumulate, bucket, overlap):
 
 
 def _reference(kind, steps, accumulate, world):
-    model = Odd()
-    opt = _make(kind)(list(model.parameters()))
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    for step in range(steps):
-        for micro in range(accumulate):
-            x = _batch(step, micro, world)
-            (sum(model(x[4 * r : 4 * (r + 1)]) for r in range(world)) / world / accumulate).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-    return {n: p.detach() for n, p in model.named_parameters()}
+    return reference_run(Odd(unused=True), kind, steps, accumulate, world, mean_micro=True)
 
 
 CASES = [
@@ -119,9 +84,9 @@ def test_stages_0_1_2_train_like_the_torch_optimizer_on_the_whole_batch(
 
 
 def _layout(rank, stage):
-    model = Odd()
+    model = Odd(unused=True)
     values = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt, reduction = replicated_optimizer(model, _make("adamw"), stage)
+    opt, reduction = replicated_optimizer(model, make_optimizer("adamw"), stage)
     world = 1 if stage == 0 else rank.world_size
     r = 0 if stage == 0 else rank.rank
     for group, seg in opt.segments():
@@ -140,9 +105,9 @@ def _layout(rank, stage):
 
 
 def _stage3_layout(rank):
-    model = Odd()
+    model = Odd(unused=True)
     zero_params.partition(model)
-    opt, _ = stage3_optimizer(model, _make("adamw"))
+    opt, _ = stage3_optimizer(model, make_optimizer("adamw"))
     return opt.state_dict()["layout"]
 
 
@@ -157,16 +122,16 @@ def test_the_flat_layout_and_state_dict_layout_are_those_of_stage_3(dist, world)
 
 
 def _state_dict_round_trip(rank, stage):
-    model = Odd()
-    opt, reduction = replicated_optimizer(model, _make("adamw"), stage)
-    x = _batch(0, 0, rank.world_size)[4 * rank.rank : 4 * (rank.rank + 1)]
+    model = Odd(unused=True)
+    opt, reduction = replicated_optimizer(model, make_optimizer("adamw"), stage)
+    x = batch(0, 0, rank.world_size)[4 * rank.rank : 4 * (rank.rank + 1)]
     model(x).backward()
     reduction.at_boundary()
     opt.step()
     saved = copy.deepcopy(opt.state_dict())
     trained = {n: p.detach().clone() for n, p in model.named_parameters()}
-    fresh = Odd()
-    opt2, red2 = replicated_optimizer(fresh, _make("adamw"), 3 - stage)  # stage 1 <-> stage 2
+    fresh = Odd(unused=True)
+    opt2, red2 = replicated_optimizer(fresh, make_optimizer("adamw"), 3 - stage)  # stage 1 <-> stage 2
     opt2.load_state_dict(saved)  # all-gathers the loaded partitions into the whole parameters
     reduction.remove()
     red2.remove()
@@ -179,9 +144,9 @@ def test_a_stage_1_state_dict_loads_into_stage_2_and_back(dist, stage):
 
 
 def _bf16(rank, stage):
-    model = Odd().to(torch.bfloat16)
-    opt, reduction = replicated_optimizer(model, _make("sgd"), stage, working_dtype=torch.bfloat16)
-    x = _batch(0, 0, rank.world_size)[4 * rank.rank : 4 * (rank.rank + 1)].to(torch.bfloat16)
+    model = Odd(unused=True).to(torch.bfloat16)
+    opt, reduction = replicated_optimizer(model, make_optimizer("sgd"), stage, working_dtype=torch.bfloat16)
+    x = batch(0, 0, rank.world_size)[4 * rank.rank : 4 * (rank.rank + 1)].to(torch.bfloat16)
     model(x).backward()
     reduction.at_boundary()
     assert all(g.grad.dtype == torch.float32 and g.master.dtype == torch.float32 for g in opt.groups)
@@ -206,10 +171,10 @@ def test_bf16_parameters_follow_the_fp32_master(dist, stage):
 
 
 def _hooks_removed(rank):
-    model = Odd()
-    _, reduction = replicated_optimizer(model, _make("sgd"), 2)
+    model = Odd(unused=True)
+    _, reduction = replicated_optimizer(model, make_optimizer("sgd"), 2)
     reduction.remove()
-    model(_batch(0, 0, 1)).backward()
+    model(batch(0, 0, 1)).backward()
     return all(p.grad is not None for p in model.ps)  # no hook took the gradients away
 
 
@@ -219,9 +184,9 @@ def test_stage_2_hooks_are_removable(dist):
 
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="stages 0, 1 and 2"):
-        replicated_optimizer(Odd(), None, 3)
+        replicated_optimizer(Odd(unused=True), None, 3)
     with pytest.raises(ValueError, match=r"'ps.0' is torch.float64, but training runs in torch.float32"):
-        replicated_optimizer(Odd().double(), None, 1)
+        replicated_optimizer(Odd(unused=True).double(), None, 1)
     with pytest.raises(ValueError, match=r"rank 2 is not in \[0, 2\)"):
         ReplicaPartitioning(2, 2)
 

@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+from optim_cases import SHAPES, Odd, batch, make_optimizer, micro_step, reference_run
 from torch import nn
 
 import zero_coord
@@ -18,52 +19,12 @@ import zero_params
 from zero_optim import ReduceConfig, stage3_optimizer
 from zero_testing import assert_state_close
 
-SHAPES = [(0,), (1,), (7,), (3, 5), (1023,), (13, 11), (2,)]
-
-
-class Odd(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.ps = nn.ParameterList(nn.Parameter(torch.randn(*s)) for s in SHAPES)
-        self.inner = nn.Linear(5, 3)
-
-    def forward(self, x):
-        total = self.inner(x[:, :5]).pow(2).mean()
-        for i, p in enumerate(self.ps):
-            total = total + ((p * (i + 1) - x.mean()) ** 2).mean() + p.sum() ** 2 * 1e-3
-        return total
-
-
-def _batch(step, micro, world):
-    g = torch.Generator().manual_seed(100 * step + micro)
-    return torch.randn(4 * world, 6, generator=g)
-
-
-def _make(kind):
-    if kind == "sgd":
-        return lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9)
-    return lambda ps: torch.optim.AdamW(
-        [{"params": ps[:4], "lr": 1e-2}, {"params": ps[4:], "weight_decay": 0.1}], lr=3e-3
-    )
-
-
-def _micro_step(model, sink, x):
-    """Forward/backward with every parameter gathered; hand gradients to the sink like the hooks do."""
-    params = list(model.parameters())
-    zero_params.gather(params).wait()
-    model(x).backward()
-    for p in reversed(params):
-        sink.on_grad_ready(p)
-    sink.on_backward_end()
-    zero_params.release(params)
-
 
 def _layout(rank, threshold):
     model = Odd()
     values = {n: p.detach().clone() for n, p in model.named_parameters()}
     zero_params.partition(model, persistence_threshold=threshold)
-    opt, sink = stage3_optimizer(model, _make("adamw"))
+    opt, sink = stage3_optimizer(model, make_optimizer("adamw"))
     assert [len(g.segments) for g in opt.groups] == [4, len(SHAPES) - 4 + 2]
     for group in opt.groups:
         assert group.working is group.master and group.master.grad is group.grad
@@ -95,12 +56,12 @@ def _train(rank, kind, threshold, steps, accumulate, overlap):
     model = Odd()
     zero_params.partition(model, persistence_threshold=threshold)
     cfg = ReduceConfig(reduce_bucket_size=300, overlap_comm=overlap)
-    opt, sink = stage3_optimizer(model, _make(kind), cfg)
+    opt, sink = stage3_optimizer(model, make_optimizer(kind), cfg)
     world, r = rank.world_size, rank.rank
     for step in range(steps):
         for micro in range(accumulate):
-            x = _batch(step, micro, world)
-            _micro_step(model, sink, x[4 * r : 4 * (r + 1)])
+            x = batch(step, micro, world)
+            micro_step(model, sink, x[4 * r : 4 * (r + 1)])
         opt.step()
         opt.zero_grad()
     whole = {n: p.detach().clone() for n, p in model.named_parameters() if zero_params.state_of(p).persistent}
@@ -111,17 +72,7 @@ def _train(rank, kind, threshold, steps, accumulate, overlap):
 
 
 def _reference(kind, steps, accumulate, world):
-    model = Odd()
-    opt = _make(kind)(list(model.parameters()))
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    for step in range(steps):
-        for micro in range(accumulate):
-            x = _batch(step, micro, world)
-            (sum(model(x[4 * r : 4 * (r + 1)]) for r in range(world)) / world).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-    return {n: p.detach() for n, p in model.named_parameters()}
+    return reference_run(Odd(), kind, steps, accumulate, world, mean_micro=False)
 
 
 @pytest.mark.parametrize(
@@ -147,11 +98,11 @@ def _accumulated_partitions(rank):
     model = Odd()
     ref = copy.deepcopy(model)
     zero_params.partition(model)
-    opt, sink = stage3_optimizer(model, _make("sgd"), ReduceConfig(reduce_bucket_size=64))
+    opt, sink = stage3_optimizer(model, make_optimizer("sgd"), ReduceConfig(reduce_bucket_size=64))
     world, r = rank.world_size, rank.rank
     for micro in range(3):
-        x = _batch(0, micro, world)
-        _micro_step(model, sink, x[4 * r : 4 * (r + 1)])
+        x = batch(0, micro, world)
+        micro_step(model, sink, x[4 * r : 4 * (r + 1)])
         (sum(ref(x[4 * q : 4 * (q + 1)]) for q in range(world)) / world).backward()
     ref_grads = dict(ref.named_parameters())
     for group, seg in opt.segments():
@@ -198,9 +149,9 @@ def test_leaf_module_parameters_are_deferred_to_the_end_of_backward(dist):
 def _bf16_working_shards(rank):
     model = Odd().to(torch.bfloat16)
     zero_params.partition(model)
-    opt, sink = stage3_optimizer(model, _make("sgd"), working_dtype=torch.bfloat16)
-    x = _batch(0, 0, rank.world_size)[4 * rank.rank : 4 * (rank.rank + 1)].to(torch.bfloat16)
-    _micro_step(model, sink, x)
+    opt, sink = stage3_optimizer(model, make_optimizer("sgd"), working_dtype=torch.bfloat16)
+    x = batch(0, 0, rank.world_size)[4 * rank.rank : 4 * (rank.rank + 1)].to(torch.bfloat16)
+    micro_step(model, sink, x)
     opt.step()
     for group, seg in opt.segments():
         state = zero_params.state_of(seg.param)

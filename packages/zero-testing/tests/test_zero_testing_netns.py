@@ -18,14 +18,12 @@ from zero_testing.netns import (
     ClusterState,
     LinkShape,
     SimulatedCluster,
-    cluster_unavailable_reason,
     interface_counters,
+    needs_cluster,
     run_on_cluster,
 )
 from zero_testing.traffic import node_egress_bytes, pair_bytes
 
-UNAVAILABLE = cluster_unavailable_reason()
-needs_cluster = pytest.mark.skipif(UNAVAILABLE is not None, reason=f"simulated cluster: {UNAVAILABLE}")
 WORLD4 = (0, 1, 2, 3)
 
 
@@ -86,7 +84,7 @@ def _netns_names() -> set[str]:
     return {line.split()[0] for line in out.splitlines() if line.strip()}
 
 
-@needs_cluster
+@needs_cluster()
 def test_cluster_is_removed_on_interrupt() -> None:
     cluster = SimulatedCluster(3, LinkShape(50))
     with pytest.raises(KeyboardInterrupt):
@@ -109,7 +107,7 @@ with SimulatedCluster(2, LinkShape(None)) as cluster:
 """
 
 
-@needs_cluster
+@needs_cluster()
 def test_sigterm_removes_the_cluster_and_stale_namespaces_are_collected() -> None:
     child = subprocess.Popen([sys.executable, "-c", _SIGTERM_CHILD], stdout=subprocess.PIPE, text=True)
     names = set(child.stdout.readline().split())
@@ -149,7 +147,7 @@ def _collectives(rank) -> dict[str, tuple[int, list]]:
     return seen
 
 
-@needs_cluster
+@needs_cluster()
 def test_pair_model_matches_veth_counters_for_each_collective() -> None:
     with SimulatedCluster(2, LinkShape(None)) as cluster:
         ranks = run_on_cluster(cluster, 4, _collectives, ranks_per_node=2, timeout=240)

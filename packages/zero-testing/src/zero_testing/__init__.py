@@ -5,9 +5,12 @@
 * the ``dist`` pytest fixture (registered as a pytest plugin): ``dist.run(world_size, fn,
   *args, ranks_per_node=...)``.
 * comparison helpers (:func:`assert_tensors_close`, :func:`assert_losses_close`, ...)
-  and :func:`measure_wire_bytes` for the physical bytes a rank writes.
+  and :func:`measure_wire_bytes` for the physical bytes a rank writes;
+* :func:`captured_logs` and :func:`raised_message`: what a logger says and which error a
+  call raises, inside a rank.
 """
 
+from zero_testing.capture import captured_logs, raised_message
 from zero_testing.compare import (
     assert_losses_close,
     assert_state_close,
@@ -27,7 +30,9 @@ __all__ = [
     "assert_losses_close",
     "assert_state_close",
     "assert_tensors_close",
+    "captured_logs",
     "max_rel_to_magnitude",
     "measure_wire_bytes",
+    "raised_message",
     "read_wchar",
 ]

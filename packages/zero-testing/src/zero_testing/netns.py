@@ -46,6 +46,8 @@ from multiprocessing.connection import Connection, wait
 from types import TracebackType
 from typing import Any
 
+import pytest
+
 from zero_testing.pool import RankFailure, RankInfo, RankTimeout
 
 __all__ = [
@@ -54,6 +56,7 @@ __all__ = [
     "LinkShape",
     "SimulatedCluster",
     "cluster_unavailable_reason",
+    "needs_cluster",
     "enter_namespace",
     "remove_stale_namespaces",
     "FRAME_HEADER_BYTES",
@@ -129,6 +132,16 @@ def cluster_unavailable_reason() -> str | None:
     except RuntimeError as exc:
         return f"a probe network namespace could not be removed: {exc}"
     return None
+
+
+def needs_cluster() -> pytest.MarkDecorator:
+    """A pytest mark skipping its tests where no simulated cluster can be made, with the reason.
+
+    ``pytestmark = needs_cluster()`` for a whole module, ``@needs_cluster()`` for one test. The
+    probe (:func:`cluster_unavailable_reason`) runs when the mark is made, at collection.
+    """
+    reason = cluster_unavailable_reason()
+    return pytest.mark.skipif(reason is not None, reason=f"simulated cluster: {reason}")
 
 
 def remove_stale_namespaces() -> list[str]:
