@@ -195,8 +195,10 @@ def _kernels(rank, stage):
     """Kernel names per zero range in one step: ``{range: [(op, parent op)]}`` (one bucket)."""
     model = Odd()
     cfg = ReduceConfig(reduce_bucket_size=10**6)
-    opt, reduction = replicated_optimizer(model, _make("adamw"), stage, cfg, allgather_bucket_size=10**6)
-    x = _batch(0, 0, rank.world_size)
+    opt, reduction = replicated_optimizer(
+        model, make_optimizer("adamw"), stage, cfg, allgather_bucket_size=10**6
+    )
+    x = batch(0, 0, rank.world_size)
     with torch.profiler.profile() as prof:
         model(x[4 * rank.rank : 4 * (rank.rank + 1)]).backward()
         reduction.at_boundary()
