@@ -90,8 +90,11 @@ def _internal_deps(dist: str, extras: tuple[str, ...] = ()) -> list[str]:
 
 
 def _pytest(session: nox.Session, tests: pathlib.Path, env: dict[str, str] | None = TEST_ENV) -> None:
-    """Run the tests under ``tests`` (quiet, no cache files in the checkout)."""
-    session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests), env=env)
+    """Run the tests under ``tests`` (quiet, no cache files in the checkout; the 10 slowest listed,
+    so the CI log shows where the suite's time goes)."""
+    session.run(
+        "python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=10", str(tests), env=env
+    )
 
 
 def _bench(
