@@ -224,3 +224,21 @@ def test_bad_arguments_are_refused():
         replicated_optimizer(Odd().double(), None, 1)
     with pytest.raises(ValueError, match=r"rank 2 is not in \[0, 2\)"):
         ReplicaPartitioning(2, 2)
+
+
+def _grads_held_until_their_bucket(rank):
+    model = Odd()
+    # one bucket for the whole model: before staging, every gradient waited in .grad for the last one
+    _, reduction = replicated_optimizer(model, _make("sgd"), 2, ReduceConfig(reduce_bucket_size=10**6))
+    held = []
+    for n, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, n=n: held.append(n) if p.grad is not None else None)
+    model(_batch(0, 0, rank.world_size)).backward()
+    reduction.remove()
+    return held
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_stage_2_stages_each_gradient_on_arrival_and_frees_it(dist, world):
+    """Contiguous gradients: a bucket holds one staging buffer, not its parameters' whole gradients."""
+    assert dist.run(world, _grads_held_until_their_bucket) == [[]] * world

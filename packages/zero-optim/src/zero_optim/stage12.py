@@ -309,6 +309,66 @@ class ReduceScatterInto:
                 out.wait()
             return out
 
+    def open_bucket(self, params: Sequence[nn.Parameter]) -> _StagedBucket | None:
+        """A staging buffer for one bucket, filled as each gradient arrives (``None``: a strategy is set).
+
+        :class:`~zero_optim.buckets.BucketedReducer` puts each gradient in as soon as it is
+        ready and frees it, so a bucket costs its staging buffer instead of its gradients
+        plus their staging copy (see ``zero_comm.StagedReduceScatter``); the results are
+        bit-identical to :meth:`__call__`. A cast or quantized strategy stages its own way,
+        and a bucket of one unpadded gradient is sent as it is (no staging at all).
+        """
+        if self.strategy is not None or not params:
+            return None
+        if len(params) == 1 and params[0].numel() % self.partitioning.world == 0:
+            return None
+        first = params[0]
+        staging = zero_comm.StagedReduceScatter(
+            [p.numel() for p in params], self.partitioning.group, first.dtype, first.device
+        )
+        return _StagedBucket(self.partitioning, tuple(params), staging)
+
+
+class _StagedBucket:
+    """One bucket of :meth:`ReduceScatterInto.open_bucket`: gradients staged on arrival, then reduced."""
+
+    __slots__ = ("_index", "_params", "_partitioning", "_staging")
+
+    def __init__(
+        self,
+        partitioning: ReplicaPartitioning,
+        params: tuple[nn.Parameter, ...],
+        staging: zero_comm.StagedReduceScatter,
+    ) -> None:
+        self._partitioning = partitioning
+        self._params = params
+        self._index = {id(p): i for i, p in enumerate(params)}
+        self._staging = staging
+
+    def put(self, param: nn.Parameter) -> None:
+        """Copy ``param.grad`` into the staging buffer and free it."""
+        with record_function("zero.optim.stage_grad"):
+            self._staging.put(self._index[id(param)], param.grad)
+            param.grad = None
+
+    def issue(self, *, async_op: bool = False) -> ReduceHandle:
+        """Reduce-scatter the bucket (gradients never put count as zeros) into the gradient partitions."""
+        with record_function("zero.optim.reduce_scatter_grads"):
+            for p in self._params:  # a gradient that arrived without its hook (none normally)
+                if p.grad is not None:
+                    self.put(p)
+            handle = self._staging.issue(op="avg", async_op=True)
+            targets = [self._partitioning.grad_partition(p) for p in self._params]
+
+            def finish() -> None:
+                for target, part in zip(targets, handle.wait(), strict=True):
+                    target.add_(part)
+
+            out = _AccumulateHandle(finish)
+            if not async_op:
+                out.wait()
+            return out
+
 
 @dataclasses.dataclass(frozen=True)
 class ReduceScatterInPlace:
