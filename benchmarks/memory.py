@@ -390,6 +390,14 @@ def markdown(result: dict[str, Any]) -> str:
         "and DeepSpeed): reduce and all-gather buckets of 1 block, sub_group_size 1 block.",
     ]
     lines.append(" ".join(notes))
+    dates = sorted({r["date"] for r in result["rows"] if r.get("date")})
+    if len(dates) > 1:  # rows merged from several runs (--merge): say which run measured which row
+        runs = []
+        for date in dates:
+            rows = [r for r in result["rows"] if r.get("date") == date]
+            names = ", ".join(f"{r['impl']} ({r['workload']}, world {r['world']})" for r in rows)
+            runs.append(f"{date}: {names}")
+        lines += ["", "Rows merged from several runs (`--merge`), measured on " + "; ".join(runs) + "."]
     if result.get("note"):
         lines += ["", result["note"]]
     return "\n".join(lines) + "\n"
@@ -458,6 +466,39 @@ def update_docs(docs: pathlib.Path, text: str, image: pathlib.Path) -> None:
 # ----------------------------------------------------------------------------- main
 
 
+def merge_results(previous: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """``new`` with the rows of ``previous`` it did not measure again (``--merge``).
+
+    A row is one (implementation, workload, world); each keeps the date it was measured on
+    (rows of files written before rows carried one get the previous file's date). Rows are
+    ordered by workload, world and :data:`IMPLS`; the workloads, worlds and implementations are
+    the union of both; ``run_seconds`` is the sum.
+    """
+    key = lambda r: (r["impl"], r["workload"], r["world"])  # noqa: E731
+    done = {key(r) for r in new["rows"]}
+    kept = [
+        dict(r, date=r.get("date", previous["meta"]["date"])) for r in previous["rows"] if key(r) not in done
+    ]
+    workloads = {**previous["workloads"], **new["workloads"]}
+    shapes = {**previous.get("workload_shapes", {}), **new["workload_shapes"]}
+    worlds = sorted({*previous["worlds"], *new["worlds"]})
+    order = {name: i for i, name in enumerate(workloads)}
+    rank = {impl: i for i, impl in enumerate(IMPLS)}
+    rows = sorted(
+        kept + new["rows"], key=lambda r: (order[r["workload"]], r["world"], rank.get(r["impl"], len(IMPLS)))
+    )
+    impls = [i for i in IMPLS if i in {*previous["impls"], *new["impls"]}]
+    return dict(
+        new,
+        workloads=workloads,
+        workload_shapes=shapes,
+        worlds=worlds,
+        impls=impls,
+        rows=rows,
+        run_seconds=previous.get("run_seconds", 0.0) + new["run_seconds"],
+    )
+
+
 def run_all(
     impls: list[str], workloads: dict[str, Workload], args: argparse.Namespace, report: Any
 ) -> list[dict[str, Any]]:
@@ -500,6 +541,11 @@ def main() -> None:
     parser.add_argument(
         "--render", type=pathlib.Path, default=None, help="only rewrite md/png from this json"
     )
+    parser.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the rows of an existing <out>/<name>.json that this run does not measure again",
+    )
     args = parser.parse_args()
     if args.render is not None:
         result = json.loads(args.render.read_text())
@@ -524,8 +570,13 @@ def main() -> None:
         flush=True,
     )
     start = time.monotonic()
+    previous = None
+    if args.merge and (args.out / f"{args.name}.json").exists():
+        previous = json.loads((args.out / f"{args.name}.json").read_text())
 
     def report(rows: list[dict[str, Any]]) -> str:
+        for row in rows:
+            row.setdefault("date", env["date"])
         result = {
             "meta": env,
             "env": MEASURED_ENV,
@@ -540,6 +591,8 @@ def main() -> None:
             "run_seconds": time.monotonic() - start,
             "rows": rows,
         }
+        if previous is not None:
+            result = merge_results(previous, result)
         text = markdown(result)
         write_results(args.out, args.name, result, f"# Memory benchmark\n\n{text}")
         image = plot(result, args.out / f"{args.name}.png")

@@ -7,7 +7,17 @@ import dataclasses
 import pytest
 import torch
 from impls import block_numel, zero_section
-from memory import RELEASE, failed_row, formula_bytes, markdown, rank_figures, split_impl, summarize, table
+from memory import (
+    RELEASE,
+    failed_row,
+    formula_bytes,
+    markdown,
+    merge_results,
+    rank_figures,
+    split_impl,
+    summarize,
+    table,
+)
 from workloads import Workload, build_model, enable_checkpointing, global_batch, loss_of, num_params
 
 MB = 10**6
@@ -130,3 +140,48 @@ def test_the_linear_stack_has_hidden_squared_parameters_per_layer_and_checkpoint
     assert calls == [3, 6]  # checkpointed: every block's forward runs again in backward
     for plain, recomputed in zip(*grads):
         torch.testing.assert_close(recomputed, plain, rtol=0, atol=0)
+
+
+def _result(date, workloads, worlds, rows):
+    meta = {"date": date, "cpus": 2, "load_average_1m": 1.0, "versions": {"torch": "2.13.0"}, "python": "3"}
+    return {
+        "meta": meta,
+        "run_seconds": 10.0,
+        "warmup": 2,
+        "steps": 1,
+        "workloads": workloads,
+        "workload_shapes": {},
+        "worlds": worlds,
+        "impls": sorted({r["impl"] for r in rows}),
+        "rows": rows,
+    }
+
+
+def test_merge_keeps_the_rows_not_measured_again_with_their_dates():
+    steps = [{"rest": 300 * MB, "forward": 310 * MB, "peak": 400 * MB}]
+
+    def row(impl, workload, world, date=None):
+        r = summarize(impl, workload, world, 10 * MB, [rank_figures(0, 100 * MB, 100 * MB, steps, 160 * MB)])
+        return r if date is None else dict(r, date=date)
+
+    old = _result(
+        "d1", {"linear": "a Linear stack"}, [2], [row("zero-2", "linear", 2), row("ddp", "linear", 2)]
+    )
+    new = _result(
+        "d2",
+        {"gpt2": "a GPT-2"},
+        [4],
+        [row("zero-2", "linear", 2, "d2"), row("deepspeed-1", "gpt2", 4, "d2")],
+    )
+    merged = merge_results(old, new)
+    keys = [(r["impl"], r["workload"], r["world"], r["date"]) for r in merged["rows"]]
+    # ordered by workload (the old file's first), world, then the benchmark's implementation order
+    assert keys == [
+        ("ddp", "linear", 2, "d1"),
+        ("zero-2", "linear", 2, "d2"),
+        ("deepspeed-1", "gpt2", 4, "d2"),
+    ]
+    assert merged["worlds"] == [2, 4] and list(merged["workloads"]) == ["linear", "gpt2"]
+    assert merged["run_seconds"] == 20.0 and merged["meta"]["date"] == "d2"
+    text = markdown(merged)
+    assert "measured on d1: ddp (linear, world 2); d2: zero-2 (linear, world 2)" in text

@@ -245,3 +245,23 @@ def test_a_bucket_is_finished_with_one_call_per_kernel_not_one_per_parameter(dis
         gather = found["zero.optim.allgather_params"]
         assert [op for op, _ in gather].count("aten::split_with_sizes_copy") == 1, gather
         assert all(p == "aten::split_with_sizes_copy" for op, p in gather if op == "aten::copy_"), gather
+
+
+def _grads_held_until_their_bucket(rank):
+    model = Odd()
+    # one bucket for the whole model: before staging, every gradient waited in .grad for the last one
+    _, reduction = replicated_optimizer(
+        model, make_optimizer("sgd"), 2, ReduceConfig(reduce_bucket_size=10**6)
+    )
+    held = []
+    for n, p in model.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, n=n: held.append(n) if p.grad is not None else None)
+    model(batch(0, 0, rank.world_size)).backward()
+    reduction.remove()
+    return held
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_stage_2_stages_each_gradient_on_arrival_and_frees_it(dist, world):
+    """Contiguous gradients: a bucket holds one staging buffer, not its parameters' whole gradients."""
+    assert dist.run(world, _grads_held_until_their_bucket) == [[]] * world

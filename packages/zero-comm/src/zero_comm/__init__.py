@@ -37,6 +37,7 @@ import importlib
 
 from zero_comm.cast import COMM_DTYPES, CastAllGather, CastAllReduce, CastReduceScatter
 from zero_comm.coalesced import (
+    StagedReduceScatter,
     all_gather_coalesced,
     all_gather_coalesced_into,
     reduce_scatter_coalesced,
@@ -96,6 +97,7 @@ __all__ = [
     "ReduceScatterHandle",
     "ReduceScatterStrategy",
     "Reduction",
+    "StagedReduceScatter",
     "TensorHandle",
     "Topology",
     "all_gather_coalesced",

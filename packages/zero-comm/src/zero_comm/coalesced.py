@@ -33,6 +33,7 @@ from zero_comm.watchdog import watched_call
 
 __all__ = [
     "GatherLayout",
+    "StagedReduceScatter",
     "adjacent_flat_view",
     "all_gather_coalesced",
     "all_gather_coalesced_into",
@@ -523,23 +524,7 @@ def _issue_reduce_scatter(
         return _issue_reduce_scatter_full(tensors, parts, world, reduction, group, async_op)
     _, rank = group_size_and_rank(group, "reduce_scatter_coalesced")
     exchange = _Exchange.build(tensors, parts, world, rank)
-    work = None
-    if exchange.send.numel():
-        work = watched_call(
-            "reduce_scatter",
-            dist.all_to_all_single,
-            exchange.recv.view(-1),
-            exchange.send,
-            exchange.splits,
-            exchange.splits,
-            group=group,
-            async_op=async_op,
-        )
-
-    def finish() -> list[torch.Tensor]:
-        return list(torch.split(exchange.reduce(reduction is Reduction.AVG), parts))
-
-    return ReduceScatterHandle("reduce_scatter", work, finish, keepalive=(exchange.send,))
+    return _exchange_rows(exchange, parts, reduction is Reduction.AVG, group, async_op)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -609,6 +594,160 @@ class _Exchange:
         return dst
 
 
+class StagedReduceScatter:
+    """A reduce-scatter whose staging buffer is filled one tensor at a time (contiguous gradients).
+
+    :func:`issue_reduce_scatter` stages several tensors into one interleaved buffer when it
+    is called, so until then the caller holds every input, and the inputs and their staging
+    copy coexist. Here the staging rows are allocated up front and :meth:`put` copies each
+    tensor's partitions into them as soon as it exists, after which the caller frees it:
+    a bucket of gradients costs its staging buffer, one gradient at a time and, once
+    issued, the ``(W - 1) / W`` rows received — DeepSpeed's ``contiguous_gradients``. The
+    rows, the exchange and the rank-order sum are those of :func:`issue_reduce_scatter`, so
+    the results are bit-identical to it (a tensor never put counts as zeros).
+
+    Args:
+        numels: Elements of each tensor, in order (identical on every rank).
+        group: Process group (``None``: the world).
+        dtype: dtype of the tensors.
+        device: Where they live.
+    """
+
+    __slots__ = ("_filled", "_offsets", "_own", "_send", "group", "numels", "parts", "rank", "world")
+
+    def __init__(
+        self,
+        numels: Sequence[int],
+        group: ProcessGroup | None,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if not numels:
+            raise ValueError("StagedReduceScatter needs at least one tensor")
+        self.world, self.rank = group_size_and_rank(group, "reduce_scatter_coalesced")
+        self.group = group
+        self.numels = [int(n) for n in numels]
+        self.parts = [partition_numel(n, self.world) for n in self.numels]
+        self._offsets = [0]
+        for part in self.parts[:-1]:
+            self._offsets.append(self._offsets[-1] + part)
+        total = sum(self.parts)
+        staged_rows = self.world if self.world == 1 or self.world > _ADD_CHAIN_MAX_ROWS else self.world - 1
+        self._send = torch.empty(staged_rows, total, dtype=dtype, device=device)
+        self._own: torch.Tensor | None = None
+        if staged_rows != self.world:
+            self._own = torch.empty(total, dtype=dtype, device=device)
+        self._filled = [False] * len(self.numels)
+
+    def _row(self, r: int) -> torch.Tensor:
+        """Staging row of rank ``r``'s partitions."""
+        if self._own is None:
+            return self._send[r]
+        if r == self.rank:
+            return self._own
+        return self._send[r if r < self.rank else r - 1]
+
+    def put(self, index: int, tensor: torch.Tensor | None) -> None:
+        """Copy tensor ``index`` (``None``: zeros) into its staging positions; the caller may free it.
+
+        Raises:
+            ValueError: ``tensor`` has the wrong number of elements or was put before.
+        """
+        numel, part, off = self.numels[index], self.parts[index], self._offsets[index]
+        if self._filled[index]:
+            raise ValueError(f"StagedReduceScatter: tensor {index} was put twice")
+        if tensor is not None and tensor.numel() != numel:
+            raise ValueError(
+                f"StagedReduceScatter: tensor {index} has {tensor.numel()} elements, expected {numel}"
+            )
+        self._filled[index] = True
+        flat = None if tensor is None else tensor.reshape(-1)
+        with torch.no_grad():
+            for r in range(self.world):
+                dst = self._row(r).narrow(0, off, part)
+                start, stop = min(r * part, numel), min((r + 1) * part, numel)
+                if flat is None or stop == start:
+                    dst.zero_()
+                    continue
+                dst[: stop - start].copy_(flat[start:stop])
+                dst[stop - start :].zero_()
+
+    def issue(self, *, op: ReduceOpLike = "avg", async_op: bool = False) -> ReduceScatterHandle:
+        """Reduce the staged tensors (those never put as zeros); the handle of :func:`issue_reduce_scatter`.
+
+        ``wait()`` returns, per tensor, this rank's padded partition (views into one buffer).
+        """
+        what = "reduce_scatter_coalesced"
+        with record_function("zero.reduce_scatter.issue"):
+            reduction = Reduction.parse(op, _RS_OPS, what)
+            for i, filled in enumerate(self._filled):
+                if not filled:
+                    self.put(i, None)
+            es = self._send.element_size()
+            record(
+                "reduce_scatter",
+                self.group,
+                payload_bytes=sum(self.numels) * es,
+                wire_bytes=ring_wire_bytes("reduce_scatter", self.world * sum(self.parts) * es, self.world),
+            )
+            parts, send, average = self.parts, self._send, reduction is Reduction.AVG
+            if self.world == 1:
+                views = list(torch.split(send[0], parts))
+                return ReduceScatterHandle("reduce_scatter", None, lambda: views)
+            if self._own is None:
+                out = torch.empty(sum(parts), dtype=send.dtype, device=send.device)
+                return _exchange_full(send, out, parts, average, self.group, async_op)
+            others = [0 if r == self.rank else sum(parts) for r in range(self.world)]
+            exchange = _Exchange(send.view(-1), torch.empty_like(send), others, self._own, True, self.rank)
+            return _exchange_rows(exchange, parts, average, self.group, async_op)
+
+
+def _exchange_rows(
+    exchange: _Exchange, parts: list[int], average: bool, group: ProcessGroup | None, async_op: bool
+) -> ReduceScatterHandle:
+    """Send the exchange's rows with one ``all_to_all_single``; ``wait()`` sums them in rank order."""
+    work = None
+    if exchange.send.numel():
+        work = watched_call(
+            "reduce_scatter",
+            dist.all_to_all_single,
+            exchange.recv.view(-1),
+            exchange.send,
+            exchange.splits,
+            exchange.splits,
+            group=group,
+            async_op=async_op,
+        )
+
+    def finish() -> list[torch.Tensor]:
+        return list(torch.split(exchange.reduce(average), parts))
+
+    return ReduceScatterHandle("reduce_scatter", work, finish, keepalive=(exchange.send,))
+
+
+def _exchange_full(
+    send: torch.Tensor,
+    out: torch.Tensor,
+    parts: list[int],
+    average: bool,
+    group: ProcessGroup | None,
+    async_op: bool,
+) -> ReduceScatterHandle:
+    """Every row exchanged (own included), summed by :func:`_sum_rows` into ``out``."""
+    recv = torch.empty_like(send)
+    work = None
+    if send.numel():
+        work = watched_call(
+            "reduce_scatter", dist.all_to_all_single, recv, send, group=group, async_op=async_op
+        )
+
+    def finish() -> list[torch.Tensor]:
+        _sum_rows(recv, out, average)
+        return list(torch.split(out, parts))
+
+    return ReduceScatterHandle("reduce_scatter", work, finish, keepalive=(send,))
+
+
 def _issue_reduce_scatter_full(
     tensors: Sequence[torch.Tensor],
     parts: list[int],
@@ -621,18 +760,7 @@ def _issue_reduce_scatter_full(
     first = tensors[0]
     out = torch.empty(sum(parts), dtype=first.dtype, device=first.device)
     send, _ = _interleave(tensors, parts, world, None)
-    recv = torch.empty_like(send)
-    work = None
-    if send.numel():
-        work = watched_call(
-            "reduce_scatter", dist.all_to_all_single, recv, send, group=group, async_op=async_op
-        )
-
-    def finish() -> list[torch.Tensor]:
-        _sum_rows(recv, out, reduction is Reduction.AVG)
-        return list(torch.split(out, parts))
-
-    return ReduceScatterHandle("reduce_scatter", work, finish, keepalive=(send,))
+    return _exchange_full(send, out, parts, reduction is Reduction.AVG, group, async_op)
 
 
 def _interleave(

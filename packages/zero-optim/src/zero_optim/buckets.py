@@ -39,13 +39,25 @@ from torch.profiler import record_function
 from zero_comm.watchdog import label
 from zero_comm.watchdog import note as watchdog_note
 
-__all__ = ["BucketPlan", "BucketedReducer", "ReduceConfig", "ReduceHandle"]
+__all__ = ["BucketPlan", "BucketedReducer", "ReduceConfig", "ReduceHandle", "StagedBucket"]
 
 
 class ReduceHandle(Protocol):
     """What a reduce function returns: ``wait()`` completes the accumulation."""
 
     def wait(self) -> None: ...
+
+
+class StagedBucket(Protocol):
+    """A bucket whose gradients are copied into one staging buffer as they arrive (contiguous gradients)."""
+
+    def put(self, param: nn.Parameter) -> None:
+        """Stage ``param.grad`` and free it."""
+        ...
+
+    def issue(self, *, async_op: bool = False) -> ReduceHandle:
+        """Reduce the staged bucket (missing gradients as zeros) into the partitions."""
+        ...
 
 
 ReduceFn = Callable[..., ReduceHandle]
@@ -153,11 +165,16 @@ class BucketedReducer:
         plan: The static buckets.
         reduce_fn: ``reduce_fn(params, async_op=...)`` reduces the full ``.grad`` of
             ``params`` (``None`` counting as zeros), accumulates this rank's partition and
-            frees ``.grad``; e.g. ``zero_params.reduce_scatter_grads``.
+            frees ``.grad``; e.g. ``zero_params.reduce_scatter_grads``. If it also has
+            ``open_bucket(params) -> StagedBucket | None`` (``zero_optim.ReduceScatterInto``),
+            each gradient is staged into its bucket's buffer as soon as it is ready and freed
+            (``contiguous_gradients``): until its bucket is reduced a gradient costs its
+            staging slot only, and a reduction holds the staging buffer, not the gradients
+            beside it.
         config: Bucketing policy.
     """
 
-    __slots__ = ("_config", "_inflight", "_next", "_plan", "_ready", "_reduce")
+    __slots__ = ("_config", "_inflight", "_next", "_plan", "_ready", "_reduce", "_staged")
 
     def __init__(self, plan: BucketPlan, reduce_fn: ReduceFn, config: ReduceConfig) -> None:
         self._plan = plan
@@ -166,6 +183,7 @@ class BucketedReducer:
         self._ready = [0] * len(plan)
         self._next = 0
         self._inflight: collections.deque[ReduceHandle] = collections.deque()
+        self._staged: dict[int, StagedBucket] = {}
 
     @property
     def plan(self) -> BucketPlan:
@@ -192,27 +210,48 @@ class BucketedReducer:
                 "backward; a GradientSink expects one on_grad_ready per parameter per backward"
             )
         self._ready[b] += 1
+        stage = self._stage(b)
+        if stage is not None:
+            stage.put(param)
         while self._next < plan.ordered and self._ready[self._next] >= len(plan.buckets[self._next]):
-            self._issue(plan.buckets[self._next])
+            self._issue(self._next)
             self._next += 1
+
+    def _stage(self, b: int) -> StagedBucket | None:
+        """Bucket ``b``'s staging buffer, opened on its first gradient (``None``: no staging)."""
+        stage = self._staged.get(b)
+        if stage is None:
+            opener = getattr(self._reduce, "open_bucket", None)
+            if opener is None:
+                return None
+            stage = opener(list(self._plan.buckets[b]))
+            if stage is None:
+                return None
+            self._staged[b] = stage
+        return stage
 
     def on_backward_end(self) -> None:
         """Reduce every bucket not reduced yet (missing gradients count as zeros), then wait for all."""
         with record_function("zero.optim.reduce_flush"):
-            for bucket in self._plan.buckets[self._next :]:
-                self._issue(bucket)
+            for b in range(self._next, len(self._plan)):
+                self._issue(b)
             while self._inflight:
                 self._inflight.popleft().wait()
         self._ready = [0] * len(self._plan)
         self._next = 0
 
-    def _issue(self, params: tuple[nn.Parameter, ...]) -> None:
-        names = self._plan.names
+    def _issue(self, b: int) -> None:
+        params, names = self._plan.buckets[b], self._plan.names
         watchdog_note(lambda: label("reduces the gradients of", [names.get(id(p), "?") for p in params]))
         with record_function("zero.optim.reduce_bucket"):
-            if not self._config.overlap_comm:
-                self._reduce(list(params), async_op=False)
-                return
-            while len(self._inflight) >= self._config.max_inflight:
-                self._inflight.popleft().wait()
-            self._inflight.append(self._reduce(list(params), async_op=True))
+            if self._config.overlap_comm:
+                while len(self._inflight) >= self._config.max_inflight:
+                    self._inflight.popleft().wait()
+            stage = self._staged.pop(b, None)  # None: no gradient of the bucket was staged
+            overlap = self._config.overlap_comm
+            if stage is not None:
+                handle = stage.issue(async_op=overlap)
+            else:
+                handle = self._reduce(list(params), async_op=overlap)
+            if overlap:
+                self._inflight.append(handle)

@@ -323,11 +323,7 @@ class ReduceScatterInto:
         every rank, since adjacency is judged within one storage, whose layout all ranks share.
         """
         with record_function("zero.optim.reduce_scatter_grads"):
-            targets = [self.partitioning.grad_partition(p) for p in params]
-            runs = _adjacent_runs(targets)
-            backwards = _adjacent_runs(targets[::-1])
-            if len(backwards) < len(runs):
-                params, targets, runs = list(params)[::-1], targets[::-1], backwards
+            params, targets, runs = _in_fewer_runs(params, self.partitioning)
             grads = _take_grads(params)
             if self.strategy is not None:
                 handle = self.strategy.reduce_scatter_coalesced(grads, op="avg", async_op=True)
@@ -336,17 +332,65 @@ class ReduceScatterInto:
                     grads, self.partitioning.group, op="avg", async_op=True
                 )
 
-            def finish() -> None:
-                parts = handle.wait()
-                for a, b in runs:
-                    dst, src = adjacent_flat_view(targets[a:b]), adjacent_flat_view(parts[a:b])
-                    if dst is not None and src is not None and dst.numel() == src.numel():
-                        dst.add_(src)
-                        continue
-                    for target, part in zip(targets[a:b], parts[a:b], strict=True):
-                        target.add_(part)
+            out = _AccumulateHandle(lambda: _add_in_runs(targets, handle.wait(), runs))
+            if not async_op:
+                out.wait()
+            return out
 
-            out = _AccumulateHandle(finish)
+    def open_bucket(self, params: Sequence[nn.Parameter]) -> _StagedBucket | None:
+        """A staging buffer for one bucket, filled as each gradient arrives (``None``: a strategy is set).
+
+        :class:`~zero_optim.buckets.BucketedReducer` puts each gradient in as soon as it is
+        ready and frees it, so a bucket costs its staging buffer instead of its gradients
+        plus their staging copy (see ``zero_comm.StagedReduceScatter``); the results are
+        bit-identical to :meth:`__call__`. A cast or quantized strategy stages its own way,
+        and a bucket of one unpadded gradient is sent as it is (no staging at all).
+        """
+        if self.strategy is not None or not params:
+            return None
+        if len(params) == 1 and params[0].numel() % self.partitioning.world == 0:
+            return None
+        params, targets, runs = _in_fewer_runs(params, self.partitioning)
+        first = params[0]
+        staging = zero_comm.StagedReduceScatter(
+            [p.numel() for p in params], self.partitioning.group, first.dtype, first.device
+        )
+        return _StagedBucket(tuple(params), staging, targets, runs)
+
+
+class _StagedBucket:
+    """One bucket of :meth:`ReduceScatterInto.open_bucket`: gradients staged on arrival, then reduced."""
+
+    __slots__ = ("_index", "_params", "_runs", "_staging", "_targets")
+
+    def __init__(
+        self,
+        params: tuple[nn.Parameter, ...],
+        staging: zero_comm.StagedReduceScatter,
+        targets: list[torch.Tensor],
+        runs: list[tuple[int, int]],
+    ) -> None:
+        self._params = params
+        self._index = {id(p): i for i, p in enumerate(params)}
+        self._staging = staging
+        self._targets = targets
+        self._runs = runs
+
+    def put(self, param: nn.Parameter) -> None:
+        """Copy ``param.grad`` into the staging buffer and free it."""
+        with record_function("zero.optim.stage_grad"):
+            self._staging.put(self._index[id(param)], param.grad)
+            param.grad = None
+
+    def issue(self, *, async_op: bool = False) -> ReduceHandle:
+        """Reduce-scatter the bucket (gradients never put count as zeros) into the gradient partitions."""
+        with record_function("zero.optim.reduce_scatter_grads"):
+            for p in self._params:  # a gradient that arrived without its hook (none normally)
+                if p.grad is not None:
+                    self.put(p)
+            handle = self._staging.issue(op="avg", async_op=True)
+            targets, runs = self._targets, self._runs
+            out = _AccumulateHandle(lambda: _add_in_runs(targets, handle.wait(), runs))
             if not async_op:
                 out.wait()
             return out
@@ -393,6 +437,35 @@ class ReduceScatterInPlace:
     def before_backward(self) -> None:
         """Bind every ``.grad`` to the flat buffer, so autograd accumulates in place."""
         self.partitioning.bind_grads()
+
+
+def _in_fewer_runs(
+    params: Sequence[nn.Parameter], partitioning: ReplicaPartitioning
+) -> tuple[list[nn.Parameter], list[torch.Tensor], list[tuple[int, int]]]:
+    """``params``, their gradient partitions and adjacent runs, in the order (given or reversed)
+    with fewer runs. Buckets run in reverse registration order and the flat gradients in
+    registration order; adjacency is judged within one storage, whose layout all ranks share,
+    so every rank picks the same order."""
+    params = list(params)
+    targets = [partitioning.grad_partition(p) for p in params]
+    runs = _adjacent_runs(targets)
+    backwards = _adjacent_runs(targets[::-1])
+    if len(backwards) < len(runs):
+        return params[::-1], targets[::-1], backwards
+    return params, targets, runs
+
+
+def _add_in_runs(
+    targets: Sequence[torch.Tensor], parts: Sequence[torch.Tensor], runs: Sequence[tuple[int, int]]
+) -> None:
+    """Add each reduced partition into its gradient partition: one ``add_`` per adjacent run."""
+    for a, b in runs:
+        dst, src = adjacent_flat_view(targets[a:b]), adjacent_flat_view(parts[a:b])
+        if dst is not None and src is not None and dst.numel() == src.numel():
+            dst.add_(src)
+            continue
+        for target, part in zip(targets[a:b], parts[a:b], strict=True):
+            target.add_(part)
 
 
 def _adjacent_runs(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
