@@ -508,7 +508,6 @@ def test_zeropp_mics_and_offload_are_not_listed_as_unsupported_at_stage_3() -> N
             offload_param={"device": "nvme", "nvme_path": "/nvme"},
             zero_quantized_weights=True,
             zero_quantized_gradients=True,
-            zero_quantized_nontrainable_weights=True,
             zero_hpz_partition_size=2,
             zeropp_loco_param={"err_beta": 0.5, "reset_T": 7},
             mics_shard_size=2,
