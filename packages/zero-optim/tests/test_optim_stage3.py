@@ -186,3 +186,34 @@ def _refusals():
 
 def test_unpartitioned_or_non_fp32_parameters_are_refused(dist):
     assert len(dist.run(1, _refusals)[0]) == 2
+
+
+def _reduce_ops(rank):
+    """aten ops per step under the gradient path's zero ranges (innermost ``zero.*`` range)."""
+    model = Odd()
+    zero_params.partition(model)
+    opt, sink = stage3_optimizer(model, make_optimizer("adamw"), ReduceConfig(reduce_bucket_size=10**6))
+    x = batch(0, 0, rank.world_size)[4 * rank.rank : 4 * (rank.rank + 1)]
+    micro_step(model, sink, x)  # warm-up: partitions allocated, optimizer state created
+    opt.step()
+    opt.zero_grad()
+    with torch.profiler.profile() as prof:
+        micro_step(model, sink, x)
+    found = {}
+    for e in prof.events():
+        node = e.cpu_parent
+        while node is not None and not node.name.startswith("zero."):
+            node = node.cpu_parent
+        if node is not None and e.name.startswith("aten::"):
+            found.setdefault(node.name, []).append(e.name)
+    return found, len(opt.groups)
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_a_bucket_adds_its_reduced_partitions_with_one_add_per_flat_group(dist, world):
+    """The bucket runs in reverse registration order, the flat gradients in registration order:
+    the reduce-scatter is issued in the order whose gradient partitions lie back to back, and
+    the reduced partitions are added with one ``add_`` per flat group, not one per parameter."""
+    for found, groups in dist.run(world, _reduce_ops):
+        assert groups == 2
+        assert found["zero.params.reduce_scatter_grads.wait"].count("aten::add_") == groups, found

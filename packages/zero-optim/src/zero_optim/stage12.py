@@ -45,6 +45,8 @@ from torch.utils.hooks import RemovableHandle
 
 import zero_comm
 from zero_comm.coalesced import adjacent_flat_view
+from zero_comm.runs import add_in_runs as _add_in_runs
+from zero_comm.runs import in_fewer_runs as _in_fewer_runs
 from zero_offload import OptimizerOffloadConfig
 from zero_optim.buckets import BucketedReducer, BucketPlan, ReduceConfig, ReduceHandle
 from zero_optim.core import PartitionedOptimizer
@@ -437,56 +439,6 @@ class ReduceScatterInPlace:
     def before_backward(self) -> None:
         """Bind every ``.grad`` to the flat buffer, so autograd accumulates in place."""
         self.partitioning.bind_grads()
-
-
-def _in_fewer_runs(
-    params: Sequence[nn.Parameter], partitioning: ReplicaPartitioning
-) -> tuple[list[nn.Parameter], list[torch.Tensor], list[tuple[int, int]]]:
-    """``params``, their gradient partitions and adjacent runs, in the order (given or reversed)
-    with fewer runs. Buckets run in reverse registration order and the flat gradients in
-    registration order; adjacency is judged within one storage, whose layout all ranks share,
-    so every rank picks the same order."""
-    params = list(params)
-    targets = [partitioning.grad_partition(p) for p in params]
-    runs = _adjacent_runs(targets)
-    backwards = _adjacent_runs(targets[::-1])
-    if len(backwards) < len(runs):
-        return params[::-1], targets[::-1], backwards
-    return params, targets, runs
-
-
-def _add_in_runs(
-    targets: Sequence[torch.Tensor], parts: Sequence[torch.Tensor], runs: Sequence[tuple[int, int]]
-) -> None:
-    """Add each reduced partition into its gradient partition: one ``add_`` per adjacent run."""
-    for a, b in runs:
-        dst, src = adjacent_flat_view(targets[a:b]), adjacent_flat_view(parts[a:b])
-        if dst is not None and src is not None and dst.numel() == src.numel():
-            dst.add_(src)
-            continue
-        for target, part in zip(targets[a:b], parts[a:b], strict=True):
-            target.add_(part)
-
-
-def _adjacent_runs(tensors: Sequence[torch.Tensor]) -> list[tuple[int, int]]:
-    """``[start, stop)`` index runs of ``tensors`` each lying right after the previous in one storage.
-
-    Empty tensors join the run they are in. Judged by storage and offset only, so every rank
-    with the same layout finds the same runs (addresses of distinct buffers never matter).
-    """
-    runs: list[tuple[int, int]] = []
-    start, storage, end = 0, None, None
-    for i, t in enumerate(tensors):
-        if not t.numel():
-            continue
-        here = t.untyped_storage().data_ptr()
-        if end is not None and (here != storage or t.data_ptr() != end):
-            runs.append((start, i))
-            start = i
-        storage, end = here, t.data_ptr() + t.numel() * t.element_size()
-    if tensors:
-        runs.append((start, len(tensors)))
-    return runs
 
 
 def _keep_own_partition(regions: Sequence[torch.Tensor], reduced: Sequence[torch.Tensor], rank: int) -> None:

@@ -10,29 +10,43 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from zero_comm import ReduceScatterHandle, ReduceScatterStrategy
+from zero_comm import AllToAllReduceScatter, CastReduceScatter, ReduceScatterHandle, ReduceScatterStrategy
+from zero_comm.runs import add_in_runs, adjacent_runs, in_fewer_runs
 from zero_params.selection import bucket_key
 from zero_params.state import ShardedParam, state_of
 
 __all__ = ["GradReduceHandle", "reduce_scatter_grads"]
 
+_ORDER_FREE = (AllToAllReduceScatter, CastReduceScatter)
+"""Strategies whose every element's result is independent of the tensors' order in the call
+(quantized ones group elements across tensors, so their order is kept as given)."""
+
 
 @dataclasses.dataclass(eq=False)
 class _ReduceOp:
+    """One coalesced reduce-scatter in flight and where its partitions go (``runs`` of ``targets``)."""
+
     comm: ReduceScatterHandle | None
-    states: list[ShardedParam]
+    targets: list[torch.Tensor]
+    runs: list[tuple[int, int]]
 
     def wait(self) -> None:
         if self.comm is None:
             return
         with record_function("zero.params.reduce_scatter_grads.wait"), torch._C.DisableTorchFunction():
             with torch.no_grad():
-                parts = self.comm.wait()
-                for state, part in zip(self.states, parts):
-                    acc = state.ensure_grad_partition()
-                    acc.add_(part.to(acc.device) if part.device != acc.device else part)
+                add_in_runs(self.targets, self.comm.wait(), self.runs)
         self.comm = None
-        self.states = []
+        self.targets, self.runs = [], []
+
+
+class _PairPartitions:
+    """:class:`zero_comm.runs.GradPartitions` of ``(state, grad)`` pairs: the state's (ensured) partition."""
+
+    __slots__ = ()
+
+    def grad_partition(self, item: tuple[ShardedParam, torch.Tensor], /) -> torch.Tensor:
+        return item[0].ensure_grad_partition()
 
 
 class GradReduceHandle:
@@ -85,7 +99,7 @@ def reduce_scatter_grads(
         ValueError: a ``.grad`` does not have the parameter's full number of elements.
     """
     with record_function("zero.params.reduce_scatter_grads"), torch._C.DisableTorchFunction():
-        buckets: dict[tuple[Any, ...], tuple[ReduceScatterStrategy, list[torch.Tensor], list[ShardedParam]]]
+        buckets: dict[tuple[Any, ...], tuple[ReduceScatterStrategy, list[tuple[ShardedParam, torch.Tensor]]]]
         buckets = {}
         if isinstance(params, torch.Tensor):
             params = [params]
@@ -106,14 +120,29 @@ def reduce_scatter_grads(
                 )
             p.grad = None
             key = (bucket_key(state.reduce_strategy), grad.dtype, grad.device)
-            bucket = buckets.setdefault(key, (state.reduce_strategy, [], []))
-            bucket[1].append(grad.contiguous())
-            bucket[2].append(state)
-        ops = [
-            _ReduceOp(strategy.reduce_scatter_coalesced(grads, op="avg", async_op=async_op), states)
-            for strategy, grads, states in buckets.values()
-        ]
+            buckets.setdefault(key, (state.reduce_strategy, []))[1].append((state, grad.contiguous()))
+        ops = [_issue(strategy, pairs, async_op) for strategy, pairs in buckets.values()]
         handle = GradReduceHandle(ops)
     if not async_op:
         handle.wait()
     return handle
+
+
+def _issue(
+    strategy: ReduceScatterStrategy, pairs: list[tuple[ShardedParam, torch.Tensor]], async_op: bool
+) -> _ReduceOp:
+    """One collective over ``pairs``, so that ``wait()`` adds each adjacent run of gradient
+    partitions with one ``add_``.
+
+    For a strategy whose results do not depend on the order (:data:`_ORDER_FREE`) the order
+    (given or reversed) with fewer runs is used: buckets run in reverse registration order, flat
+    gradient buffers in registration order. Runs are judged by storage layout, which the ranks
+    share, so every rank issues the same collective.
+    """
+    if isinstance(strategy, _ORDER_FREE):
+        pairs, targets, runs = in_fewer_runs(pairs, _PairPartitions())
+    else:
+        targets = [state.ensure_grad_partition() for state, _ in pairs]
+        runs = adjacent_runs(targets)
+    comm = strategy.reduce_scatter_coalesced([g for _, g in pairs], op="avg", async_op=async_op)
+    return _ReduceOp(comm, targets, runs)

@@ -1,0 +1,69 @@
+"""Adjacent runs: one add_ per run of back-to-back destinations, bit-identical to a loop of add_."""
+
+from __future__ import annotations
+
+import torch
+
+from zero_comm.runs import add_in_runs, adjacent_runs, in_fewer_runs
+
+SIZES = [0, 1, 7, 13, 1023, 0, 2]
+
+
+class _Partitions:
+    def __init__(self, views):
+        self.views = views
+
+    def grad_partition(self, i):
+        return self.views[i]
+
+
+def _flat_views(sizes, flat):
+    out, offset = [], 0
+    for n in sizes:
+        out.append(flat[offset : offset + n])
+        offset += n
+    return out
+
+
+def test_runs_follow_storage_and_offset():
+    flat = torch.zeros(sum(SIZES))
+    views = _flat_views(SIZES, flat)
+    assert adjacent_runs(views) == [(0, len(SIZES))]
+    assert adjacent_runs(views[::-1]) == [(0, 2), (2, 3), (3, 4), (4, 5), (5, 7)]  # empties join a run
+    apart = [views[1], torch.zeros(3), views[2], views[4]]  # another storage, then a gap
+    assert adjacent_runs(apart) == [(0, 1), (1, 2), (2, 3), (3, 4)]
+    assert adjacent_runs([]) == []
+
+
+def test_the_order_with_fewer_runs_is_chosen():
+    views = _flat_views(SIZES, torch.zeros(sum(SIZES)))
+    items = list(range(len(SIZES)))[::-1]  # a bucket in reverse registration order
+    ordered, targets, runs = in_fewer_runs(items, _Partitions(views))
+    assert ordered == list(range(len(SIZES))) and runs == [(0, len(SIZES))]
+    assert all(t is views[i] for t, i in zip(targets, ordered, strict=True))
+    kept, _, runs = in_fewer_runs(list(range(len(SIZES))), _Partitions(views))
+    assert kept == list(range(len(SIZES))) and len(runs) == 1
+
+
+def test_adding_in_runs_is_bit_identical_to_one_add_per_tensor():
+    g = torch.Generator().manual_seed(0)
+    start = torch.randn(sum(SIZES), generator=g) * 1e3
+    parts_flat = torch.randn(sum(SIZES), generator=g) * 1e-3
+    parts = _flat_views(SIZES, parts_flat)
+    expected = [t.clone() for t in _flat_views(SIZES, start.clone())]
+    for t, p in zip(expected, parts, strict=True):
+        t.add_(p)
+    flat = start.clone()
+    targets = _flat_views(SIZES, flat)
+    # a target outside the flat buffer, and a part that is not adjacent to its neighbours
+    loose = torch.randn(5, generator=g)
+    targets.append(loose)
+    parts.append(torch.randn(5, generator=g))
+    expected.append(loose.clone().add_(parts[-1]))
+    runs = adjacent_runs(targets)
+    assert runs == [(0, len(SIZES)), (len(SIZES), len(SIZES) + 1)]
+    with torch.profiler.profile() as prof:
+        add_in_runs(targets, parts, runs)
+    assert [e.name for e in prof.events() if e.name == "aten::add_"] == ["aten::add_"] * 2
+    for t, e in zip(targets, expected, strict=True):
+        assert torch.equal(t, e)
