@@ -145,14 +145,19 @@ def _stage_1_views(rank, bad_rank, value):
     with torch.profiler.profile() as prof:
         seen = found_overflow(opt.groups)
     ops = [e.name for e in prof.events()]
-    passes = ops.count("aten::aminmax") + ops.count("aten::_foreach_norm")
-    return seen, passes, ops.count("aten::_local_scalar_dense"), len(opt.groups)
+    views = sum(len(g.grads()) for g in opt.groups)
+    return (
+        seen,
+        ops.count("aten::aminmax") == views,
+        ops.count("aten::isfinite"),
+        ops.count("aten::_local_scalar_dense"),
+    )
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_stage_1_in_place_gradients_are_checked_in_one_pass_per_group(dist, world):
-    """Stage 1's gradient partition is one view per parameter: one fused pass per group, one read."""
+def test_stage_1_in_place_gradients_are_checked_with_one_flag_read(dist, world):
+    """Stage 1's gradient partition is one view per parameter: one pass each, one isfinite, one read."""
     for value, bad in ((0.0, -1), (float("nan"), world - 1), (-float("inf"), 0)):
-        for seen, passes, reads, groups in dist.run(world, _stage_1_views, bad, value):
+        for seen, one_pass_each, isfinite, reads in dist.run(world, _stage_1_views, bad, value):
             assert seen is (bad >= 0)
-            assert passes == groups and reads == 1
+            assert one_pass_each and isfinite == 1 and reads == 1

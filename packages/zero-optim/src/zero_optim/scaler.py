@@ -134,15 +134,15 @@ class LossScaler:
 def found_overflow(groups: Sequence[FlatGroup], group: ProcessGroup | None = None) -> bool:
     """Whether any rank's gradient partitions hold an inf or nan: one all-reduce (max) of a flag.
 
-    Each flat group is checked in one pass: one ``torch.aminmax`` over a flat gradient
-    partition, or one ``torch._foreach_norm`` (the largest magnitude of each view) over a
-    partition made of views (stage 1's in-place gradients); the flag is read once, after the
-    all-reduce. Every rank of ``group`` must call it; all of them get the same answer.
+    One ``torch.aminmax`` pass over each gradient tensor (the flat partition, or each view of a
+    partition made of views: stage 1's in-place gradients), then one ``isfinite`` over all the
+    extremes and one read of the flag, after the all-reduce. Every rank of ``group`` must call
+    it; all of them get the same answer.
     """
     with record_function("zero.optim.overflow_check"):
-        extremes = [e for g in groups for e in _extremes(g.grads())]
+        extremes = [e for g in groups for grad in g.grads() for e in torch.aminmax(grad)]
         device = groups[0].grad.device if groups else torch.device("cpu")
-        if extremes:
+        if extremes:  # aminmax propagates nan, and an inf is the minimum or the maximum
             flag = torch.isfinite(torch.stack(extremes)).all().logical_not().to(torch.float32).reshape(1)
         else:
             flag = torch.zeros(1, device=device)
@@ -150,18 +150,3 @@ def found_overflow(groups: Sequence[FlatGroup], group: ProcessGroup | None = Non
         if dist.is_available() and dist.is_initialized():
             zero_comm.all_reduce(flag, group, op="max")
         return bool(flag.item() > 0)
-
-
-def _extremes(grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """0-d tensors that are all finite exactly when every element of ``grads`` is: one pass, no temporaries.
-
-    ``torch.aminmax`` propagates nan, and an inf is the minimum or the maximum, so both are
-    finite exactly when every element is (``isfinite(t).all()`` takes four passes and a mask
-    the size of ``t``); over several tensors, their infinity norms (nan propagates, an inf is
-    the largest magnitude) in one fused call instead of one call per tensor.
-    """
-    if not grads:
-        return []
-    if len(grads) == 1:
-        return list(torch.aminmax(grads[0]))
-    return list(torch._foreach_norm(list(grads), ord=math.inf))
