@@ -573,9 +573,8 @@ class ZeroOptimizationConfig(Section):
         Flag, Key(IMPLEMENTED, stages=frozenset({2, 3}), default_text="`true` at stage 3, else `false`")
     ] = False
     """Reduce gradient buckets asynchronously while backward goes on. Never changes the numbers.
-
-    Stages 2 and 3 only: stage 1 always reduces asynchronously during the boundary micro-step's
-    backward (each bucket as soon as its gradients are accumulated, as DDP), stage 0 after it."""
+    Stage 1 always does (each bucket as soon as its gradients are accumulated, in the boundary
+    micro-step's backward, as DDP) and stage 0 reduces after backward: neither reads the key."""
     contiguous_gradients: Annotated[
         Flag,
         Key(
