@@ -135,6 +135,16 @@ def test_overlap_comm_defaults_to_true_for_stage_3_only(stage: int, expected: bo
     assert explicit.zero_optimization.overlap_comm is (not expected)
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_overlap_comm_is_reported_as_ignored_where_the_stage_always_or_never_overlaps(stage: int) -> None:
+    """Stage 1 always reduces during backward, stage 0 after it: only stages 2 and 3 use the key."""
+    assert ZeroConfig.model_validate(zero_opt(stage=stage)).ignored_keys() == []
+    for value in (True, False):
+        given = ZeroConfig.model_validate(zero_opt(stage=stage, overlap_comm=value))
+        expected = ["zero_optimization.overlap_comm"] if stage < 2 else []
+        assert given.ignored_keys() == expected, (stage, value)
+
+
 def test_precision_enum_and_bfloat16_alias() -> None:
     assert ZeroConfig.model_validate({"bf16": {"enabled": True}}).precision is Precision.BF16
     assert ZeroConfig.model_validate({"bfloat16": {"enabled": True}}).precision is Precision.BF16

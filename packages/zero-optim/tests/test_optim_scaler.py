@@ -6,8 +6,9 @@ import math
 
 import pytest
 import torch
+from optim_cases import Odd, batch, make_optimizer
 
-from zero_optim import FlatGroup, LossScaler, LossScalerConfig, found_overflow
+from zero_optim import FlatGroup, LossScaler, LossScalerConfig, found_overflow, replicated_optimizer
 
 
 def _deepspeed_reference(cfg: LossScalerConfig, overflows: list[bool]) -> list[float]:
@@ -130,3 +131,33 @@ def test_found_overflow_sees_each_non_finite_value_anywhere_without_a_mask(value
     # one pass without temporaries: no allocation near the gradient's size (isfinite's mask was 1 MB)
     allocated = max((e.cpu_memory_usage for e in prof.events()), default=0)
     assert allocated < 1024
+
+
+def _stage_1_views(rank, bad_rank, value):
+    model = Odd(unused=True)
+    opt, reduction = replicated_optimizer(model, make_optimizer("adamw"), 1)
+    model(batch(0, 0, rank.world_size)[4 * rank.rank : 4 * (rank.rank + 1)]).backward()
+    reduction.at_boundary()
+    reduction.remove()
+    if rank.rank == bad_rank:
+        group, seg = list(opt.segments())[-1]
+        group.grad_view(seg)[-1] = value
+    with torch.profiler.profile() as prof:
+        seen = found_overflow(opt.groups)
+    ops = [e.name for e in prof.events()]
+    views = sum(len(g.grads()) for g in opt.groups)
+    return (
+        seen,
+        ops.count("aten::aminmax") == views,
+        ops.count("aten::isfinite"),
+        ops.count("aten::_local_scalar_dense"),
+    )
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_stage_1_in_place_gradients_are_checked_with_one_flag_read(dist, world):
+    """Stage 1's gradient partition is one view per parameter: one pass each, one isfinite, one read."""
+    for value, bad in ((0.0, -1), (float("nan"), world - 1), (-float("inf"), 0)):
+        for seen, one_pass_each, isfinite, reads in dist.run(world, _stage_1_views, bad, value):
+            assert seen is (bad >= 0)
+            assert one_pass_each and isfinite == 1 and reads == 1

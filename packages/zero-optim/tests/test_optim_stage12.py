@@ -17,6 +17,7 @@ from optim_cases import Odd, batch, make_optimizer, reference_run
 import zero_comm
 import zero_params
 from zero_optim import (
+    BackwardReduction,
     BoundaryReduction,
     HookedReduction,
     ReduceConfig,
@@ -98,7 +99,7 @@ def _layout(rank, stage):
         assert torch.equal(group.master_view(seg)[: stop - start], flat[start:stop])
         assert not group.master_view(seg)[stop - start :].any()
         assert seg.param.shape == values[seg.name].shape  # parameters stay whole
-    kind = HookedReduction if stage == 2 else BoundaryReduction
+    kind = {0: BoundaryReduction, 1: BackwardReduction, 2: HookedReduction}[stage]
     assert isinstance(reduction, kind)
     reduction.remove()
     return opt.state_dict()["layout"]
@@ -265,3 +266,88 @@ def _grads_held_until_their_bucket(rank):
 def test_stage_2_stages_each_gradient_on_arrival_and_frees_it(dist, world):
     """Contiguous gradients: a bucket holds one staging buffer, not its parameters' whole gradients."""
     assert dist.run(world, _grads_held_until_their_bucket) == [[]] * world
+
+
+def _train_stage1(rank, kind, steps, accumulate, bucket, inflight, after_backward):
+    """Stage 1 driven like the engine; ``after_backward``: the old boundary reduction instead."""
+    model = Odd(unused=True)
+    cfg = ReduceConfig(reduce_bucket_size=bucket, max_inflight=inflight)
+    opt, reduction = replicated_optimizer(model, make_optimizer(kind), 1, cfg, allgather_bucket_size=bucket)
+    assert isinstance(reduction, BackwardReduction)
+    if after_backward:
+        reduction.remove()
+        reduction = BoundaryReduction(reduction.plan, reduction.reduce_fn, reduction.max_inflight)
+    world, r = rank.world_size, rank.rank
+    losses, grads = [], []
+    for step in range(steps):
+        for micro in range(accumulate):
+            reduction.begin_micro_step(micro == accumulate - 1)
+            x = batch(step, micro, world)[4 * r : 4 * (r + 1)]
+            (model(x) / accumulate).backward()  # nan: Odd's empty parameter has a nan mean
+            with torch.no_grad():  # a finite loss of the parameters this step trains from
+                losses.append(model.inner(x[:, :5]).pow(2).mean())
+        reduction.at_boundary()
+        grads.append([g.clone() for group in opt.groups for g in group.grads()])
+        opt.step()
+        opt.zero_grad()
+    reduction.remove()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, grads, losses
+
+
+@pytest.mark.parametrize(
+    "world,kind,accumulate,bucket,inflight",
+    [
+        (1, "adamw", 3, 64, 1),
+        (2, "sgd", 1, 300, 1),
+        (2, "adamw", 3, 64, 2),
+        (4, "adamw", 1, 64, 1),
+        (4, "sgd", 3, 300, 1),
+    ],
+)
+def test_stage_1_reducing_during_backward_is_bit_identical_to_reducing_after_it(
+    dist, world, kind, accumulate, bucket, inflight
+):
+    during = dist.run(world, _train_stage1, kind, 3, accumulate, bucket, inflight, False)
+    after = dist.run(world, _train_stage1, kind, 3, accumulate, bucket, inflight, True)
+    ref = _reference(kind, 3, accumulate, world)
+    for (params, grads, losses), (params_b, grads_b, losses_b) in zip(during, after, strict=True):
+        assert all(torch.equal(params[n], params_b[n]) for n in params)
+        assert all(torch.equal(a, b) for ga, gb in zip(grads, grads_b, strict=True) for a, b in zip(ga, gb))
+        assert all(torch.equal(a, b) for a, b in zip(losses, losses_b, strict=True))
+        assert_state_close(params, ref, rel=1e-6 if kind == "sgd" else 1e-5)
+
+
+def _issued_before_backward_ends(rank, engine):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)
+    )
+    _, reduction = replicated_optimizer(model, make_optimizer("sgd"), 1, ReduceConfig(reduce_bucket_size=10))
+    # the first layer's weight is the last gradient of backward: mark it after the reduction's hook
+    model[0].weight.register_post_accumulate_grad_hook(
+        lambda _: torch.profiler.record_function("test.last")(lambda: None)()
+    )
+    issued = {}
+    for boundary in (False, True):
+        if engine:
+            reduction.begin_micro_step(boundary)
+        elif not boundary:
+            continue
+        with torch.profiler.profile() as prof:
+            model(batch(0, 0, rank.world_size)[4 * rank.rank : 4 * (rank.rank + 1)]).sum().backward()
+        names = [e.name for e in sorted(prof.events(), key=lambda e: e.time_range.start)]
+        last = names.index("test.last")
+        issued[boundary] = names[:last].count("zero.optim.reduce_scatter_grads")
+        reduction.at_boundary()
+    reduction.remove()
+    return issued
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_stage_1_issues_its_first_buckets_before_backward_ends(dist, world):
+    """Buckets of the last layers go out while backward still computes the first layer's gradients."""
+    for issued in dist.run(world, _issued_before_backward_ends, True):
+        assert issued[False] == 0  # a micro-step inside the window only accumulates
+        assert issued[True] >= 4, issued  # one bucket per parameter of the last two layers
+    for issued in dist.run(world, _issued_before_backward_ends, False):  # plain backward: a boundary
+        assert issued[True] >= 4, issued

@@ -569,8 +569,12 @@ class ZeroOptimizationConfig(Section):
 
     stage: Annotated[Int(0, 3), _USED] = 0
     """0: plain data parallelism (DDP); 1: optimizer state sharded; 2: + gradients; 3: + parameters."""
-    overlap_comm: Annotated[Flag, Key(IMPLEMENTED, default_text="`true` at stage 3, else `false`")] = False
-    """Reduce gradient buckets asynchronously while backward goes on. Never changes the numbers."""
+    overlap_comm: Annotated[
+        Flag, Key(IMPLEMENTED, stages=frozenset({2, 3}), default_text="`true` at stage 3, else `false`")
+    ] = False
+    """Reduce gradient buckets asynchronously while backward goes on. Never changes the numbers.
+    Stage 1 always does (each bucket as soon as its gradients are accumulated, in the boundary
+    micro-step's backward, as DDP) and stage 0 reduces after backward: neither reads the key."""
     contiguous_gradients: Annotated[
         Flag,
         Key(
@@ -681,8 +685,10 @@ class ZeroOptimizationConfig(Section):
     @classmethod
     def _prepare(cls, data: dict[str, Any]) -> dict[str, Any]:
         # DeepSpeed: overlap_comm defaults to true for stage 3, false otherwise.
-        if "overlap_comm" not in data and isinstance(data.get("stage"), int | float):
-            data["overlap_comm"] = data["stage"] == 3
+        # Filled only where it differs from the field's default, so that stages 0 and 1 (which
+        # do not use the key) report it as ignored only when the user gave it.
+        if "overlap_comm" not in data and data.get("stage") == 3:
+            data["overlap_comm"] = True
         # DeepSpeed accepts "offload_param": null for "no offload".
         for key in ("offload_param", "offload_optimizer", "zeropp_loco_param"):
             if key in data and data[key] is None:

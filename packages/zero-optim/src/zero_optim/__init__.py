@@ -25,14 +25,12 @@ from zero_optim.clip import clip_grad_norm_, global_grad_norm
 from zero_optim.core import PartitionedOptimizer, Partitioning
 from zero_optim.flat import FlatGroup, Segment
 from zero_optim.mics import ReplicaGradientSync, ReplicaMismatchError, check_replicas_consistent
+from zero_optim.reductions import BackwardReduction, BoundaryReduction, GradientReduction, HookedReduction
 from zero_optim.scaler import LossScaler, LossScalerConfig, found_overflow
 from zero_optim.spec import OptimizerSpec
 from zero_optim.stage3 import Stage3Partitioning, offloaded_shards, stage3_optimizer
 from zero_optim.stage12 import (
     AllReduceInto,
-    BoundaryReduction,
-    GradientReduction,
-    HookedReduction,
     ReduceScatterInPlace,
     ReduceScatterInto,
     ReplicaPartitioning,
@@ -42,6 +40,7 @@ from zero_optim.subgroups import SubGroupStepper
 
 __all__ = [
     "AllReduceInto",
+    "BackwardReduction",
     "BoundaryReduction",
     "BucketPlan",
     "BucketedReducer",

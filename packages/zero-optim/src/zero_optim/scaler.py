@@ -134,24 +134,19 @@ class LossScaler:
 def found_overflow(groups: Sequence[FlatGroup], group: ProcessGroup | None = None) -> bool:
     """Whether any rank's gradient partitions hold an inf or nan: one all-reduce (max) of a flag.
 
-    Every rank of ``group`` must call it; all of them get the same answer.
+    One ``torch.aminmax`` pass over each gradient tensor (the flat partition, or each view of a
+    partition made of views: stage 1's in-place gradients), then one ``isfinite`` over all the
+    extremes and one read of the flag, after the all-reduce. Every rank of ``group`` must call
+    it; all of them get the same answer.
     """
     with record_function("zero.optim.overflow_check"):
-        local = any(not _all_finite(grad) for g in groups for grad in g.grads())
+        extremes = [e for g in groups for grad in g.grads() for e in torch.aminmax(grad)]
         device = groups[0].grad.device if groups else torch.device("cpu")
-        flag = torch.tensor([1.0 if local else 0.0], device=device)
+        if extremes:  # aminmax propagates nan, and an inf is the minimum or the maximum
+            flag = torch.isfinite(torch.stack(extremes)).all().logical_not().to(torch.float32).reshape(1)
+        else:
+            flag = torch.zeros(1, device=device)
 
         if dist.is_available() and dist.is_initialized():
             zero_comm.all_reduce(flag, group, op="max")
         return bool(flag.item() > 0)
-
-
-def _all_finite(t: torch.Tensor) -> bool:
-    """Whether every element of a non-empty tensor is finite: one pass, no temporaries.
-
-    ``torch.aminmax`` propagates nan, and an inf is the minimum or the maximum, so both
-    are finite exactly when every element is (``isfinite(t).all()`` takes four passes and
-    a mask the size of ``t``).
-    """
-    low, high = torch.aminmax(t)
-    return bool(torch.isfinite(low)) and bool(torch.isfinite(high))

@@ -18,8 +18,10 @@ The stages differ by two small components:
   - stage 0: :class:`BoundaryReduction` with :class:`AllReduceInto` — the whole gradients,
     accumulated by autograd over the micro-steps, are averaged by coalesced all-reduces
     (``reduce_bucket_size`` buckets) at the accumulation boundary: DDP;
-  - stage 1: :class:`BoundaryReduction` with :class:`ReduceScatterInto` — the same at the
-    boundary, but reduce-scattered so each rank keeps only its fp32 partition;
+  - stage 1: :class:`BackwardReduction` with :class:`ReduceScatterInPlace` (or
+    :class:`ReduceScatterInto` with offload) — the same buckets, reduce-scattered so each rank
+    keeps only its fp32 partition, issued during the boundary micro-step's backward as soon
+    as each bucket's gradients are accumulated (bit-identical to reducing after backward);
   - stage 2: :class:`HookedReduction` — post-accumulate-grad hooks hand each gradient to a
     :class:`~zero_optim.buckets.BucketedReducer` that reduce-scatters full buckets during
     backward (asynchronously with ``overlap_comm``) and frees the full gradients. As in
@@ -30,18 +32,14 @@ The stages differ by two small components:
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.autograd import Variable
 from torch.distributed import ProcessGroup
 from torch.profiler import record_function
-from torch.utils.hooks import RemovableHandle
 
 import zero_comm
 from zero_comm.coalesced import adjacent_flat_view
@@ -51,13 +49,11 @@ from zero_offload import OptimizerOffloadConfig
 from zero_optim.buckets import BucketedReducer, BucketPlan, ReduceConfig, ReduceHandle
 from zero_optim.core import PartitionedOptimizer
 from zero_optim.flat import FlatGroup
+from zero_optim.reductions import BackwardReduction, BoundaryReduction, GradientReduction, HookedReduction
 from zero_optim.spec import OptimizerSpec
 
 __all__ = [
     "AllReduceInto",
-    "BoundaryReduction",
-    "GradientReduction",
-    "HookedReduction",
     "ReduceScatterInPlace",
     "ReduceScatterInto",
     "ReplicaPartitioning",
@@ -440,6 +436,18 @@ class ReduceScatterInPlace:
         """Bind every ``.grad`` to the flat buffer, so autograd accumulates in place."""
         self.partitioning.bind_grads()
 
+    def carry(self, param: nn.Parameter) -> None:
+        """Scale ``param``'s reduced partition by the world size, before more gradient accumulates on it.
+
+        After a reduction this rank's partition holds the average and the rest of the region
+        zeros; the next reduction of the region divides the sum over ranks by the world size,
+        so the average kept from before must enter that sum multiplied by it.
+        """
+        part = self.partitioning
+        region = part.grad_region(param)
+        size = region.numel() // part.world
+        region.narrow(0, part.rank * size, size).mul_(part.world)
+
 
 def _keep_own_partition(regions: Sequence[torch.Tensor], reduced: Sequence[torch.Tensor], rank: int) -> None:
     """Copy each reduced partition into its place in the region, zero the rest of the region.
@@ -500,117 +508,6 @@ class AllReduceInto:
             if not async_op:
                 out.wait()
             return out
-
-
-class GradientReduction(Protocol):
-    """How full gradients reach the fp32 gradient partitions, for the engine to drive."""
-
-    def begin_micro_step(self, is_boundary: bool) -> None:
-        """Called before each backward: whether this micro-step ends the accumulation window."""
-        ...
-
-    def at_boundary(self) -> None:
-        """Reduce whatever is still pending before the optimizer step (every rank calls it)."""
-        ...
-
-    def remove(self) -> None:
-        """Remove any hooks installed on the model."""
-        ...
-
-
-class BoundaryReduction:
-    """Stages 0 and 1: autograd accumulates whole gradients; one bucketed reduction at the boundary.
-
-    Args:
-        plan: The static buckets (``reduce_bucket_size``), the same order on every rank.
-        reduce_fn: :class:`AllReduceInto` (stage 0) or :class:`ReduceScatterInto` (stage 1).
-        max_inflight: Buckets in flight at once (bounds the staging memory).
-    """
-
-    __slots__ = ("max_inflight", "plan", "reduce_fn")
-
-    def __init__(
-        self, plan: BucketPlan, reduce_fn: Callable[..., ReduceHandle], max_inflight: int = 1
-    ) -> None:
-        self.plan = plan
-        self.reduce_fn = reduce_fn
-        self.max_inflight = max_inflight
-
-    def begin_micro_step(self, is_boundary: bool) -> None:
-        """Autograd accumulates whole gradients until :meth:`at_boundary` (in place when bound)."""
-        before = getattr(self.reduce_fn, "before_backward", None)
-        if callable(before):
-            before()
-
-    def at_boundary(self) -> None:
-        """Reduce every bucket, at most ``max_inflight`` in flight at once."""
-        with record_function("zero.optim.reduce_at_boundary"):
-            inflight: collections.deque[ReduceHandle] = collections.deque()
-            for bucket in self.plan.buckets:
-                if len(inflight) >= self.max_inflight:
-                    inflight.popleft().wait()
-                inflight.append(self.reduce_fn(list(bucket), async_op=True))
-            while inflight:
-                inflight.popleft().wait()
-
-    def remove(self) -> None:
-        """Nothing installed."""
-
-
-class HookedReduction:
-    """Stage 2: a post-accumulate-grad hook per parameter feeds a :class:`BucketedReducer`.
-
-    The hooks are installed here, in one place, with removable handles; the end of each
-    backward (an autograd final callback queued by the first hook) flushes the reducer, so
-    plain ``loss.backward()`` works too.
-
-    With gradient accumulation, communication happens only at the boundary: before a
-    non-boundary micro-step's backward the engine calls ``begin_micro_step(False)`` and the
-    hooks let autograd accumulate the whole gradient in ``.grad`` (as DDP's ``no_sync``); in
-    the boundary micro-step's backward each accumulated gradient is reduce-scattered into its
-    partition as soon as it is complete and freed. Without the engine (plain
-    ``loss.backward()``) every backward is a boundary.
-
-    Args:
-        params: The trained parameters.
-        reducer: The bucketed reducer (its ``reduce_fn`` a :class:`ReduceScatterInto`).
-    """
-
-    __slots__ = ("_defer", "_handles", "_queued", "reducer")
-
-    def __init__(self, params: Sequence[nn.Parameter], reducer: BucketedReducer) -> None:
-        self.reducer = reducer
-        self._queued = False
-        self._defer = False
-        self._handles: list[RemovableHandle] = [
-            p.register_post_accumulate_grad_hook(self._on_grad) for p in params
-        ]
-
-    def begin_micro_step(self, is_boundary: bool) -> None:
-        """Defer reduction (keep accumulating ``.grad``) unless this micro-step is the boundary."""
-        self._defer = not is_boundary
-
-    def _on_grad(self, param: torch.Tensor) -> None:
-        if self._defer:
-            return
-        if not self._queued:
-            self._queued = True
-            Variable._execution_engine.queue_callback(self._on_backward_end)
-        self.reducer.on_grad_ready(param)  # type: ignore[arg-type]
-
-    def _on_backward_end(self) -> None:
-        self._queued = False
-        self._defer = False
-        self.reducer.on_backward_end()
-
-    def at_boundary(self) -> None:
-        """Nothing pending: every backward was reduced when it ended."""
-
-    def remove(self) -> None:
-        """Remove the hooks."""
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
 
 
 def replicated_optimizer(
@@ -705,5 +602,5 @@ def replicated_optimizer(
         reduce_fn = (
             ReduceScatterInPlace(part, strategy) if part.in_place_grads else ReduceScatterInto(part, strategy)
         )
-        return opt, BoundaryReduction(plan, reduce_fn, config.max_inflight)
+        return opt, BackwardReduction(params, plan, reduce_fn, config.max_inflight)
     return opt, HookedReduction(params, BucketedReducer(plan, ReduceScatterInto(part, strategy), config))

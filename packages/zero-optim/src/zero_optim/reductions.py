@@ -1,0 +1,290 @@
+"""How whole gradients reach the fp32 gradient partitions of stages 0, 1 and 2 (a :class:`GradientReduction`).
+
+* :class:`BoundaryReduction` (stage 0, and stage 1 when asked for): autograd accumulates the
+  whole gradients over the micro-steps; one bucketed reduction after the boundary backward.
+* :class:`BackwardReduction` (stage 1): the same buckets and collectives, issued during the
+  boundary micro-step's backward, each bucket as soon as all of its gradients are accumulated
+  (as DDP overlaps its all-reduce with backward).
+* :class:`HookedReduction` (stage 2): every boundary backward feeds a
+  :class:`~zero_optim.buckets.BucketedReducer`.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+from torch.profiler import record_function
+from torch.utils.hooks import RemovableHandle
+
+from zero_comm.watchdog import label
+from zero_comm.watchdog import note as watchdog_note
+from zero_optim.buckets import BucketedReducer, BucketPlan, ReduceHandle
+
+__all__ = ["BackwardReduction", "BoundaryReduction", "GradientReduction", "HookedReduction"]
+
+
+class GradientReduction(Protocol):
+    """How full gradients reach the fp32 gradient partitions, for the engine to drive."""
+
+    def begin_micro_step(self, is_boundary: bool) -> None:
+        """Called before each backward: whether this micro-step ends the accumulation window."""
+        ...
+
+    def at_boundary(self) -> None:
+        """Reduce whatever is still pending before the optimizer step (every rank calls it)."""
+        ...
+
+    def remove(self) -> None:
+        """Remove any hooks installed on the model."""
+        ...
+
+
+class BoundaryReduction:
+    """Stages 0 and 1: autograd accumulates whole gradients; one bucketed reduction at the boundary.
+
+    Args:
+        plan: The static buckets (``reduce_bucket_size``), the same order on every rank.
+        reduce_fn: :class:`AllReduceInto` (stage 0) or :class:`ReduceScatterInto` (stage 1).
+        max_inflight: Buckets in flight at once (bounds the staging memory).
+    """
+
+    __slots__ = ("max_inflight", "plan", "reduce_fn")
+
+    def __init__(
+        self, plan: BucketPlan, reduce_fn: Callable[..., ReduceHandle], max_inflight: int = 1
+    ) -> None:
+        self.plan = plan
+        self.reduce_fn = reduce_fn
+        self.max_inflight = max_inflight
+
+    def begin_micro_step(self, is_boundary: bool) -> None:
+        """Autograd accumulates whole gradients until :meth:`at_boundary` (in place when bound)."""
+        before = getattr(self.reduce_fn, "before_backward", None)
+        if callable(before):
+            before()
+
+    def at_boundary(self) -> None:
+        """Reduce every bucket, at most ``max_inflight`` in flight at once."""
+        with record_function("zero.optim.reduce_at_boundary"):
+            inflight: collections.deque[ReduceHandle] = collections.deque()
+            for bucket in self.plan.buckets:
+                if len(inflight) >= self.max_inflight:
+                    inflight.popleft().wait()
+                inflight.append(self.reduce_fn(list(bucket), async_op=True))
+            while inflight:
+                inflight.popleft().wait()
+
+    def remove(self) -> None:
+        """Nothing installed."""
+
+
+class BackwardReduction:
+    """Stage 1: the boundary reduction of :class:`BoundaryReduction`, issued during the boundary backward.
+
+    Non-boundary micro-steps (``begin_micro_step(False)``) let autograd accumulate the whole
+    gradients and do no work. In the backward of the boundary micro-step (every backward
+    when no engine calls :meth:`begin_micro_step`), a post-accumulate-grad hook counts each
+    gradient; a bucket of the plan is reduced asynchronously as soon as all of its gradients
+    are accumulated and every earlier bucket was issued, so the buckets go out in plan order
+    on every rank, at most ``max_inflight`` in flight. The end of the backward issues the
+    buckets left (parameters without a gradient in this backward count as they are), and
+    :meth:`at_boundary` waits for them; it reduces everything itself when no backward did.
+    The collectives, their buckets and order are those of :class:`BoundaryReduction`: the
+    results are bit-identical.
+
+    A ``reduce_fn`` that reduces in place (:class:`~zero_optim.ReduceScatterInPlace`, which
+    leaves the averaged partition where the whole gradient was) has a ``carry(param)``: when a
+    second backward accumulates into a window already reduced (several ``backward()`` calls
+    without the engine), a gradient hook scales this rank's reduced partition by the world
+    size before autograd adds to it, so the next reduction's average keeps it.
+
+    Args:
+        params: The trained parameters (every one in ``plan``).
+        plan: The static buckets (``reduce_bucket_size``), the same order on every rank.
+        reduce_fn: ``reduce_fn(params, async_op=True)``, e.g. :class:`~zero_optim.ReduceScatterInPlace`.
+        max_inflight: Buckets in flight at once (bounds the staging memory).
+    """
+
+    __slots__ = (
+        "_carry",
+        "_defer",
+        "_handles",
+        "_inflight",
+        "_next",
+        "_queued",
+        "_ready",
+        "_reduced",
+        "_scaled",
+        "_unreduced",
+        "max_inflight",
+        "plan",
+        "reduce_fn",
+    )
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        plan: BucketPlan,
+        reduce_fn: Callable[..., ReduceHandle],
+        max_inflight: int = 1,
+    ) -> None:
+        self.plan = plan
+        self.reduce_fn = reduce_fn
+        self.max_inflight = max_inflight
+        self._defer = False
+        self._queued = False
+        self._next = 0
+        self._ready = [0] * len(plan)
+        self._inflight: collections.deque[ReduceHandle] = collections.deque()
+        self._reduced = False  # a backward reduced this window
+        self._unreduced = False  # gradients accumulated since the last reduction
+        self._carry: Callable[[nn.Parameter], None] | None = getattr(reduce_fn, "carry", None)
+        self._scaled: set[int] | None = None  # carrying: parameters whose partition was scaled
+        self._handles: list[RemovableHandle] = []
+        for p in params:
+            self._handles.append(p.register_hook(self._before_grad_hook(p)))
+            self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    def begin_micro_step(self, is_boundary: bool) -> None:
+        """Reduce during this backward only if it ends the accumulation window; bind in-place gradients."""
+        self._defer = not is_boundary
+        before = getattr(self.reduce_fn, "before_backward", None)
+        if callable(before):
+            before()
+
+    def _before_grad_hook(self, param: nn.Parameter) -> Callable[[torch.Tensor], None]:
+        def hook(_grad: torch.Tensor) -> None:
+            self._unreduced = True
+            if self._scaled is not None and id(param) not in self._scaled:
+                self._carry_over(param)
+
+        return hook
+
+    def _carry_over(self, param: nn.Parameter) -> None:
+        """Scale ``param``'s reduced partition for the next reduction (once per window reduction)."""
+        self._drain()  # the partition must hold its reduced values first
+        if self._carry is not None and self._scaled is not None:
+            self._scaled.add(id(param))
+            with torch.no_grad():
+                self._carry(param)
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if self._defer:
+            return
+        if not self._queued:
+            self._queued = True
+            Variable._execution_engine.queue_callback(self._on_backward_end)
+        plan = self.plan
+        b = plan.index[id(param)]
+        self._ready[b] += 1
+        while self._next < len(plan) and self._ready[self._next] >= len(plan.buckets[self._next]):
+            self._issue(self._next)
+            self._next += 1
+
+    def _issue(self, b: int) -> None:
+        params, names = list(self.plan.buckets[b]), self.plan.names
+        watchdog_note(lambda: label("reduces the gradients of", [names.get(id(p), "?") for p in params]))
+        if self._scaled is not None:  # parameters without a gradient since the last reduction
+            for p in params:
+                if id(p) not in self._scaled:
+                    self._carry_over(p)
+        with record_function("zero.optim.reduce_bucket"):
+            while len(self._inflight) >= self.max_inflight:
+                self._inflight.popleft().wait()
+            self._inflight.append(self.reduce_fn(params, async_op=True))
+
+    def _on_backward_end(self) -> None:
+        self._queued = False
+        self._defer = False
+        with record_function("zero.optim.reduce_flush"):
+            self._reduce_rest()
+
+    def _reduce_rest(self) -> None:
+        for b in range(self._next, len(self.plan)):
+            self._issue(b)
+        self._next = 0
+        self._ready = [0] * len(self.plan)
+        self._reduced = True
+        self._unreduced = False
+        self._scaled = set() if self._carry is not None else None
+
+    def _drain(self) -> None:
+        while self._inflight:
+            self._inflight.popleft().wait()
+
+    def at_boundary(self) -> None:
+        """Wait for the reductions in flight; reduce every bucket if no backward did since."""
+        with record_function("zero.optim.reduce_at_boundary"):
+            if not self._reduced or self._unreduced:
+                self._reduce_rest()
+            self._drain()
+        self._reduced = False
+        self._unreduced = False
+        self._scaled = None
+
+    def remove(self) -> None:
+        """Remove the hooks."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+class HookedReduction:
+    """Stage 2: a post-accumulate-grad hook per parameter feeds a :class:`BucketedReducer`.
+
+    The hooks are installed here, in one place, with removable handles; the end of each
+    backward (an autograd final callback queued by the first hook) flushes the reducer, so
+    plain ``loss.backward()`` works too.
+
+    With gradient accumulation, communication happens only at the boundary: before a
+    non-boundary micro-step's backward the engine calls ``begin_micro_step(False)`` and the
+    hooks let autograd accumulate the whole gradient in ``.grad`` (as DDP's ``no_sync``); in
+    the boundary micro-step's backward each accumulated gradient is reduce-scattered into its
+    partition as soon as it is complete and freed. Without the engine (plain
+    ``loss.backward()``) every backward is a boundary.
+
+    Args:
+        params: The trained parameters.
+        reducer: The bucketed reducer (its ``reduce_fn`` a :class:`ReduceScatterInto`).
+    """
+
+    __slots__ = ("_defer", "_handles", "_queued", "reducer")
+
+    def __init__(self, params: Sequence[nn.Parameter], reducer: BucketedReducer) -> None:
+        self.reducer = reducer
+        self._queued = False
+        self._defer = False
+        self._handles: list[RemovableHandle] = [
+            p.register_post_accumulate_grad_hook(self._on_grad) for p in params
+        ]
+
+    def begin_micro_step(self, is_boundary: bool) -> None:
+        """Defer reduction (keep accumulating ``.grad``) unless this micro-step is the boundary."""
+        self._defer = not is_boundary
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if self._defer:
+            return
+        if not self._queued:
+            self._queued = True
+            Variable._execution_engine.queue_callback(self._on_backward_end)
+        self.reducer.on_grad_ready(param)  # type: ignore[arg-type]
+
+    def _on_backward_end(self) -> None:
+        self._queued = False
+        self._defer = False
+        self.reducer.on_backward_end()
+
+    def at_boundary(self) -> None:
+        """Nothing pending: every backward was reduced when it ended."""
+
+    def remove(self) -> None:
+        """Remove the hooks."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
