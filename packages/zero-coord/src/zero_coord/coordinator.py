@@ -387,11 +387,12 @@ class Coordinator:
         code = (ms.index << 1) | backward
         if not step.advance(code):
             self._diverged(step, code)
+        fetcher = self._fetcher
         with profile_range("zero.coord.fetch"):
-            self._fetcher.acquire(ms, backward=backward)
-        if step.valid and self._fetcher.prefetches:
+            fetcher.acquire(ms, backward=backward, step=step if step.valid and fetcher.windows else None)
+        if step.valid and fetcher.prefetches:
             with profile_range("zero.coord.prefetch"):
-                self._fetcher.prefetch(step)
+                fetcher.prefetch(step)
 
     def on_post_forward(self, ms: ModuleHookState, output: Any, recompute: bool, *, failed: bool) -> None:
         """Post-forward of a hooked module: release, and end an eval step at its root.
