@@ -311,6 +311,8 @@ class Coordinator:
             slots = self._table.module_slots(module, name, leaf=module in leaf_modules)
             if slots or module is model:
                 self._add_state(module, name, slots, module in leaf_modules)
+        # Windows split between forward and backward only where backward gathers over hpZ groups.
+        self._fetcher.hpz = any(s.hpz for s in self._table.slots)
 
     def _add_state(self, module: nn.Module, name: str, slots: tuple[ParamSlot, ...], leaf: bool) -> None:
         ms = ModuleHookState(self, module, name, len(self._states), slots, leaf)

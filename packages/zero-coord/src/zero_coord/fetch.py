@@ -10,6 +10,7 @@ per window, not one per module.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator
 
 from torch import nn
@@ -24,6 +25,8 @@ from zero_coord.step import StepState
 
 __all__ = ["Fetcher"]
 
+_BY_INDEX = operator.attrgetter("index")
+
 
 class Fetcher:
     """Gathers a module's parameters when it runs, and prefetches along a complete trace.
@@ -37,9 +40,21 @@ class Fetcher:
     Attributes:
         windows: Whether fetches in a valid step prefetch gather windows (a bucket is set).
         prefetches: Whether :meth:`prefetch` has anything to do (a shard prefetcher).
+        hpz: Whether any managed parameter has an hpZ secondary group (set at install): only
+            then does a window split where it crosses between forward and backward.
     """
 
-    __slots__ = ("bound", "bucket", "live", "prefetches", "refill", "releaser", "shard_prefetch", "windows")
+    __slots__ = (
+        "bound",
+        "bucket",
+        "hpz",
+        "live",
+        "prefetches",
+        "refill",
+        "releaser",
+        "shard_prefetch",
+        "windows",
+    )
 
     def __init__(
         self,
@@ -58,6 +73,7 @@ class Fetcher:
         self.shard_prefetch = shard_prefetch
         self.windows = bool(self.bucket)
         self.prefetches = shard_prefetch is not None
+        self.hpz = False
 
     def acquire(self, ms: ModuleHookState, backward: bool = False, step: StepState | None = None) -> None:
         """Hold ``ms``'s parameters: wait for in-flight ones, gather the missing ones (one call).
@@ -86,7 +102,7 @@ class Fetcher:
         ms.active += 1
         if missing:
             acc.prefetch_misses += len(missing)
-            need = sum(s.numel for s in missing)
+            need = ms.numel if len(missing) == len(ms.slots) else sum(s.numel for s in missing)
             if live.retained and live.live + need > self.bound:
                 self.releaser.evict(need)
             if step is None:
@@ -144,7 +160,8 @@ class Fetcher:
         end = len(event_slots)
         # The run being collected: its pass (``None``: no hpZ parameter in it yet, either),
         # its slots (the first ``held`` are the current module's own), its elements.
-        run_secondary = backward if any(s.hpz for s in missing) else None
+        hpz = self.hpz
+        run_secondary = backward if hpz and any(s.hpz for s in missing) else None
         run: list[ParamSlot] = missing.copy()
         held = len(missing)
         run_numel = need
@@ -156,16 +173,17 @@ class Fetcher:
             add = [s for s in slots if s.batch is None and s not in window]
             if add:
                 numel = event_numel[pos] if len(add) == len(slots) else sum(s.numel for s in add)
-                if live.bounded_live + pending + numel > self.bound and not self.releaser.evict_later_than(
+                bounded_live = live.live - live.pending_grad_numel  # live.bounded_live, inlined
+                if bounded_live + pending + numel > self.bound and not self.releaser.evict_later_than(
                     step, pos, pending + numel
                 ):
                     break
                 secondary = bool(codes[pos] & 1)
-                if secondary is not run_secondary and any(s.hpz for s in add):
+                if hpz and secondary is not run_secondary and any(s.hpz for s in add):
                     if run_secondary is not None:  # the other pass's hpZ parameters: a new gather
-                        batch = self._issue(run, held, run_secondary, run_numel)
+                        batch = self._issue(run, held, need, run_numel - need, run_secondary)
                         mine = mine or (batch if held else None)
-                        run, held, run_numel = [], 0, 0
+                        run, held, run_numel, need = [], 0, 0, 0
                     run_secondary = secondary
                 run.extend(add)
                 window.update(add)
@@ -175,14 +193,25 @@ class Fetcher:
             pos += 1
         step.prefetch_pos = pos
         if run:
-            batch = self._issue(run, held, bool(run_secondary), run_numel)
+            batch = self._issue(run, held, need, run_numel - need, bool(run_secondary))
             mine = mine or (batch if held else None)
         return mine
 
-    def _issue(self, slots: list[ParamSlot], held: int, secondary: bool, numel: int) -> GatherBatch:
-        """One gather for ``slots``; all but the first ``held`` are marked prefetched."""
-        batch = self.live.gather(slots, secondary=secondary, numel=numel)
-        if held < len(slots):
-            ahead = slots[held:] if held else slots
-            self.live.mark_prefetched(ahead, numel - sum(s.numel for s in slots[:held]))
+    def _issue(
+        self, slots: list[ParamSlot], held: int, held_numel: int, ahead_numel: int, secondary: bool
+    ) -> GatherBatch:
+        """One gather for ``slots``: the first ``held`` (``held_numel`` elements) for the running
+        module, the others (``ahead_numel``) prefetched.
+
+        Gathered in parameter order (the same on every rank): shards bound into one flat buffer
+        in that order (an optimizer's) then lie back to back and go to the collective without
+        a concatenation, also for a backward window (trace order reversed).
+        """
+        live = self.live
+        ahead = slots[held:] if held else slots
+        if len(slots) > 1:
+            slots.sort(key=_BY_INDEX)
+        batch = live.gather(slots, secondary=secondary, numel=held_numel + ahead_numel)
+        if ahead:
+            live.mark_prefetched(ahead, ahead_numel)
         return batch
