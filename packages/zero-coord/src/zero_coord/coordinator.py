@@ -4,9 +4,11 @@ Lifecycle of one training step (hooks are bound methods of :mod:`zero_coord.hook
 which reach the coordinator through :class:`~zero_coord.hooks.HookTarget`):
 
 1. Root pre-forward starts the step and picks its trace (per phase and root module).
-2. Each hooked module's pre-forward *fetches*: waits for its parameters that are in flight,
-   gathers the missing ones in one coalesced call, then (with a complete trace) prefetches
-   the next modules of the trace. Its inputs go through :class:`~zero_coord.hooks.PostBackward`.
+2. Each hooked module's pre-forward *fetches*: with a complete trace it first issues the
+   prefetch window (the next modules' missing parameters within the bucket and the live
+   bound, and its own missing ones, in one gather) once half the bucket is free, then waits
+   for its parameters in flight; without a trace it gathers the missing ones in one call.
+   Its inputs go through :class:`~zero_coord.hooks.PostBackward`.
 3. Post-forward *releases* the parameters no running module holds, unless the trace says they
    are used again within ``max_reuse_distance`` elements; outputs go through
    :class:`~zero_coord.hooks.PreBackward`.
