@@ -23,8 +23,9 @@ DEPTH, WIDTH = 9, 13
 CONFIG = CoordinatorConfig(prefetch_bucket_size=400, max_live_parameters=800, max_reuse_distance=400)
 # Calls per hooked module and step, world 1: 82 after the split into modules (a call per slot to
 # mark or claim it, per event to match it); 62 in the flat coordinator before; 58 with the
-# bookkeeping the plan fixes done once per trace.
-MAX_CALLS_PER_MODULE = 60
+# bookkeeping the plan fixes done once per trace; 49 with prefetch windows (a window only once
+# half the bucket is free, no generator per trace position or slot list).
+MAX_CALLS_PER_MODULE = 52
 
 
 def _count_calls(rank):

@@ -130,8 +130,9 @@ def _hpz_backward_gathers_stay_in_the_node(rank, config_name: str):
     for step in range(2):
         with CommLedger(topology) as ledger:
             loss_fn(model(rank_input(step, rank.rank, (5, 7)))).backward()
-        gathers = [r.link for r in ledger.records if r.op == "all_gather"]
-        links.append((gathers.count(LinkKind.INTER_NODE), gathers.count(LinkKind.INTRA_NODE)))
+        gathers = [r for r in ledger.records if r.op == "all_gather"]
+        inter = [r.payload_bytes for r in gathers if r.link is LinkKind.INTER_NODE]
+        links.append((len(inter), len(gathers) - len(inter), sum(inter)))
     inputs = [(rank_input(step, r, (5, 7)),) for step in range(2) for r in range(world)]
     errors = grad_partition_errors(model, reference_grads(ref, inputs, loss_fn, world))
     coord.remove()
@@ -146,6 +147,12 @@ def test_hpz_backward_gathers_use_the_secondary_group(dist):
         ):
             assert err <= 1e-5 and problems == []
             # (inter-node, intra-node) all-gathers per step: forward gathers each layer once
-            # over all 4 ranks; every backward regather stays within the node (hpZ).
-            for inter, intra in links:
-                assert inter == layers and intra >= 1, (config_name, links)
+            # over all 4 ranks (prefetched: several layers per gather, the same bytes as the
+            # recording step's gather per layer); every backward regather stays within the node.
+            (first_inter, first_intra, first_bytes), *rest = links
+            assert first_inter == layers and first_intra >= 1, (config_name, links)
+            for inter, intra, inter_bytes in rest:
+                assert 1 <= inter <= layers and intra >= 1 and inter_bytes == first_bytes, (
+                    config_name,
+                    links,
+                )

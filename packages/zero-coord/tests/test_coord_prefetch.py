@@ -1,11 +1,21 @@
-"""Prefetch hit rate on a steady-state step, and the max-live-parameters bound."""
+"""Prefetch hit rate on a steady-state step, the max-live-parameters bound, one gather per window."""
 
 from __future__ import annotations
 
 import torch
-from coord_cases import DeepMLP, ReduceScatterSink, build, coordinate, over_worlds, rank_input
+from coord_cases import (
+    DeepMLP,
+    ReduceScatterSink,
+    build,
+    coordinate,
+    grad_partition_errors,
+    over_worlds,
+    rank_input,
+    reference_grads,
+)
 
 import zero_params
+from zero_comm import CommLedger, Topology
 from zero_coord import CoordinatorConfig
 
 DEPTH, WIDTH = 12, 17
@@ -98,3 +108,48 @@ def test_live_parameters_stay_within_the_bound_plus_one_module(dist, world):
     # Control: unbounded, the same run keeps (nearly) the whole model gathered.
     for peaks, observed, err, _ in dist.run(world, _live_bound, 10**9):
         assert err == 0.0 and observed > bound + LAYER_NUMEL and max(peaks) >= observed
+
+
+WINDOW_LAYERS = 4  # the prefetch bucket: four layers ahead
+
+
+def _window_collectives(rank, bucket: int):
+    model, ref = build(DeepMLP, depth=DEPTH, width=WIDTH)
+    config = CoordinatorConfig(prefetch_bucket_size=bucket, max_reuse_distance=0)
+    coord = coordinate(model, config, ReduceScatterSink())
+    topology = Topology(rank.ranks_per_node)
+    collectives, stats, errors, inputs = [], [], [], []
+    loss_fn = lambda out: out.pow(2).sum()  # noqa: E731 - tiny test loss
+    for step in range(3):
+        x = rank_input(step, rank.rank, (4, WIDTH))
+        inputs += [(rank_input(step, r, (4, WIDTH)),) for r in range(rank.world_size)]
+        with CommLedger(topology) as ledger:
+            out = model(x)
+            loss_fn(out).backward()
+        collectives.append(sum(r.op == "all_gather" for r in ledger.records))
+        stats.append(coord.last_step_stats)
+        with torch.no_grad():
+            errors.append((out - ref(x)).abs().max().item())
+    grad_errors = grad_partition_errors(model, reference_grads(ref, inputs, loss_fn, rank.world_size))
+    coord.remove()
+    return collectives, stats, max(errors), max(grad_errors.values())
+
+
+@over_worlds
+def test_one_gather_per_prefetch_window_not_per_module(dist, world):
+    window = WINDOW_LAYERS * LAYER_NUMEL
+    for collectives, stats, err, grad_err in dist.run(world, _window_collectives, window):
+        assert err == 0.0 and grad_err <= 1e-5, (err, grad_err)
+        steady = stats[2]
+        assert steady.prefetch_misses == 2 and steady.prefetch_hit_rate >= 0.9, steady
+        assert collectives[2] == steady.gathers, (collectives, steady)  # one collective per gather
+        # Recording step: no trace, a gather per module and pass.
+        assert stats[0].gathers == 2 * DEPTH, stats[0]
+        # Steady step, 2 x DEPTH fetches (the last layer's backward reuses its forward's): the
+        # first fetch gathers its layer with the window of 4 after it; later windows start once
+        # half the bucket (2 layers) is free, 2 layers per gather (before: a gather per layer).
+        modules = 2 * DEPTH - 1 - (1 + WINDOW_LAYERS)
+        assert steady.gathers <= 1 + -(-modules // (WINDOW_LAYERS // 2)), steady
+    # Control: a bucket of one layer gathers one layer at a time (the first with the missed one).
+    for _, stats, err, grad_err in dist.run(world, _window_collectives, LAYER_NUMEL):
+        assert err == 0.0 and grad_err <= 1e-5 and stats[2].gathers == 2 * DEPTH - 2, stats[2]

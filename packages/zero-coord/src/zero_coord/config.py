@@ -43,7 +43,8 @@ class CoordinatorConfig:
     Attributes:
         prefetch_bucket_size: How many elements of upcoming modules' parameters may be in
             flight or gathered ahead of use (``stage3_prefetch_bucket_size``). ``0`` turns
-            prefetching off.
+            prefetching off. A window of modules is gathered with one collective once half
+            the bucket is free, so larger buckets mean fewer, larger all-gathers.
         max_live_parameters: Upper bound on gathered (or in-flight) parameter elements that
             prefetching and reuse may keep alive (``stage3_max_live_parameters``). The
             parameters a running module needs are always gathered, so the peak is at most

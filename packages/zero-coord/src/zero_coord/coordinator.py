@@ -4,9 +4,11 @@ Lifecycle of one training step (hooks are bound methods of :mod:`zero_coord.hook
 which reach the coordinator through :class:`~zero_coord.hooks.HookTarget`):
 
 1. Root pre-forward starts the step and picks its trace (per phase and root module).
-2. Each hooked module's pre-forward *fetches*: waits for its parameters that are in flight,
-   gathers the missing ones in one coalesced call, then (with a complete trace) prefetches
-   the next modules of the trace. Its inputs go through :class:`~zero_coord.hooks.PostBackward`.
+2. Each hooked module's pre-forward *fetches*: with a complete trace it first issues the
+   prefetch window (the next modules' missing parameters within the bucket and the live
+   bound, and its own missing ones, in one gather) once half the bucket is free, then waits
+   for its parameters in flight; without a trace it gathers the missing ones in one call.
+   Its inputs go through :class:`~zero_coord.hooks.PostBackward`.
 3. Post-forward *releases* the parameters no running module holds, unless the trace says they
    are used again within ``max_reuse_distance`` elements; outputs go through
    :class:`~zero_coord.hooks.PreBackward`.
@@ -311,6 +313,8 @@ class Coordinator:
             slots = self._table.module_slots(module, name, leaf=module in leaf_modules)
             if slots or module is model:
                 self._add_state(module, name, slots, module in leaf_modules)
+        # Windows split between forward and backward only where backward gathers over hpZ groups.
+        self._fetcher.hpz = any(s.hpz for s in self._table.slots)
 
     def _add_state(self, module: nn.Module, name: str, slots: tuple[ParamSlot, ...], leaf: bool) -> None:
         ms = ModuleHookState(self, module, name, len(self._states), slots, leaf)
@@ -387,11 +391,12 @@ class Coordinator:
         code = (ms.index << 1) | backward
         if not step.advance(code):
             self._diverged(step, code)
+        fetcher = self._fetcher
         with profile_range("zero.coord.fetch"):
-            self._fetcher.acquire(ms, backward=backward)
-        if step.valid and self._fetcher.prefetches:
+            fetcher.acquire(ms, backward=backward, step=step if step.valid and fetcher.windows else None)
+        if step.valid and fetcher.prefetches:
             with profile_range("zero.coord.prefetch"):
-                self._fetcher.prefetch(step)
+                fetcher.prefetch(step)
 
     def on_post_forward(self, ms: ModuleHookState, output: Any, recompute: bool, *, failed: bool) -> None:
         """Post-forward of a hooked module: release, and end an eval step at its root.

@@ -1,16 +1,21 @@
 """Fetch and prefetch: gather what a module needs now, and what the trace says comes next.
 
-A fetch waits for the module's parameters that are in flight and gathers the missing ones in
-one coalesced call; prefetching then gathers the next trace modules' parameters ahead of use,
-one call per module, within ``prefetch_bucket_size`` and ``max_live_parameters``.
+A fetch waits for the module's parameters that are in flight; with a complete trace it then
+prefetches a *window*: the missing parameters of the next trace modules, within
+``prefetch_bucket_size`` and ``max_live_parameters``, as one coalesced gather (one collective
+per strategy, dtype and device), together with the module's own missing parameters. A new
+window starts once at least half the bucket is free again, so steady steps issue one gather
+per window, not one per module.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator
 
 from torch import nn
 
+from zero_coord._profile import profile_range
 from zero_coord.config import CoordinatorConfig
 from zero_coord.hooks import ModuleHookState
 from zero_coord.prefetch_source import ShardPrefetcher
@@ -19,6 +24,8 @@ from zero_coord.slots import GatherBatch, LiveSlots, ParamSlot
 from zero_coord.step import StepState
 
 __all__ = ["Fetcher"]
+
+_BY_INDEX = operator.attrgetter("index")
 
 
 class Fetcher:
@@ -29,9 +36,25 @@ class Fetcher:
         live: The live-slot bookkeeping it gathers into.
         releaser: Evicts kept parameters to make room.
         shard_prefetch: Offered the upcoming parameters, to swap in offloaded shards.
+
+    Attributes:
+        windows: Whether fetches in a valid step prefetch gather windows (a bucket is set).
+        prefetches: Whether :meth:`prefetch` has anything to do (a shard prefetcher).
+        hpz: Whether any managed parameter has an hpZ secondary group (set at install): only
+            then does a window split where it crosses between forward and backward.
     """
 
-    __slots__ = ("bound", "bucket", "live", "prefetches", "releaser", "shard_prefetch")
+    __slots__ = (
+        "bound",
+        "bucket",
+        "hpz",
+        "live",
+        "prefetches",
+        "refill",
+        "releaser",
+        "shard_prefetch",
+        "windows",
+    )
 
     def __init__(
         self,
@@ -42,16 +65,23 @@ class Fetcher:
     ) -> None:
         self.bucket = config.prefetch_bucket_size
         self.bound = config.max_live_parameters
+        # A new window starts once this many elements of the bucket are free: one gather per
+        # half bucket, not one per module, while the next module is always in flight ahead.
+        self.refill = max(self.bucket // 2, 1)
         self.live = live
         self.releaser = releaser
         self.shard_prefetch = shard_prefetch
-        # Whether prefetch() has anything to do (a bucket or a shard prefetcher): fixed, asked per fetch.
-        self.prefetches = bool(self.bucket) or shard_prefetch is not None
+        self.windows = bool(self.bucket)
+        self.prefetches = shard_prefetch is not None
+        self.hpz = False
 
-    def acquire(self, ms: ModuleHookState, backward: bool = False) -> None:
+    def acquire(self, ms: ModuleHookState, backward: bool = False, step: StepState | None = None) -> None:
         """Hold ``ms``'s parameters: wait for in-flight ones, gather the missing ones (one call).
 
         ``backward``: gather over the hpZ secondary group where parameters have one.
+        ``step``: a valid step with a complete trace: the prefetch window that follows is
+        issued before waiting, the missing parameters in the same gather as the window's
+        first run (when it is of the same pass).
         """
         live = self.live
         acc = live.acc
@@ -72,18 +102,22 @@ class Fetcher:
         ms.active += 1
         if missing:
             acc.prefetch_misses += len(missing)
-            if live.retained:
-                need = sum(s.numel for s in missing)
-                if live.live + need > self.bound:
-                    self.releaser.evict(need)
-            waits.append(live.gather(missing, secondary=backward))
+            need = ms.numel if len(missing) == len(ms.slots) else sum(s.numel for s in missing)
+            if live.retained and live.live + need > self.bound:
+                self.releaser.evict(need)
+            if step is None:
+                waits.append(live.gather(missing, secondary=backward, numel=need))
+            else:
+                with profile_range("zero.coord.prefetch"):
+                    waits.append(self._prefetch_gathers(step, missing, need, backward))
+        elif step is not None and self.bucket - live.ahead_numel >= self.refill:
+            with profile_range("zero.coord.prefetch"):
+                self._prefetch_gathers(step, missing, 0, backward)
         for batch in waits:
             batch.wait()
 
     def prefetch(self, step: StepState) -> None:
-        """Prefetch along the trace: gathers within the bucket, then swap-ins of offloaded shards beyond."""
-        if self.bucket:
-            self._prefetch_gathers(step)
+        """Offer the upcoming parameters to the shard prefetcher (swap-ins of offloaded shards)."""
         if self.shard_prefetch is not None:
             self.live.acc.shard_prefetches += self.shard_prefetch.prefetch(self._upcoming_params(step))
 
@@ -104,8 +138,18 @@ class Fetcher:
                     if s.batch is None:
                         yield s.param, True
 
-    def _prefetch_gathers(self, step: StepState) -> None:
-        """Issue async gathers (one per module) for the next trace modules within the bucket and bound."""
+    def _prefetch_gathers(
+        self, step: StepState, missing: list[ParamSlot], need: int, backward: bool
+    ) -> GatherBatch | None:
+        """Gather ``missing`` (``need`` elements, held by the current module) and the window after it.
+
+        The window: the missing parameters of the next trace modules while the bucket has
+        room and they fit under ``max_live_parameters`` (kept-for-reuse parameters needed
+        later make room), all in one gather; only where the window crosses between forward
+        and backward and a parameter has an hpZ secondary group (backward gathers over it)
+        does it take one gather per pass. Returns the batch that holds ``missing`` (``None``
+        without).
+        """
         live = self.live
         room = self.bucket - live.ahead_numel
         pos = max(step.prefetch_pos, step.cursor)
@@ -114,17 +158,60 @@ class Fetcher:
         event_numel = plan.event_numel
         codes = plan.codes
         end = len(event_slots)
+        # The run being collected: its pass (``None``: no hpZ parameter in it yet, either),
+        # its slots (the first ``held`` are the current module's own), its elements.
+        hpz = self.hpz
+        run_secondary = backward if hpz and any(s.hpz for s in missing) else None
+        run: list[ParamSlot] = missing.copy()
+        held = len(missing)
+        run_numel = need
+        pending = need  # collected, not yet gathered
+        mine: GatherBatch | None = None
+        window = set(missing)  # collected so far (a slot may recur within the window)
         while pos < end and room > 0:
             slots = event_slots[pos]
-            add = [s for s in slots if s.batch is None]
+            add = [s for s in slots if s.batch is None and s not in window]
             if add:
                 numel = event_numel[pos] if len(add) == len(slots) else sum(s.numel for s in add)
-                if live.bounded_live + numel > self.bound and not self.releaser.evict_later_than(
-                    step, pos, numel
+                bounded_live = live.live - live.pending_grad_numel  # live.bounded_live, inlined
+                if bounded_live + pending + numel > self.bound and not self.releaser.evict_later_than(
+                    step, pos, pending + numel
                 ):
                     break
-                live.gather(add, secondary=bool(codes[pos] & 1), numel=numel)
-                live.mark_prefetched(add, numel)
+                secondary = bool(codes[pos] & 1)
+                if hpz and secondary is not run_secondary and any(s.hpz for s in add):
+                    if run_secondary is not None:  # the other pass's hpZ parameters: a new gather
+                        batch = self._issue(run, held, need, run_numel - need, run_secondary)
+                        mine = mine or (batch if held else None)
+                        run, held, run_numel, need = [], 0, 0, 0
+                    run_secondary = secondary
+                run.extend(add)
+                window.update(add)
+                run_numel += numel
+                pending += numel
                 room -= numel
             pos += 1
         step.prefetch_pos = pos
+        if run:
+            batch = self._issue(run, held, need, run_numel - need, bool(run_secondary))
+            mine = mine or (batch if held else None)
+        return mine
+
+    def _issue(
+        self, slots: list[ParamSlot], held: int, held_numel: int, ahead_numel: int, secondary: bool
+    ) -> GatherBatch:
+        """One gather for ``slots``: the first ``held`` (``held_numel`` elements) for the running
+        module, the others (``ahead_numel``) prefetched.
+
+        Gathered in parameter order (the same on every rank): shards bound into one flat buffer
+        in that order (an optimizer's) then lie back to back and go to the collective without
+        a concatenation, also for a backward window (trace order reversed).
+        """
+        live = self.live
+        ahead = slots[held:] if held else slots
+        if len(slots) > 1:
+            slots.sort(key=_BY_INDEX)
+        batch = live.gather(slots, secondary=secondary, numel=held_numel + ahead_numel)
+        if ahead:
+            live.mark_prefetched(ahead, ahead_numel)
+        return batch

@@ -112,7 +112,7 @@ class Releaser:
         live = self.live
         plan = step.plan
         victims = []
-        projected = live.bounded_live
+        projected = live.live - live.pending_grad_numel  # live.bounded_live, inlined
         for s in live.retained:
             if projected + need <= self.bound:
                 break
@@ -122,4 +122,4 @@ class Releaser:
                 projected -= s.numel
         if victims:
             live.free(victims)
-        return live.bounded_live + need <= self.bound
+        return live.live - live.pending_grad_numel + need <= self.bound

@@ -61,6 +61,7 @@ class ParamSlot:
         index: Position in the coordinator's slot list (used as the trace key).
         numel: Elements of the full parameter.
         nbytes: Bytes of the full parameter.
+        hpz: It has an hpZ secondary gather (backward gathers it over the secondary group).
         holds: Module activations currently using the parameter (tied weights and external
             parameters are held by several modules).
         batch: The gather that made it live (``None`` while not gathered).
@@ -75,6 +76,7 @@ class ParamSlot:
         "batch",
         "grad_ready",
         "holds",
+        "hpz",
         "index",
         "name",
         "nbytes",
@@ -85,12 +87,15 @@ class ParamSlot:
         "retained",
     )
 
-    def __init__(self, param: nn.Parameter, name: str, index: int, numel: int, nbytes: int) -> None:
+    def __init__(
+        self, param: nn.Parameter, name: str, index: int, numel: int, nbytes: int, hpz: bool = False
+    ) -> None:
         self.param = param
         self.name = name
         self.index = index
         self.numel = numel
         self.nbytes = nbytes
+        self.hpz = hpz
         self.holds = 0
         self.batch: GatherBatch | None = None
         self.prefetched = False
@@ -153,7 +158,8 @@ class SlotTable:
         if state.persistent:
             return None
         numel = state.numel
-        slot = ParamSlot(param, name, len(self.slots), numel, numel * param.element_size())
+        hpz = state.secondary_strategy is not None
+        slot = ParamSlot(param, name, len(self.slots), numel, numel * param.element_size(), hpz)
         self.slots.append(slot)
         self.slot_of[param] = slot
         return slot

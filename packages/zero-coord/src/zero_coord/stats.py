@@ -19,7 +19,8 @@ class StepStats:
         phase: Phase of the step; ``None`` for running totals and before the first step.
         steps: Number of steps summed here (1 for a single step).
         max_live_elements: Peak number of gathered or in-flight parameter elements.
-        gathers: Coalesced all-gather calls issued (one per fetch miss or prefetch batch).
+        gathers: Coalesced all-gather calls issued (one per prefetch window, which takes the
+            fetching module's missed parameters along, or per fetch miss without a trace).
         prefetch_hits: Parameter uses served by an earlier prefetch (no blocking gather).
         prefetch_misses: Parameter uses that needed a blocking gather.
         reuse_hits: Parameter uses served by a parameter kept gathered since an earlier use
