@@ -89,12 +89,7 @@ class RowExchange:
         dst = rows[0] if self.rank != 0 or self.own_writable else rows[1]
         with record_function("zero.reduce_scatter.local_sum"):
             if dst.dtype in (torch.float16, torch.bfloat16):
-                acc = rows[0].float()
-                for r in range(1, world):
-                    acc.add_(rows[r])
-                if average:
-                    acc.div_(world)
-                return dst.copy_(acc)
+                return dst.copy_(_fp32_sum(rows, average))
             torch.add(rows[0], rows[1], out=dst)
             for r in range(2, world):
                 dst.add_(rows[r])
@@ -244,12 +239,7 @@ def sum_rows(recv: torch.Tensor, out: torch.Tensor, average: bool) -> None:
     rows = recv.shape[0]
     with record_function("zero.reduce_scatter.local_sum"):
         if recv.dtype in (torch.float16, torch.bfloat16):
-            acc = recv[0].float()
-            for r in range(1, rows):
-                acc.add_(recv[r])
-            if average:
-                acc.div_(rows)
-            out.copy_(acc)
+            out.copy_(_fp32_sum(recv, average))
             return
         if rows > ADD_CHAIN_MAX_ROWS:
             torch.sum(recv, dim=0, out=out)
@@ -259,3 +249,13 @@ def sum_rows(recv: torch.Tensor, out: torch.Tensor, average: bool) -> None:
                 out.add_(recv[r])
         if average:
             out.div_(rows)
+
+
+def _fp32_sum(rows: Sequence[torch.Tensor], average: bool) -> torch.Tensor:
+    """Half-precision rows added in rank order in fp32 (divided by their number if ``average``)."""
+    acc = rows[0].float()
+    for row in rows[1:]:
+        acc.add_(row)
+    if average:
+        acc.div_(len(rows))
+    return acc
