@@ -14,7 +14,8 @@
     nox -s cluster-bench      step time and inter-node bytes on a simulated 2-node cluster (root)
 
 torch is pinned to 2.13.0 through constraints.txt (a CPU wheel; an unpinned torch
-would pull a multi-GB CUDA build). Package metadata keeps a normal range.
+would pull a multi-GB CUDA build). Package metadata keeps a normal range. It is installed once
+per checkout (.nox/_shared-torch) and every session's venv sees it (see ``_torch``).
 """
 
 from __future__ import annotations
@@ -65,6 +66,35 @@ def _pip(session: nox.Session, *args: str) -> None:
     session.install("--no-compile", *args)
 
 
+# torch (and its own dependencies) is installed once per checkout into this directory and every
+# session's venv sees it through a .pth file: one ~0.8 GB install instead of one per session.
+SHARED_TORCH = ROOT / ".nox" / "_shared-torch"
+
+
+def _torch(session: nox.Session) -> None:
+    """Make the pinned torch importable in the session's venv without installing it there again.
+
+    The first session installs ``TORCH`` with ``pip install --target`` into :data:`SHARED_TORCH`
+    (with a marker naming the pin and the Python version; a different one starts it afresh); each
+    session's venv gets a ``.pth`` file that appends that directory to ``sys.path``, so pip in the
+    venv sees torch as installed and the ranks a test spawns import it too. Installing ~5,000
+    files was 30-50 s of each of CI's 12 venvs that hold torch. What a session installs itself
+    still lands in its own venv (and wins over the shared directory, which comes last on the path).
+    """
+    marker = SHARED_TORCH / "zero-shared-torch.txt"
+    purelib = session.run(
+        "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", silent=True
+    )
+    version = session.run("python", "-c", "import sys; print(*sys.version_info[:2], sep='.')", silent=True)
+    want = f"{TORCH} python {str(version).strip()}"
+    if not marker.is_file() or marker.read_text() != want:
+        shutil.rmtree(SHARED_TORCH, ignore_errors=True)
+        _pip(session, "--target", str(SHARED_TORCH), "-c", CONSTRAINTS, TORCH)
+        marker.write_text(want)
+    (pathlib.Path(str(purelib).strip()) / "zero_shared_torch.pth").write_text(str(SHARED_TORCH) + "\n")
+    _pip(session, "-c", CONSTRAINTS, TORCH)  # already satisfied: checks the venv sees the pin
+
+
 def _internal_deps(dist: str, extras: tuple[str, ...] = ()) -> list[str]:
     """The zero packages ``dist`` (with ``extras``) depends on, transitively, itself last.
 
@@ -106,8 +136,8 @@ def _bench(
 
 
 def _install(session: nox.Session, *dists: str, extras: str = "test", editable: bool = False) -> None:
-    """Install torch (pinned) then ``dists`` with their zero dependencies from this checkout."""
-    _pip(session, "-c", CONSTRAINTS, TORCH)
+    """Install torch (pinned, shared: :func:`_torch`) then ``dists`` with their zero dependencies."""
+    _torch(session)
     closure: list[str] = []
     for dist in dists:
         deps = _internal_deps(dist, tuple(e for e in extras.split(",") if e))
@@ -292,7 +322,7 @@ def wheels(session: nox.Session, dist: str) -> None:
         wheelhouse,
         [d for d in BUILD_ORDER if d != "zero-testing"] if dist == "zero-full" else [dist],
     )
-    _pip(session, "-c", CONSTRAINTS, TORCH)
+    _torch(session)
     # The built wheels are found by name; every other requirement comes from the index.
     _pip(session, "-c", CONSTRAINTS, "--find-links", str(wheelhouse), dist)
     if (

@@ -92,7 +92,11 @@ def main() -> None:
                     ckpt_io.write_torch = die
                 engine.save_checkpoint(CKPT)
         if MODE == "diverge" and rank == 1:
-            time.sleep(20)  # alive (heartbeats go on), but never joins rank 0's third step
+            # alive (heartbeats go on) but never joins rank 0's third step, until rank 0 has
+            # reported its timeout (at most 20 s: the test then fails on rank 0's missing report)
+            until = time.monotonic() + 20
+            while not os.path.exists(os.path.join(OUT, "rank0.json")) and time.monotonic() < until:
+                time.sleep(0.1)
         engine.close()
     except Exception as exc:  # noqa: BLE001 - reported to the test
         report.update(error=type(exc).__name__, message=str(exc), seconds=time.monotonic() - start)

@@ -16,6 +16,7 @@ from torch import nn
 import zero_full
 import zero_params
 from zero_comm import partition_numel
+from zero_testing.rss import resident_bytes
 
 IN, HID, OUT, BATCH, STEPS = 13, 1031, 5, 6, 3
 
@@ -201,20 +202,12 @@ def test_frozen_int8_with_offload_param_is_refused():
 RSS_LAYERS, RSS_WIDTH, RSS_WORLD = 4, 2048, 2
 
 
-def _status(key: str) -> int:
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{key} not in /proc/self/status")
-
-
 def rss_at_rest(ctx, quantized: bool) -> dict:
     """One rank of a fresh process: resident bytes above the runtime's own after two steps."""
     import zero_comm.quantized  # noqa: F401  (zero-kernels and triton: the runtime's own, in both runs)
 
     x = torch.randn(4, RSS_WIDTH, generator=torch.Generator().manual_seed(ctx.rank))
-    base = _status("VmRSS")
+    base = resident_bytes()
     torch.manual_seed(0)
     body = [nn.Linear(RSS_WIDTH, RSS_WIDTH, bias=False) for _ in range(RSS_LAYERS)]
     model = nn.Sequential(*body, nn.Linear(RSS_WIDTH, 3))
@@ -225,7 +218,7 @@ def rss_at_rest(ctx, quantized: bool) -> dict:
     for _ in range(2):
         engine.backward(engine(x).pow(2).mean())
         engine.step()
-    rest = _status("VmRSS") - base
+    rest = resident_bytes() - base
     engine.close()
     return {"rest": rest, "frozen": frozen}
 

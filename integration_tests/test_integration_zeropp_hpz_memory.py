@@ -17,22 +17,15 @@ from torch import nn
 
 import zero_full
 from zero_full.estimate import estimate_model_states
+from zero_testing.rss import resident_bytes, rest_and_peak
 
 LAYERS, WIDTH, WORLD, PER_NODE, HPZ = 4, 1024, 4, 2, 2
-
-
-def _status(key: str) -> int:
-    with open("/proc/self/status", encoding="ascii") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{key} not in /proc/self/status")
 
 
 def hpz_rank(ctx, hpz: int) -> dict:
     """One rank: resident bytes above the runtime's own at rest and at the step's peak."""
     x = torch.randn(4, WIDTH, generator=torch.Generator().manual_seed(ctx.rank))
-    base = _status("VmRSS")
+    base = resident_bytes()
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH, bias=False) for _ in range(LAYERS)])
     psi = sum(p.numel() for p in model.parameters())
@@ -43,15 +36,9 @@ def hpz_rank(ctx, hpz: int) -> dict:
         engine.backward(engine(x).pow(2).mean())
         engine.step()
 
-    step()
-    step()
-    rest = _status("VmRSS") - base
-    with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
-        f.write("5")
-    step()
-    peak = _status("VmHWM") - base
+    measured = rest_and_peak(step, base)
     engine.close()
-    return {"psi": psi, "rest": rest, "peak": peak}
+    return {"psi": psi, "rest": measured.rest, "peak": measured.peak}
 
 
 def test_hpz_rss_cost_matches_zero_estimate():

@@ -170,12 +170,12 @@ def test_bad_inputs_are_named(dist, spec):
 @pytest.mark.parametrize("rows", [2, 3, 4, 5, 8])
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=list(DTYPES))
 def test_local_sum_over_received_rows(rows, dtype):
-    from zero_comm.coalesced import _sum_rows
+    from zero_comm.row_exchange import sum_rows
 
     recv = torch.randint(-20, 20, (rows, 1023), generator=torch.Generator().manual_seed(rows)).to(dtype)
     for average in (False, True):
         out = torch.empty(1023, dtype=dtype)
-        _sum_rows(recv, out, average)
+        sum_rows(recv, out, average)
         want = recv.double().sum(0) / (rows if average else 1)
         assert torch.equal(out, want.to(dtype)), (rows, dtype, average)
 
@@ -215,7 +215,7 @@ def test_partitions_are_unpadded_as_the_original(dist, world):
 
 
 def _rank_order_sum(t: torch.Tensor, average: bool, group=None) -> torch.Tensor:
-    """This rank's partition summed row by row in rank order (``_sum_rows``' order), from an all-gather."""
+    """This rank's partition summed row by row in rank order (as ``sum_rows``), from an all-gather."""
     world, rank = tdist.get_world_size(group), tdist.get_rank(group)
     part = partition_numel(t.numel(), world)
     padded = torch.zeros(world * part, dtype=t.dtype)

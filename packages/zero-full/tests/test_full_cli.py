@@ -18,7 +18,10 @@ from zero_full.report import gloo_smoke_check
 
 
 def formula_bytes(psi: int, n: int, precision: str) -> dict[int, float]:
-    """The ZeRO paper's per-rank model-state bytes (REFERENCES.md), written out independently."""
+    """Per-rank model-state bytes of the ZeRO paper (Rajbhandari et al., 2020, section 5), written out
+    independently: ``psi`` parameters, ``n`` ranks; fp32 training keeps 4 bytes each of parameters and
+    gradients and 8 of Adam state, mixed precision 2 + 2 and 12 (fp32 master copy, momentum, variance).
+    Stage 1 partitions the optimizer state, stage 2 the gradients too, stage 3 everything."""
     if precision == "mixed":
         return {0: 16 * psi, 1: 4 * psi + 12 * psi / n, 2: 2 * psi + 14 * psi / n, 3: 16 * psi / n}
     return {0: 16 * psi, 1: 8 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n, 3: 16 * psi / n}

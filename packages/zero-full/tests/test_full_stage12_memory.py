@@ -13,18 +13,14 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from full_stage12_rss_worker import stage12_rank
 from torch import nn
 
 import zero_comm
 import zero_full
+from zero_comm.launch import launch
 
 SHAPES = [(7, 5), (13,), (1,), (31, 3), (2, 2)]
 
@@ -137,28 +133,15 @@ def test_optimizer_steps_in_sub_groups_with_schedules_and_groups_intact(dist, wo
 
 # ----------------------------------------------------------------------------- real memory
 
-WORKER = Path(__file__).with_name("full_stage12_rss_worker.py")
+
+def _launch(impl: str) -> list[dict[str, int]]:
+    """``impl`` on 2 fresh ranks (``zero_comm.launch``), one resident-memory reading per rank."""
+    env = {"MALLOC_MMAP_THRESHOLD_": "1048576", "OMP_NUM_THREADS": "1"}
+    return [a.value for a in launch(stage12_rank, 2, impl, timeout=600.0, env=env, name=impl)]
 
 
-def _launch(impl: str, tmp_path: Path) -> list[dict[str, float]]:
-    out = tmp_path / f"{impl}.json"
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="1048576", OMP_NUM_THREADS="1")
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone"]
-    proc = subprocess.run(
-        [*launch, str(WORKER), impl, str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-        env=env,
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [json.loads(line) for line in out.read_text().splitlines()]
-
-
-def test_stage_1_and_2_rss_at_rest_is_the_formula_and_step_peak_beats_ddp(tmp_path):
-    figures = {impl: _launch(impl, tmp_path) for impl in ("ddp", "zero1", "zero2")}
+def test_stage_1_and_2_rss_at_rest_is_the_formula_and_step_peak_beats_ddp():
+    figures = {impl: _launch(impl) for impl in ("ddp", "zero1", "zero2")}
     psi = figures["ddp"][0]["psi"]
     formula = {"zero1": 8 * psi + 8 * psi / 2, "zero2": 4 * psi + 12 * psi / 2}
     ddp_peak = max(r["peak"] for r in figures["ddp"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist_
@@ -48,6 +50,18 @@ def test_results_come_back_in_rank_order(dist, world, per_node):
     results = dist.run(world, _sum_of_ranks, ranks_per_node=per_node)
     total = sum(range(world))
     assert results == [(r, r % per_node, r // per_node, float(total)) for r in range(world)]
+
+
+def _pid(rank):
+    return os.getpid()
+
+
+def test_the_worlds_of_the_suites_keep_their_pools_between_calls(dist):
+    # a world-parametrized test calls 1, 2, 4, 1, 2, 4, ...: each pool must be started only once
+    worlds = [(1, 1), (2, 2), (4, 4), (4, 2)]
+    first = [dist.run(w, _pid, ranks_per_node=n) for w, n in worlds]
+    again = [dist.run(w, _pid, ranks_per_node=n) for w, n in worlds]
+    assert again == first
 
 
 def test_a_failing_rank_is_named_and_the_pool_recovers(dist):

@@ -37,7 +37,6 @@ import importlib
 
 from zero_comm.cast import COMM_DTYPES, CastAllGather, CastAllReduce, CastReduceScatter
 from zero_comm.coalesced import (
-    StagedReduceScatter,
     all_gather_coalesced,
     all_gather_coalesced_into,
     reduce_scatter_coalesced,
@@ -58,6 +57,7 @@ from zero_comm.rank_memory import (
     reset_process_peak,
 )
 from zero_comm.reduction import ReduceOpLike, Reduction
+from zero_comm.staged import StagedReduceScatter
 from zero_comm.strategies import (
     AllGatherStrategy,
     AllToAllReduceScatter,

@@ -28,12 +28,19 @@ from zero_comm.handles import AllGatherHandle, CollectiveHandle, ReduceScatterHa
 from zero_comm.ledger import record, ring_wire_bytes
 from zero_comm.partition import partition_numel, shard_range
 from zero_comm.reduction import ReduceOpLike, Reduction
+from zero_comm.row_exchange import (
+    ADD_CHAIN_MAX_ROWS,
+    RowExchange,
+    exchange_rows,
+    interleave,
+    issue_staged_rows,
+    record_padded_reduce_scatter,
+)
 from zero_comm.topology import group_size_and_rank
 from zero_comm.watchdog import watched_call
 
 __all__ = [
     "GatherLayout",
-    "StagedReduceScatter",
     "adjacent_flat_view",
     "all_gather_coalesced",
     "all_gather_coalesced_into",
@@ -47,7 +54,6 @@ __all__ = [
 ]
 
 _RS_OPS = (Reduction.SUM, Reduction.AVG)
-_ADD_CHAIN_MAX_ROWS = 4  # measured on CPU: row-by-row adds beat torch.sum(dim=0) up to here
 
 
 @dataclasses.dataclass(frozen=True)
@@ -485,7 +491,7 @@ def issue_reduce_scatter(
     """
     what = "reduce_scatter_coalesced"
     with record_function("zero.reduce_scatter.issue"):
-        world, _ = group_size_and_rank(group, what)
+        world, rank = group_size_and_rank(group, what)
         check_flat_inputs(tensors, what, require_1d=False)
         reduction = Reduction.parse(op, _RS_OPS, what)
         first = tensors[0]
@@ -494,335 +500,12 @@ def issue_reduce_scatter(
                 f"{what}: op='avg' needs a floating-point dtype, got {first.dtype}; use op='sum'"
             )
         parts = [partition_numel(t.numel(), world) for t in tensors]
-        es = first.element_size()
-        padded_bytes = world * sum(parts) * es
-        payload = sum(t.numel() for t in tensors) * es
-        record(
-            "reduce_scatter",
-            group,
-            payload_bytes=payload,
-            wire_bytes=ring_wire_bytes("reduce_scatter", padded_bytes, world),
-        )
-        return _issue_reduce_scatter(tensors, parts, world, reduction, group, async_op)
-
-
-def _issue_reduce_scatter(
-    tensors: Sequence[torch.Tensor],
-    parts: list[int],
-    world: int,
-    reduction: Reduction,
-    group: ProcessGroup | None,
-    async_op: bool,
-) -> ReduceScatterHandle:
-    first = tensors[0]
-    if world == 1:
-        out = torch.empty(sum(parts), dtype=first.dtype, device=first.device)
-        torch.cat([t.view(-1) for t in tensors], out=out)
-        views = list(torch.split(out, parts))
-        return ReduceScatterHandle("reduce_scatter", None, lambda: views)
-    if world > _ADD_CHAIN_MAX_ROWS:
-        return _issue_reduce_scatter_full(tensors, parts, world, reduction, group, async_op)
-    _, rank = group_size_and_rank(group, "reduce_scatter_coalesced")
-    exchange = _Exchange.build(tensors, parts, world, rank)
-    return _exchange_rows(exchange, parts, reduction is Reduction.AVG, group, async_op)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Exchange:
-    """The buffers of one reduce-scatter over at most :data:`_ADD_CHAIN_MAX_ROWS` ranks.
-
-    No rank sends its own partition to itself: ``send`` holds the rows of the other ranks
-    (in rank order), ``recv`` receives theirs, and this rank's row (``own``) is read where it
-    lies. A single unpadded tensor is sent as it is (no staging copy); several are
-    interleaved into ``send`` and ``own``. The sum is accumulated in place into a row of
-    ``recv`` (or ``own`` when it is staging): in flight a bucket holds its input (or its
-    staging copy) and ``(W - 1) / W`` of it for the received rows, nothing more.
-
-    Attributes:
-        send: The rows sent, contiguous (for a single tensor whose own row lies between
-            others: the whole tensor, own row included, with ``recv`` of ``W`` rows).
-        recv: ``(R, P)`` rows received.
-        splits: Elements exchanged with each rank (``all_to_all_single`` split sizes).
-        own: This rank's row, or ``None`` when it arrives in ``recv``.
-        own_writable: Whether ``own`` is a staging copy (the sum may be written into it).
-        rank: This rank.
-    """
-
-    send: torch.Tensor
-    recv: torch.Tensor
-    splits: list[int]
-    own: torch.Tensor | None
-    own_writable: bool
-    rank: int
-
-    @classmethod
-    def build(cls, tensors: Sequence[torch.Tensor], parts: list[int], world: int, rank: int) -> _Exchange:
-        first = tensors[0]
-        total = sum(parts)
-        others = [0 if r == rank else total for r in range(world)]
-        if len(tensors) == 1 and first.numel() == world * total:
-            rows = first.view(world, total)
-            if rank in (0, world - 1):  # the other rows lie back to back: send them as they are
-                send = rows[1:] if rank == 0 else rows[:-1]
-                recv = torch.empty_like(send)
-                return cls(send.reshape(-1), recv, others, rows[rank], False, rank)
-            recv = torch.empty_like(rows)
-            return cls(first.view(-1), recv, [total] * world, None, False, rank)
-        send, own = _interleave(tensors, parts, world, rank)
-        return cls(send.view(-1), torch.empty_like(send), others, own, True, rank)
-
-    def reduce(self, average: bool) -> torch.Tensor:
-        """The rows summed in rank order (averaged), as :func:`_sum_rows` would: a view of one buffer."""
-        world = len(self.splits)
-        received = iter(self.recv)
-        rows = [self.own if r == self.rank and self.own is not None else next(received) for r in range(world)]
-        # a buffer of ours to sum into: x + y == y + x exactly, so either of the first two rows
-        dst = rows[0] if self.rank != 0 or self.own_writable else rows[1]
-        with record_function("zero.reduce_scatter.local_sum"):
-            if dst.dtype in (torch.float16, torch.bfloat16):
-                acc = rows[0].float()
-                for r in range(1, world):
-                    acc.add_(rows[r])
-                if average:
-                    acc.div_(world)
-                return dst.copy_(acc)
-            torch.add(rows[0], rows[1], out=dst)
-            for r in range(2, world):
-                dst.add_(rows[r])
-            if average:
-                dst.div_(world)
-        return dst
-
-
-class StagedReduceScatter:
-    """A reduce-scatter whose staging buffer is filled one tensor at a time (contiguous gradients).
-
-    :func:`issue_reduce_scatter` stages several tensors into one interleaved buffer when it
-    is called, so until then the caller holds every input, and the inputs and their staging
-    copy coexist. Here the staging rows are allocated up front and :meth:`put` copies each
-    tensor's partitions into them as soon as it exists, after which the caller frees it:
-    a bucket of gradients costs its staging buffer, one gradient at a time and, once
-    issued, the ``(W - 1) / W`` rows received — DeepSpeed's ``contiguous_gradients``. The
-    rows, the exchange and the rank-order sum are those of :func:`issue_reduce_scatter`, so
-    the results are bit-identical to it (a tensor never put counts as zeros).
-
-    Args:
-        numels: Elements of each tensor, in order (identical on every rank).
-        group: Process group (``None``: the world).
-        dtype: dtype of the tensors.
-        device: Where they live.
-    """
-
-    __slots__ = ("_filled", "_offsets", "_own", "_send", "group", "numels", "parts", "rank", "world")
-
-    def __init__(
-        self,
-        numels: Sequence[int],
-        group: ProcessGroup | None,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ) -> None:
-        if not numels:
-            raise ValueError("StagedReduceScatter needs at least one tensor")
-        self.world, self.rank = group_size_and_rank(group, "reduce_scatter_coalesced")
-        self.group = group
-        self.numels = [int(n) for n in numels]
-        self.parts = [partition_numel(n, self.world) for n in self.numels]
-        self._offsets = [0]
-        for part in self.parts[:-1]:
-            self._offsets.append(self._offsets[-1] + part)
-        total = sum(self.parts)
-        staged_rows = self.world if self.world == 1 or self.world > _ADD_CHAIN_MAX_ROWS else self.world - 1
-        self._send = torch.empty(staged_rows, total, dtype=dtype, device=device)
-        self._own: torch.Tensor | None = None
-        if staged_rows != self.world:
-            self._own = torch.empty(total, dtype=dtype, device=device)
-        self._filled = [False] * len(self.numels)
-
-    def _row(self, r: int) -> torch.Tensor:
-        """Staging row of rank ``r``'s partitions."""
-        if self._own is None:
-            return self._send[r]
-        if r == self.rank:
-            return self._own
-        return self._send[r if r < self.rank else r - 1]
-
-    def put(self, index: int, tensor: torch.Tensor | None) -> None:
-        """Copy tensor ``index`` (``None``: zeros) into its staging positions; the caller may free it.
-
-        Raises:
-            ValueError: ``tensor`` has the wrong number of elements or was put before.
-        """
-        numel, part, off = self.numels[index], self.parts[index], self._offsets[index]
-        if self._filled[index]:
-            raise ValueError(f"StagedReduceScatter: tensor {index} was put twice")
-        if tensor is not None and tensor.numel() != numel:
-            raise ValueError(
-                f"StagedReduceScatter: tensor {index} has {tensor.numel()} elements, expected {numel}"
-            )
-        self._filled[index] = True
-        flat = None if tensor is None else tensor.reshape(-1)
-        with torch.no_grad():
-            for r in range(self.world):
-                dst = self._row(r).narrow(0, off, part)
-                start, stop = min(r * part, numel), min((r + 1) * part, numel)
-                if flat is None or stop == start:
-                    dst.zero_()
-                    continue
-                dst[: stop - start].copy_(flat[start:stop])
-                dst[stop - start :].zero_()
-
-    def issue(self, *, op: ReduceOpLike = "avg", async_op: bool = False) -> ReduceScatterHandle:
-        """Reduce the staged tensors (those never put as zeros); the handle of :func:`issue_reduce_scatter`.
-
-        ``wait()`` returns, per tensor, this rank's padded partition (views into one buffer).
-        """
-        what = "reduce_scatter_coalesced"
-        with record_function("zero.reduce_scatter.issue"):
-            reduction = Reduction.parse(op, _RS_OPS, what)
-            for i, filled in enumerate(self._filled):
-                if not filled:
-                    self.put(i, None)
-            es = self._send.element_size()
-            record(
-                "reduce_scatter",
-                self.group,
-                payload_bytes=sum(self.numels) * es,
-                wire_bytes=ring_wire_bytes("reduce_scatter", self.world * sum(self.parts) * es, self.world),
-            )
-            parts, send, average = self.parts, self._send, reduction is Reduction.AVG
-            if self.world == 1:
-                views = list(torch.split(send[0], parts))
-                return ReduceScatterHandle("reduce_scatter", None, lambda: views)
-            if self._own is None:
-                out = torch.empty(sum(parts), dtype=send.dtype, device=send.device)
-                return _exchange_full(send, out, parts, average, self.group, async_op)
-            others = [0 if r == self.rank else sum(parts) for r in range(self.world)]
-            exchange = _Exchange(send.view(-1), torch.empty_like(send), others, self._own, True, self.rank)
-            return _exchange_rows(exchange, parts, average, self.group, async_op)
-
-
-def _exchange_rows(
-    exchange: _Exchange, parts: list[int], average: bool, group: ProcessGroup | None, async_op: bool
-) -> ReduceScatterHandle:
-    """Send the exchange's rows with one ``all_to_all_single``; ``wait()`` sums them in rank order."""
-    work = None
-    if exchange.send.numel():
-        work = watched_call(
-            "reduce_scatter",
-            dist.all_to_all_single,
-            exchange.recv.view(-1),
-            exchange.send,
-            exchange.splits,
-            exchange.splits,
-            group=group,
-            async_op=async_op,
-        )
-
-    def finish() -> list[torch.Tensor]:
-        return list(torch.split(exchange.reduce(average), parts))
-
-    return ReduceScatterHandle("reduce_scatter", work, finish, keepalive=(exchange.send,))
-
-
-def _exchange_full(
-    send: torch.Tensor,
-    out: torch.Tensor,
-    parts: list[int],
-    average: bool,
-    group: ProcessGroup | None,
-    async_op: bool,
-) -> ReduceScatterHandle:
-    """Every row exchanged (own included), summed by :func:`_sum_rows` into ``out``."""
-    recv = torch.empty_like(send)
-    work = None
-    if send.numel():
-        work = watched_call(
-            "reduce_scatter", dist.all_to_all_single, recv, send, group=group, async_op=async_op
-        )
-
-    def finish() -> list[torch.Tensor]:
-        _sum_rows(recv, out, average)
-        return list(torch.split(out, parts))
-
-    return ReduceScatterHandle("reduce_scatter", work, finish, keepalive=(send,))
-
-
-def _issue_reduce_scatter_full(
-    tensors: Sequence[torch.Tensor],
-    parts: list[int],
-    world: int,
-    reduction: Reduction,
-    group: ProcessGroup | None,
-    async_op: bool,
-) -> ReduceScatterHandle:
-    """Many ranks: every row exchanged (own included) and summed by :func:`_sum_rows`."""
-    first = tensors[0]
-    out = torch.empty(sum(parts), dtype=first.dtype, device=first.device)
-    send, _ = _interleave(tensors, parts, world, None)
-    return _exchange_full(send, out, parts, reduction is Reduction.AVG, group, async_op)
-
-
-def _interleave(
-    tensors: Sequence[torch.Tensor], parts: list[int], world: int, own: int | None
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(rows, P)`` buffer whose rows hold partition ``r`` of every tensor, zero-padded, rank order.
-
-    With ``own`` given, row ``own`` goes into a separate ``(P,)`` buffer (returned second)
-    instead of the rows (``world - 1`` of them). Built by one ``torch.cat`` over slices (and
-    zero pads) per buffer: one kernel, cheaper than a strided copy per tensor.
-    """
-    first = tensors[0]
-    flats = [t.view(-1) for t in tensors]
-    pad = max((min(p, world * p - f.numel()) for f, p in zip(flats, parts)), default=0)
-    zeros = torch.zeros(pad, dtype=first.dtype, device=first.device)
-
-    def pieces(ranks: Sequence[int]) -> list[torch.Tensor]:
-        found = []
-        for r in ranks:
-            for f, p in zip(flats, parts):
-                n = f.numel()
-                piece = f[min(r * p, n) : min((r + 1) * p, n)]
-                found.append(piece)
-                if piece.numel() < p:
-                    found.append(zeros[: p - piece.numel()])
-        return found
-
-    rows = [r for r in range(world) if r != own]
-    send = torch.empty(len(rows), sum(parts), dtype=first.dtype, device=first.device)
-    sent = pieces(rows)
-    if sent and send.numel():
-        torch.cat(sent, out=send.view(-1))
-    if own is None:
-        return send, None
-    mine = torch.empty(sum(parts), dtype=first.dtype, device=first.device)
-    kept = pieces([own])
-    if kept and mine.numel():
-        torch.cat(kept, out=mine)
-    return send, mine
-
-
-def _sum_rows(recv: torch.Tensor, out: torch.Tensor, average: bool) -> None:
-    """``out = sum(recv, dim=0)`` (``/ rows`` if ``average``), accumulated in fp32 for half types.
-
-    Rows are added in rank order, one vectorised add per row, which beats ``torch.sum`` over
-    the outer dimension for few rows; many fp32 rows use ``torch.sum``.
-    """
-    rows = recv.shape[0]
-    with record_function("zero.reduce_scatter.local_sum"):
-        if recv.dtype in (torch.float16, torch.bfloat16):
-            acc = recv[0].float()
-            for r in range(1, rows):
-                acc.add_(recv[r])
-            if average:
-                acc.div_(rows)
-            out.copy_(acc)
-            return
-        if rows > _ADD_CHAIN_MAX_ROWS:
-            torch.sum(recv, dim=0, out=out)
-        else:
-            torch.add(recv[0], recv[1], out=out)
-            for r in range(2, rows):
-                out.add_(recv[r])
-        if average:
-            out.div_(rows)
+        record_padded_reduce_scatter(group, sum(t.numel() for t in tensors), parts, world, first)
+        average = reduction is Reduction.AVG
+        if world == 1 or world > ADD_CHAIN_MAX_ROWS:
+            send, _ = interleave(tensors, parts, world, None)
+            return issue_staged_rows(send, None, parts, rank, average, group, async_op)
+        if len(tensors) == 1 and first.numel() == world * sum(parts):
+            return exchange_rows(RowExchange.single(first, world, rank), parts, average, group, async_op)
+        send, own = interleave(tensors, parts, world, rank)
+        return issue_staged_rows(send, own, parts, rank, average, group, async_op)

@@ -182,9 +182,15 @@ class DistributedPool:
 
 
 class PoolRegistry:
-    """Keeps at most ``max_pools`` pools alive, keyed by (world size, ranks per node)."""
+    """Keeps at most ``max_pools`` pools alive, keyed by (world size, ranks per node).
 
-    def __init__(self, root: pathlib.Path, max_pools: int = 2) -> None:
+    The default, 4, holds the worlds the suites use (1, 2, 4 and 2 nodes x 2 ranks) at once: a
+    test parametrized over worlds 1, 2 and 4 then starts each pool once per session rather
+    than once per call (with 2, every call of such a sequence evicted a pool and started one:
+    seconds of spawning and importing torch per call). Idle ranks only wait on their pipe.
+    """
+
+    def __init__(self, root: pathlib.Path, max_pools: int = 4) -> None:
         self.root = root
         self.max_pools = max_pools
         self._pools: dict[tuple[int, int], DistributedPool] = {}

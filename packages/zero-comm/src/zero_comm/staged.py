@@ -1,0 +1,115 @@
+"""A reduce-scatter whose staging rows are filled one tensor at a time (contiguous gradients)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.distributed import ProcessGroup
+from torch.profiler import record_function
+
+from zero_comm.handles import ReduceScatterHandle
+from zero_comm.partition import partition_numel
+from zero_comm.reduction import ReduceOpLike, Reduction
+from zero_comm.row_exchange import ADD_CHAIN_MAX_ROWS, issue_staged_rows, record_padded_reduce_scatter
+from zero_comm.topology import group_size_and_rank
+
+__all__ = ["StagedReduceScatter"]
+
+_RS_OPS = (Reduction.SUM, Reduction.AVG)
+
+
+class StagedReduceScatter:
+    """A reduce-scatter whose staging buffer is filled one tensor at a time (contiguous gradients).
+
+    :func:`~zero_comm.issue_reduce_scatter` stages several tensors into one interleaved buffer when it
+    is called, so until then the caller holds every input, and the inputs and their staging
+    copy coexist. Here the staging rows are allocated up front and :meth:`put` copies each
+    tensor's partitions into them as soon as it exists, after which the caller frees it:
+    a bucket of gradients costs its staging buffer, one gradient at a time and, once
+    issued, the ``(W - 1) / W`` rows received — DeepSpeed's ``contiguous_gradients``. The
+    rows, the exchange and the rank-order sum are those of :func:`~zero_comm.issue_reduce_scatter`, so
+    the results are bit-identical to it (a tensor never put counts as zeros).
+
+    Args:
+        numels: Elements of each tensor, in order (identical on every rank).
+        group: Process group (``None``: the world).
+        dtype: dtype of the tensors.
+        device: Where they live.
+    """
+
+    __slots__ = ("_filled", "_offsets", "_own", "_send", "group", "numels", "parts", "rank", "world")
+
+    def __init__(
+        self,
+        numels: Sequence[int],
+        group: ProcessGroup | None,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if not numels:
+            raise ValueError("StagedReduceScatter needs at least one tensor")
+        self.world, self.rank = group_size_and_rank(group, "reduce_scatter_coalesced")
+        self.group = group
+        self.numels = [int(n) for n in numels]
+        self.parts = [partition_numel(n, self.world) for n in self.numels]
+        self._offsets = [0]
+        for part in self.parts[:-1]:
+            self._offsets.append(self._offsets[-1] + part)
+        total = sum(self.parts)
+        staged_rows = self.world if self.world == 1 or self.world > ADD_CHAIN_MAX_ROWS else self.world - 1
+        self._send = torch.empty(staged_rows, total, dtype=dtype, device=device)
+        self._own: torch.Tensor | None = None
+        if staged_rows != self.world:
+            self._own = torch.empty(total, dtype=dtype, device=device)
+        self._filled = [False] * len(self.numels)
+
+    def _row(self, r: int) -> torch.Tensor:
+        """Staging row of rank ``r``'s partitions."""
+        if self._own is None:
+            return self._send[r]
+        if r == self.rank:
+            return self._own
+        return self._send[r if r < self.rank else r - 1]
+
+    def put(self, index: int, tensor: torch.Tensor | None) -> None:
+        """Copy tensor ``index`` (``None``: zeros) into its staging positions; the caller may free it.
+
+        Raises:
+            ValueError: ``tensor`` has the wrong number of elements or was put before.
+        """
+        numel, part, off = self.numels[index], self.parts[index], self._offsets[index]
+        if self._filled[index]:
+            raise ValueError(f"StagedReduceScatter: tensor {index} was put twice")
+        if tensor is not None and tensor.numel() != numel:
+            raise ValueError(
+                f"StagedReduceScatter: tensor {index} has {tensor.numel()} elements, expected {numel}"
+            )
+        self._filled[index] = True
+        flat = None if tensor is None else tensor.reshape(-1)
+        with torch.no_grad():
+            for r in range(self.world):
+                dst = self._row(r).narrow(0, off, part)
+                start, stop = min(r * part, numel), min((r + 1) * part, numel)
+                if flat is None or stop == start:
+                    dst.zero_()
+                    continue
+                dst[: stop - start].copy_(flat[start:stop])
+                dst[stop - start :].zero_()
+
+    def issue(self, *, op: ReduceOpLike = "avg", async_op: bool = False) -> ReduceScatterHandle:
+        """Reduce the staged tensors (those never put: zeros); as :func:`~zero_comm.issue_reduce_scatter`.
+
+        ``wait()`` returns, per tensor, this rank's padded partition (views into one buffer).
+        """
+        what = "reduce_scatter_coalesced"
+        with record_function("zero.reduce_scatter.issue"):
+            reduction = Reduction.parse(op, _RS_OPS, what)
+            for i, filled in enumerate(self._filled):
+                if not filled:
+                    self.put(i, None)
+            record_padded_reduce_scatter(self.group, sum(self.numels), self.parts, self.world, self._send)
+            average = reduction is Reduction.AVG
+            return issue_staged_rows(
+                self._send, self._own, self.parts, self.rank, average, self.group, async_op
+            )
