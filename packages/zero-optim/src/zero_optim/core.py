@@ -189,10 +189,22 @@ class PartitionedOptimizer:
                 yield group, seg
 
     def step(self) -> None:
-        """One optimizer step over the flat partitions, then publish the updated values."""
+        """One optimizer step over the flat partitions, then publish the updated values.
+
+        A partitioning with a ``step_publisher(groups)`` (stages 1 and 2) publishes while the
+        optimizer steps: each all-gather bucket goes out as soon as its elements are stepped
+        (:class:`zero_optim.publish.PipelinedPublish`); the results are those of
+        :meth:`publish_updated_shards` after the step.
+        """
         with record_function("zero.optim.step"), torch.no_grad():
+            publisher = getattr(self.partitioning, "step_publisher", None)
+            publish = publisher(self.groups) if self.offload is None and callable(publisher) else None
             if self.offload is not None:
                 self.offload.step()
+            elif publish is not None:
+                self.stepper.step(cuts=publish.cuts, after=publish.stepped)
+                publish.finish()
+                return
             else:
                 self.stepper.step()
             self.publish_updated_shards()

@@ -243,10 +243,23 @@ class FlatGroup:
 
     def publish(self) -> None:
         """Refresh the working copy from the master after a step (nothing to do in fp32)."""
-        if self._in_params:
+        self.publish_range(0, self.numel)
+
+    def publish_range(self, start: int, stop: int) -> None:
+        """Refresh flat elements ``[start, stop)`` of the working copy from the master (none in fp32).
+
+        Lets a step publish each range as soon as the optimizer stepped it
+        (:class:`zero_optim.publish.PipelinedPublish`); the copies are those of :meth:`publish`.
+        """
+        if self._in_params or stop <= start:
             return
         if self._views is not None:
-            for seg, view in zip(self.segments, self._views):
-                view.copy_(self.master.narrow(0, seg.offset, seg.numel))
+            i = max(bisect.bisect_right(self._offsets, start) - 1, 0)
+            for seg, view in zip(self.segments[i:], self._views[i:]):
+                if seg.offset >= stop:
+                    break
+                lo, hi = max(start, seg.offset), min(stop, seg.offset + seg.numel)
+                if hi > lo:
+                    view.narrow(0, lo - seg.offset, hi - lo).copy_(self.master.narrow(0, lo, hi - lo))
         elif self.working is not None and self.working is not self.master:
-            self.working.copy_(self.master)
+            self.working.narrow(0, start, stop - start).copy_(self.master.narrow(0, start, stop - start))

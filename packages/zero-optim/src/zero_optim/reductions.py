@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import abc
 import collections
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -83,7 +84,47 @@ class BoundaryReduction:
         """Nothing installed."""
 
 
-class BackwardReduction:
+class _BackwardHooked(abc.ABC):
+    """Shared by the reductions driven by post-accumulate-grad hooks: deferral, end of backward, removal.
+
+    ``begin_micro_step(False)`` defers (autograd keeps accumulating ``.grad``); otherwise the
+    first gradient of a backward queues one autograd final callback, which ends the deferral
+    and calls :meth:`_end_backward`. Every hook handle lives in ``_handles``.
+    """
+
+    __slots__ = ("_defer", "_handles", "_queued")
+
+    def __init__(self) -> None:
+        self._defer = False
+        self._queued = False
+        self._handles: list[RemovableHandle] = []
+
+    def _reducing(self) -> bool:
+        """Whether this backward reduces; queues the end-of-backward callback on its first gradient."""
+        if self._defer:
+            return False
+        if not self._queued:
+            self._queued = True
+            Variable._execution_engine.queue_callback(self._on_backward_end)
+        return True
+
+    def _on_backward_end(self) -> None:
+        self._queued = False
+        self._defer = False
+        self._end_backward()
+
+    @abc.abstractmethod
+    def _end_backward(self) -> None:
+        """Reduce what this backward left (called once, when it ends)."""
+
+    def remove(self) -> None:
+        """Remove the hooks."""
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+
+class BackwardReduction(_BackwardHooked):
     """Stage 1: the boundary reduction of :class:`BoundaryReduction`, issued during the boundary backward.
 
     Non-boundary micro-steps (``begin_micro_step(False)``) let autograd accumulate the whole
@@ -112,11 +153,8 @@ class BackwardReduction:
 
     __slots__ = (
         "_carry",
-        "_defer",
-        "_handles",
         "_inflight",
         "_next",
-        "_queued",
         "_ready",
         "_reduced",
         "_scaled",
@@ -133,11 +171,10 @@ class BackwardReduction:
         reduce_fn: Callable[..., ReduceHandle],
         max_inflight: int = 1,
     ) -> None:
+        super().__init__()
         self.plan = plan
         self.reduce_fn = reduce_fn
         self.max_inflight = max_inflight
-        self._defer = False
-        self._queued = False
         self._next = 0
         self._ready = [0] * len(plan)
         self._inflight: collections.deque[ReduceHandle] = collections.deque()
@@ -145,7 +182,6 @@ class BackwardReduction:
         self._unreduced = False  # gradients accumulated since the last reduction
         self._carry: Callable[[nn.Parameter], None] | None = getattr(reduce_fn, "carry", None)
         self._scaled: set[int] | None = None  # carrying: parameters whose partition was scaled
-        self._handles: list[RemovableHandle] = []
         for p in params:
             self._handles.append(p.register_hook(self._before_grad_hook(p)))
             self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
@@ -174,11 +210,8 @@ class BackwardReduction:
                 self._carry(param)
 
     def _on_grad(self, param: torch.Tensor) -> None:
-        if self._defer:
+        if not self._reducing():
             return
-        if not self._queued:
-            self._queued = True
-            Variable._execution_engine.queue_callback(self._on_backward_end)
         plan = self.plan
         b = plan.index[id(param)]
         self._ready[b] += 1
@@ -198,9 +231,7 @@ class BackwardReduction:
                 self._inflight.popleft().wait()
             self._inflight.append(self.reduce_fn(params, async_op=True))
 
-    def _on_backward_end(self) -> None:
-        self._queued = False
-        self._defer = False
+    def _end_backward(self) -> None:
         with record_function("zero.optim.reduce_flush"):
             self._reduce_rest()
 
@@ -227,14 +258,8 @@ class BackwardReduction:
         self._unreduced = False
         self._scaled = None
 
-    def remove(self) -> None:
-        """Remove the hooks."""
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
 
-
-class HookedReduction:
+class HookedReduction(_BackwardHooked):
     """Stage 2: a post-accumulate-grad hook per parameter feeds a :class:`BucketedReducer`.
 
     The hooks are installed here, in one place, with removable handles; the end of each
@@ -253,38 +278,23 @@ class HookedReduction:
         reducer: The bucketed reducer (its ``reduce_fn`` a :class:`ReduceScatterInto`).
     """
 
-    __slots__ = ("_defer", "_handles", "_queued", "reducer")
+    __slots__ = ("reducer",)
 
     def __init__(self, params: Sequence[nn.Parameter], reducer: BucketedReducer) -> None:
+        super().__init__()
         self.reducer = reducer
-        self._queued = False
-        self._defer = False
-        self._handles: list[RemovableHandle] = [
-            p.register_post_accumulate_grad_hook(self._on_grad) for p in params
-        ]
+        self._handles.extend(p.register_post_accumulate_grad_hook(self._on_grad) for p in params)
 
     def begin_micro_step(self, is_boundary: bool) -> None:
         """Defer reduction (keep accumulating ``.grad``) unless this micro-step is the boundary."""
         self._defer = not is_boundary
 
     def _on_grad(self, param: torch.Tensor) -> None:
-        if self._defer:
-            return
-        if not self._queued:
-            self._queued = True
-            Variable._execution_engine.queue_callback(self._on_backward_end)
-        self.reducer.on_grad_ready(param)  # type: ignore[arg-type]
+        if self._reducing():
+            self.reducer.on_grad_ready(param)  # type: ignore[arg-type]
 
-    def _on_backward_end(self) -> None:
-        self._queued = False
-        self._defer = False
+    def _end_backward(self) -> None:
         self.reducer.on_backward_end()
 
     def at_boundary(self) -> None:
         """Nothing pending: every backward was reduced when it ended."""
-
-    def remove(self) -> None:
-        """Remove the hooks."""
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()

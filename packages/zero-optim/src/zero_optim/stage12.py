@@ -42,13 +42,14 @@ from torch.distributed import ProcessGroup
 from torch.profiler import record_function
 
 import zero_comm
-from zero_comm.coalesced import adjacent_flat_view
+from zero_comm.coalesced import adjacent_flat_view, issue_all_gather_into
 from zero_comm.runs import add_in_runs as _add_in_runs
 from zero_comm.runs import in_fewer_runs as _in_fewer_runs
 from zero_offload import OptimizerOffloadConfig
 from zero_optim.buckets import BucketedReducer, BucketPlan, ReduceConfig, ReduceHandle
 from zero_optim.core import PartitionedOptimizer
 from zero_optim.flat import FlatGroup
+from zero_optim.publish import GatherBucket, PipelinedPublish, gather_buckets
 from zero_optim.reductions import BackwardReduction, BoundaryReduction, GradientReduction, HookedReduction
 from zero_optim.spec import OptimizerSpec
 
@@ -240,20 +241,25 @@ class ReplicaPartitioning:
         fused copy instead of one strided copy per parameter.
         """
         with record_function("zero.optim.allgather_params"), torch.no_grad():
-            bucket: list[tuple[nn.Parameter, torch.Tensor]] = []
-            size = 0
-            for group in groups:
-                for seg in group.segments:
-                    full = seg.numel * self.world
-                    if bucket and size + full > self.allgather_bucket_size:
-                        self._gather(bucket)
-                        bucket, size = [], 0
-                    bucket.append((seg.param, group.working_view(seg)))
-                    size += full
-            if bucket:
-                self._gather(bucket)
+            for bucket in gather_buckets(groups, self.world, self.allgather_bucket_size):
+                self._gather(bucket.items)
 
-    def _gather(self, bucket: list[tuple[nn.Parameter, torch.Tensor]]) -> None:
+    def step_publisher(self, groups: Sequence[FlatGroup]) -> PipelinedPublish | None:
+        """The gathers of :meth:`after_step`, each issued as soon as the step has updated its bucket.
+
+        ``None`` in a one-rank partition world (stage 0), where publishing is a local copy.
+        """
+        if self.world == 1:
+            return None
+        buckets = gather_buckets(groups, self.world, self.allgather_bucket_size)
+        return PipelinedPublish(groups, buckets, self._issue)
+
+    def _issue(self, bucket: GatherBucket) -> zero_comm.AllGatherHandle:
+        shards = [s for _, s in bucket.items]
+        dests = [self._gather_dest(param) for param, _ in bucket.items]
+        return issue_all_gather_into(shards, dests, self.group, async_op=True)
+
+    def _gather(self, bucket: Sequence[tuple[nn.Parameter, torch.Tensor]]) -> None:
         if self.world == 1:
             for param, shard in bucket:
                 if param.data_ptr() != shard.data_ptr():  # bound views need no copy

@@ -19,7 +19,7 @@ scalar: SGD, Adam, AdamW, Adagrad, RMSprop, ... — the same set the flat layout
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -53,20 +53,47 @@ class SubGroupStepper:
         self.groups = tuple(groups)
         self.sub_group_size = int(sub_group_size)
 
-    def step(self) -> None:
-        """One optimizer step of every group, sub-group by sub-group."""
+    def step(
+        self,
+        *,
+        cuts: Sequence[Sequence[int]] | None = None,
+        after: Callable[[int, int], None] | None = None,
+    ) -> None:
+        """One optimizer step of every group, sub-group by sub-group.
+
+        Args:
+            cuts: Per group, flat offsets where a stepped range must also end (e.g. where an
+                all-gather bucket ends), beside every ``sub_group_size`` elements. Stepping
+                in smaller ranges gives the same values: the optimizers supported act per element.
+            after: Called as ``after(group_index, stop)`` once flat elements ``[0, stop)`` of
+                that group are stepped (``stop`` 0 for an empty group), in order.
+        """
         opt = self.optimizer
         saved = [pg["params"] for pg in opt.param_groups]
         try:
             for pg in opt.param_groups:
                 pg["params"] = []
-            for group, pg in zip(self.groups, opt.param_groups, strict=True):
-                self._step_group(group, pg)
+            for gi, (group, pg) in enumerate(zip(self.groups, opt.param_groups, strict=True)):
+                self._step_group(group, pg, cuts[gi] if cuts is not None else (), after, gi)
         finally:
             for pg, params in zip(opt.param_groups, saved):
                 pg["params"] = params
 
-    def _step_group(self, group: FlatGroup, pg: dict[str, Any]) -> None:
+    def _bounds(self, numel: int, cuts: Sequence[int]) -> list[int]:
+        """The ends of the stepped ranges: every ``sub_group_size`` elements, at each cut, at ``numel``."""
+        ends = set(range(self.sub_group_size, numel, self.sub_group_size))
+        ends.update(c for c in cuts if 0 < c < numel)
+        ends.add(numel)
+        return sorted(ends)
+
+    def _step_group(
+        self,
+        group: FlatGroup,
+        pg: dict[str, Any],
+        cuts: Sequence[int],
+        after: Callable[[int, int], None] | None,
+        gi: int,
+    ) -> None:
         opt = self.optimizer
         if group.numel == 0:  # nothing to bound: step the empty master as torch would
             pg["params"] = [group.master]
@@ -74,18 +101,23 @@ class SubGroupStepper:
                 opt.step()
             finally:
                 pg["params"] = []
+            if after is not None:
+                after(gi, 0)
             return
         flat_state = opt.state[group.master]
         # what each sub-group starts from: the state as it was before this step (none at the first)
         scalars = {k: _copy_scalar(v) for k, v in flat_state.items() if not _per_element(v, group.numel)}
         elementwise = [k for k, v in flat_state.items() if _per_element(v, group.numel)]
-        after: dict[str, Any] | None = None
-        for start in range(0, group.numel, self.sub_group_size):
-            stop = min(start + self.sub_group_size, group.numel)
+        last: dict[str, Any] | None = None
+        start = 0
+        for stop in self._bounds(group.numel, cuts):
             with record_function("zero.optim.sub_group_step"):
-                after = self._step_range(group, pg, flat_state, scalars, elementwise, start, stop)
-        if after is not None:
-            flat_state.update(after)
+                last = self._step_range(group, pg, flat_state, scalars, elementwise, start, stop)
+            if after is not None:
+                after(gi, stop)
+            start = stop
+        if last is not None:
+            flat_state.update(last)
 
     def _step_range(
         self,

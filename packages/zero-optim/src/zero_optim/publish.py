@@ -1,0 +1,143 @@
+"""Stages 1 and 2: the all-gathers after a step, and publishing them while the optimizer steps.
+
+After a step each rank holds the updated values of its partition only; the whole parameters
+are refreshed by all-gathers of the working partitions, ``allgather_bucket_size`` full
+(padded) elements at a time (:func:`gather_buckets`). Done after the whole step, every byte
+of those gathers is waited for with nothing else to do. :class:`PipelinedPublish` instead
+runs beside :meth:`zero_optim.subgroups.SubGroupStepper.step`: the optimizer steps the
+partition in ranges ending where a bucket ends, and as soon as a bucket's segments are
+stepped (and their working copy refreshed) its gather is issued asynchronously, so it
+travels while the optimizer steps the next bucket. The collectives, their buckets and order
+are those of the gathers after the step: the parameters are bit-identical.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import torch
+from torch import nn
+from torch.profiler import record_function
+
+from zero_optim.flat import FlatGroup
+
+__all__ = ["GatherBucket", "PipelinedPublish", "gather_buckets"]
+
+
+class _Handle(Protocol):
+    def wait(self) -> object: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class GatherBucket:
+    """Parameters refreshed by one all-gather after a step.
+
+    Attributes:
+        items: ``(parameter, its working partition)`` in group then segment order.
+        group: Index of the group holding the bucket's last segment.
+        end: Flat offset in that group after which every segment of the bucket is stepped.
+    """
+
+    items: tuple[tuple[nn.Parameter, torch.Tensor], ...]
+    group: int
+    end: int
+
+
+def gather_buckets(groups: Sequence[FlatGroup], world: int, limit: int) -> list[GatherBucket]:
+    """Consecutive segments of ``groups``, at most ``limit`` full (padded) elements per bucket.
+
+    A segment larger than ``limit`` is a bucket of its own; buckets may span groups.
+    """
+    buckets: list[GatherBucket] = []
+    items: list[tuple[nn.Parameter, torch.Tensor]] = []
+    size, last = 0, (0, 0)
+    for gi, group in enumerate(groups):
+        for seg in group.segments:
+            full = seg.numel * world
+            if items and size + full > limit:
+                buckets.append(GatherBucket(tuple(items), *last))
+                items, size = [], 0
+            items.append((seg.param, group.working_view(seg)))
+            size += full
+            last = (gi, seg.offset + seg.numel)
+    if items:
+        buckets.append(GatherBucket(tuple(items), *last))
+    return buckets
+
+
+class PipelinedPublish:
+    """Publish a step's updated partitions bucket by bucket while the optimizer steps.
+
+    Pass :attr:`cuts` and :meth:`stepped` to :meth:`SubGroupStepper.step`, then call
+    :meth:`finish` on every rank. Each stepped range's working copy is refreshed from the
+    master (:meth:`FlatGroup.publish_range`), and each bucket's gather is issued as soon as all
+    of its segments are stepped — in bucket order, at most ``max_inflight`` in flight (each
+    holds its gathered buffer until waited for).
+
+    Args:
+        groups: The optimizer's flat groups, in stepping order.
+        buckets: :func:`gather_buckets` of ``groups``.
+        issue: Starts one bucket's all-gather asynchronously and returns its handle.
+        max_inflight: Gathers in flight at once.
+
+    Raises:
+        ValueError: ``max_inflight`` below 1.
+    """
+
+    __slots__ = ("_groups", "_inflight", "_issue", "_next", "_published", "buckets", "max_inflight")
+
+    def __init__(
+        self,
+        groups: Sequence[FlatGroup],
+        buckets: Sequence[GatherBucket],
+        issue: Callable[[GatherBucket], _Handle],
+        max_inflight: int = 1,
+    ) -> None:
+        if max_inflight < 1:
+            raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
+        self._groups = tuple(groups)
+        self.buckets = tuple(buckets)
+        self._issue = issue
+        self.max_inflight = max_inflight
+        self._next = 0
+        self._published = [0] * len(self._groups)
+        self._inflight: collections.deque[_Handle] = collections.deque()
+
+    @property
+    def cuts(self) -> list[list[int]]:
+        """Per group, the flat offsets where buckets end (where a stepped range must end too)."""
+        cuts: list[list[int]] = [[] for _ in self._groups]
+        for bucket in self.buckets:
+            cuts[bucket.group].append(bucket.end)
+        return cuts
+
+    def stepped(self, group: int, stop: int) -> None:
+        """Flat elements ``[0, stop)`` of ``group`` (and every earlier group) are stepped."""
+        with record_function("zero.optim.publish"):
+            self._groups[group].publish_range(self._published[group], stop)
+        self._published[group] = stop
+        self._issue_ready((group, stop))
+
+    def _issue_ready(self, done: tuple[int, int]) -> None:
+        """Issue, in order, every bucket whose last segment ends at or before ``done``."""
+        buckets = self.buckets
+        with record_function("zero.optim.allgather_params"):
+            while self._next < len(buckets) and (buckets[self._next].group, buckets[self._next].end) <= done:
+                while len(self._inflight) >= self.max_inflight:
+                    self._inflight.popleft().wait()
+                self._inflight.append(self._issue(buckets[self._next]))
+                self._next += 1
+
+    def finish(self) -> None:
+        """Issue the buckets left (none after a full step) and wait for every gather."""
+        with record_function("zero.optim.publish"):
+            for gi, group in enumerate(self._groups):
+                group.publish_range(self._published[gi], group.numel)
+                self._published[gi] = group.numel
+        self._issue_ready((len(self._groups), 0))
+        with record_function("zero.optim.allgather_params"):
+            while self._inflight:
+                self._inflight.popleft().wait()
