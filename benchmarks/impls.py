@@ -19,7 +19,8 @@ from which its model-state bytes are counted (:func:`model_state_bytes`).
 
 Every AdamW is ``workloads.adamw`` (all hyperparameters explicit). The ZeRO sections of
 DeepSpeed and zero are the same dict (:func:`zero_section`): buckets scaled to the model,
-and at stage 3 parameters really released after use (by default, :class:`ImplOptions`:
+``overlap_comm`` at stages 2 and 3 (DDP overlaps its reduction with backward too), and at
+stage 3 parameters really released after use (by default, :class:`ImplOptions`:
 persistence threshold 4096 elements, so only biases and norms stay whole; prefetch half a
 block; 1.5 blocks live at most; no reuse). Builders take ``(workload, world, options)``;
 ``options.checkpointing`` turns on activation checkpointing of every block.
@@ -189,6 +190,10 @@ class ImplOptions:
         bucket_blocks: ``reduce_bucket_size`` and ``allgather_bucket_size``, in blocks.
         sub_group_blocks: ``sub_group_size`` (elements the optimizer steps at once), in
             blocks; ``None`` keeps DeepSpeed's default (1e9 elements: the whole partition).
+        overlap_comm: Stages 2 and 3: reduce gradient buckets asynchronously during backward
+            (as DDP does; DeepSpeed's default is false at stage 2); ``None`` leaves the key out
+            (each implementation's default). Stage 1 never gets the key: zero always overlaps
+            there and would report it as ignored.
     """
 
     persistence_threshold: int = 4096
@@ -197,6 +202,7 @@ class ImplOptions:
     checkpointing: bool = False
     bucket_blocks: float = 4.0
     sub_group_blocks: float | None = None
+    overlap_comm: bool | None = True
 
 
 def _model(w: Workload, options: ImplOptions) -> nn.Module:
@@ -298,6 +304,8 @@ def zero_section(stage: int, w: Workload, options: ImplOptions = ImplOptions()) 
     }
     if options.sub_group_blocks is not None:
         section["sub_group_size"] = int(options.sub_group_blocks * block)
+    if stage >= 2 and options.overlap_comm is not None:
+        section["overlap_comm"] = options.overlap_comm
     if stage == 3:
         section.update(
             {

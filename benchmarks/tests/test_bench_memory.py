@@ -62,6 +62,9 @@ def test_formulas_and_the_release_policy_of_stage_3():
         assert section["reduce_bucket_size"] == section["allgather_bucket_size"] == 64 * 64
         assert section["sub_group_size"] == 64 * 64
     assert "sub_group_size" not in zero_section(2, w)  # the side-by-side keeps DeepSpeed's default
+    # overlap_comm: the side-by-side overlaps at stages 2 and 3 (as DDP); memory keeps the defaults
+    assert [zero_section(s, w).get("overlap_comm") for s in (1, 2, 3)] == [None, True, True]
+    assert all("overlap_comm" not in zero_section(s, w, RELEASE) for s in (1, 2, 3))
 
 
 def test_summarize_takes_the_largest_rank_and_step_above_the_baseline():
