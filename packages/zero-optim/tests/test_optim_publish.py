@@ -13,7 +13,7 @@ import pytest
 import torch
 from optim_cases import Odd, batch, make_optimizer
 
-from zero_optim import ReduceConfig, replicated_optimizer
+from zero_optim import ReduceConfig, ReplicaPartitioning, replicated_optimizer
 from zero_optim.flat import FlatGroup
 from zero_optim.publish import PipelinedPublish, gather_buckets
 
@@ -140,3 +140,16 @@ def test_publish_range_in_pieces_copies_what_publish_copies():
         assert a.working is not None and b.working is not None
         assert torch.equal(a.working, b.working)
         assert torch.equal(b.working, values.to(torch.bfloat16))
+
+
+def test_the_bucket_plan_is_computed_once_for_the_same_groups():
+    partitioning = ReplicaPartitioning(2, 0, allgather_bucket_size=16)
+    groups, others = _groups(torch.float32), _groups(torch.float32)
+    first, again = partitioning.step_publisher(groups), partitioning.step_publisher(groups)
+    assert first is not None and again is not None
+    assert first.buckets is again.buckets  # not rebuilt every step
+    assert [b.end for b in first.buckets] == [b.end for b in gather_buckets(groups, 2, 16)]
+    fresh = partitioning.step_publisher(others)
+    assert fresh is not None and fresh.buckets is not first.buckets
+    assert fresh.buckets[0].items[0][0] is others[0].segments[0].param
+    assert ReplicaPartitioning(1, 0).step_publisher(groups) is None  # stage 0: a local copy

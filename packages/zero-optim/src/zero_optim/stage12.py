@@ -86,6 +86,7 @@ class ReplicaPartitioning:
 
     __slots__ = (
         "_bound",
+        "_gather_plan",
         "_grads",
         "_regions",
         "allgather_bucket_size",
@@ -114,6 +115,7 @@ class ReplicaPartitioning:
         self.allgather_bucket_size = allgather_bucket_size
         self.grads_in_place = grads_in_place
         self._bound: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._gather_plan: tuple[tuple[FlatGroup, ...], tuple[GatherBucket, ...]] | None = None
         self._grads: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
         self._regions: dict[int, torch.Tensor] = {}
 
@@ -241,7 +243,7 @@ class ReplicaPartitioning:
         fused copy instead of one strided copy per parameter.
         """
         with record_function("zero.optim.allgather_params"), torch.no_grad():
-            for bucket in gather_buckets(groups, self.world, self.allgather_bucket_size):
+            for bucket in self._buckets(groups):
                 self._gather(bucket.items)
 
     def step_publisher(self, groups: Sequence[FlatGroup]) -> PipelinedPublish | None:
@@ -251,8 +253,15 @@ class ReplicaPartitioning:
         """
         if self.world == 1:
             return None
-        buckets = gather_buckets(groups, self.world, self.allgather_bucket_size)
-        return PipelinedPublish(groups, buckets, self._issue)
+        return PipelinedPublish(groups, self._buckets(groups), self._issue)
+
+    def _buckets(self, groups: Sequence[FlatGroup]) -> tuple[GatherBucket, ...]:
+        """:func:`gather_buckets` of ``groups``, computed once for the same groups (not every step)."""
+        plan = self._gather_plan
+        if plan is None or len(plan[0]) != len(groups) or any(a is not b for a, b in zip(plan[0], groups)):
+            buckets = tuple(gather_buckets(groups, self.world, self.allgather_bucket_size))
+            plan = self._gather_plan = (tuple(groups), buckets)
+        return plan[1]
 
     def _issue(self, bucket: GatherBucket) -> zero_comm.AllGatherHandle:
         shards = [s for _, s in bucket.items]
