@@ -9,10 +9,12 @@ On ``--world`` gloo ranks (one thread each), with the side-by-side's GPT-2 workl
 1. **Cost per byte.** A small sweep of ``all_gather_single`` and ``all_to_all_single`` (how
    zero reduce-scatters) over a few sizes; a least-squares line ``t = latency + bytes x cost``
    over the ring-ideal bytes a rank sends gives gloo's cost per byte on this machine.
-2. **DDP.** ``--steps`` timed steps (per step the slowest rank; the median).
-3. **zero stage 3, released** (``stage3_param_persistence_threshold`` 0, live / prefetch
-   bounds of 1.5 / 0.5 blocks, reuse distance 0: every parameter is gathered and freed per use),
-   the same timed steps, its wire bytes per step from the engine's ``CommLedger``; then
+2. **DDP and zero stage 3, released** (``stage3_param_persistence_threshold`` 0, live /
+   prefetch bounds of 1.5 / 0.5 blocks, reuse distance 0: every parameter is gathered and freed
+   per use): ``--steps`` timed steps, interleaved (each batch stepped by DDP, then by zero, so
+   both see the same moments of a shared machine; per step the slowest rank; the median), and
+   zero's wire bytes per step from the engine's ``CommLedger``.
+3. **zero, profiled**:
    ``--profile-steps`` steps under ``torch.profiler`` (CPU): every event's self time on the
    training thread is attributed to the innermost category its ``record_function`` ranges
    name (compute forward / backward, collective calls, waiting for collectives, zero's copies
@@ -185,19 +187,28 @@ def fit_cost(rows: list[dict[str, Any]]) -> tuple[float, float]:
     return my - cost * mx, cost
 
 
-def _timed_steps(
-    runner: Any, batches: list[dict[str, torch.Tensor]], ledger_of: Any = None
-) -> dict[str, Any]:
-    times, wire = [], []
+def _timed_steps(runners: dict[str, Any], batches: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """Each batch stepped by every runner in turn (interleaved: they share the machine's moments).
+
+    Per runner: the median step (per step the slowest rank); for a runner with an engine, its
+    wire bytes per step from the engine's ``CommLedger``.
+    """
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    wire: dict[str, list[int]] = {name: [] for name in runners}
     for batch in batches:
-        dist.barrier()
-        t = time.perf_counter()
-        runner.forward_backward(batch)
-        runner.optimizer_step()
-        times.append(_slowest(time.perf_counter() - t))
-        if ledger_of is not None:
-            wire.append(ledger_of(runner))
-    return {"step_s": statistics.median(times), "steps_s": times, "wire_bytes": wire}
+        for name, runner in runners.items():
+            dist.barrier()
+            t = time.perf_counter()
+            runner.forward_backward(batch)
+            runner.optimizer_step()
+            times[name].append(_slowest(time.perf_counter() - t))
+            engine = getattr(runner, "engine", None)
+            if engine is not None:
+                wire[name].append(engine.stats.comm.wire_bytes)
+    return {
+        name: {"step_s": statistics.median(times[name]), "steps_s": times[name], "wire_bytes": wire[name]}
+        for name in runners
+    }
 
 
 def _profiled(
@@ -250,13 +261,13 @@ def _rank_main(rank: int, args: argparse.Namespace, store: str, results: Any) ->
         )
         sweep = comm_sweep(world, args.sweep_repeats)
         ddp = IMPLEMENTATIONS["ddp"](w, world)
-        _timed_steps(ddp, warm)
-        ddp_result = _timed_steps(ddp, timed)
-        ddp.close()
-        del ddp
         zero = IMPLEMENTATIONS[args.impl](w, world, RELEASED)
-        _timed_steps(zero, warm)
-        zero_result = _timed_steps(zero, timed, lambda r: r.engine.stats.comm.wire_bytes)
+        runners = {"ddp": ddp, "zero": zero}
+        _timed_steps(runners, warm)
+        timed_results = _timed_steps(runners, timed)
+        ddp.close()
+        del ddp, runners
+        ddp_result, zero_result = timed_results["ddp"], timed_results["zero"]
         trace = args.trace if rank == 0 else None
         profiled = _profiled(zero, prof, trace)
         zero.close()
