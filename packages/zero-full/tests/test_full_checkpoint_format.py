@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import queue
 import shutil
-import socket
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -73,18 +74,24 @@ def test_a_checkpoint_written_before_the_manifest_type_loads_at_world_2(dist, tm
 # --------------------------------------------------------------------------- a rank that stops
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _silent_rank(rank, world, store, root, results, done):
+    """Both ranks save ``good``; then rank 1 stops taking part and rank 0 saves and loads alone.
 
-
-def _silent_rank(rank, world, port, root, results, done):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    engine = _engine(comm_timeout=3.0)
-    engine.save_checkpoint(root, tag="good")
+    The ``good`` save runs under a generous timeout, so a slow machine cannot fail it; only the
+    engine rank 0 then saves and loads with carries the 3 s ``comm_timeout`` under test. Anything
+    unexpected is reported through ``results``, never left for the parent to wait out."""
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+        patient = _engine(comm_timeout=120.0)
+        patient.save_checkpoint(root, tag="good")
+        patient.close()
+        dist.barrier()
+        engine = _engine(comm_timeout=3.0)
+        dist.barrier()
+    except BaseException:  # noqa: BLE001 - reported to the parent, which fails the test with it
+        results.put(("setup", traceback.format_exc(), 0.0))
+        _exit(results, 1)
     if rank == 1:  # stops taking part: no save, no load; alive until rank 0 is done
         done.wait(timeout=300)
         os._exit(0)
@@ -97,26 +104,60 @@ def _silent_rank(rank, world, port, root, results, done):
             call()
         except checkpoint.CheckpointError as exc:
             results.put((what, str(exc), time.monotonic() - start))
+        except BaseException:  # noqa: BLE001 - reported to the parent
+            results.put((what, traceback.format_exc(), time.monotonic() - start))
         else:
             results.put((what, None, 0.0))
     done.set()
-    os._exit(0)
+    _exit(results, 0)
+
+
+def _exit(results, code: int) -> None:
+    """Flush ``results``' feeder thread (``os._exit`` would drop what it still holds), then exit."""
+    results.close()
+    results.join_thread()
+    os._exit(code)
+
+
+def _results(results, procs, n: int, limit: float) -> list[tuple[str, str | None, float]]:
+    """``n`` reports from the workers; fails at once, with the exit codes, if they died silently."""
+    got, deadline = [], time.monotonic() + limit
+    while len(got) < n:
+        try:
+            got.append(results.get(timeout=1.0))
+            continue
+        except queue.Empty:
+            pass
+        if all(not p.is_alive() for p in procs) and results.empty():
+            time.sleep(1.0)  # a report the last exit flushed may still be in the pipe
+            if not results.empty():
+                continue
+            raise AssertionError(f"the ranks exited without reporting: codes {[p.exitcode for p in procs]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no report within {limit:g} s; so far {got}")
+    return got
 
 
 def test_a_rank_that_stops_taking_part_is_reported_within_comm_timeout(tmp_path):
     ctx = multiprocessing.get_context("spawn")
     results, done = ctx.Queue(), ctx.Event()
-    port = _free_port()
-    args = (2, port, str(tmp_path), results, done)
+    root = tmp_path / "ckpt"
+    args = (2, str(tmp_path / "store"), str(root), results, done)
     procs = [ctx.Process(target=_silent_rank, args=(r, *args)) for r in (0, 1)]
     for p in procs:
         p.start()
-    got = [results.get(timeout=240) for _ in range(2)]
-    for p in procs:
-        p.join(timeout=60)
+    try:
+        got = _results(results, procs, 2, limit=240)
+    finally:
+        done.set()
+        for p in procs:
+            p.join(timeout=60)
+            if p.is_alive():
+                p.kill()
+    assert all(what != "setup" for what, _, _ in got), got
     for what, error, waited in got:
         assert error is not None and "gave up waiting" in error and "3 s timeout" in error, (what, error)
         assert "robustness.comm_timeout" in error
         assert waited < 60, f"{what}: raised after {waited:.0f} s, not within the 3 s comm_timeout's bound"
     assert [w for w, _, _ in got] == ["save", "load"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["good", "latest"]
+    assert sorted(p.name for p in root.iterdir()) == ["good", "latest"]
