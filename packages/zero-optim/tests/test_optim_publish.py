@@ -124,8 +124,34 @@ def test_buckets_hold_consecutive_segments_within_the_limit_and_end_where_their_
     assert [(b.group, b.end) for b in buckets] == [(0, 3), (1, 6), (1, 10), (1, 25)]
     assert buckets[1].items[0][1].data_ptr() == groups[1].working_view(segs[2]).data_ptr()
     assert PipelinedPublish(groups, buckets, lambda b: None).cuts == [[3], [6, 10, 25]]
-    with pytest.raises(ValueError, match="max_inflight must be >= 1"):
-        PipelinedPublish(groups, buckets, lambda b: None, max_inflight=0)
+
+
+class _LoggedHandle:
+    def __init__(self, log: list[tuple[str, int]], index: int) -> None:
+        self.log, self.index = log, index
+
+    def wait(self) -> None:
+        self.log.append(("wait", self.index))
+
+
+def test_one_gather_is_in_flight_at_a_time_and_finish_waits_for_the_last():
+    groups = _groups(torch.float32)
+    buckets = gather_buckets(groups, 2, limit=16)
+    log: list[tuple[str, int]] = []
+
+    def issue(bucket):
+        index = next(i for i, b in enumerate(buckets) if b is bucket)
+        log.append(("issue", index))
+        return _LoggedHandle(log, index)
+
+    publish = PipelinedPublish(groups, buckets, issue)
+    for gi, cuts in enumerate(publish.cuts):
+        for stop in cuts:
+            publish.stepped(gi, stop)
+    issued_then_waited = [(what, i) for i in range(3) for what in ("issue", "wait")]
+    assert log == [*issued_then_waited, ("issue", 3)]
+    publish.finish()
+    assert log[-1] == ("wait", 3) and len(log) == 8
 
 
 def test_publish_range_in_pieces_copies_what_publish_copies():

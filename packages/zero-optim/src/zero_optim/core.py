@@ -36,6 +36,7 @@ from torch.profiler import record_function
 
 from zero_offload import HostOptimizer, OffloadedOptimizer, OptimizerOffloadConfig, offload_optimizer_for
 from zero_optim.flat import FlatGroup, Segment
+from zero_optim.publish import PipelinedPublish
 from zero_optim.spec import OptimizerSpec, build_torch_optimizer, remap_onto_flat, trainable_groups
 from zero_optim.subgroups import SubGroupStepper
 
@@ -59,6 +60,14 @@ class Partitioning(Protocol):
 
     def after_step(self, groups: Sequence[FlatGroup]) -> None:
         """Make the updated partitions visible to the next forward."""
+        ...
+
+    def step_publisher(self, groups: Sequence[FlatGroup]) -> PipelinedPublish | None:
+        """:meth:`after_step`'s work, done while the optimizer steps (see :class:`PipelinedPublish`).
+
+        Optional: a partitioning without this method (or returning ``None``) publishes with
+        :meth:`after_step` once the whole step is done.
+        """
         ...
 
     def working_views(
@@ -197,17 +206,24 @@ class PartitionedOptimizer:
         :meth:`publish_updated_shards` after the step.
         """
         with record_function("zero.optim.step"), torch.no_grad():
-            publisher = getattr(self.partitioning, "step_publisher", None)
-            publish = publisher(self.groups) if self.offload is None and callable(publisher) else None
-            if self.offload is not None:
-                self.offload.step()
-            elif publish is not None:
+            publish = self._step_publisher()
+            if publish is not None:
                 self.stepper.step(cuts=publish.cuts, after=publish.stepped)
                 publish.finish()
                 return
+            if self.offload is not None:
+                self.offload.step()
             else:
                 self.stepper.step()
             self.publish_updated_shards()
+
+    def _step_publisher(self) -> PipelinedPublish | None:
+        """The partitioning's optional ``step_publisher(groups)``; ``None`` with offload (the
+        offloaded step publishes afterwards) or without one."""
+        publisher = getattr(self.partitioning, "step_publisher", None)
+        if self.offload is not None or publisher is None:
+            return None
+        return publisher(self.groups)
 
     def publish_updated_shards(self) -> None:
         """Make the parameters show the fp32 masters: after a step, or after masters were loaded.

@@ -13,7 +13,6 @@ are those of the gathers after the step: the parameters are bit-identical.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -74,37 +73,29 @@ class PipelinedPublish:
     Pass :attr:`cuts` and :meth:`stepped` to :meth:`SubGroupStepper.step`, then call
     :meth:`finish` on every rank. Each stepped range's working copy is refreshed from the
     master (:meth:`FlatGroup.publish_range`), and each bucket's gather is issued as soon as all
-    of its segments are stepped — in bucket order, at most ``max_inflight`` in flight (each
-    holds its gathered buffer until waited for).
+    of its segments are stepped — in bucket order, one in flight at a time (each holds its
+    gathered buffer until waited for, so the extra memory stays one bucket's).
 
     Args:
         groups: The optimizer's flat groups, in stepping order.
         buckets: :func:`gather_buckets` of ``groups``.
         issue: Starts one bucket's all-gather asynchronously and returns its handle.
-        max_inflight: Gathers in flight at once.
-
-    Raises:
-        ValueError: ``max_inflight`` below 1.
     """
 
-    __slots__ = ("_groups", "_inflight", "_issue", "_next", "_published", "buckets", "max_inflight")
+    __slots__ = ("_groups", "_inflight", "_issue", "_next", "_published", "buckets")
 
     def __init__(
         self,
         groups: Sequence[FlatGroup],
         buckets: Sequence[GatherBucket],
         issue: Callable[[GatherBucket], _Handle],
-        max_inflight: int = 1,
     ) -> None:
-        if max_inflight < 1:
-            raise ValueError(f"max_inflight must be >= 1, got {max_inflight}")
         self._groups = tuple(groups)
         self.buckets = tuple(buckets)
         self._issue = issue
-        self.max_inflight = max_inflight
         self._next = 0
         self._published = [0] * len(self._groups)
-        self._inflight: collections.deque[_Handle] = collections.deque()
+        self._inflight: _Handle | None = None
 
     @property
     def cuts(self) -> list[list[int]]:
@@ -126,9 +117,8 @@ class PipelinedPublish:
         buckets = self.buckets
         with record_function("zero.optim.allgather_params"):
             while self._next < len(buckets) and (buckets[self._next].group, buckets[self._next].end) <= done:
-                while len(self._inflight) >= self.max_inflight:
-                    self._inflight.popleft().wait()
-                self._inflight.append(self._issue(buckets[self._next]))
+                self._wait()
+                self._inflight = self._issue(buckets[self._next])
                 self._next += 1
 
     def finish(self) -> None:
@@ -139,5 +129,10 @@ class PipelinedPublish:
                 self._published[gi] = group.numel
         self._issue_ready((len(self._groups), 0))
         with record_function("zero.optim.allgather_params"):
-            while self._inflight:
-                self._inflight.popleft().wait()
+            self._wait()
+
+    def _wait(self) -> None:
+        """Wait for the gather in flight, if any."""
+        if self._inflight is not None:
+            handle, self._inflight = self._inflight, None
+            handle.wait()

@@ -244,7 +244,7 @@ class ReplicaPartitioning:
         """
         with record_function("zero.optim.allgather_params"), torch.no_grad():
             for bucket in self._buckets(groups):
-                self._gather(bucket.items)
+                self._gather(bucket)
 
     def step_publisher(self, groups: Sequence[FlatGroup]) -> PipelinedPublish | None:
         """The gathers of :meth:`after_step`, each issued as soon as the step has updated its bucket.
@@ -264,20 +264,18 @@ class ReplicaPartitioning:
         return plan[1]
 
     def _issue(self, bucket: GatherBucket) -> zero_comm.AllGatherHandle:
+        """Gather ``bucket`` straight from the collective's buffer into the parameters (one copy)."""
         shards = [s for _, s in bucket.items]
         dests = [self._gather_dest(param) for param, _ in bucket.items]
         return issue_all_gather_into(shards, dests, self.group, async_op=True)
 
-    def _gather(self, bucket: Sequence[tuple[nn.Parameter, torch.Tensor]]) -> None:
+    def _gather(self, bucket: GatherBucket) -> None:
         if self.world == 1:
-            for param, shard in bucket:
+            for param, shard in bucket.items:
                 if param.data_ptr() != shard.data_ptr():  # bound views need no copy
                     param.data.view(-1).copy_(shard[: param.numel()])
             return
-        # Straight from the gathered buffer into the parameters: one copy of the model, not two.
-        zero_comm.all_gather_coalesced_into(
-            [s for _, s in bucket], [self._gather_dest(param) for param, _ in bucket], self.group
-        )
+        self._issue(bucket).wait()
 
     def _gather_dest(self, param: nn.Parameter) -> torch.Tensor:
         """The padded region ``param`` lives in, or its own data once moved out of it."""
