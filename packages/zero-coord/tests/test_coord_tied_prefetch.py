@@ -63,8 +63,9 @@ def test_a_tied_weight_waiting_for_its_gradient_does_not_stop_prefetching(dist, 
         steady = stats[2]
         # Misses (parameters): the embedding (first module) and the head in forward (the tied
         # weight, larger than the bound, never prefetched). The first layer is prefetched while
-        # the embedding runs and the last one while the head's backward runs: what the running
-        # module holds does not count against the bound (counting it: 6 misses). Every other
+        # the embedding runs and the last one while the head's backward runs: with nothing
+        # ahead, the next module is gathered even though the running one fills the bound
+        # (without that: 6 misses). Every other
         # layer is prefetched in forward and in backward, while the tied weight waits for its
         # gradient (without that: 21 misses, every layer of backward).
         assert steady.prefetch_misses == 2, steady

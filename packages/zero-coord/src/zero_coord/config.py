@@ -47,10 +47,11 @@ class CoordinatorConfig:
             the bucket is free, so larger buckets mean fewer, larger all-gathers.
         max_live_parameters: Upper bound on gathered (or in-flight) parameter elements that
             prefetching and reuse may keep alive (``stage3_max_live_parameters``). The
-            parameters a running module needs are always gathered and do not count against
-            it (nor do those that only wait for their gradient), so a module larger than the
-            bound still has the next one prefetched, and the peak is at most this bound plus
-            the parameters of the modules running at once. Under the bound,
+            parameters a running module needs are always gathered, and when nothing is
+            prefetched the next module is, if it fits in the bound (a module larger than the
+            bound, such as a tied embedding and head, still has the next one in flight), so the
+            peak is at most this bound plus the parameters of the modules running at once.
+            Under the bound,
             parameters kept for reuse that are needed later make room for prefetches needed
             sooner.
         max_reuse_distance: A parameter whose next use in the recorded trace is at most

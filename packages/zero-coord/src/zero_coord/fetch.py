@@ -87,15 +87,12 @@ class Fetcher:
         acc = live.acc
         missing: list[ParamSlot] = []
         waits: list[GatherBatch] = []
-        held = 0  # live elements this module holds (not counted against the bound when prefetching)
         for s in ms.slots:
             s.holds += 1
             batch = s.batch
             if batch is None:
                 missing.append(s)
                 continue
-            if not s.release_on_grad:
-                held += s.numel
             if (s.retained or s.prefetched) and live.claim(s):
                 acc.prefetch_hits += 1
             else:
@@ -112,10 +109,10 @@ class Fetcher:
                 waits.append(live.gather(missing, secondary=backward, numel=need))
             else:
                 with profile_range("zero.coord.prefetch"):
-                    waits.append(self._prefetch_gathers(step, missing, need, held, backward))
+                    waits.append(self._prefetch_gathers(step, missing, need, backward))
         elif step is not None and self.bucket - live.ahead_numel >= self.refill:
             with profile_range("zero.coord.prefetch"):
-                self._prefetch_gathers(step, missing, 0, held, backward)
+                self._prefetch_gathers(step, missing, 0, backward)
         for batch in waits:
             batch.wait()
 
@@ -142,17 +139,17 @@ class Fetcher:
                         yield s.param, True
 
     def _prefetch_gathers(
-        self, step: StepState, missing: list[ParamSlot], need: int, held: int, backward: bool
+        self, step: StepState, missing: list[ParamSlot], need: int, backward: bool
     ) -> GatherBatch | None:
         """Gather ``missing`` (``need`` elements, held by the current module) and the window after it.
 
         The window: the missing parameters of the next trace modules while the bucket has
         room and they fit under ``max_live_parameters`` (kept-for-reuse parameters needed
-        later make room), all in one gather. What the current module holds (``missing`` and
-        its ``held`` live elements) does not count against the bound, like parameters that
-        wait only for their gradient: a module larger than the bound (a tied embedding and
-        head) still has the next module gathered during its compute, and the peak stays
-        within the bound plus the running modules' parameters; only where the window crosses between forward
+        later make room), all in one gather. When nothing is ahead, the next module with
+        missing parameters is gathered even over the bound (if it fits in the bound itself):
+        a module larger than the bound — a tied embedding and head — still has the next one
+        in flight while it computes, and the peak stays within the bound plus the running
+        modules' parameters. Only where the window crosses between forward
         and backward and a parameter has an hpZ secondary group (backward gathers over it)
         does it take one gather per pass. Returns the batch that holds ``missing`` (``None``
         without).
@@ -172,7 +169,7 @@ class Fetcher:
         run: list[ParamSlot] = missing.copy()
         held = len(missing)
         run_numel = need
-        pending = 0  # collected for the window (beyond the current module's own), not yet gathered
+        pending = need  # collected, not yet gathered
         mine: GatherBatch | None = None
         window = set(missing)  # collected so far (a slot may recur within the window)
         while pos < end and room > 0:
@@ -180,9 +177,11 @@ class Fetcher:
             add = [s for s in slots if s.batch is None and s not in window]
             if add:
                 numel = event_numel[pos] if len(add) == len(slots) else sum(s.numel for s in add)
-                bounded_live = live.live - live.pending_grad_numel - held  # live.bounded_live, inlined
-                if bounded_live + pending + numel > self.bound and not self.releaser.evict_later_than(
-                    step, pos, pending + numel, held
+                bounded_live = live.live - live.pending_grad_numel  # live.bounded_live, inlined
+                if (
+                    bounded_live + pending + numel > self.bound
+                    and not self.releaser.evict_later_than(step, pos, pending + numel)
+                    and not (pending == need and live.ahead_numel == 0 and numel <= self.bound)
                 ):
                     break
                 secondary = bool(codes[pos] & 1)

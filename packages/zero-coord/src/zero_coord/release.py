@@ -105,15 +105,14 @@ class Releaser:
         while live.retained and live.live + need > self.bound:
             live.free([next(iter(live.retained))])
 
-    def evict_later_than(self, step: StepState, pos: int, need: int, held: int = 0) -> bool:
+    def evict_later_than(self, step: StepState, pos: int, need: int) -> bool:
         """Make room for a prefetch for trace position ``pos``: free kept-for-reuse parameters
         whose next use comes after ``pos`` (they are needed later than what is prefetched),
-        until ``need`` more elements fit besides the ``held`` live elements of the running
-        module (exempt from the bound). Returns whether they fit now."""
+        until ``need`` more elements fit. Returns whether they fit now."""
         live = self.live
         plan = step.plan
         victims = []
-        projected = live.live - live.pending_grad_numel - held  # live.bounded_live, inlined
+        projected = live.live - live.pending_grad_numel  # live.bounded_live, inlined
         for s in live.retained:
             if projected + need <= self.bound:
                 break
@@ -123,4 +122,4 @@ class Releaser:
                 projected -= s.numel
         if victims:
             live.free(victims)
-        return live.live - live.pending_grad_numel - held + need <= self.bound
+        return live.live - live.pending_grad_numel + need <= self.bound
