@@ -29,13 +29,13 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
-from torch.profiler import record_function
 
 from zero_comm.checks import check_flat_inputs
 from zero_comm.coalesced import check_gather_outputs, copy_columns_strided
 from zero_comm.handles import AllGatherHandle, ReduceScatterHandle, TensorHandle
 from zero_comm.ledger import record, ring_wire_bytes
 from zero_comm.partition import partition_numel
+from zero_comm.profiling import profile_range
 from zero_comm.reduction import ReduceOpLike, Reduction
 from zero_comm.strategies import OnGroup
 from zero_comm.watchdog import watched_call
@@ -119,7 +119,7 @@ class CastAllGather(_OnGroupThroughDtype):
             ValueError: empty, mixed or non-floating shards, or a wrong number / size of outputs.
         """
         what = "CastAllGather.all_gather_coalesced_into"
-        with record_function("zero.all_gather.issue"):
+        with profile_range("zero.all_gather.issue"):
             check_flat_inputs(shards, what, require_1d=True)
             _check_float(shards, what)
             check_gather_outputs(shards, outputs, self.group_size, what, same_dtype=False)
@@ -185,7 +185,7 @@ class CastReduceScatter(_OnGroupThroughDtype):
                 other than ``"sum"`` / ``"avg"``.
         """
         what = "CastReduceScatter.reduce_scatter_coalesced"
-        with record_function("zero.reduce_scatter.issue"):
+        with profile_range("zero.reduce_scatter.issue"):
             check_flat_inputs(tensors, what, require_1d=False)
             _check_float(tensors, what)
             reduction = Reduction.parse(op, _RS_OPS, what)
@@ -215,7 +215,7 @@ class CastReduceScatter(_OnGroupThroughDtype):
             out = torch.empty(sum(parts), dtype=first.dtype, device=first.device)
 
             def finish() -> list[torch.Tensor]:
-                with record_function("zero.reduce_scatter.local_sum"):
+                with profile_range("zero.reduce_scatter.local_sum"):
                     rows = recv.view(world, -1)
                     acc = out if out.dtype == torch.float32 else torch.empty_like(out, dtype=torch.float32)
                     acc.copy_(rows[0])
@@ -276,7 +276,7 @@ class CastAllReduce:
         Returns:
             A finished handle whose ``wait()`` returns ``tensor``.
         """
-        with record_function("zero.all_reduce.cast"):
+        with profile_range("zero.all_reduce.cast"):
             flat = tensor.view(-1)
             (part,) = self.reduce.reduce_scatter_coalesced([flat], op=op).wait()
             world = self.reduce.group_size

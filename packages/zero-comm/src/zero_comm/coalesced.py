@@ -21,12 +21,12 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
-from torch.profiler import record_function
 
 from zero_comm.checks import check_flat_inputs
 from zero_comm.handles import AllGatherHandle, CollectiveHandle, ReduceScatterHandle, T
 from zero_comm.ledger import record, ring_wire_bytes
 from zero_comm.partition import partition_numel, shard_range
+from zero_comm.profiling import profile_range
 from zero_comm.reduction import ReduceOpLike, Reduction
 from zero_comm.row_exchange import (
     ADD_CHAIN_MAX_ROWS,
@@ -183,7 +183,7 @@ def issue_all_gather(
         RuntimeError: no process group is initialised.
     """
     what = "all_gather_coalesced"
-    with record_function("zero.all_gather.issue"):
+    with profile_range("zero.all_gather.issue"):
         world, _ = group_size_and_rank(group, what)
         check_flat_inputs(shards, what, require_1d=True)
         layout = GatherLayout.plan(shards, world, out, what)
@@ -273,7 +273,7 @@ def issue_all_gather_into(
         RuntimeError: no process group is initialised.
     """
     what = "all_gather_coalesced_into"
-    with record_function("zero.all_gather.issue"):
+    with profile_range("zero.all_gather.issue"):
         world, _ = group_size_and_rank(group, what)
         check_flat_inputs(shards, what, require_1d=True)
         check_gather_outputs(shards, outputs, world, what)
@@ -490,7 +490,7 @@ def issue_reduce_scatter(
         RuntimeError: no process group is initialised.
     """
     what = "reduce_scatter_coalesced"
-    with record_function("zero.reduce_scatter.issue"):
+    with profile_range("zero.reduce_scatter.issue"):
         world, rank = group_size_and_rank(group, what)
         check_flat_inputs(tensors, what, require_1d=False)
         reduction = Reduction.parse(op, _RS_OPS, what)

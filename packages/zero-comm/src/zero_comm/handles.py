@@ -7,8 +7,8 @@ from datetime import timedelta
 from typing import Any, Generic, TypeVar
 
 import torch
-from torch.profiler import record_function
 
+from zero_comm.profiling import profile_range
 from zero_comm.watchdog import watched_wait
 
 __all__ = ["AllGatherHandle", "CollectiveHandle", "ReduceScatterHandle", "TensorHandle"]
@@ -21,7 +21,7 @@ class CollectiveHandle(Generic[T]):
     """An issued collective: the torch ``Work`` (or none) plus a local finishing step.
 
     :meth:`wait` waits for the communication, runs the finishing step (a copy-out, a
-    local reduction, ...) exactly once under ``record_function("zero.<op>.finish")`` and
+    local reduction, ...) exactly once under ``profile_range("zero.<op>.finish")`` and
     returns its result; later calls return the same result without doing anything.
 
     Args:
@@ -71,7 +71,7 @@ class CollectiveHandle(Generic[T]):
             done = self._work.wait() if timeout is None else self._work.wait(timeout)
             if done is False:
                 raise TimeoutError(f"{self.op} did not complete within {timeout}")
-        with record_function(f"zero.{self.op}.finish"):
+        with profile_range(f"zero.{self.op}.finish"):
             self._result = finish()
         self._work = None
         self._finish = None

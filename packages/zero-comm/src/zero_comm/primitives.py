@@ -12,12 +12,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
-from torch.profiler import record_function
 
 from zero_comm.checks import check_flat_inputs
 from zero_comm.coalesced import result_or_handle
 from zero_comm.handles import TensorHandle
 from zero_comm.ledger import record, ring_wire_bytes
+from zero_comm.profiling import profile_range
 from zero_comm.reduction import ReduceOpLike, Reduction
 from zero_comm.topology import group_ranks, group_size_and_rank
 from zero_comm.watchdog import watched_call
@@ -52,7 +52,7 @@ def all_reduce(
         RuntimeError: no process group is initialised.
     """
     what = "all_reduce"
-    with record_function("zero.all_reduce.issue"):
+    with profile_range("zero.all_reduce.issue"):
         world, _ = group_size_and_rank(group, what)
         check_flat_inputs([tensor], what, require_1d=False)
         reduction = Reduction.parse(op, tuple(Reduction), what)
@@ -87,7 +87,7 @@ def broadcast(
         RuntimeError: no process group is initialised.
     """
     what = "broadcast"
-    with record_function("zero.broadcast.issue"):
+    with profile_range("zero.broadcast.issue"):
         world, _ = group_size_and_rank(group, what)
         check_flat_inputs([tensor], what, require_1d=False)
         ranks = group_ranks(group)
@@ -123,7 +123,7 @@ def all_to_all_single(
         RuntimeError: no process group is initialised.
     """
     what = "all_to_all"
-    with record_function("zero.all_to_all.issue"):
+    with profile_range("zero.all_to_all.issue"):
         world, _ = group_size_and_rank(group, what)
         check_flat_inputs([input, output], what, require_1d=False)
         if output.numel() != input.numel() or (input.dim() and input.shape[0] % world):

@@ -41,8 +41,8 @@ from torch import nn
 from torch.autograd import Variable
 
 import zero_params
+from zero_comm.profiling import profile_range
 from zero_comm.watchdog import path_diverged, recording_paths
-from zero_coord._profile import profile_range
 from zero_coord._tree import collect_grad_tensors
 from zero_coord.config import CoordinatorConfig, Phase
 from zero_coord.error_hints import annotate_unseen_parameter

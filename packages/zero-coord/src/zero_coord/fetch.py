@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
-from zero_coord._profile import profile_range
+from zero_comm.profiling import profile_range
 from zero_coord.config import CoordinatorConfig
 from zero_coord.hooks import ModuleHookState
 from zero_coord.prefetch_source import ShardPrefetcher

@@ -34,8 +34,8 @@ from collections.abc import Callable, Collection, Sequence
 from typing import Protocol
 
 from torch import nn
-from torch.profiler import record_function
 
+from zero_comm.profiling import profile_range
 from zero_comm.watchdog import label
 from zero_comm.watchdog import note as watchdog_note
 
@@ -232,7 +232,7 @@ class BucketedReducer:
 
     def on_backward_end(self) -> None:
         """Reduce every bucket not reduced yet (missing gradients count as zeros), then wait for all."""
-        with record_function("zero.optim.reduce_flush"):
+        with profile_range("zero.optim.reduce_flush"):
             for b in range(self._next, len(self._plan)):
                 self._issue(b)
             while self._inflight:
@@ -243,7 +243,7 @@ class BucketedReducer:
     def _issue(self, b: int) -> None:
         params, names = self._plan.buckets[b], self._plan.names
         watchdog_note(lambda: label("reduces the gradients of", [names.get(id(p), "?") for p in params]))
-        with record_function("zero.optim.reduce_bucket"):
+        with profile_range("zero.optim.reduce_bucket"):
             if self._config.overlap_comm:
                 while len(self._inflight) >= self._config.max_inflight:
                     self._inflight.popleft().wait()

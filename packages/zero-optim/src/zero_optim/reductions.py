@@ -19,9 +19,9 @@ from typing import Protocol
 import torch
 from torch import nn
 from torch.autograd import Variable
-from torch.profiler import record_function
 from torch.utils.hooks import RemovableHandle
 
+from zero_comm.profiling import profile_range
 from zero_comm.watchdog import label
 from zero_comm.watchdog import note as watchdog_note
 from zero_optim.buckets import BucketedReducer, BucketPlan, ReduceHandle
@@ -71,7 +71,7 @@ class BoundaryReduction:
 
     def at_boundary(self) -> None:
         """Reduce every bucket, at most ``max_inflight`` in flight at once."""
-        with record_function("zero.optim.reduce_at_boundary"):
+        with profile_range("zero.optim.reduce_at_boundary"):
             inflight: collections.deque[ReduceHandle] = collections.deque()
             for bucket in self.plan.buckets:
                 if len(inflight) >= self.max_inflight:
@@ -226,13 +226,13 @@ class BackwardReduction(_BackwardHooked):
             for p in params:
                 if id(p) not in self._scaled:
                     self._carry_over(p)
-        with record_function("zero.optim.reduce_bucket"):
+        with profile_range("zero.optim.reduce_bucket"):
             while len(self._inflight) >= self.max_inflight:
                 self._inflight.popleft().wait()
             self._inflight.append(self.reduce_fn(params, async_op=True))
 
     def _end_backward(self) -> None:
-        with record_function("zero.optim.reduce_flush"):
+        with profile_range("zero.optim.reduce_flush"):
             self._reduce_rest()
 
     def _reduce_rest(self) -> None:
@@ -250,7 +250,7 @@ class BackwardReduction(_BackwardHooked):
 
     def at_boundary(self) -> None:
         """Wait for the reductions in flight; reduce every bucket if no backward did since."""
-        with record_function("zero.optim.reduce_at_boundary"):
+        with profile_range("zero.optim.reduce_at_boundary"):
             if not self._reduced or self._unreduced:
                 self._reduce_rest()
             self._drain()

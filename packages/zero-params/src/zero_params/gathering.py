@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
-from torch.profiler import record_function
 
 from zero_comm import AllGatherHandle, AllGatherStrategy, group_ranks
+from zero_comm.profiling import profile_range
 from zero_params.hpz import build_secondary
 from zero_params.selection import Item, bucket_key, iter_states
 from zero_params.state import ParamStatus, ShardedParam, ShardHome
@@ -45,7 +45,7 @@ class _GatherOp:
     def wait(self) -> None:
         if self.comm is None:
             return
-        with record_function("zero.params.gather.wait"), torch._C.DisableTorchFunction(), torch.no_grad():
+        with profile_range("zero.params.gather.wait"), torch._C.DisableTorchFunction(), torch.no_grad():
             outputs = self.comm.wait()
             if self.copy_out:
                 for dest, gathered in zip(self.dests, outputs):
@@ -126,7 +126,7 @@ def gather(
     Raises:
         ValueError: a parameter is partitioned over another group than ``group``.
     """
-    with record_function("zero.params.gather"):
+    with profile_range("zero.params.gather"):
         want = group_ranks(group) if group is not None else None
         joined: list[_GatherOp] = []
         buckets: dict[tuple[Any, ...], tuple[AllGatherStrategy, bool, list[Item]]] = {}
@@ -221,7 +221,7 @@ def release(params: nn.Parameter | Iterable[nn.Parameter]) -> None:
     (use :class:`GatheredParameters` with ``modifier_rank`` to keep them). Local, no
     communication.
     """
-    with record_function("zero.params.release"), torch._C.DisableTorchFunction():
+    with profile_range("zero.params.release"), torch._C.DisableTorchFunction():
         for p, state in iter_states(params):
             if state.persistent:
                 continue

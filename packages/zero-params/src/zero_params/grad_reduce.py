@@ -8,9 +8,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.profiler import record_function
 
 from zero_comm import AllToAllReduceScatter, CastReduceScatter, ReduceScatterHandle, ReduceScatterStrategy
+from zero_comm.profiling import profile_range
 from zero_comm.runs import add_in_runs, adjacent_runs, in_fewer_runs
 from zero_params.selection import bucket_key
 from zero_params.state import ShardedParam, state_of
@@ -33,7 +33,7 @@ class _ReduceOp:
     def wait(self) -> None:
         if self.comm is None:
             return
-        with record_function("zero.params.reduce_scatter_grads.wait"), torch._C.DisableTorchFunction():
+        with profile_range("zero.params.reduce_scatter_grads.wait"), torch._C.DisableTorchFunction():
             with torch.no_grad():
                 add_in_runs(self.targets, self.comm.wait(), self.runs)
         self.comm = None
@@ -98,7 +98,7 @@ def reduce_scatter_grads(
         TypeError: a parameter is not partitioned.
         ValueError: a ``.grad`` does not have the parameter's full number of elements.
     """
-    with record_function("zero.params.reduce_scatter_grads"), torch._C.DisableTorchFunction():
+    with profile_range("zero.params.reduce_scatter_grads"), torch._C.DisableTorchFunction():
         buckets: dict[tuple[Any, ...], tuple[ReduceScatterStrategy, list[tuple[ShardedParam, torch.Tensor]]]]
         buckets = {}
         if isinstance(params, torch.Tensor):
