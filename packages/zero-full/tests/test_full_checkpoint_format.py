@@ -123,16 +123,14 @@ def _results(results, procs, n: int, limit: float) -> list[tuple[str, str | None
     """``n`` reports from the workers; fails at once, with the exit codes, if they died silently."""
     got, deadline = [], time.monotonic() + limit
     while len(got) < n:
+        dead = all(not p.is_alive() for p in procs)  # before the get: all they sent is in the pipe
         try:
             got.append(results.get(timeout=1.0))
             continue
         except queue.Empty:
-            pass
-        if all(not p.is_alive() for p in procs) and results.empty():
-            time.sleep(1.0)  # a report the last exit flushed may still be in the pipe
-            if not results.empty():
-                continue
-            raise AssertionError(f"the ranks exited without reporting: codes {[p.exitcode for p in procs]}")
+            if dead:
+                codes = [p.exitcode for p in procs]
+                raise AssertionError(f"the ranks exited without reporting: codes {codes}") from None
         if time.monotonic() > deadline:
             raise AssertionError(f"no report within {limit:g} s; so far {got}")
     return got
