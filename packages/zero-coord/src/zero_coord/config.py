@@ -51,9 +51,8 @@ class CoordinatorConfig:
             prefetched the next module is, if it fits in the bound (a module larger than the
             bound, such as a tied embedding and head, still has the next one in flight), so the
             peak is at most this bound plus the parameters of the modules running at once.
-            Under the bound,
-            parameters kept for reuse that are needed later make room for prefetches needed
-            sooner.
+            Under the bound, parameters kept for reuse that are needed later make room for
+            prefetches needed sooner.
         max_reuse_distance: A parameter whose next use in the recorded trace is at most
             this many gathered elements away stays gathered after its module finishes
             (``stage3_max_reuse_distance``); ``0`` keeps only parameters that are used again
