@@ -12,6 +12,7 @@ import torch
 from coord_cases import ReduceScatterSink, build, coordinate, over_worlds, rank_input
 from torch import nn
 
+import zero_params
 from zero_coord import CoordinatorConfig
 
 VOCAB, DEPTH, WIDTH = 97, 8, 17
@@ -20,25 +21,43 @@ LAYER_NUMEL = WIDTH * WIDTH + WIDTH
 BOUND = 3 * LAYER_NUMEL
 
 
-class TiedDeepLM(nn.Module):
-    """Embedding, ``depth`` Linear+tanh layers, a head sharing the embedding's weight."""
+class _Probe(torch.autograd.Function):
+    """Identity; its backward (run as the head's backward ends) records the last layer's weight status."""
 
-    def __init__(self, vocab: int = VOCAB, depth: int = DEPTH, width: int = WIDTH) -> None:
+    @staticmethod
+    def forward(ctx, x, model):
+        ctx.model = model
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.model.last_layer_status.append(zero_params.state_of(ctx.model.layers[-1].weight).status)
+        return grad, None
+
+
+class TiedDeepLM(nn.Module):
+    """Embedding, ``depth`` Linear+tanh layers, (a final norm,) a head sharing the embedding's weight."""
+
+    def __init__(
+        self, vocab: int = VOCAB, depth: int = DEPTH, width: int = WIDTH, norm: bool = False
+    ) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, width)
         self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.norm = nn.LayerNorm(width) if norm else nn.Identity()
         self.head = nn.Linear(width, vocab, bias=False)
         self.head.weight = self.embed.weight
+        self.last_layer_status: list[zero_params.ParamStatus] = []
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids)
         for layer in self.layers:
             x = torch.tanh(layer(x))
-        return self.head(x)
+        return self.head(_Probe.apply(self.norm(x), self))
 
 
-def _tied_steps(rank):
-    model, ref = build(TiedDeepLM)
+def _tied_steps(rank, norm=False):
+    model, ref = build(TiedDeepLM, norm=norm)
     config = CoordinatorConfig(
         prefetch_bucket_size=2 * LAYER_NUMEL, max_live_parameters=BOUND, max_reuse_distance=0
     )
@@ -53,12 +72,12 @@ def _tied_steps(rank):
         with torch.no_grad():
             errors.append((out - ref(ids)).abs().max().item())
     coord.remove()
-    return stats, max(errors), sink.problems
+    return stats, max(errors), sink.problems, model.last_layer_status
 
 
 @over_worlds
 def test_a_tied_weight_waiting_for_its_gradient_does_not_stop_prefetching(dist, world):
-    for stats, err, problems in dist.run(world, _tied_steps):
+    for stats, err, problems, _ in dist.run(world, _tied_steps):
         assert err == 0.0 and problems == []
         steady = stats[2]
         # Misses (parameters): the embedding (first module) and the head in forward (the tied
@@ -74,3 +93,22 @@ def test_a_tied_weight_waiting_for_its_gradient_does_not_stop_prefetching(dist, 
         assert steady.bytes_gathered == 4 * (2 * EMBED_NUMEL + 2 * DEPTH * LAYER_NUMEL), steady
         # Prefetching stays within the bound on top of the tied weight and the running layer.
         assert steady.max_live_elements <= BOUND + EMBED_NUMEL + LAYER_NUMEL, steady
+
+
+@over_worlds
+def test_the_last_layer_is_in_flight_during_the_heads_backward_with_a_small_module_ahead(dist, world):
+    # GPT-2's ``ln_f`` sits between the last block and the head. Gathered with the head in
+    # forward (nothing ahead then), it is in flight ahead when the head's backward starts; the
+    # last layer must still be gathered behind it then, since the head alone fills the bound.
+    # Without that its gather is issued only once the head's backward ended (the tied weight
+    # then waits for its gradient, out of the bound) and is waited for at once.
+    norm_numel = 2 * WIDTH
+    for stats, err, problems, status in dist.run(world, _tied_steps, norm=True):
+        assert err < 1e-6 and problems == []
+        assert status[2] is not zero_params.ParamStatus.NOT_AVAILABLE, status
+        steady = stats[2]
+        assert steady.prefetch_misses == 2, steady
+        gathered = 2 * EMBED_NUMEL + 2 * DEPTH * LAYER_NUMEL + 2 * norm_numel
+        assert steady.bytes_gathered == 4 * gathered, steady
+        # Within the bound on top of the tied weight and the running module, plus the norm.
+        assert steady.max_live_elements <= BOUND + EMBED_NUMEL + LAYER_NUMEL + norm_numel, steady

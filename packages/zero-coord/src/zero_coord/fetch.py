@@ -145,11 +145,12 @@ class Fetcher:
 
         The window: the missing parameters of the next trace modules while the bucket has
         room and they fit under ``max_live_parameters`` (kept-for-reuse parameters needed
-        later make room), all in one gather. When nothing is ahead, the next module with
-        missing parameters is gathered even over the bound (if it fits in the bound itself):
-        a module larger than the bound — a tied embedding and head — still has the next one
-        in flight while it computes, and the peak stays within the bound plus the running
-        modules' parameters. Only where the window crosses between forward
+        later make room), all in one gather. When nothing is ahead — or less than half a
+        bucket while the running modules fill the bound on their own — the next module with
+        missing parameters is gathered even over the bound (if it fits in the bound itself,
+        :meth:`_over_bound`): a module larger than the bound — a tied embedding and head —
+        still has the next one in flight while it computes, and the peak stays within the
+        bound plus the running modules' parameters. Only where the window crosses between forward
         and backward and a parameter has an hpZ secondary group (backward gathers over it)
         does it take one gather per pass. Returns the batch that holds ``missing`` (``None``
         without).
@@ -181,7 +182,7 @@ class Fetcher:
                 if (
                     bounded_live + pending + numel > self.bound
                     and not self.releaser.evict_later_than(step, pos, pending + numel)
-                    and not (pending == need and live.ahead_numel == 0 and numel <= self.bound)
+                    and not self._over_bound(bounded_live, pending, need, numel)
                 ):
                     break
                 secondary = bool(codes[pos] & 1)
@@ -202,6 +203,22 @@ class Fetcher:
             batch = self._issue(run, held, need, run_numel - need, bool(run_secondary))
             mine = mine or (batch if held else None)
         return mine
+
+    def _over_bound(self, bounded_live: int, pending: int, need: int, numel: int) -> bool:
+        """Whether a module of ``numel`` elements is prefetched although it crosses ``max_live_parameters``.
+
+        ``bounded_live``: the live elements the bound counts; ``pending``: collected in this
+        window, of which ``need`` for the running module. Only a module that fits in the bound
+        by itself, and only while little is ahead: nothing, or, when the running modules fill
+        the bound on their own (a tied embedding and head larger than it), less than half the
+        prefetch bucket. Without this such a module stops every prefetch while it computes,
+        and the next module is gathered on demand.
+        """
+        if numel > self.bound:
+            return False
+        in_flight = self.live.ahead_numel
+        ahead = in_flight + pending - need
+        return ahead == 0 or (bounded_live - in_flight + need >= self.bound and ahead < self.refill)
 
     def _issue(
         self, slots: list[ParamSlot], held: int, held_numel: int, ahead_numel: int, secondary: bool
