@@ -8,7 +8,9 @@ For each world size (``--worlds``, default 2 and 4) the launcher first trains th
 reference on the whole global batch (in its own process, one thread), then spawns ``W`` gloo
 ranks (one thread each) that run every implementation of :mod:`impls` in turn, in the same
 processes and process group, for ``--rounds`` rounds (the order rotates each round, so no
-implementation always runs first or last). One run of an implementation on a rank:
+implementation always runs first or last). With ``--fresh`` every run of an implementation gets
+ranks of its own instead, as a user's training does: no run sees the heap, threads or caches
+that earlier runs left in the process. One run of an implementation on a rank:
 
 1. build the model and the implementation;
 2. ``--warmup`` training steps; a barrier;
@@ -78,6 +80,7 @@ class Plan:
     warmup: int
     steps: int
     timeout: float
+    fresh: bool = False
 
     @property
     def total_steps(self) -> int:
@@ -132,18 +135,30 @@ def run_one(impl: str, plan: Plan, rank: int, world: int, rows: int) -> dict[str
     }
 
 
-def _rank_main(ctx: RankContext, plan: Plan) -> list[dict[str, Any]]:
-    """One rank: every implementation, every round, in one process group."""
-    rank, world = ctx.rank, ctx.world_size
-    os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+def _round_order(plan: Plan, rnd: int) -> tuple[str, ...]:
+    """The implementations of round ``rnd``, rotated so none always runs first or last."""
+    shift = rnd % len(plan.impls)
+    return plan.impls[shift:] + plan.impls[:shift]
+
+
+def _join(ctx: RankContext, plan: Plan) -> None:
+    """This rank's environment and gloo process group."""
+    os.environ.update(DS_ACCELERATOR="cpu", LOCAL_RANK=str(ctx.rank), LOCAL_WORLD_SIZE=str(ctx.world_size))
     logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore")  # a warning printed in a measured window would count as bytes sent
     timeout = datetime.timedelta(seconds=plan.timeout)
-    dist.init_process_group("gloo", init_method=ctx.init_method, rank=rank, world_size=world, timeout=timeout)
+    dist.init_process_group(
+        "gloo", init_method=ctx.init_method, rank=ctx.rank, world_size=ctx.world_size, timeout=timeout
+    )
+
+
+def _rank_main(ctx: RankContext, plan: Plan) -> list[dict[str, Any]]:
+    """One rank: every implementation, every round, in one process group."""
+    rank, world = ctx.rank, ctx.world_size
+    _join(ctx, plan)
     results = []
     for r in range(plan.rounds):
-        shift = r % len(plan.impls)
-        for impl in plan.impls[shift:] + plan.impls[:shift]:
+        for impl in _round_order(plan, r):
             results.append({"round": r, **run_one(impl, plan, rank, world, world)})
             if rank == 0:
                 print(f"  world {world} round {r + 1}/{plan.rounds}: {impl} done", flush=True)
@@ -151,14 +166,36 @@ def _rank_main(ctx: RankContext, plan: Plan) -> list[dict[str, Any]]:
     return results
 
 
+def _rank_one(ctx: RankContext, job: tuple[Plan, int, str]) -> list[dict[str, Any]]:
+    """One rank of one implementation's run, in processes of its own (``--fresh``)."""
+    plan, rnd, impl = job
+    _join(ctx, plan)
+    try:
+        return [{"round": rnd, **run_one(impl, plan, ctx.rank, ctx.world_size, ctx.world_size)}]
+    finally:
+        dist.destroy_process_group()
+
+
 def run_world(plan: Plan, world: int) -> list[dict[str, Any]]:
     """Launch ``world`` ranks running every distributed implementation; every rank's results.
 
-    A rank that raises or dies stops the run at once with an error naming it (the others killed).
+    By default one set of ranks runs every round of every implementation; with ``plan.fresh``
+    each run of an implementation gets ranks of its own (no run sees the heap, threads or
+    caches an earlier one left). A rank that raises or dies stops the run at once with an
+    error naming it (the others killed).
     """
-    deadline = plan.timeout * plan.rounds * len(plan.impls)
-    answers = launch(_rank_main, world, plan, timeout=deadline, process_group=False, name="side-by-side")
-    return [row for answer in answers for row in answer.value]
+    if not plan.fresh:
+        deadline = plan.timeout * plan.rounds * len(plan.impls)
+        answers = launch(_rank_main, world, plan, timeout=deadline, process_group=False, name="side-by-side")
+        return [row for answer in answers for row in answer.value]
+    rows: list[dict[str, Any]] = []
+    for r in range(plan.rounds):
+        for impl in _round_order(plan, r):
+            job = (plan, r, impl)
+            answers = launch(_rank_one, world, job, timeout=plan.timeout, process_group=False, name=impl)
+            rows += [row for answer in answers for row in answer.value]
+            print(f"  world {world} round {r + 1}/{plan.rounds}: {impl} done (fresh processes)", flush=True)
+    return rows
 
 
 def run_reference(plan: Plan, world: int) -> dict[str, Any]:
@@ -300,7 +337,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"Workload: {result['workload_text']}; P = {result['psi']:,} parameters; fp32 AdamW "
         f"(lr {ADAMW['lr']:g}, betas {tuple(ADAMW['betas'])}, eps {ADAMW['eps']:g}, weight decay "
         f"{ADAMW['weight_decay']:g}) everywhere. {plan['warmup']} warm-up + {plan['steps']} measured steps "
-        f"per run, {plan['rounds']} rounds, implementations interleaved.",
+        f"per run, {plan['rounds']} rounds, implementations interleaved"
+        + (", each run in fresh processes." if plan.get("fresh") else ", in one set of processes per world."),
         "",
     ]
     for world in plan["worlds"]:
@@ -419,6 +457,12 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds any one run may take")
     parser.add_argument("--name", default="side_by_side", help="result file stem (default side_by_side)")
     parser.add_argument("--docs", type=pathlib.Path, default=None, help="docs dir to copy plots and table to")
+    parser.add_argument(
+        "--fresh",
+        action="store_true",
+        help="run each implementation (each round) in processes of its own, as users do, instead of "
+        "every run in one set of processes per world",
+    )
     args = parser.parse_args()
     impls = list(args.impls)
     if importlib.util.find_spec("deepspeed") is None:
@@ -426,7 +470,9 @@ def main() -> None:
         impls = [i for i in impls if not i.startswith("deepspeed")]
         print(f"deepspeed is not installed: skipping {dropped}", file=sys.stderr)
     w = workload_of(args, args.workload)
-    plan = Plan(w, tuple(impls), tuple(args.worlds), args.rounds, args.warmup, args.steps, args.timeout)
+    plan = Plan(
+        w, tuple(impls), tuple(args.worlds), args.rounds, args.warmup, args.steps, args.timeout, args.fresh
+    )
     psi = count_params(w)
     env = environment("deepspeed", "transformers", "matplotlib", "zero-full", "zero-optim", "zero-params")
     print(
