@@ -34,6 +34,7 @@ from zero_comm.checks import check_flat_inputs
 from zero_comm.coalesced import check_gather_outputs, copy_columns_strided
 from zero_comm.handles import AllGatherHandle, ReduceScatterHandle, TensorHandle
 from zero_comm.ledger import record, ring_wire_bytes
+from zero_comm.pairwise import gather_rows, gathers_pairwise
 from zero_comm.partition import partition_numel
 from zero_comm.profiling import profile_range
 from zero_comm.reduction import ReduceOpLike, Reduction
@@ -127,7 +128,10 @@ class CastAllGather(_OnGroupThroughDtype):
             sizes = [s.numel() for s in shards]
             total = sum(sizes)
             device = shards[0].device
-            send = torch.empty(total, dtype=self.dtype, device=device)
+            staging = torch.empty(world, total, dtype=self.dtype, device=device)
+            # alone, or between two gloo ranks, the cast lands in this rank's own row: nothing to copy
+            in_row = world == 1 or gathers_pairwise(self.group, device)
+            send = staging[self.group_rank] if in_row else torch.empty(total, dtype=self.dtype, device=device)
             if total:
                 torch.cat(list(shards), out=send)
             shard_bytes = total * send.element_size()
@@ -138,19 +142,9 @@ class CastAllGather(_OnGroupThroughDtype):
                 wire_bytes=ring_wire_bytes("all_gather", shard_bytes, world),
             )
             outs = list(outputs)
-            staging = torch.empty(world, total, dtype=self.dtype, device=device)
             work = None
-            if world == 1:
-                staging[0].copy_(send)
-            elif total:
-                work = watched_call(
-                    "all_gather",
-                    dist.all_gather_single,
-                    staging.view(-1),
-                    send,
-                    group=self.group,
-                    async_op=async_op,
-                )
+            if world > 1 and total:
+                work = gather_rows(staging.view(-1), send, self.group, async_op=async_op)
 
             def finish() -> list[torch.Tensor]:
                 copy_columns_strided(staging, sizes, outs)

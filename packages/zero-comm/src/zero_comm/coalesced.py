@@ -25,6 +25,7 @@ from torch.distributed import ProcessGroup
 from zero_comm.checks import check_flat_inputs
 from zero_comm.handles import AllGatherHandle, CollectiveHandle, ReduceScatterHandle, T
 from zero_comm.ledger import record, ring_wire_bytes
+from zero_comm.pairwise import gather_rows, gathers_pairwise
 from zero_comm.partition import partition_numel, shard_range
 from zero_comm.profiling import profile_range
 from zero_comm.reduction import ReduceOpLike, Reduction
@@ -37,7 +38,6 @@ from zero_comm.row_exchange import (
     record_padded_reduce_scatter,
 )
 from zero_comm.topology import group_size_and_rank
-from zero_comm.watchdog import watched_call
 
 __all__ = [
     "GatherLayout",
@@ -207,19 +207,34 @@ def _issue_gather(
         outputs = layout.outputs
         return AllGatherHandle("all_gather", None, lambda: outputs)
     if len(shards) == 1:
-        work = watched_call(
-            "all_gather", dist.all_gather_single, layout.flat, shards[0], group=group, async_op=async_op
-        )
+        work = gather_rows(layout.flat, shards[0], group, async_op=async_op)
         outputs = layout.outputs
         return AllGatherHandle("all_gather", work, lambda: outputs, keepalive=(shards[0],))
-    send = adjacent_flat_view(shards)
-    if send is None:
-        send = torch.cat(list(shards))
-    staging = torch.empty(world * total, dtype=send.dtype, device=send.device)
-    work = watched_call("all_gather", dist.all_gather_single, staging, send, group=group, async_op=async_op)
+    staging = torch.empty(world * total, dtype=shards[0].dtype, device=shards[0].device)
+    send = _send_buffer(shards, staging.view(world, total), group)
+    work = gather_rows(staging, send, group, async_op=async_op)
     return AllGatherHandle(
         "all_gather", work, lambda: layout.copy_out(staging.view(world, total)), keepalive=(send,)
     )
+
+
+def _send_buffer(
+    shards: Sequence[torch.Tensor], rows: torch.Tensor, group: ProcessGroup | None
+) -> torch.Tensor:
+    """This rank's gather input: its shards back to back (``rows`` is the ``(world, total)`` output).
+
+    Shards already back to back in one buffer are sent as they lie. Otherwise they are
+    concatenated, straight into this rank's own row of ``rows`` when :func:`gather_rows` runs a
+    pairwise exchange (it then has nothing left to copy), into a buffer of their own when not.
+    """
+    send = adjacent_flat_view(shards)
+    if send is not None:
+        return send
+    if gathers_pairwise(group, rows.device):
+        own = rows[dist.get_rank(group)]
+        torch.cat(list(shards), out=own)
+        return own
+    return torch.cat(list(shards))
 
 
 def all_gather_coalesced_into(
@@ -293,15 +308,11 @@ def issue_all_gather_into(
             return AllGatherHandle("all_gather", None, lambda: outs)
         if len(shards) == 1 and outs[0].numel() == world * total:
             # one tensor and no padding to drop: the collective writes straight into it
-            work = dist.all_gather_single(outs[0].view(-1), shards[0], group=group, async_op=async_op)
+            work = gather_rows(outs[0].view(-1), shards[0], group, async_op=async_op)
             return AllGatherHandle("all_gather", work, lambda: outs, keepalive=(shards[0],))
-        send = adjacent_flat_view(shards)
-        if send is None:
-            send = torch.cat(list(shards))
-        staging = torch.empty(world, total, dtype=send.dtype, device=send.device)
-        work = watched_call(
-            "all_gather", dist.all_gather_single, staging.view(-1), send, group=group, async_op=async_op
-        )
+        staging = torch.empty(world, total, dtype=shards[0].dtype, device=shards[0].device)
+        send = _send_buffer(shards, staging, group)
+        work = gather_rows(staging.view(-1), send, group, async_op=async_op)
 
         def finish() -> list[torch.Tensor]:
             _copy_rows(staging, sizes, outs)

@@ -12,15 +12,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 from torch.profiler import record_function
 
 from zero_comm.checks import check_flat_inputs, require_process_group
 from zero_comm.coalesced import GatherLayout, adjacent_flat_view, issue_all_gather, result_or_handle
 from zero_comm.handles import AllGatherHandle
 from zero_comm.ledger import record, ring_wire_bytes
+from zero_comm.pairwise import gather_rows
 from zero_comm.topology import HierarchicalGroups
-from zero_comm.watchdog import watched_call
 
 __all__ = ["hierarchical_all_gather_coalesced", "issue_hierarchical_all_gather"]
 
@@ -108,10 +107,8 @@ def _issue_two_hops(
     if send is None:
         send = torch.cat(list(shards))
     across = torch.empty(nodes * total, dtype=send.dtype, device=send.device)
-    watched_call("all_gather", dist.all_gather_single, across, send, group=groups.inter)
+    gather_rows(across, send, groups.inter, async_op=False)
     staging = torch.empty(local * nodes * total, dtype=send.dtype, device=send.device)
-    work = watched_call(
-        "all_gather", dist.all_gather_single, staging, across, group=groups.intra, async_op=async_op
-    )
+    work = gather_rows(staging, across, groups.intra, async_op=async_op)
     rank_major = staging.view(local, nodes, total).transpose(0, 1)  # [node, local] = group-rank order
     return AllGatherHandle("all_gather", work, lambda: layout.copy_out(rank_major), keepalive=(across,))

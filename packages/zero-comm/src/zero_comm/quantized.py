@@ -39,6 +39,7 @@ from zero_comm.coalesced import (
 )
 from zero_comm.handles import AllGatherHandle, ReduceScatterHandle
 from zero_comm.ledger import record, ring_wire_bytes
+from zero_comm.pairwise import gather_rows
 from zero_comm.partition import partition_numel
 from zero_comm.reduction import ReduceOpLike, Reduction
 from zero_comm.strategies import FlatAllGather, OnGroup
@@ -227,7 +228,7 @@ def issue_quantized_all_gather(
             flat = torch.cat(list(shards))
         send = _pack(quantize(flat, config), 1).view(-1)
         recv = torch.empty(world * send.numel(), dtype=torch.uint8, device=send.device)
-        work = watched_call("all_gather", dist.all_gather_single, recv, send, group=group, async_op=async_op)
+        work = gather_rows(recv, send, group, async_op=async_op)
         return AllGatherHandle(
             QWZ_OP, work, lambda: _dequantize_gathered(recv, layout, config), keepalive=(send,)
         )
@@ -352,7 +353,7 @@ def issue_prequantized_all_gather(
             _decode_pieces(send.view(1, -1), numels, outputs, config)
             return AllGatherHandle(QWZ_OP, None, lambda: outputs)
         recv = torch.empty(world * send.numel(), dtype=torch.uint8, device=device)
-        work = watched_call("all_gather", dist.all_gather_single, recv, send, group=group, async_op=async_op)
+        work = gather_rows(recv, send, group, async_op=async_op)
         return AllGatherHandle(
             QWZ_OP,
             work,
