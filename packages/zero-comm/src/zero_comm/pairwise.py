@@ -1,16 +1,16 @@
 """The all-gather of a rank-major buffer, and between two gloo ranks one pairwise exchange.
 
 Every gather of zero-comm (coalesced, into destinations, through a communication dtype,
-quantized, each hop of the hierarchical one) ends in the same call: fill ``out`` (``world`` rows of
-``n`` elements) with every rank's ``send``, row ``r`` from group rank ``r``. :func:`gather_rows`
-is that call.
+quantized, each hop of the hierarchical one) ends in the same call: fill ``out`` (``world``
+rows of ``n`` elements) with every rank's ``send``, row ``r`` from group rank ``r``.
+:func:`gather_rows` is that call.
 
 Between two ranks on gloo it is not gloo's all-gather. gloo's all-gather copies through
 buffers of its own; between two ranks an all-gather is each rank sending its shard to the
 other, which ``all_to_all_single`` does straight into the peer's row, this rank's row being
 one local copy (skipped when ``send`` already lies there). The bytes on the wire are the same
-(``n`` each way, the ring ideal). Measured with ``benchmarks/comm.py`` and a two-rank sweep
-on 2 cores (median of 20, process CPU per call): 256 KiB per rank 0.42 ms / 0.73 ms CPU
+(``n`` each way, the ring ideal). A two-rank sweep of both calls on 2 cores (median of 20,
+process CPU per call; see docs/benchmarks.md): 256 KiB per rank 0.42 ms / 0.73 ms CPU
 against 0.34 ms / 0.41 ms; 4 MiB 3.65 / 3.85 against 2.82 / 2.79; 8 MiB 7.5 / 6.6 against
 6.2 / 5.2. With more ranks every peer needs its own copy of the shard in the send buffer, and
 four ranks on this machine were slower that way (4 MiB: 14.4 ms against 18.6 ms), so any
