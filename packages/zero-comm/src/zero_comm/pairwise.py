@@ -9,8 +9,8 @@ Between two ranks on gloo it is not gloo's all-gather. gloo's all-gather copies 
 buffers of its own; between two ranks an all-gather is each rank sending its shard to the
 other, which ``all_to_all_single`` does straight into the peer's row, this rank's row being
 one local copy (skipped when ``send`` already lies there). The bytes on the wire are the same
-(``n`` each way, the ring ideal). A two-rank sweep of both calls on 2 cores (median of 20,
-process CPU per call; see docs/benchmarks.md): 256 KiB per rank 0.42 ms / 0.73 ms CPU
+(``n`` each way, the ring ideal). A two-rank sweep of both calls on 2 cores (a session
+script, not in benchmarks/; median of 20, process CPU per call): 256 KiB per rank 0.42 ms / 0.73 ms CPU
 against 0.34 ms / 0.41 ms; 4 MiB 3.65 / 3.85 against 2.82 / 2.79; 8 MiB 7.5 / 6.6 against
 6.2 / 5.2. With more ranks every peer needs its own copy of the shard in the send buffer, and
 four ranks on this machine were slower that way (4 MiB: 14.4 ms against 18.6 ms), so any
@@ -48,7 +48,8 @@ def gather_rows(out: torch.Tensor, send: torch.Tensor, group: ProcessGroup | Non
     Args:
         out: Contiguous buffer of ``world * send.numel()`` elements, ``send``'s dtype and device.
         send: This rank's contiguous 1-D input (it may be this rank's own row of ``out``).
-        group: Process group (``None``: the world); more than one rank.
+        group: Process group (``None``: the world). Pairwise only for exactly two gloo ranks;
+            any other size (one rank included) is ``all_gather_single``.
         async_op: Return the work without waiting (see ``watched_call``).
 
     Returns:
