@@ -180,3 +180,36 @@ def _gather_into_cases(rank):
 def test_gather_into_destinations_matches_torch_and_drops_padding(dist, spec):
     world, rpn = spec
     assert dist.run(world, _gather_into_cases, ranks_per_node=rpn) == [30] * world
+
+
+def _own_rows_cases(rank):
+    """Shards that are their outputs' own rows (stage 1's parameters): same result, own row not copied."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from zero_comm import all_gather_coalesced_into
+
+    world, me = rank.world_size, rank.rank
+    sizes = [n for n in ODD_SIZES if n]
+    checked = 0
+    for dtype in DTYPES.values():
+        for async_op in (False, True):
+            flat = torch.full((world * sum(sizes),), 7.0, dtype=dtype)  # padded regions back to back
+            outs = list(flat.split([world * n for n in sizes]))
+            shards = [out.view(world, n)[me] for out, n in zip(outs, sizes)]
+            for i, s in enumerate(shards):
+                s.copy_(rank_tensor(i, me, (s.numel(),), dtype))
+            refs = [_reference(s.clone()) for s in shards]
+            with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+                result_of(all_gather_coalesced_into(shards, outs, async_op=async_op), async_op)
+            assert all(torch.equal(o, r) for o, r in zip(outs, refs)), (dtype, async_op)
+            copied = [e.input_shapes[0] for e in prof.events() if e.name == "aten::split_with_sizes_copy"]
+            blocks = [[rows, sum(sizes)] for rows in (me, world - 1 - me) if rows]  # before / after own row
+            assert copied == blocks, copied  # one fused copy per block of other ranks' rows
+            checked += 1
+    return checked
+
+
+@over_worlds
+def test_gather_into_outputs_holding_the_shards_copies_only_other_rows(dist, spec):
+    world, rpn = spec
+    assert dist.run(world, _own_rows_cases, ranks_per_node=rpn) == [len(DTYPES) * 2] * world

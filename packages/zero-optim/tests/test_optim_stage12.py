@@ -227,7 +227,8 @@ def test_a_bucket_is_finished_with_one_call_per_kernel_not_one_per_parameter(dis
 
     Stage 2 adds its reduced partitions with one add_ per flat group, stage 1 zeroes the
     consumed gradients with one foreach call, and both refresh the whole parameters from the
-    gathered rows with one fused copy.
+    gathered rows with one fused copy (the last rank: its own rows are in place already, the
+    others lie before them in one block).
     """
     for stage in (1, 2):
         found, groups = dist.run(world, _kernels, stage)[world - 1]

@@ -6,7 +6,8 @@ Topology, process groups and byte accounting for the zero stack:
   hpZ shard and replicate groups, hierarchical hops).
 * :func:`all_gather_coalesced` (and :func:`all_gather_coalesced_into`, straight into
   destinations), :func:`reduce_scatter_coalesced` (each rank's unpadded partitions, as
-  DeepSpeed's; :func:`reduce_scatter_coalesced_padded` keeps the padding),
+  DeepSpeed's; :func:`reduce_scatter_coalesced_padded` keeps the padding;
+  :func:`reduce_scatter_in_place` writes each rank's reduced row into the padded inputs),
   :func:`hierarchical_all_gather_coalesced`: one collective for many tensors. As in
   ``torch.distributed``, a call returns its result; with ``async_op=True`` it returns a
   handle whose ``.wait()`` returns it.
@@ -44,6 +45,7 @@ from zero_comm.coalesced import (
 )
 from zero_comm.handles import AllGatherHandle, CollectiveHandle, ReduceScatterHandle, TensorHandle
 from zero_comm.hierarchical import hierarchical_all_gather_coalesced
+from zero_comm.in_place import reduce_scatter_in_place
 from zero_comm.ledger import CommLedger, CommRecord, CommTotals, record, ring_wire_bytes
 from zero_comm.partition import padded_numel, partition_numel, shard_range
 from zero_comm.primitives import all_reduce, all_to_all_single, broadcast
@@ -115,6 +117,7 @@ __all__ = [
     "record",
     "reduce_scatter_coalesced",
     "reduce_scatter_coalesced_padded",
+    "reduce_scatter_in_place",
     "reset_device_peak",
     "reset_process_peak",
     "ring_wire_bytes",

@@ -289,7 +289,7 @@ def issue_all_gather_into(
     """
     what = "all_gather_coalesced_into"
     with profile_range("zero.all_gather.issue"):
-        world, _ = group_size_and_rank(group, what)
+        world, rank = group_size_and_rank(group, what)
         check_flat_inputs(shards, what, require_1d=True)
         check_gather_outputs(shards, outputs, world, what)
         sizes = [s.numel() for s in shards]
@@ -314,8 +314,10 @@ def issue_all_gather_into(
         send = _send_buffer(shards, staging, group)
         work = gather_rows(staging.view(-1), send, group, async_op=async_op)
 
+        skip = rank if _shards_are_own_rows(shards, outs, world, rank) else None
+
         def finish() -> list[torch.Tensor]:
-            _copy_rows(staging, sizes, outs)
+            _copy_rows(staging, sizes, outs, skip)
             return outs
 
         return AllGatherHandle("all_gather", work, finish, keepalive=(send,))
@@ -351,13 +353,38 @@ def check_gather_outputs(
             )
 
 
-def _copy_rows(staging: torch.Tensor, sizes: list[int], outputs: list[torch.Tensor]) -> None:
+def _shards_are_own_rows(
+    shards: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor], world: int, rank: int
+) -> bool:
+    """Whether every shard already lies in its output, as row ``rank`` of its ``world`` rows.
+
+    A parameter whose partitions live in its own padded buffer (stages 1 and 2) gathers from
+    where its updated partition lies: that row needs no copy back.
+    """
+    for shard, out in zip(shards, outputs, strict=True):
+        n = shard.numel()
+        if out.numel() != world * n or out.view(-1)[rank * n :].data_ptr() != shard.data_ptr():
+            return False
+    return True
+
+
+def _copy_rows(
+    staging: torch.Tensor, sizes: list[int], outputs: list[torch.Tensor], skip: int | None = None
+) -> None:
     """Copy column block ``i`` of the rank-major ``staging`` (``(world, total)``) into ``outputs[i]``.
 
     Outputs that all hold their whole gathered tensor (padding included) take one fused
-    ``split_with_sizes_copy``; otherwise one strided copy per output.
+    ``split_with_sizes_copy``; otherwise one strided copy per output. With ``skip`` (every
+    output holding its whole tensor, its row ``skip`` already in place) the rows before and
+    the rows after it are copied, one fused ``split_with_sizes_copy`` per block.
     """
     world = staging.shape[0]
+    if skip is not None:
+        for lo, hi in ((0, skip), (skip + 1, world)):
+            if hi > lo:
+                rows = [out.view(world, n)[lo:hi] for n, out in zip(sizes, outputs)]
+                torch.split_with_sizes_copy(staging[lo:hi], sizes, dim=1, out=rows)
+        return
     if all(out.numel() == world * n for n, out in zip(sizes, outputs)):
         dests = [out.view(world, n) for n, out in zip(sizes, outputs)]
         torch.split_with_sizes_copy(staging, sizes, dim=1, out=dests)

@@ -432,18 +432,18 @@ class ReduceScatterInPlace:
             live = [r for r in regions if r.numel()]
             if not live:
                 return _AccumulateHandle(lambda: None)
-            if self.strategy is not None:
-                handle = self.strategy.reduce_scatter_coalesced(live, op="avg", async_op=True)
-            else:
-                handle = zero_comm.reduce_scatter_coalesced_padded(live, part.group, op="avg", async_op=True)
+            if self.strategy is None:  # the reduced rows land in the regions themselves
+                in_place = zero_comm.reduce_scatter_in_place(live, part.group, op="avg", async_op=True)
 
-            def finish() -> None:
-                _keep_own_partition(live, handle.wait(), part.rank)
+                def zero_the_rest() -> None:
+                    in_place.wait()
+                    _zero_other_rows(live, part.rank, part.world)
 
-            out = _AccumulateHandle(finish)
-            if not async_op:
-                out.wait()
-            return out
+                return _finish_now_or_later(zero_the_rest, async_op)
+            handle = self.strategy.reduce_scatter_coalesced(live, op="avg", async_op=True)
+            return _finish_now_or_later(
+                lambda: _keep_own_partition(live, handle.wait(), part.rank, part.world), async_op
+            )
 
     def before_backward(self) -> None:
         """Bind every ``.grad`` to the flat buffer, so autograd accumulates in place."""
@@ -462,7 +462,27 @@ class ReduceScatterInPlace:
         region.narrow(0, part.rank * size, size).mul_(part.world)
 
 
-def _keep_own_partition(regions: Sequence[torch.Tensor], reduced: Sequence[torch.Tensor], rank: int) -> None:
+def _finish_now_or_later(finish: Callable[[], None], async_op: bool) -> _AccumulateHandle:
+    """The handle running ``finish`` on ``wait()``, already waited on unless ``async_op``."""
+    out = _AccumulateHandle(finish)
+    if not async_op:
+        out.wait()
+    return out
+
+
+def _zero_other_rows(regions: Sequence[torch.Tensor], rank: int, world: int) -> None:
+    """Zero every row of each region but this rank's (one fused zeroing for the bucket)."""
+    rest = []
+    for region in regions:
+        size = region.numel() // world
+        rest.append(region[: rank * size])
+        rest.append(region[(rank + 1) * size :])
+    torch._foreach_zero_([r for r in rest if r.numel()])
+
+
+def _keep_own_partition(
+    regions: Sequence[torch.Tensor], reduced: Sequence[torch.Tensor], rank: int, world: int
+) -> None:
     """Copy each reduced partition into its place in the region, zero the rest of the region.
 
     One fused copy and one fused zeroing for the whole bucket (``split_with_sizes_copy`` and
@@ -470,12 +490,10 @@ def _keep_own_partition(regions: Sequence[torch.Tensor], reduced: Sequence[torch
     inside a region itself (a lone unpadded tensor of the first or last rank is reduced in
     place) is copied element-wise first, before anything is zeroed.
     """
-    mine, rest = [], []
-    for region, part in zip(regions, reduced, strict=True):
-        size = part.numel()
-        mine.append(region.narrow(0, rank * size, size))
-        rest.append(region[: rank * size])
-        rest.append(region[(rank + 1) * size :])
+    mine = [
+        region.narrow(0, rank * part.numel(), part.numel())
+        for region, part in zip(regions, reduced, strict=True)
+    ]
     source = adjacent_flat_view(reduced)
     inside = any(r.untyped_storage().data_ptr() == reduced[0].untyped_storage().data_ptr() for r in regions)
     if source is None or inside:
@@ -483,7 +501,7 @@ def _keep_own_partition(regions: Sequence[torch.Tensor], reduced: Sequence[torch
             dest.copy_(part)
     else:
         torch.split_with_sizes_copy(source, [m.numel() for m in mine], out=mine)
-    torch._foreach_zero_([r for r in rest if r.numel()])
+    _zero_other_rows(regions, rank, world)
 
 
 @dataclasses.dataclass(frozen=True)
