@@ -172,8 +172,9 @@ class FlatGroup:
 
     def zero_grad(self) -> None:
         """Zero the gradient partition in place (views into it stay valid)."""
-        for g in self.grads():
-            g.zero_()
+        grads = list(self.grads())
+        if grads:
+            torch._foreach_zero_(grads)
 
     def working_view(self, seg: Segment) -> torch.Tensor:
         """The 1-D working-precision view of one segment (the master view in fp32)."""
