@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from zero_comm.checks import check_flat_inputs
-from zero_comm.coalesced import issue_reduce_scatter, result_or_handle
+from zero_comm.coalesced import adjacent_flat_view, issue_reduce_scatter, result_or_handle
 from zero_comm.handles import ReduceScatterHandle
 from zero_comm.profiling import profile_range
 from zero_comm.reduction import ReduceOpLike, Reduction
@@ -109,7 +109,9 @@ def _exchange(
     total = sum(parts)
     peers = [r for r in range(world) if r != rank]
     pieces = [region.narrow(0, r * p, p) for r in peers for region, p in zip(regions, parts, strict=True)]
-    send = torch.cat(pieces) if len(pieces) > 1 else pieces[0].clone()
+    send = adjacent_flat_view(pieces)  # other ranks' rows back to back (one region): sent as they lie
+    if send is None:
+        send = torch.cat(pieces)
     recv = torch.empty_like(send)
     splits = [0 if r == rank else total for r in range(world)]
     work = watched_call(
