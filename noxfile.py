@@ -365,8 +365,9 @@ def bench(session: nox.Session) -> None:
 
     zero-comm's collectives, ZeRO++'s quantized collectives and kernels, the memory benchmark
     (real memory per rank of DDP, FSDP2, DeepSpeed 0.19.8 and zero, fresh processes each), then
-    the side-by-side comparison with DDP, FSDP2 and DeepSpeed (world 2 and 4); the memory and
-    side-by-side tables and plots are also copied into docs/. About 30 minutes on 2 idle cores;
+    the side-by-side comparison with DDP, FSDP2 and DeepSpeed (world 2 and 4, every run in
+    processes of its own); the memory and side-by-side tables and plots are also copied into
+    docs/. About an hour on 2 idle cores (the side-by-side alone took 27 minutes in session 11);
     ``nox -s bench -- --rounds 3`` passes options to benchmarks/side_by_side.py.
     """
     _install(session, "zero-full", extras="")

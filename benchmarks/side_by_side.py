@@ -5,12 +5,13 @@ Run from the repository root (``python -m nox -s bench`` does, with every depend
     python benchmarks/side_by_side.py --out benchmarks/results --docs docs
 
 For each world size (``--worlds``, default 2 and 4) the launcher first trains the single-process
-reference on the whole global batch (in its own process, one thread), then spawns ``W`` gloo
-ranks (one thread each) that run every implementation of :mod:`impls` in turn, in the same
-processes and process group, for ``--rounds`` rounds (the order rotates each round, so no
-implementation always runs first or last). With ``--fresh`` every run of an implementation gets
-ranks of its own instead, as a user's training does: no run sees the heap, threads or caches
-that earlier runs left in the process. One run of an implementation on a rank:
+reference on the whole global batch (in its own process, one thread), then runs every
+implementation of :mod:`impls` in turn for ``--rounds`` rounds (the order rotates each round, so
+no implementation always runs first or last), each run on ``W`` gloo ranks (one thread each) of
+its own, as a user's training does: no run sees the heap, threads or caches that earlier runs
+left in the process. ``--shared`` runs every implementation in one set of ranks per world
+instead (faster to start; the heap that earlier runs leave behind shifts later ones: a stage-3
+run drifted by 14% over three rounds that way). One run of an implementation on a rank:
 
 1. build the model and the implementation;
 2. ``--warmup`` training steps; a barrier;
@@ -26,9 +27,9 @@ rounds); model-state bytes per rank (largest rank) next to the ZeRO formula; byt
 rank per step next to the ring ideal; max |loss - reference loss| over every step of every round
 (the ranks' losses averaged per step).
 
-Real memory (RSS) is not measured here: one process runs every implementation in turn, so its
-RSS mostly shows what earlier runs left to the allocator. ``benchmarks/memory.py`` measures it,
-each implementation in fresh processes.
+Real memory (RSS) is not measured here (it needs ``MALLOC_MMAP_THRESHOLD_`` set, which would
+change the step times measured): ``benchmarks/memory.py`` measures it, each implementation in
+fresh processes.
 
 Writes ``side_by_side.json`` and ``side_by_side.md`` and three PNG plots into ``--out``; with
 ``--docs DIR`` also copies the plots to ``DIR/assets/benchmarks/`` and the table into
@@ -71,7 +72,10 @@ MARK_END = "<!-- side-by-side:end -->"
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """What to run: workload, implementations, world sizes, rounds and step counts."""
+    """What to run: workload, implementations, world sizes, rounds and step counts.
+
+    ``fresh``: each run on ranks of its own (the default); ``False``: one set of ranks per world.
+    """
 
     workload: Workload
     impls: tuple[str, ...]
@@ -80,7 +84,7 @@ class Plan:
     warmup: int
     steps: int
     timeout: float
-    fresh: bool = False
+    fresh: bool = True
 
     @property
     def total_steps(self) -> int:
@@ -167,7 +171,7 @@ def _rank_main(ctx: RankContext, plan: Plan) -> list[dict[str, Any]]:
 
 
 def _rank_one(ctx: RankContext, job: tuple[Plan, int, str]) -> list[dict[str, Any]]:
-    """One rank of one implementation's run, in processes of its own (``--fresh``)."""
+    """One rank of one implementation's run, in processes of its own (the default layout)."""
     plan, rnd, impl = job
     _join(ctx, plan)
     try:
@@ -179,10 +183,10 @@ def _rank_one(ctx: RankContext, job: tuple[Plan, int, str]) -> list[dict[str, An
 def run_world(plan: Plan, world: int) -> list[dict[str, Any]]:
     """Launch ``world`` ranks running every distributed implementation; every rank's results.
 
-    By default one set of ranks runs every round of every implementation; with ``plan.fresh``
-    each run of an implementation gets ranks of its own (no run sees the heap, threads or
-    caches an earlier one left). A rank that raises or dies stops the run at once with an
-    error naming it (the others killed).
+    With ``plan.fresh`` (the default) each run of an implementation gets ranks of its own (no
+    run sees the heap, threads or caches an earlier one left); without, one set of ranks runs
+    every round of every implementation. A rank that raises or dies stops the run at once with
+    an error naming it (the others killed).
     """
     if not plan.fresh:
         deadline = plan.timeout * plan.rounds * len(plan.impls)
@@ -457,11 +461,18 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds any one run may take")
     parser.add_argument("--name", default="side_by_side", help="result file stem (default side_by_side)")
     parser.add_argument("--docs", type=pathlib.Path, default=None, help="docs dir to copy plots and table to")
-    parser.add_argument(
+    layout = parser.add_mutually_exclusive_group()
+    layout.add_argument(
+        "--shared",
+        action="store_true",
+        help="run every implementation in one set of processes per world instead of each run "
+        "(each implementation, each round) in processes of its own, as users do",
+    )
+    layout.add_argument(
         "--fresh",
         action="store_true",
-        help="run each implementation (each round) in processes of its own, as users do, instead of "
-        "every run in one set of processes per world",
+        help="each run in processes of its own: the default since session 11 (kept so the "
+        "commands quoted in earlier results run unchanged)",
     )
     args = parser.parse_args()
     impls = list(args.impls)
@@ -471,7 +482,14 @@ def main() -> None:
         print(f"deepspeed is not installed: skipping {dropped}", file=sys.stderr)
     w = workload_of(args, args.workload)
     plan = Plan(
-        w, tuple(impls), tuple(args.worlds), args.rounds, args.warmup, args.steps, args.timeout, args.fresh
+        w,
+        tuple(impls),
+        tuple(args.worlds),
+        args.rounds,
+        args.warmup,
+        args.steps,
+        args.timeout,
+        not args.shared,
     )
     psi = count_params(w)
     env = environment("deepspeed", "transformers", "matplotlib", "zero-full", "zero-optim", "zero-params")

@@ -1,4 +1,4 @@
-"""side_by_side's process layout: one set of ranks for every run, or (``--fresh``) ranks per run."""
+"""side_by_side's process layout: ranks of its own for every run (the default), or (``--shared``) one set."""
 
 from __future__ import annotations
 
@@ -15,9 +15,11 @@ class _Answer:
     value: list
 
 
-def _plan(fresh: bool) -> Plan:
+def _plan(fresh: bool | None) -> Plan:
+    """A tiny plan; ``fresh=None`` leaves the layout at Plan's default."""
     w = Workload(kind="gpt2", layers=1, hidden=8, heads=1, vocab=16, seq=4, micro_batch=1, seed=0)
-    return Plan(w, ("ddp", "zero-1", "zero-3"), (2,), rounds=2, warmup=1, steps=1, timeout=5.0, fresh=fresh)
+    layout = {} if fresh is None else {"fresh": fresh}
+    return Plan(w, ("ddp", "zero-1", "zero-3"), (2,), rounds=2, warmup=1, steps=1, timeout=5.0, **layout)
 
 
 @pytest.fixture
@@ -36,7 +38,7 @@ def launches(monkeypatch):
     return calls
 
 
-def test_by_default_one_set_of_ranks_runs_every_round_of_every_implementation(launches):
+def test_shared_runs_every_round_of_every_implementation_in_one_set_of_ranks(launches):
     plan = _plan(fresh=False)
     rows = run_world(plan, 2)
     assert [c[0] for c in launches] == ["_rank_main"]
@@ -44,8 +46,9 @@ def test_by_default_one_set_of_ranks_runs_every_round_of_every_implementation(la
     assert len(rows) == 2
 
 
-def test_fresh_gives_every_run_its_own_ranks_in_the_rotated_order(launches):
-    plan = _plan(fresh=True)
+def test_by_default_every_run_gets_ranks_of_its_own_in_the_rotated_order(launches):
+    plan = _plan(fresh=None)
+    assert plan.fresh
     rows = run_world(plan, 2)
     runs = [(c[1][1], c[1][2]) for c in launches]
     assert runs == [(0, "ddp"), (0, "zero-1"), (0, "zero-3"), (1, "zero-1"), (1, "zero-3"), (1, "ddp")]
