@@ -244,6 +244,8 @@ def test_a_bucket_is_finished_with_one_call_per_kernel_not_one_per_parameter(dis
             assert reduce.count("aten::_foreach_zero_") == 1, reduce
             zeroed = [p for op, p in pairs if op == "aten::zero_"]
             assert zeroed and set(zeroed) == {"aten::_foreach_zero_"}, pairs
+            # the reduced rows are summed where they lie: nothing is copied back into the regions
+            assert "aten::split_with_sizes_copy" not in reduce and "aten::copy_" not in reduce, reduce
         gather = found["zero.optim.allgather_params"]
         assert [op for op, _ in gather].count("aten::split_with_sizes_copy") == 1, gather
         assert all(p == "aten::split_with_sizes_copy" for op, p in gather if op == "aten::copy_"), gather
