@@ -49,6 +49,7 @@ __all__ = [
     "issue_reduce_scatter",
     "reduce_scatter_coalesced",
     "reduce_scatter_coalesced_padded",
+    "reduce_scatter_inputs",
     "result_or_handle",
     "unpad_partitions",
 ]
@@ -495,6 +496,26 @@ def unpad_partitions(
     return out
 
 
+def reduce_scatter_inputs(
+    tensors: Sequence[torch.Tensor],
+    group: ProcessGroup | None,
+    op: ReduceOpLike,
+    what: str,
+    *,
+    require_1d: bool,
+) -> tuple[int, int, Reduction]:
+    """Group size, this rank and the reduction of a reduce-scatter call, once its inputs are checked.
+
+    Raises:
+        ValueError: the errors of :func:`~zero_comm.checks.check_flat_inputs`, or an ``op``
+            other than ``"sum"`` / ``"avg"``.
+        RuntimeError: no process group is initialised.
+    """
+    world, rank = group_size_and_rank(group, what)
+    check_flat_inputs(tensors, what, require_1d=require_1d)
+    return world, rank, Reduction.parse(op, _RS_OPS, what)
+
+
 def issue_reduce_scatter(
     tensors: Sequence[torch.Tensor],
     group: ProcessGroup | None = None,
@@ -529,9 +550,7 @@ def issue_reduce_scatter(
     """
     what = "reduce_scatter_coalesced"
     with profile_range("zero.reduce_scatter.issue"):
-        world, rank = group_size_and_rank(group, what)
-        check_flat_inputs(tensors, what, require_1d=False)
-        reduction = Reduction.parse(op, _RS_OPS, what)
+        world, rank, reduction = reduce_scatter_inputs(tensors, group, op, what, require_1d=False)
         first = tensors[0]
         if reduction is Reduction.AVG and not (first.is_floating_point() or first.is_complex()):
             raise ValueError(

@@ -22,18 +22,19 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from zero_comm.checks import check_flat_inputs
-from zero_comm.coalesced import adjacent_flat_view, issue_reduce_scatter, result_or_handle
+from zero_comm.coalesced import (
+    adjacent_flat_view,
+    issue_reduce_scatter,
+    reduce_scatter_inputs,
+    result_or_handle,
+)
 from zero_comm.handles import ReduceScatterHandle
 from zero_comm.profiling import profile_range
 from zero_comm.reduction import ReduceOpLike, Reduction
 from zero_comm.row_exchange import ADD_CHAIN_MAX_ROWS, record_padded_reduce_scatter
-from zero_comm.topology import group_size_and_rank
 from zero_comm.watchdog import watched_call
 
 __all__ = ["reduce_scatter_in_place"]
-
-_OPS = (Reduction.SUM, Reduction.AVG)
 
 
 def reduce_scatter_in_place(
@@ -69,9 +70,7 @@ def reduce_scatter_in_place(
     """
     what = "reduce_scatter_in_place"
     with profile_range("zero.reduce_scatter.issue"):
-        world, rank = group_size_and_rank(group, what)
-        check_flat_inputs(regions, what, require_1d=True)
-        reduction = Reduction.parse(op, _OPS, what)
+        world, rank, reduction = reduce_scatter_inputs(regions, group, op, what, require_1d=True)
         first = regions[0]
         if not first.is_floating_point():
             raise ValueError(f"{what}: needs a floating-point dtype, got {first.dtype}")
