@@ -193,14 +193,21 @@ def test_bad_arguments_are_refused():
 
 
 def _kernels(rank, stage):
-    """Kernel names per zero range in one step: ``{range: [(op, parent op)]}`` (one bucket)."""
+    """Kernel names per zero range in a second step, its ``zero_grad`` first: ``{range: [(op, parent op)]}``.
+
+    One bucket.
+    """
     model = Odd()
     cfg = ReduceConfig(reduce_bucket_size=10**6)
     opt, reduction = replicated_optimizer(
         model, make_optimizer("adamw"), stage, cfg, allgather_bucket_size=10**6
     )
     x = batch(0, 0, rank.world_size)
+    model(x[4 * rank.rank : 4 * (rank.rank + 1)]).backward()
+    reduction.at_boundary()
+    opt.step()
     with torch.profiler.profile() as prof:
+        opt.zero_grad()
         model(x[4 * rank.rank : 4 * (rank.rank + 1)]).backward()
         reduction.at_boundary()
         opt.step()
@@ -225,8 +232,9 @@ def _kernels(rank, stage):
 def test_a_bucket_is_finished_with_one_call_per_kernel_not_one_per_parameter(dist, world):
     """One call per kernel for a bucket, not one per parameter.
 
-    Stage 2 adds its reduced partitions with one add_ per flat group, stage 1 zeroes the
-    consumed gradients with one foreach call, and both refresh the whole parameters from the
+    Stage 2 adds its reduced partitions with one add_ per flat group; stage 1 zeroes nothing
+    (``zero_grad`` releases its gradients, each is copied once into its region and the
+    reduced rows are summed where they lie), and both refresh the whole parameters from the
     gathered rows with one fused copy (the last rank: its own rows are in place already, the
     others lie before them in one block).
     """
@@ -241,11 +249,14 @@ def test_a_bucket_is_finished_with_one_call_per_kernel_not_one_per_parameter(dis
         if stage == 2:
             assert reduce.count("aten::add_") == groups, reduce
         else:
-            assert reduce.count("aten::_foreach_zero_") == 1, reduce
-            zeroed = [p for op, p in pairs if op == "aten::zero_"]
-            assert zeroed and set(zeroed) == {"aten::_foreach_zero_"}, pairs
+            zeroing = [(r, op, p) for r, ops in found.items() for op, p in ops if "zero_" in op]
+            assert not zeroing, zeroing
             # the reduced rows are summed where they lie: nothing is copied back into the regions
             assert "aten::split_with_sizes_copy" not in reduce and "aten::copy_" not in reduce, reduce
+            # each released gradient is copied into its region once, as autograd hands it over
+            # (an empty one has nothing to copy)
+            copies = [op for op, _ in found["zero.optim.accumulate_grad"] if op == "aten::copy_"]
+            assert len(copies) == sum(1 for p in Odd().parameters() if p.numel()), found
         gather = found["zero.optim.allgather_params"]
         assert [op for op, _ in gather].count("aten::split_with_sizes_copy") == 1, gather
         assert all(p == "aten::split_with_sizes_copy" for op, p in gather if op == "aten::copy_"), gather
@@ -354,3 +365,58 @@ def test_stage_1_issues_its_first_buckets_before_backward_ends(dist, world):
         assert issued[True] >= 4, issued  # one bucket per parameter of the last two layers
     for issued in dist.run(world, _issued_before_backward_ends, False):  # plain backward: a boundary
         assert issued[True] >= 4, issued
+
+
+def _released_step(rank, stage):
+    """A step after ``zero_grad`` with no backward and no reduction: the gradients it applies."""
+    model = Odd()
+    opt, reduction = replicated_optimizer(
+        model, make_optimizer("adamw"), stage, ReduceConfig(reduce_bucket_size=64)
+    )
+    model(batch(0, 0, rank.world_size)[4 * rank.rank : 4 * (rank.rank + 1)]).backward()
+    reduction.at_boundary()
+    opt.step()
+    opt.zero_grad()
+    opt.step()  # nothing reduced since zero_grad: every gradient is zero
+    reduction.remove()
+    grads = [g.clone() for group in opt.groups for g in group.grads()]
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, grads
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_stage_1_steps_on_zero_gradients_after_zero_grad_as_stage_2_does(dist, world):
+    """Stage 1's ``zero_grad`` only releases its gradients; a step with nothing reduced since sees zeros."""
+    for (one, grads), (two, _) in zip(dist.run(world, _released_step, 1), dist.run(world, _released_step, 2)):
+        assert all(not g.any() for g in grads)
+        assert all(torch.equal(one[n], two[n]) for n in one)
+
+
+def _grads_live_in_the_buffer(rank):
+    """After each deferred micro-step: whether every ``.grad`` is a view of the in-place buffer."""
+    model = Odd(unused=True)
+    opt, reduction = replicated_optimizer(
+        model, make_optimizer("sgd"), 1, ReduceConfig(reduce_bucket_size=64)
+    )
+    storage = opt.partitioning.grads.partition(model.inner.weight).untyped_storage().data_ptr()
+    trained = [
+        p
+        for p in model.parameters()
+        if p.numel() and p is not model.unused.weight and p is not model.unused.bias
+    ]
+    seen = []
+    for step in range(2):
+        for micro in range(2):
+            reduction.begin_micro_step(micro == 1)
+            model(batch(step, micro, rank.world_size)[4 * rank.rank : 4 * (rank.rank + 1)]).backward()
+            seen.append(all(p.grad.untyped_storage().data_ptr() == storage for p in trained))
+        reduction.at_boundary()
+        opt.step()
+        opt.zero_grad()
+        seen.append(all(p.grad is None for p in model.parameters()))
+    reduction.remove()
+    return seen
+
+
+def test_stage_1_moves_each_new_gradient_into_its_region_at_once(dist):
+    """No whole gradient outlives its own accumulation outside the buffer, even in deferred micro-steps."""
+    assert dist.run(2, _grads_live_in_the_buffer) == [[True] * 6] * 2

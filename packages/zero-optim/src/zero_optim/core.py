@@ -206,6 +206,9 @@ class PartitionedOptimizer:
         :meth:`publish_updated_shards` after the step.
         """
         with record_function("zero.optim.step"), torch.no_grad():
+            before = getattr(self.partitioning, "before_step", None)
+            if before is not None:
+                before()
             publish = self._step_publisher()
             if publish is not None:
                 self.stepper.step(cuts=publish.cuts, after=publish.stepped)
@@ -238,10 +241,17 @@ class PartitionedOptimizer:
             self.partitioning.after_step(self.groups)
 
     def zero_grad(self) -> None:
-        """Zero the flat gradient partitions in place (views into them stay valid)."""
+        """Zero the flat gradient partitions in place (views into them stay valid).
+
+        A partitioning with a ``release_grads(group)`` returning ``True`` (stage 1's in-place
+        gradients) releases that group's gradients instead of zeroing them: the next
+        reduction overwrites them, and :meth:`step` zeroes any it did not (``before_step``).
+        """
+        release = getattr(self.partitioning, "release_grads", None)
         with record_function("zero.optim.zero_grad"):
             for group in self.groups:
-                group.zero_grad()
+                if release is None or not release(group):
+                    group.zero_grad()
 
     def state_tensors(self) -> Iterator[torch.Tensor]:
         """Every tensor this optimizer owns: flat masters, gradients, working copies, optimizer state."""

@@ -233,12 +233,16 @@ class FlatGroup:
         """The tensors holding this group's values (master, gradient partition, flat working copy).
 
         Placeholders (the master when it lives in the parameters, the flat gradient when the
-        gradient partition is a set of views) are left out: they hold no model state.
+        gradient partition is a set of views) are left out: they hold no model state. A
+        partition made of views is given as those views, whose storage (stage 1's whole
+        gradients) is held whether or not ``param.grad`` is bound to it.
         """
         if not self._in_params:  # else a storage-less placeholder (one element)
             yield self.master
         if self._grad_views is None:
             yield self.grad
+        else:
+            yield from self._grad_views
         if self.working is not None and self.working is not self.master:
             yield self.working
 

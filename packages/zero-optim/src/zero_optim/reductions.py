@@ -64,10 +64,7 @@ class BoundaryReduction:
         self.max_inflight = max_inflight
 
     def begin_micro_step(self, is_boundary: bool) -> None:
-        """Autograd accumulates whole gradients until :meth:`at_boundary` (in place when bound)."""
-        before = getattr(self.reduce_fn, "before_backward", None)
-        if callable(before):
-            before()
+        """Nothing to do: autograd accumulates whole gradients until :meth:`at_boundary`."""
 
     def at_boundary(self) -> None:
         """Reduce every bucket, at most ``max_inflight`` in flight at once."""
@@ -142,7 +139,9 @@ class BackwardReduction(_BackwardHooked):
     leaves the averaged partition where the whole gradient was) has a ``carry(param)``: when a
     second backward accumulates into a window already reduced (several ``backward()`` calls
     without the engine), a gradient hook scales this rank's reduced partition by the world
-    size before autograd adds to it, so the next reduction's average keeps it.
+    size before autograd adds to it, so the next reduction's average keeps it; and an
+    ``accumulated(param)``, called by the post-accumulate-grad hook of every backward
+    (deferred or not), which moves a gradient autograd just created into its region.
 
     Args:
         params: The trained parameters (every one in ``plan``).
@@ -152,6 +151,7 @@ class BackwardReduction(_BackwardHooked):
     """
 
     __slots__ = (
+        "_accumulated",
         "_carry",
         "_inflight",
         "_next",
@@ -181,17 +181,15 @@ class BackwardReduction(_BackwardHooked):
         self._reduced = False  # a backward reduced this window
         self._unreduced = False  # gradients accumulated since the last reduction
         self._carry: Callable[[nn.Parameter], None] | None = getattr(reduce_fn, "carry", None)
+        self._accumulated: Callable[[nn.Parameter], None] | None = getattr(reduce_fn, "accumulated", None)
         self._scaled: set[int] | None = None  # carrying: parameters whose partition was scaled
         for p in params:
             self._handles.append(p.register_hook(self._before_grad_hook(p)))
             self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
 
     def begin_micro_step(self, is_boundary: bool) -> None:
-        """Reduce during this backward only if it ends the accumulation window; bind in-place gradients."""
+        """Reduce during this backward only if it ends the accumulation window."""
         self._defer = not is_boundary
-        before = getattr(self.reduce_fn, "before_backward", None)
-        if callable(before):
-            before()
 
     def _before_grad_hook(self, param: nn.Parameter) -> Callable[[torch.Tensor], None]:
         def hook(_grad: torch.Tensor) -> None:
@@ -209,7 +207,10 @@ class BackwardReduction(_BackwardHooked):
             with torch.no_grad():
                 self._carry(param)
 
-    def _on_grad(self, param: torch.Tensor) -> None:
+    def _on_grad(self, param: nn.Parameter) -> None:
+        if self._accumulated is not None:
+            with profile_range("zero.optim.accumulate_grad"), torch.no_grad():
+                self._accumulated(param)
         if not self._reducing():
             return
         plan = self.plan

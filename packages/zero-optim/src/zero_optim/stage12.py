@@ -49,6 +49,7 @@ from zero_offload import OptimizerOffloadConfig
 from zero_optim.buckets import BucketedReducer, BucketPlan, ReduceConfig, ReduceHandle
 from zero_optim.core import PartitionedOptimizer
 from zero_optim.flat import FlatGroup
+from zero_optim.grad_regions import InPlaceGrads
 from zero_optim.publish import GatherBucket, PipelinedPublish, gather_buckets
 from zero_optim.reductions import BackwardReduction, BoundaryReduction, GradientReduction, HookedReduction
 from zero_optim.spec import OptimizerSpec
@@ -116,7 +117,7 @@ class ReplicaPartitioning:
         self.grads_in_place = grads_in_place
         self._bound: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._gather_plan: tuple[tuple[FlatGroup, ...], tuple[GatherBucket, ...]] | None = None
-        self._grads: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
+        self._grads = InPlaceGrads(world, rank)
         self._regions: dict[int, torch.Tensor] = {}
 
     def local_numel(self, param: nn.Parameter) -> int:
@@ -163,49 +164,36 @@ class ReplicaPartitioning:
     ) -> list[torch.Tensor] | None:
         """With ``grads_in_place`` in fp32: whole gradients in one flat buffer; this rank's partition of each.
 
-        Each ``param.grad`` becomes a zeroed view of the buffer (padded like the parameter
-        buffer), so autograd accumulates into it; :class:`ReduceScatterInPlace` writes the
-        averaged partition into the returned view and zeroes the rest. No fp32 gradient
-        partition exists beside the whole gradients. ``None`` otherwise.
+        The regions are padded like the parameter buffer and managed by :attr:`grads` (an
+        :class:`~zero_optim.grad_regions.InPlaceGrads`): the first gradient of a window is
+        copied in, later ones accumulate in place, and :class:`ReduceScatterInPlace` writes
+        the averaged partition into the returned view. No fp32 gradient partition exists
+        beside the whole gradients. ``None`` otherwise.
         """
         if not self.grads_in_place or self.world == 1 or dtype != torch.float32:
             return None
-        sizes = [self.local_numel(p) for p in params]
-        full = torch.zeros(sum(sizes) * self.world, dtype=torch.float32, device=device)
-        views: list[torch.Tensor] = []
-        offset = 0
-        for p, size in zip(params, sizes, strict=True):
-            region = full.narrow(0, offset, size * self.world)
-            self._grads[id(p)] = (p, region)
-            p.grad = region[: p.numel()].view(p.shape)
-            views.append(region.narrow(0, self.rank * size, size))
-            offset += size * self.world
-        return views
+        return self._grads.allocate(params, [self.local_numel(p) for p in params], device)
 
-    def grad_region(self, param: nn.Parameter) -> torch.Tensor:
-        """The padded whole-gradient region of ``param`` with ``param.grad`` bound to it.
+    @property
+    def grads(self) -> InPlaceGrads:
+        """The in-place whole gradients (empty unless :meth:`grad_views` allocated some)."""
+        return self._grads
 
-        A ``.grad`` replaced since (``None`` after ``zero_grad(set_to_none=True)``, or a new
-        tensor) is copied in (``None``: zeros) and bound again.
+    def release_grads(self, group: FlatGroup) -> bool:
+        """``zero_grad`` of ``group``: release its in-place gradients (nothing is written).
 
-        Raises:
-            KeyError: ``param`` has no in-place gradient (see :meth:`grad_views`).
+        ``False`` if the group has none (its partition is then zeroed as usual).
+
+        Every parameter of a group is in place or none is (:meth:`grad_views` is per group).
         """
-        _, region = self._grads[id(param)]
-        bound = region[: param.numel()]
-        grad = param.grad
-        if grad is None or grad.data_ptr() != bound.data_ptr() or grad.numel() != bound.numel():
-            if grad is None:
-                bound.zero_()
-            else:
-                bound.copy_(grad.reshape(-1))
-            param.grad = bound.view(param.shape)
-        return region
+        if not group.segments or group.segments[0].param not in self._grads:
+            return False
+        self._grads.release([seg.param for seg in group.segments])
+        return True
 
-    def bind_grads(self) -> None:
-        """Bind every in-place gradient (before a backward, so autograd accumulates in place)."""
-        for param, _ in self._grads.values():
-            self.grad_region(param)
+    def before_step(self) -> None:
+        """Zero the gradient partitions no reduction wrote since they were released."""
+        self._grads.zero_released()
 
     def bind(self, param: nn.Parameter, working: torch.Tensor, grad: torch.Tensor) -> None:
         """Remember the parameter's working and gradient-partition views (the parameter stays whole).
@@ -411,10 +399,12 @@ class _StagedBucket:
 class ReduceScatterInPlace:
     """``reduce_fn`` of stage 1 with in-place gradients: average whole gradients into their own partition.
 
-    The whole gradients live in one flat buffer (:meth:`ReplicaPartitioning.grad_views`);
-    each bucket is reduce-scattered (coalesced, averaged) and the result copied into this
-    rank's partition of the same buffer; the other elements are zeroed (consumed), and the
-    ``.grad`` views stay bound for the next accumulation window.
+    The whole gradients live in one flat buffer (:meth:`ReplicaPartitioning.grad_views`, an
+    :class:`~zero_optim.grad_regions.InPlaceGrads`); each bucket is reduce-scattered
+    (coalesced, averaged) so that the result lands in this rank's partition of the same
+    buffer, and its regions are marked reduced. The other rows are left as they are: they
+    are zeroed only if more gradient accumulates into the same window (:meth:`carry`), and
+    ``zero_grad`` releases the regions without writing them.
 
     Attributes:
         partitioning: A partitioning built with ``grads_in_place``.
@@ -427,39 +417,37 @@ class ReduceScatterInPlace:
     def __call__(self, params: Sequence[nn.Parameter], *, async_op: bool = False) -> ReduceHandle:
         """Reduce-scatter the whole gradients of ``params`` into their own partitions."""
         with record_function("zero.optim.reduce_scatter_grads"):
-            part = self.partitioning
-            regions = [part.grad_region(p) for p in params]
-            live = [r for r in regions if r.numel()]
+            part, grads = self.partitioning, self.partitioning.grads
+            live = [r for r in (grads.region(p) for p in params) if r.numel()]
             if not live:
+                grads.reduced(params)
                 return _AccumulateHandle(lambda: None)
             if self.strategy is None:  # the reduced rows land in the regions themselves
                 in_place = zero_comm.reduce_scatter_in_place(live, part.group, op="avg", async_op=True)
 
-                def zero_the_rest() -> None:
+                def finish() -> None:
                     in_place.wait()
-                    _zero_other_rows(live, part.rank, part.world)
+                    grads.reduced(params)
 
-                return _finish_now_or_later(zero_the_rest, async_op)
-            handle = self.strategy.reduce_scatter_coalesced(live, op="avg", async_op=True)
-            return _finish_now_or_later(
-                lambda: _keep_own_partition(live, handle.wait(), part.rank, part.world), async_op
-            )
+            else:
+                handle = self.strategy.reduce_scatter_coalesced(live, op="avg", async_op=True)
 
-    def before_backward(self) -> None:
-        """Bind every ``.grad`` to the flat buffer, so autograd accumulates in place."""
-        self.partitioning.bind_grads()
+                def finish() -> None:
+                    _keep_own_partition(live, handle.wait(), part.rank)
+                    grads.reduced(params)
+
+            return _finish_now_or_later(finish, async_op)
+
+    def accumulated(self, param: nn.Parameter) -> None:
+        """After autograd accumulated ``param``'s gradient: the window's first is copied in and bound."""
+        self.partitioning.grads.region(param)
 
     def carry(self, param: nn.Parameter) -> None:
-        """Scale ``param``'s reduced partition by the world size, before more gradient accumulates on it.
+        """Before more gradient accumulates on a reduced region in the same window.
 
-        After a reduction this rank's partition holds the average and the rest of the region
-        zeros; the next reduction of the region divides the sum over ranks by the world size,
-        so the average kept from before must enter that sum multiplied by it.
+        See :meth:`~zero_optim.grad_regions.InPlaceGrads.carry`.
         """
-        part = self.partitioning
-        region = part.grad_region(param)
-        size = region.numel() // part.world
-        region.narrow(0, part.rank * size, size).mul_(part.world)
+        self.partitioning.grads.carry(param)
 
 
 def _finish_now_or_later(finish: Callable[[], None], async_op: bool) -> _AccumulateHandle:
@@ -470,25 +458,12 @@ def _finish_now_or_later(finish: Callable[[], None], async_op: bool) -> _Accumul
     return out
 
 
-def _zero_other_rows(regions: Sequence[torch.Tensor], rank: int, world: int) -> None:
-    """Zero every row of each region but this rank's (one fused zeroing for the bucket)."""
-    rest = []
-    for region in regions:
-        size = region.numel() // world
-        rest.append(region[: rank * size])
-        rest.append(region[(rank + 1) * size :])
-    torch._foreach_zero_([r for r in rest if r.numel()])
+def _keep_own_partition(regions: Sequence[torch.Tensor], reduced: Sequence[torch.Tensor], rank: int) -> None:
+    """Copy each reduced partition into its place in the region (this rank's row).
 
-
-def _keep_own_partition(
-    regions: Sequence[torch.Tensor], reduced: Sequence[torch.Tensor], rank: int, world: int
-) -> None:
-    """Copy each reduced partition into its place in the region, zero the rest of the region.
-
-    One fused copy and one fused zeroing for the whole bucket (``split_with_sizes_copy`` and
-    ``_foreach_zero_``) instead of three kernels per parameter. A reduced partition that lies
-    inside a region itself (a lone unpadded tensor of the first or last rank is reduced in
-    place) is copied element-wise first, before anything is zeroed.
+    One fused copy for the whole bucket (``split_with_sizes_copy``) instead of one per
+    parameter. A reduced partition that lies inside a region itself (a lone unpadded tensor
+    of the first or last rank is reduced in place) is copied element-wise.
     """
     mine = [
         region.narrow(0, rank * part.numel(), part.numel())
@@ -501,7 +476,6 @@ def _keep_own_partition(
             dest.copy_(part)
     else:
         torch.split_with_sizes_copy(source, [m.numel() for m in mine], out=mine)
-    _zero_other_rows(regions, rank, world)
 
 
 @dataclasses.dataclass(frozen=True)

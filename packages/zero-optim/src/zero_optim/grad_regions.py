@@ -1,0 +1,180 @@
+"""Stage 1's whole fp32 gradients in one flat buffer, reduced in place: :class:`InPlaceGrads`.
+
+Each trainable parameter owns a *region* of the buffer, padded to ``world`` rows of its
+partition size; row ``rank`` is this rank's gradient partition (the optimizer reads it).
+A region moves through three states (:class:`RegionState`) per accumulation window:
+
+* ``RELEASED`` — after ``zero_grad``: ``param.grad`` is ``None`` and the region holds
+  nothing of use. The first gradient autograd produces in the window is therefore *stolen*
+  by ``param.grad`` (no accumulation) and copied into the region once (:meth:`InPlaceGrads.region`);
+  nothing is zeroed, the copy overwrites every element.
+* ``ACCUMULATING`` — ``param.grad`` is a view of the region: later micro-steps add in place.
+* ``REDUCED`` — the in-place reduce-scatter wrote the average into row ``rank``; the other
+  rows still hold this rank's local values, which no one reads. They are zeroed only if
+  more gradient accumulates into the same window (:meth:`InPlaceGrads.carry`).
+
+Compared with keeping every ``.grad`` bound and zeroed, a step touches the buffer once
+(the copy) instead of three times (autograd's add into zeros, zeroing the other rows after
+the reduction, zeroing the partition in ``zero_grad``). A region's padding (its last
+elements, past the parameter's) is zero from allocation and stays so: copies write the
+parameter's elements only, and the reduction sums every rank's zeros there.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+__all__ = ["InPlaceGrads", "RegionState"]
+
+
+class RegionState(enum.Enum):
+    """Where a parameter's gradient region stands in its accumulation window."""
+
+    RELEASED = enum.auto()
+    ACCUMULATING = enum.auto()
+    REDUCED = enum.auto()
+
+
+class _Region:
+    """One parameter's padded gradient region and its state."""
+
+    __slots__ = ("param", "region", "state")
+
+    def __init__(self, param: nn.Parameter, region: torch.Tensor) -> None:
+        self.param = param
+        self.region = region
+        self.state = RegionState.ACCUMULATING
+
+
+class InPlaceGrads:
+    """The whole fp32 gradients of stage 1's parameters, in one flat buffer (see the module docstring).
+
+    Args:
+        world: Ranks the gradients are reduce-scattered over.
+        rank: This rank's row in every region.
+    """
+
+    __slots__ = ("_regions", "rank", "world")
+
+    def __init__(self, world: int, rank: int) -> None:
+        self.world = world
+        self.rank = rank
+        self._regions: dict[int, _Region] = {}
+
+    def allocate(
+        self, params: Sequence[nn.Parameter], sizes: Sequence[int], device: torch.device
+    ) -> list[torch.Tensor]:
+        """Give ``params`` (partition sizes ``sizes``) regions of one new zeroed buffer; their partitions.
+
+        Each ``param.grad`` becomes a view of its region (``ACCUMULATING``: zeros to add to).
+        """
+        full = torch.zeros(sum(sizes) * self.world, dtype=torch.float32, device=device)
+        offset = 0
+        for p, size in zip(params, sizes, strict=True):
+            region = full.narrow(0, offset, size * self.world)
+            self._regions[id(p)] = _Region(p, region)
+            p.grad = region[: p.numel()].view(p.shape)
+            offset += size * self.world
+        return [self.partition(p) for p in params]
+
+    def partition(self, param: nn.Parameter) -> torch.Tensor:
+        """This rank's row of ``param``'s region: its fp32 gradient partition."""
+        region = self._regions[id(param)].region
+        size = region.numel() // self.world
+        return region.narrow(0, self.rank * size, size)
+
+    def __contains__(self, param: object) -> bool:
+        return id(param) in self._regions
+
+    def __bool__(self) -> bool:
+        return bool(self._regions)
+
+    def state(self, param: nn.Parameter) -> RegionState:
+        """``param``'s region state."""
+        return self._regions[id(param)].state
+
+    def region(self, param: nn.Parameter) -> torch.Tensor:
+        """``param``'s padded region, holding its whole local gradient, with ``param.grad`` bound to it.
+
+        A ``.grad`` that is not the region's view (autograd's first gradient of a released
+        window, or one the user set) is copied in (``None``: zeros) and bound, and the region
+        is ``ACCUMULATING``. A ``REDUCED`` region whose ``.grad`` is still bound is returned
+        as it is (see :meth:`carry`).
+
+        Raises:
+            KeyError: ``param`` has no region.
+        """
+        entry = self._regions[id(param)]
+        region = entry.region
+        bound = region[: param.numel()]
+        grad = param.grad
+        if (
+            grad is None
+            or grad.numel() != bound.numel()
+            or (bound.numel() and grad.data_ptr() != bound.data_ptr())
+        ):
+            if grad is None:
+                bound.zero_()
+            else:
+                bound.copy_(grad.reshape(-1))
+            param.grad = bound.view(param.shape)
+            entry.state = RegionState.ACCUMULATING
+        elif entry.state is RegionState.RELEASED:  # the user bound the view again: its values are stale
+            if bound.numel():
+                bound.zero_()
+            entry.state = RegionState.ACCUMULATING
+        return region
+
+    def reduced(self, params: Sequence[nn.Parameter]) -> None:
+        """Mark the regions of ``params`` reduced: row ``rank`` holds the average."""
+        for p in params:
+            self._regions[id(p)].state = RegionState.REDUCED
+
+    def carry(self, param: nn.Parameter) -> None:
+        """Prepare a ``REDUCED`` region for more gradient in the same window (no-op otherwise).
+
+        The next reduction divides the sum over ranks by the world size, so the average kept
+        in row ``rank`` enters that sum multiplied by it; the other rows, which still hold
+        this rank's already-reduced local values, are zeroed.
+        """
+        entry = self._regions[id(param)]
+        if entry.state is not RegionState.REDUCED:
+            self.region(param)
+            return
+        region = self.region(param)
+        if entry.state is RegionState.ACCUMULATING:  # .grad was replaced: the region was refilled
+            return
+        size = region.numel() // self.world
+        region.narrow(0, self.rank * size, size).mul_(self.world)
+        rest = [r for r in _other_rows(region, self.rank, self.world) if r.numel()]
+        if rest:
+            torch._foreach_zero_(rest)
+        entry.state = RegionState.ACCUMULATING
+
+    def release(self, params: Sequence[nn.Parameter]) -> None:
+        """``zero_grad`` of ``params``: each ``.grad`` becomes ``None``, each region ``RELEASED``.
+
+        Nothing is written: the first gradient of the next window overwrites the region.
+        """
+        for p in params:
+            self._regions[id(p)].state = RegionState.RELEASED
+            p.grad = None
+
+    def zero_released(self) -> None:
+        """Zero the partition of every region no reduction wrote since :meth:`release` (before a step).
+
+        An engine reduces every bucket at the accumulation boundary, so normally there is
+        none; a step called without one applies zero gradients, as after a zeroing ``zero_grad``.
+        """
+        rows = [self.partition(e.param) for e in self._regions.values() if e.state is RegionState.RELEASED]
+        if rows:
+            torch._foreach_zero_(rows)
+
+
+def _other_rows(region: torch.Tensor, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    size = region.numel() // world
+    return region[: rank * size], region[(rank + 1) * size :]
