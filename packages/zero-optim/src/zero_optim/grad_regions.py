@@ -93,10 +93,6 @@ class InPlaceGrads:
     def __bool__(self) -> bool:
         return bool(self._regions)
 
-    def state(self, param: nn.Parameter) -> RegionState:
-        """``param``'s region state."""
-        return self._regions[id(param)].state
-
     def region(self, param: nn.Parameter) -> torch.Tensor:
         """``param``'s padded region, holding its whole local gradient, with ``param.grad`` bound to it.
 
@@ -142,11 +138,10 @@ class InPlaceGrads:
         this rank's already-reduced local values, are zeroed.
         """
         entry = self._regions[id(param)]
-        if entry.state is not RegionState.REDUCED:
-            self.region(param)
+        if entry.state is not RegionState.REDUCED:  # the next gradient is copied in or added as usual
             return
         region = self.region(param)
-        if entry.state is RegionState.ACCUMULATING:  # .grad was replaced: the region was refilled
+        if entry.state is not RegionState.REDUCED:  # .grad was replaced: the region was refilled
             return
         size = region.numel() // self.world
         region.narrow(0, self.rank * size, size).mul_(self.world)
