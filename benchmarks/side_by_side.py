@@ -38,6 +38,7 @@ Writes ``side_by_side.json`` and ``side_by_side.md`` and three PNG plots into ``
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import datetime
 import gc
@@ -453,7 +454,8 @@ def update_docs(docs: pathlib.Path, text: str, images: list[pathlib.Path]) -> No
 # ----------------------------------------------------------------------------- main
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line of :func:`main` (``--shared`` and ``--fresh`` exclude each other)."""
     parser = workload_parser(__doc__, rounds=3, warmup=2, steps=6)
     parser.add_argument("--workload", choices=("gpt2", "mlp"), default="gpt2")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
@@ -474,7 +476,11 @@ def main() -> None:
         help="each run in processes of its own: the default since session 11 (kept so the "
         "commands quoted in earlier results run unchanged)",
     )
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = parser().parse_args()
     impls = list(args.impls)
     if importlib.util.find_spec("deepspeed") is None:
         dropped = [i for i in impls if i.startswith("deepspeed")]

@@ -61,3 +61,18 @@ def test_by_default_every_run_gets_ranks_of_its_own_in_the_rotated_order(launche
         (0, "zero-1", 1),
     ]
     assert len(rows) == 2 * len(runs)
+
+
+@pytest.mark.parametrize(
+    "argv,shared",
+    [([], False), (["--fresh"], False), (["--shared"], True), (["--worlds", "2", "--shared"], True)],
+)
+def test_the_command_line_chooses_the_layout(argv, shared):
+    assert side_by_side.parser().parse_args(argv).shared is shared
+
+
+def test_shared_and_fresh_exclude_each_other(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        side_by_side.parser().parse_args(["--shared", "--fresh"])
+    assert exit_info.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
