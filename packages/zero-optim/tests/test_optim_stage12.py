@@ -420,3 +420,31 @@ def _grads_live_in_the_buffer(rank):
 def test_stage_1_moves_each_new_gradient_into_its_region_at_once(dist):
     """No whole gradient outlives its own accumulation outside the buffer, even in deferred micro-steps."""
     assert dist.run(2, _grads_live_in_the_buffer) == [[True] * 6] * 2
+
+
+def _saved_view_assigned_back(rank, reassign):
+    """Two steps; with ``reassign`` the ``.grad`` views saved before ``zero_grad`` are set back after it."""
+    model = Odd()
+    opt, reduction = replicated_optimizer(
+        model, make_optimizer("sgd"), 1, ReduceConfig(reduce_bucket_size=64)
+    )
+    for step in range(2):
+        model(batch(step, 0, rank.world_size)[4 * rank.rank : 4 * (rank.rank + 1)]).backward()
+        reduction.at_boundary()
+        opt.step()
+        saved = [p.grad for p in model.parameters()]  # bound views, holding stale rows from here on
+        opt.zero_grad()
+        if reassign:
+            for p, g in zip(model.parameters(), saved, strict=True):
+                p.grad = g
+    reduction.remove()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_gradient_view_assigned_back_after_zero_grad_accumulates_from_zero(dist, world):
+    """Autograd adds to the ``.grad`` it finds: a view of the released buffer set back starts at zero."""
+    plain = dist.run(world, _saved_view_assigned_back, False)
+    back = dist.run(world, _saved_view_assigned_back, True)
+    for a, b in zip(plain, back, strict=True):
+        assert all(torch.equal(a[n], b[n]) for n in a)

@@ -119,11 +119,22 @@ class InPlaceGrads:
                 bound.copy_(grad.reshape(-1))
             param.grad = bound.view(param.shape)
             entry.state = RegionState.ACCUMULATING
-        elif entry.state is RegionState.RELEASED:  # the user bound the view again: its values are stale
+        elif entry.state is RegionState.RELEASED:  # a view assigned back, no gradient since: stale
             if bound.numel():
                 bound.zero_()
             entry.state = RegionState.ACCUMULATING
         return region
+
+    def before_accumulate(self, param: nn.Parameter) -> None:
+        """Before autograd adds to a ``.grad`` that is set on a ``RELEASED`` region: bind it first.
+
+        A ``.grad`` set after :meth:`release` (a saved view assigned back, or any tensor) is
+        what autograd adds to: its view is zeroed, another tensor is copied in and bound, so the
+        sum lands in the region. A ``.grad`` left ``None`` is stolen and copied in afterwards.
+        """
+        entry = self._regions[id(param)]
+        if entry.state is RegionState.RELEASED and param.grad is not None:
+            self.region(param)
 
     def reduced(self, params: Sequence[nn.Parameter]) -> None:
         """Mark the regions of ``params`` reduced: row ``rank`` holds the average."""

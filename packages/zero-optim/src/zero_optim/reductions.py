@@ -141,7 +141,8 @@ class BackwardReduction(_BackwardHooked):
     without the engine), a gradient hook scales this rank's reduced partition by the world
     size before autograd adds to it, so the next reduction's average keeps it; and an
     ``accumulated(param)``, called by the post-accumulate-grad hook of every backward
-    (deferred or not), which moves a gradient autograd just created into its region.
+    (deferred or not), which moves a gradient autograd just created into its region, and a
+    ``before_accumulate(param)``, called by the gradient hook before autograd adds to ``.grad``.
 
     Args:
         params: The trained parameters (every one in ``plan``).
@@ -152,6 +153,7 @@ class BackwardReduction(_BackwardHooked):
 
     __slots__ = (
         "_accumulated",
+        "_before_accumulate",
         "_carry",
         "_inflight",
         "_next",
@@ -182,6 +184,9 @@ class BackwardReduction(_BackwardHooked):
         self._unreduced = False  # gradients accumulated since the last reduction
         self._carry: Callable[[nn.Parameter], None] | None = getattr(reduce_fn, "carry", None)
         self._accumulated: Callable[[nn.Parameter], None] | None = getattr(reduce_fn, "accumulated", None)
+        self._before_accumulate: Callable[[nn.Parameter], None] | None = getattr(
+            reduce_fn, "before_accumulate", None
+        )
         self._scaled: set[int] | None = None  # carrying: parameters whose partition was scaled
         for p in params:
             self._handles.append(p.register_hook(self._before_grad_hook(p)))
@@ -194,6 +199,9 @@ class BackwardReduction(_BackwardHooked):
     def _before_grad_hook(self, param: nn.Parameter) -> Callable[[torch.Tensor], None]:
         def hook(_grad: torch.Tensor) -> None:
             self._unreduced = True
+            if self._before_accumulate is not None:
+                with torch.no_grad():
+                    self._before_accumulate(param)
             if self._scaled is not None and id(param) not in self._scaled:
                 self._carry_over(param)
 

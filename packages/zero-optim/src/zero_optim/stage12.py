@@ -438,6 +438,10 @@ class ReduceScatterInPlace:
 
             return _finish_now_or_later(finish, async_op)
 
+    def before_accumulate(self, param: nn.Parameter) -> None:
+        """Before autograd adds to ``param.grad`` (see ``InPlaceGrads.before_accumulate``)."""
+        self.partitioning.grads.before_accumulate(param)
+
     def accumulated(self, param: nn.Parameter) -> None:
         """After autograd accumulated ``param``'s gradient: the window's first is copied in and bound."""
         self.partitioning.grads.region(param)
