@@ -182,6 +182,42 @@ def test_gather_into_destinations_matches_torch_and_drops_padding(dist, spec):
     assert dist.run(world, _gather_into_cases, ranks_per_node=rpn) == [30] * world
 
 
+def _adjacent_whole_cases(rank):
+    """Shards back to back into whole outputs (stage 3's windows): two ranks stage no row of their own."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from zero_comm import all_gather_coalesced_into
+
+    world, me = rank.world_size, rank.rank
+    sizes = [n for n in ODD_SIZES if n]
+    checked = 0
+    for dtype in DTYPES.values():
+        for async_op in (False, True):
+            flat = rank_tensor(13, me, (sum(sizes) + 3,), dtype)[3:]  # not at the storage's start
+            shards = list(torch.split(flat, sizes))
+            refs = [_reference(s.clone()) for s in shards]
+            outs = [torch.full((world, n), 7.0, dtype=dtype) for n in sizes]
+            with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+                got = result_of(all_gather_coalesced_into(shards, outs, async_op=async_op), async_op)
+            assert got == outs
+            assert all(torch.equal(o.view(-1), r) for o, r in zip(outs, refs)), (dtype, async_op)
+            names = [e.name for e in prof.events()]
+            copied = [e.input_shapes[0] for e in prof.events() if e.name == "aten::split_with_sizes_copy"]
+            if world == 2:  # own row straight from the shards, the peer's from its buffer; nothing else
+                assert "aten::cat" not in names
+                assert copied == [[1, sum(sizes)], [1, sum(sizes)]], copied
+            elif world > 2:  # both rows staged, then one fused copy (one rank: a copy per output)
+                assert copied == [[world, sum(sizes)]], copied
+            checked += 1
+    return checked
+
+
+@over_worlds
+def test_gather_into_from_adjacent_shards_stages_only_other_rows(dist, spec):
+    world, rpn = spec
+    assert dist.run(world, _adjacent_whole_cases, ranks_per_node=rpn) == [len(DTYPES) * 2] * world
+
+
 def _own_rows_cases(rank):
     """Shards that are their outputs' own rows (stage 1's parameters): same result, own row not copied."""
     from torch.profiler import ProfilerActivity, profile

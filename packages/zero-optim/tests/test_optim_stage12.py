@@ -105,21 +105,33 @@ def _layout(rank, stage):
     return opt.state_dict()["layout"]
 
 
-def _stage3_layout(rank):
+def _stage3_layout(rank, persistent_last=True):
     model = Odd(unused=True)
     zero_params.partition(model)
     opt, _ = stage3_optimizer(model, make_optimizer("adamw"))
-    return opt.state_dict()["layout"]
+    layout = opt.state_dict()["layout"]
+    if persistent_last:
+        return layout
+    # back to the model's order: the same segments as stages 0-2
+    order = {name: i for i, (name, _) in enumerate(model.named_parameters())}
+    return [sorted(group, key=lambda seg: order[seg[0]]) for group in layout]
+
+
+def _persistent_last(layout, persistent):
+    return [[s for s in g if s[0] not in persistent] + [s for s in g if s[0] in persistent] for g in layout]
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_the_flat_layout_and_state_dict_layout_are_those_of_stage_3(dist, world):
+    """Every stage splits each parameter alike; stage 3 lays its persistent parameters out last."""
     s1 = dist.run(world, _layout, 1)
     s2 = dist.run(world, _layout, 2)
+    assert s1 == s2 == dist.run(world, _stage3_layout, False)
+    # Odd's empty parameter stays whole at stage 3 (persistent): its segment moves to the end
     s3 = dist.run(world, _stage3_layout)
-    assert s1 == s2 == s3
+    assert s3 == [_persistent_last(layout, {"ps.0"}) for layout in s1] != s1
     s0 = dist.run(world, _layout, 0)
-    assert s0 == dist.run(1, _stage3_layout) * world  # stage 0: a one-rank partition world
+    assert s0 == dist.run(1, _stage3_layout, False) * world  # stage 0: a one-rank partition world
 
 
 def _state_dict_round_trip(rank, stage):

@@ -25,7 +25,7 @@ from torch.distributed import ProcessGroup
 from zero_comm.checks import check_flat_inputs
 from zero_comm.handles import AllGatherHandle, CollectiveHandle, ReduceScatterHandle, T
 from zero_comm.ledger import record, ring_wire_bytes
-from zero_comm.pairwise import gather_rows, gathers_pairwise
+from zero_comm.pairwise import exchange_with_peer, gather_rows, gathers_pairwise
 from zero_comm.partition import partition_numel, shard_range
 from zero_comm.profiling import profile_range
 from zero_comm.reduction import ReduceOpLike, Reduction
@@ -311,17 +311,50 @@ def issue_all_gather_into(
             # one tensor and no padding to drop: the collective writes straight into it
             work = gather_rows(outs[0].view(-1), shards[0], group, async_op=async_op)
             return AllGatherHandle("all_gather", work, lambda: outs, keepalive=(shards[0],))
+        skip = rank if _shards_are_own_rows(shards, outs, world, rank) else None
+        if skip is None:
+            handle = _gather_from_peer(shards, sizes, outs, group, async_op)
+            if handle is not None:
+                return handle
         staging = torch.empty(world, total, dtype=shards[0].dtype, device=shards[0].device)
         send = _send_buffer(shards, staging, group)
         work = gather_rows(staging.view(-1), send, group, async_op=async_op)
-
-        skip = rank if _shards_are_own_rows(shards, outs, world, rank) else None
 
         def finish() -> list[torch.Tensor]:
             _copy_rows(staging, sizes, outs, skip)
             return outs
 
         return AllGatherHandle("all_gather", work, finish, keepalive=(send,))
+
+
+def _gather_from_peer(
+    shards: Sequence[torch.Tensor],
+    sizes: list[int],
+    outputs: list[torch.Tensor],
+    group: ProcessGroup | None,
+    async_op: bool,
+) -> AllGatherHandle | None:
+    """Two gloo ranks, shards back to back, whole outputs: no staging row of this rank's own.
+
+    The shards are sent as they lie and copied straight into this rank's rows of the outputs
+    (one fused copy, while the exchange runs); only the other rank's row is staged, then
+    copied into its rows. ``None`` when the case does not apply (the caller stages both rows).
+    """
+    send = adjacent_flat_view(shards)
+    if send is None or not gathers_pairwise(group, send.device):
+        return None
+    if any(out.numel() != 2 * n for n, out in zip(sizes, outputs)):
+        return None
+    rank = dist.get_rank(group)
+    peer = torch.empty(send.numel(), dtype=send.dtype, device=send.device)
+    work = exchange_with_peer(peer, send, group, async_op=async_op)
+    _copy_row_block(send.view(1, -1), rank, 2, sizes, outputs)
+
+    def finish() -> list[torch.Tensor]:
+        _copy_row_block(peer.view(1, -1), 1 - rank, 2, sizes, outputs)
+        return outputs
+
+    return AllGatherHandle("all_gather", work, finish, keepalive=(send, peer))
 
 
 def check_gather_outputs(
@@ -383,14 +416,26 @@ def _copy_rows(
     if skip is not None:
         for lo, hi in ((0, skip), (skip + 1, world)):
             if hi > lo:
-                rows = [out.view(world, n)[lo:hi] for n, out in zip(sizes, outputs)]
-                torch.split_with_sizes_copy(staging[lo:hi], sizes, dim=1, out=rows)
+                _copy_row_block(staging[lo:hi], lo, world, sizes, outputs)
         return
     if all(out.numel() == world * n for n, out in zip(sizes, outputs)):
         dests = [out.view(world, n) for n, out in zip(sizes, outputs)]
         torch.split_with_sizes_copy(staging, sizes, dim=1, out=dests)
         return
     copy_columns_strided(staging, sizes, outputs)
+
+
+def _copy_row_block(
+    block: torch.Tensor, first: int, world: int, sizes: list[int], outputs: Sequence[torch.Tensor]
+) -> None:
+    """Copy ``block`` (rows ``first, first + 1, ...`` of a rank-major gathered buffer) into the outputs.
+
+    Each output holds its whole gathered tensor (``world`` rows of ``sizes[i]``); one fused
+    ``split_with_sizes_copy``.
+    """
+    rows = block.shape[0]
+    dests = [out.view(world, n)[first : first + rows] for n, out in zip(sizes, outputs)]
+    torch.split_with_sizes_copy(block, sizes, dim=1, out=dests)
 
 
 def copy_columns_strided(staging: torch.Tensor, sizes: list[int], outputs: Sequence[torch.Tensor]) -> None:

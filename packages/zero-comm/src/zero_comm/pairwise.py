@@ -28,7 +28,7 @@ from torch.distributed import ProcessGroup
 
 from zero_comm.watchdog import watched_call
 
-__all__ = ["gather_rows", "gathers_pairwise"]
+__all__ = ["exchange_with_peer", "gather_rows", "gathers_pairwise"]
 
 
 def gathers_pairwise(group: ProcessGroup | None, device: torch.device) -> bool:
@@ -63,8 +63,28 @@ def gather_rows(out: torch.Tensor, send: torch.Tensor, group: ProcessGroup | Non
     own = rows[rank]
     if own.data_ptr() != send.data_ptr():
         own.copy_(send)
-    splits = [0, n] if rank == 0 else [n, 0]  # nothing to or from this rank itself
-    peer = rows[1 - rank]
+    return exchange_with_peer(rows[1 - rank], send, group, async_op=async_op)
+
+
+def exchange_with_peer(
+    peer: torch.Tensor, send: torch.Tensor, group: ProcessGroup | None, *, async_op: bool
+) -> Any:
+    """The pairwise half of :func:`gather_rows`: ``send`` to the other rank, its ``send`` into ``peer``.
+
+    Only for a group where :func:`gathers_pairwise` holds. A caller that puts this rank's own
+    data where it belongs itself (e.g. straight from its shards into the gathered
+    parameters) needs no staging row for it.
+
+    Args:
+        peer: Contiguous 1-D buffer of ``send.numel()`` elements that receives the other rank's row.
+        send: This rank's contiguous 1-D input.
+        group: The two-rank gloo group (``None``: the world).
+        async_op: Return the work without waiting (see ``watched_call``).
+    """
+    n = send.numel()
+    if peer.numel() != n:
+        raise ValueError(f"exchange_with_peer: peer has {peer.numel()} elements, send {n}; they must match")
+    splits = [0, n] if dist.get_rank(group) == 0 else [n, 0]  # nothing to or from this rank itself
     return watched_call(
         "all_gather", dist.all_to_all_single, peer, send, splits, splits, group=group, async_op=async_op
     )

@@ -70,6 +70,15 @@ class Partitioning(Protocol):
         """
         ...
 
+    def flat_order(self, params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
+        """The order in which a group's ``params`` are laid out in its flat buffers.
+
+        Optional: a partitioning without this method keeps the group's order. Stage 3 puts
+        the persistent parameters last, so that the shards a prefetch window gathers lie
+        back to back in the flat buffer and are sent as they lie.
+        """
+        ...
+
     def working_views(
         self, params: Sequence[nn.Parameter], dtype: torch.dtype, device: torch.device
     ) -> list[torch.Tensor] | None:
@@ -151,6 +160,7 @@ class PartitionedOptimizer:
         groups = []
         with torch.no_grad():
             for ps in trainable_groups(opt, names):
+                ps = _flat_order(partitioning, ps)
                 views = grads = None
                 if offload is None:
                     views = _optional(partitioning, "working_views", ps, working_dtype, device)
@@ -353,6 +363,18 @@ def _optional(
     """``partitioning.working_views`` / ``grad_views``; ``None`` for a partitioning without it."""
     method = getattr(partitioning, name, None)
     return method(params, dtype, device) if callable(method) else None
+
+
+def _flat_order(partitioning: Partitioning, params: list[nn.Parameter]) -> list[nn.Parameter]:
+    """``partitioning.flat_order(params)``, checked to be a reordering; ``params`` without that method."""
+    method = getattr(partitioning, "flat_order", None)
+    if not callable(method):
+        return params
+    ordered = list(method(params))
+    if sorted(map(id, ordered)) != sorted(map(id, params)):
+        name = type(partitioning).__name__
+        raise RuntimeError(f"{name}.flat_order must return the same parameters, reordered")
+    return ordered
 
 
 def _default_device() -> torch.device:

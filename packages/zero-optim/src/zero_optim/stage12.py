@@ -2,9 +2,10 @@
 
 Parameters stay whole (``param.data`` untouched) on every rank. Each trainable parameter
 is flattened and padded to a multiple of the partition world size; this rank owns
-partition ``r`` of it — exactly the :class:`~zero_optim.flat.Segment` layout of stage 3,
-so the optimizer state, :meth:`PartitionedOptimizer.state_dict` and checkpoints have
-the same layout for every stage at a given world size.
+partition ``r`` of it — exactly the :class:`~zero_optim.flat.Segment` of stage 3, so every
+stage splits each parameter, its optimizer state and its checkpoint pieces alike at a given
+world size (stage 3 only orders its persistent parameters last in the flat buffers:
+:meth:`~zero_optim.Stage3Partitioning.flat_order`).
 
 The stages differ by two small components:
 

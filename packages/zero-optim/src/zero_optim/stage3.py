@@ -69,6 +69,16 @@ class Stage3Partitioning:
             )
         return state.partition_numel
 
+    def flat_order(self, params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
+        """Gathered parameters first, in the group's order, then the persistent ones.
+
+        A prefetch window gathers consecutive non-persistent parameters; with the small
+        persistent ones (biases, norms) elsewhere, their shards lie back to back in the flat
+        buffer and the collective sends them as they lie instead of concatenating them.
+        """
+        gathered = [p for p in params if not zero_params.state_of(p).persistent]
+        return gathered + [p for p in params if zero_params.state_of(p).persistent]
+
     def load(self, param: nn.Parameter, master: torch.Tensor) -> None:
         """Copy the current shard into the master view."""
         master.copy_(zero_params.state_of(param).shard)
