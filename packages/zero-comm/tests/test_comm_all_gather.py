@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.distributed as tdist
@@ -182,70 +184,65 @@ def test_gather_into_destinations_matches_torch_and_drops_padding(dist, spec):
     assert dist.run(world, _gather_into_cases, ranks_per_node=rpn) == [30] * world
 
 
-def _adjacent_whole_cases(rank):
-    """Shards back to back into whole outputs (stage 3's windows): two ranks stage no row of their own."""
+def _profiled_gather(shards, outs, async_op):
+    """``all_gather_coalesced_into`` under the profiler: result, ops run, the fused copies' shapes."""
     from torch.profiler import ProfilerActivity, profile
 
     from zero_comm import all_gather_coalesced_into
 
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        got = result_of(all_gather_coalesced_into(shards, outs, async_op=async_op), async_op)
+    events = prof.events()
+    copied = [e.input_shapes[0] for e in events if e.name == "aten::split_with_sizes_copy"]
+    return got, {e.name for e in events}, copied
+
+
+def _adjacent_shards(world, me, sizes, dtype):
+    """Shards back to back in one buffer (stage 3's windows) and whole outputs of their own."""
+    flat = rank_tensor(13, me, (sum(sizes) + 3,), dtype)[3:]  # not at the storage's start
+    return list(torch.split(flat, sizes)), [torch.full((world, n), 7.0, dtype=dtype) for n in sizes]
+
+
+def _own_row_shards(world, me, sizes, dtype):
+    """Shards that are their outputs' own rows (stage 1's parameters, padded regions back to back)."""
+    flat = torch.full((world * sum(sizes),), 7.0, dtype=dtype)
+    outs = list(flat.split([world * n for n in sizes]))
+    shards = [out.view(world, n)[me] for out, n in zip(outs, sizes)]
+    for i, s in enumerate(shards):
+        s.copy_(rank_tensor(i, me, (s.numel(),), dtype))
+    return shards, outs
+
+
+def _expected_copies(kind, world, me, total):
+    """The fused copies' input shapes: only other ranks' rows are staged where the layout allows."""
+    if kind == "own_rows":  # one fused copy per block of other ranks' rows, before / after the own row
+        return [[rows, total] for rows in (me, world - 1 - me) if rows]
+    if world == 2:  # own row straight from the shards, the peer's from its buffer
+        return [[1, total], [1, total]]
+    return [[world, total]] if world > 2 else None  # both rows staged (one rank: a copy per output)
+
+
+def _whole_output_cases(rank, kind):
     world, me = rank.world_size, rank.rank
     sizes = [n for n in ODD_SIZES if n]
+    layout = {"adjacent": _adjacent_shards, "own_rows": _own_row_shards}[kind]
     checked = 0
-    for dtype in DTYPES.values():
-        for async_op in (False, True):
-            flat = rank_tensor(13, me, (sum(sizes) + 3,), dtype)[3:]  # not at the storage's start
-            shards = list(torch.split(flat, sizes))
-            refs = [_reference(s.clone()) for s in shards]
-            outs = [torch.full((world, n), 7.0, dtype=dtype) for n in sizes]
-            with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-                got = result_of(all_gather_coalesced_into(shards, outs, async_op=async_op), async_op)
-            assert got == outs
-            assert all(torch.equal(o.view(-1), r) for o, r in zip(outs, refs)), (dtype, async_op)
-            names = [e.name for e in prof.events()]
-            copied = [e.input_shapes[0] for e in prof.events() if e.name == "aten::split_with_sizes_copy"]
-            if world == 2:  # own row straight from the shards, the peer's from its buffer; nothing else
-                assert "aten::cat" not in names
-                assert copied == [[1, sum(sizes)], [1, sum(sizes)]], copied
-            elif world > 2:  # both rows staged, then one fused copy (one rank: a copy per output)
-                assert copied == [[world, sum(sizes)]], copied
-            checked += 1
+    for dtype, async_op in itertools.product(DTYPES.values(), (False, True)):
+        shards, outs = layout(world, me, sizes, dtype)
+        refs = [_reference(s.clone()) for s in shards]
+        got, names, copied = _profiled_gather(shards, outs, async_op)
+        assert got == outs
+        assert all(torch.equal(o.view(-1), r) for o, r in zip(outs, refs)), (dtype, async_op)
+        expected = _expected_copies(kind, world, me, sum(sizes))
+        assert expected is None or copied == expected, copied
+        assert kind != "adjacent" or world != 2 or "aten::cat" not in names  # no concatenation either
+        checked += 1
     return checked
 
 
 @over_worlds
-def test_gather_into_from_adjacent_shards_stages_only_other_rows(dist, spec):
+@pytest.mark.parametrize("kind", ["adjacent", "own_rows"])
+def test_gather_into_whole_outputs_stages_only_other_ranks_rows(dist, spec, kind):
+    """Adjacent shards (two ranks) or the outputs' own rows: same result, own rows never staged."""
     world, rpn = spec
-    assert dist.run(world, _adjacent_whole_cases, ranks_per_node=rpn) == [len(DTYPES) * 2] * world
-
-
-def _own_rows_cases(rank):
-    """Shards that are their outputs' own rows (stage 1's parameters): same result, own row not copied."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from zero_comm import all_gather_coalesced_into
-
-    world, me = rank.world_size, rank.rank
-    sizes = [n for n in ODD_SIZES if n]
-    checked = 0
-    for dtype in DTYPES.values():
-        for async_op in (False, True):
-            flat = torch.full((world * sum(sizes),), 7.0, dtype=dtype)  # padded regions back to back
-            outs = list(flat.split([world * n for n in sizes]))
-            shards = [out.view(world, n)[me] for out, n in zip(outs, sizes)]
-            for i, s in enumerate(shards):
-                s.copy_(rank_tensor(i, me, (s.numel(),), dtype))
-            refs = [_reference(s.clone()) for s in shards]
-            with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
-                result_of(all_gather_coalesced_into(shards, outs, async_op=async_op), async_op)
-            assert all(torch.equal(o, r) for o, r in zip(outs, refs)), (dtype, async_op)
-            copied = [e.input_shapes[0] for e in prof.events() if e.name == "aten::split_with_sizes_copy"]
-            blocks = [[rows, sum(sizes)] for rows in (me, world - 1 - me) if rows]  # before / after own row
-            assert copied == blocks, copied  # one fused copy per block of other ranks' rows
-            checked += 1
-    return checked
-
-
-@over_worlds
-def test_gather_into_outputs_holding_the_shards_copies_only_other_rows(dist, spec):
-    world, rpn = spec
-    assert dist.run(world, _own_rows_cases, ranks_per_node=rpn) == [len(DTYPES) * 2] * world
+    assert dist.run(world, _whole_output_cases, kind, ranks_per_node=rpn) == [len(DTYPES) * 2] * world
