@@ -203,6 +203,15 @@ def _adjacent_shards(world, me, sizes, dtype):
     return list(torch.split(flat, sizes)), [torch.full((world, n), 7.0, dtype=dtype) for n in sizes]
 
 
+def _shards_beside_outputs(world, me, sizes, dtype):
+    """Adjacent shards and whole outputs carved from one buffer: the outputs wait for the exchange."""
+    total = sum(sizes)
+    flat = torch.full((world * total + total,), 7.0, dtype=dtype)
+    outs = [o.view(world, n) for o, n in zip(flat[: world * total].split([world * n for n in sizes]), sizes)]
+    flat[world * total :].copy_(rank_tensor(13, me, (total,), dtype))
+    return list(flat[world * total :].split(sizes)), outs
+
+
 def _own_row_shards(world, me, sizes, dtype):
     """Shards that are their outputs' own rows (stage 1's parameters, padded regions back to back)."""
     flat = torch.full((world * sum(sizes),), 7.0, dtype=dtype)
@@ -217,15 +226,16 @@ def _expected_copies(kind, world, me, total):
     """The fused copies' input shapes: only other ranks' rows are staged where the layout allows."""
     if kind == "own_rows":  # one fused copy per block of other ranks' rows, before / after the own row
         return [[rows, total] for rows in (me, world - 1 - me) if rows]
-    if world == 2:  # own row straight from the shards, the peer's from its buffer
+    if world == 2 and kind == "adjacent":  # own row straight from the shards, the peer's from its buffer
         return [[1, total], [1, total]]
-    return [[world, total]] if world > 2 else None  # both rows staged (one rank: a copy per output)
+    return [[world, total]] if world > 1 else None  # every row staged (one rank: a copy per output)
 
 
 def _whole_output_cases(rank, kind):
     world, me = rank.world_size, rank.rank
     sizes = [n for n in ODD_SIZES if n]
-    layout = {"adjacent": _adjacent_shards, "own_rows": _own_row_shards}[kind]
+    layouts = {"adjacent": _adjacent_shards, "beside": _shards_beside_outputs, "own_rows": _own_row_shards}
+    layout = layouts[kind]
     checked = 0
     for dtype, async_op in itertools.product(DTYPES.values(), (False, True)):
         shards, outs = layout(world, me, sizes, dtype)
@@ -241,8 +251,11 @@ def _whole_output_cases(rank, kind):
 
 
 @over_worlds
-@pytest.mark.parametrize("kind", ["adjacent", "own_rows"])
+@pytest.mark.parametrize("kind", ["adjacent", "beside", "own_rows"])
 def test_gather_into_whole_outputs_stages_only_other_ranks_rows(dist, spec, kind):
-    """Adjacent shards (two ranks) or the outputs' own rows: same result, own rows never staged."""
+    """Adjacent shards (two ranks) or the outputs' own rows: same result, own rows never staged.
+
+    Shards in the outputs' buffer ("beside") are staged: no output is written before the exchange.
+    """
     world, rpn = spec
     assert dist.run(world, _whole_output_cases, kind, ranks_per_node=rpn) == [len(DTYPES) * 2] * world

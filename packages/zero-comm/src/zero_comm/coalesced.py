@@ -345,6 +345,9 @@ def _gather_from_peer(
         return None
     if any(out.numel() != 2 * n for n, out in zip(sizes, outputs)):
         return None
+    storage = send.untyped_storage().data_ptr()
+    if any(out.untyped_storage().data_ptr() == storage for out in outputs):
+        return None  # an output shares the shards' buffer: written only once the exchange is done
     rank = dist.get_rank(group)
     peer = torch.empty(send.numel(), dtype=send.dtype, device=send.device)
     work = exchange_with_peer(peer, send, group, async_op=async_op)
