@@ -460,12 +460,37 @@ def test_estimate_int8_frozen_entry():
         estimate_model_states(10_000, 4, frozen_int8_params=20_000)
 
 
+@pytest.mark.parametrize("mics", [None, 2])
+def test_estimate_int8_frozen_entry_adds_mics_group_and_hpz_secondary(mics):
+    from zero_full.estimate import EstimatePrecision, estimate_model_states
+
+    psi, frozen, world = 10_000, 6144, 4
+    est = estimate_model_states(psi, world, "mixed", (3,), mics, 2, frozen)
+    last = est.stages[-1]
+    group = mics or world
+    trainable = psi - frozen
+    assert last.params_bytes == 2 * trainable / group + frozen * (1 + 4 / 2048) / group + 2 * psi / 2
+    assert last.gradients_bytes == 2 * trainable / group and last.optimizer_bytes == 12 * trainable / group
+    hpz = est.stages[-2]  # the hpZ entry is over the same group
+    assert hpz.params_bytes == 2 * psi / group + 2 * psi / 2
+    over = "S" if mics else "N"
+    assert last.formula(EstimatePrecision.MIXED) == f"16T/{over} + 1.002F/{over} + 2P/n"
+    assert last.formula(EstimatePrecision.FP32).endswith(" + 4P/n")
+    prefix = "MiCS shard 2" if mics else "ZeRO-3"
+    assert [s.name for s in est.stages[-2:]] == [f"{prefix} + hpZ 2", f"{prefix} + hpZ 2 + int8 frozen"]
+
+
 def test_cli_estimate_frozen_int8(capsys):
     from zero_full.cli import main
 
     assert main(["estimate", "--params", "1M", "--world", "4", "--frozen-int8", "900k", "--stage", "3"]) == 0
     out = capsys.readouterr().out
     assert "ZeRO-3 + int8 frozen" in out and "16T/N + 1.002F/N" in out
+    args = ["estimate", "--params", "1M", "--world", "4", "--frozen-int8", "900k", "--hpz", "2"]
+    assert main([*args, "--stage", "3", "--mics-shard-size", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("MiCS shard (S)") == 1 and out.count("hpZ group (n)") == 1
+    assert "MiCS shard 2 + hpZ 2 + int8 frozen  16T/S + 1.002F/S + 2P/n" in out
 
 
 def _persistent_after_steps(rank):

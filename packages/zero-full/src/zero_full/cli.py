@@ -15,7 +15,6 @@ from zero_full.checkpoint.safetensors import add_consolidate_parser
 from zero_full.estimate import (
     EstimatePrecision,
     MemoryEstimate,
-    StageMemory,
     estimate_model_states,
     format_bytes,
     parse_count,
@@ -166,18 +165,17 @@ def format_estimate(est: MemoryEstimate, paper_example: bool = False) -> str:
         f"  ranks (N)       {est.world_size}",
         f"  precision       {_PRECISION_TEXT[est.precision]}",
     ]
-    lines += [f"  MiCS shard (S)  {s.shard_size} ranks" for s in est.stages if s.shard_size is not None]
-    lines += [f"  hpZ group (n)   {s.hpz_size} ranks" for s in est.stages if s.hpz_size is not None]
-    lines += [
-        f"  int8 frozen (F) {_human_count(s.frozen_int8)}, trainable T = P - F"
-        for s in est.stages
-        if s.frozen_int8 is not None
-    ]
+    shard = next((s.shard_size for s in est.stages if s.shard_size is not None), None)
+    hpz = next((s.hpz_size for s in est.stages if s.hpz_size is not None), None)
+    frozen = next((s.frozen_int8 for s in est.stages if s.frozen_int8 is not None), None)
+    lines += [f"  MiCS shard (S)  {shard} ranks"] if shard is not None else []
+    lines += [f"  hpZ group (n)   {hpz} ranks"] if hpz is not None else []
+    lines += [f"  int8 frozen (F) {_human_count(frozen)}, trainable T = P - F"] if frozen is not None else []
     lines += [""]
     rows = [
         [
             s.name,
-            _stage_formula(s, est.precision),
+            s.formula(est.precision),
             format_bytes(s.params_bytes),
             format_bytes(s.gradients_bytes),
             format_bytes(s.optimizer_bytes),
@@ -188,14 +186,6 @@ def format_estimate(est: MemoryEstimate, paper_example: bool = False) -> str:
     lines += _table(["stage", "formula", "params", "gradients", "optimizer", "total"], rows, left=2)
     lines += ["", "GB = 1e9 bytes. Activations, temporary buffers and partition padding are not included."]
     return "\n".join(lines)
-
-
-def _stage_formula(s: StageMemory, precision: EstimatePrecision) -> str:
-    if s.frozen_int8 is not None:
-        return "16T/N + 1.002F/N"
-    if s.hpz_size is not None:
-        return "16P/N + " + ("2P/n" if precision is EstimatePrecision.MIXED else "4P/n")
-    return "16P/S" if s.shard_size is not None else precision.formula(s.stage)
 
 
 def _cmd_estimate(args: argparse.Namespace) -> int:

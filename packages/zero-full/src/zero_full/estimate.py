@@ -102,13 +102,30 @@ class StageMemory:
 
     @property
     def name(self) -> str:
-        """``DDP``, ``ZeRO-1``, ``ZeRO-2``, ``ZeRO-3``, ``MiCS shard <s>``, ``ZeRO-3 + hpZ <n>`` or
-        ``ZeRO-3 + int8 frozen``."""
-        if self.frozen_int8 is not None:
-            return "ZeRO-3 + int8 frozen"
+        """``DDP``, ``ZeRO-1``, ``ZeRO-2``, ``ZeRO-3``, ``MiCS shard <s>``, then `` + hpZ <n>`` and
+        `` + int8 frozen`` for what the entry includes (e.g. ``ZeRO-3 + hpZ 2 + int8 frozen``)."""
+        if self.shard_size is not None:
+            name = f"MiCS shard {self.shard_size}"
+        elif self.hpz_size is not None or self.frozen_int8 is not None:
+            name = "ZeRO-3"
+        else:
+            return STAGE_NAMES[self.stage]
         if self.hpz_size is not None:
-            return f"ZeRO-3 + hpZ {self.hpz_size}"
-        return f"MiCS shard {self.shard_size}" if self.shard_size is not None else STAGE_NAMES[self.stage]
+            name += f" + hpZ {self.hpz_size}"
+        if self.frozen_int8 is not None:
+            name += " + int8 frozen"
+        return name
+
+    def formula(self, precision: EstimatePrecision) -> str:
+        """The entry's formula in ``P`` (parameters), ``N`` (ranks; ``S`` under MiCS), ``n`` (hpZ
+        group), ``T`` / ``F`` (trainable / int8-frozen parameters), e.g. ``16T/N + 1.002F/N + 4P/n``."""
+        if self.shard_size is None and self.hpz_size is None and self.frozen_int8 is None:
+            return precision.formula(self.stage)
+        over = "S" if self.shard_size is not None else "N"
+        text = f"16T/{over} + 1.002F/{over}" if self.frozen_int8 is not None else f"16P/{over}"
+        if self.hpz_size is not None:
+            text += " + " + ("2P/n" if precision is EstimatePrecision.MIXED else "4P/n")
+        return text
 
     @property
     def total_bytes(self) -> float:
@@ -175,13 +192,18 @@ def estimate_model_states(
         world_size: N, ``>= 1``.
         precision: ``"mixed"`` (16-bit params/grads, K = 12) or ``"fp32"``.
         stages: Stages to report, each 0 (DDP) to 3.
-        mics_shard_size: Also report MiCS with partition groups of this many ranks (last
-            entry: stage 3 over ``mics_shard_size`` ranks, ``16Ψ/p``).
-        hpz_partition_size: Also report ZeRO-3 with ZeRO++ hpZ over this many ranks (last
-            entry: ``16Ψ/N`` plus the secondary shard, ``2Ψ/n`` mixed or ``4Ψ/n`` fp32).
+        mics_shard_size: Also report MiCS with partition groups of this many ranks (stage 3
+            over ``S = mics_shard_size`` ranks, ``16Ψ/S``).
+        hpz_partition_size: Also report ZeRO-3 with ZeRO++ hpZ over this many ranks (``n``):
+            ``16Ψ/N`` plus the secondary shard, ``2Ψ/n`` mixed or ``4Ψ/n`` fp32.
         frozen_int8_params: Also report ZeRO-3 where this many of the Ψ parameters (``F``) are
-            frozen and stored as int8 shards (``zero_quantized_nontrainable_weights``; last
-            entry): ``16T/N`` for the ``T = Ψ - F`` trainable ones plus ``F (1 + 4/2048) / N``.
+            frozen and stored as int8 shards (``zero_quantized_nontrainable_weights``):
+            ``16T/N`` for the ``T = Ψ - F`` trainable ones plus ``F (1 + 4/2048) / N``.
+
+        The options build on one another, as the engine combines them: the hpZ entry is over
+        the MiCS group when ``mics_shard_size`` is given (``N`` becomes ``S``), and the
+        int8-frozen entry includes MiCS's group and hpZ's secondary shard when given. The last
+        entry is therefore the configuration with every option asked for.
 
     Returns:
         The per-stage breakdown (the MiCS entry, then the hpZ entry, then the int8-frozen entry, last).
@@ -208,36 +230,22 @@ def estimate_model_states(
         grads = g_bytes * (share if stage >= 2 else psi)
         optim = o_bytes * (share if stage >= 1 else psi)
         result.append(StageMemory(stage, float(params), float(grads), float(optim)))
+    group = world_size
     if mics_shard_size is not None:
         _check_shard_size(mics_shard_size, world_size)
-        part = Fraction(num_params, mics_shard_size)
-        result.append(
-            StageMemory(
-                3, float(p_bytes * part), float(g_bytes * part), float(o_bytes * part), mics_shard_size
-            )
-        )
+        group = mics_shard_size
+        result.append(_stage3_entry(num_params, prec, group, mics_shard_size))
     if hpz_partition_size is not None:
-        if (
-            isinstance(hpz_partition_size, bool)
-            or not isinstance(hpz_partition_size, int)
-            or (hpz_partition_size < 1 or world_size % hpz_partition_size)
-        ):
-            raise ValueError(
-                f"zero_hpz_partition_size={hpz_partition_size!r} must be an integer >= 1 dividing the world "
-                f"size {world_size} (normally the ranks per node)"
-            )
-        secondary = p_bytes * Fraction(num_params, hpz_partition_size)
-        result.append(
-            StageMemory(
-                3,
-                float(p_bytes * share + secondary),
-                float(g_bytes * share),
-                float(o_bytes * share),
-                hpz_size=hpz_partition_size,
-            )
-        )
+        _check_hpz_size(hpz_partition_size, world_size)
+        result.append(_stage3_entry(num_params, prec, group, mics_shard_size, hpz_partition_size))
     if frozen_int8_params is not None:
-        result.append(_frozen_int8_entry(num_params, world_size, prec, frozen_int8_params))
+        frozen = frozen_int8_params
+        if isinstance(frozen, bool) or not isinstance(frozen, int) or not 0 <= frozen <= num_params:
+            raise ValueError(
+                f"frozen_int8_params={frozen!r} must be an integer between 0 and the number of "
+                f"parameters ({num_params})"
+            )
+        result.append(_stage3_entry(num_params, prec, group, mics_shard_size, hpz_partition_size, frozen))
     return MemoryEstimate(num_params, world_size, prec, tuple(result))
 
 
@@ -245,21 +253,39 @@ FROZEN_INT8_BYTES = Fraction(2048 + 4, 2048)
 """Bytes per element of an int8-stored frozen shard: one code, plus one fp32 scale per 2048."""
 
 
-def _frozen_int8_entry(num_params: int, world_size: int, prec: EstimatePrecision, frozen: int) -> StageMemory:
-    if isinstance(frozen, bool) or not isinstance(frozen, int) or not 0 <= frozen <= num_params:
-        raise ValueError(
-            f"frozen_int8_params={frozen!r} must be an integer between 0 and the number of "
-            f"parameters ({num_params})"
-        )
+def _stage3_entry(
+    num_params: int,
+    prec: EstimatePrecision,
+    group: int,
+    shard_size: int | None,
+    hpz_size: int | None = None,
+    frozen: int | None = None,
+) -> StageMemory:
+    """ZeRO-3 over ``group`` ranks: ``16T/group`` for the trainable parameters, ``1.002F/group``
+    for the int8-frozen ones and, with hpZ, every parameter's secondary shard (``Ψ/hpz_size`` in
+    the working precision: the frozen ones' too, as :func:`zero_params.build_secondary` keeps it)."""
     p_bytes, g_bytes, o_bytes = prec.bytes_per_param
-    trainable = Fraction(num_params - frozen, world_size)
+    trainable = Fraction(num_params - (frozen or 0), group)
+    params = p_bytes * trainable + FROZEN_INT8_BYTES * Fraction(frozen or 0, group)
+    if hpz_size is not None:
+        params += p_bytes * Fraction(num_params, hpz_size)
     return StageMemory(
         3,
-        float(p_bytes * trainable + FROZEN_INT8_BYTES * Fraction(frozen, world_size)),
+        float(params),
         float(g_bytes * trainable),
         float(o_bytes * trainable),
+        shard_size=shard_size,
+        hpz_size=hpz_size,
         frozen_int8=frozen,
     )
+
+
+def _check_hpz_size(hpz_size: int, world_size: int) -> None:
+    if isinstance(hpz_size, bool) or not isinstance(hpz_size, int) or hpz_size < 1 or world_size % hpz_size:
+        raise ValueError(
+            f"zero_hpz_partition_size={hpz_size!r} must be an integer >= 1 dividing the world "
+            f"size {world_size} (normally the ranks per node)"
+        )
 
 
 def _check_shard_size(shard_size: int, world_size: int) -> None:

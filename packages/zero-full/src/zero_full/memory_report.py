@@ -110,15 +110,15 @@ def _formula(engine: Engine, num_params: int, world: int) -> tuple[float, str]:
     hpz = z.zero_hpz_partition_size if cfg.stage == 3 and 1 < z.zero_hpz_partition_size < world else None
     frozen = _frozen_int8_numel(engine) if cfg.stage == 3 and z.zero_quantized_nontrainable_weights else None
     est = estimate_model_states(max(num_params, 1), world, precision, (cfg.stage,), shard, hpz, frozen)
-    group = world if shard is None else shard
-    text = f"ZeRO-{cfg.stage} {precision.formula(cfg.stage)} ({precision.value}, N = {group})"
-    if frozen is not None:  # the int8-frozen entry is the last one: frozen params have no grads / optimizer
-        text = f"ZeRO-3 16T/N + 1.002F/N (int8 frozen, {precision.value}, N = {group}, F = {frozen})"
-        return est.stages[-1].total_bytes, text
-    if hpz is not None:  # + the hpZ secondary shard, in the working precision
-        extra = "2P/n" if precision is EstimatePrecision.MIXED else "4P/n"
-        text = f"ZeRO-3 16P/N + {extra} (hpZ, {precision.value}, N = {group}, n = {hpz})"
-    return est.stages[-1].total_bytes, text
+    entry = est.stages[-1]  # the last entry combines every option given (MiCS, hpZ, int8 frozen)
+    details = [precision.value, f"N = {world}"]
+    if shard is not None:
+        details.append(f"MiCS S = {shard}")
+    if hpz is not None:
+        details.append(f"hpZ n = {hpz}")
+    if frozen is not None:
+        details.append(f"int8 frozen F = {frozen}")
+    return entry.total_bytes, f"ZeRO-{cfg.stage} {entry.formula(precision)} ({', '.join(details)})"
 
 
 def build_memory_report(engine: Engine, rank: int, world: int) -> MemoryReport:
