@@ -187,6 +187,11 @@ def estimate_model_states(
 ) -> MemoryEstimate:
     """Model-state bytes per rank at each stage (ZeRO paper, Adam).
 
+    The options build on one another, as the engine combines them: the hpZ entry is over the
+    MiCS group when ``mics_shard_size`` is given (``N`` becomes ``S``), and the int8-frozen entry
+    includes MiCS's group and hpZ's secondary shard when given. The last entry is therefore the
+    configuration with every option asked for.
+
     Args:
         num_params: Ψ, ``>= 1``.
         world_size: N, ``>= 1``.
@@ -199,11 +204,6 @@ def estimate_model_states(
         frozen_int8_params: Also report ZeRO-3 where this many of the Ψ parameters (``F``) are
             frozen and stored as int8 shards (``zero_quantized_nontrainable_weights``):
             ``16T/N`` for the ``T = Ψ - F`` trainable ones plus ``F (1 + 4/2048) / N``.
-
-        The options build on one another, as the engine combines them: the hpZ entry is over
-        the MiCS group when ``mics_shard_size`` is given (``N`` becomes ``S``), and the
-        int8-frozen entry includes MiCS's group and hpZ's secondary shard when given. The last
-        entry is therefore the configuration with every option asked for.
 
     Returns:
         The per-stage breakdown (the MiCS entry, then the hpZ entry, then the int8-frozen entry, last).
