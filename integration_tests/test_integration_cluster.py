@@ -10,7 +10,9 @@ released after each use, a few steps:
   two ring all-gathers of M over the world group (one ring edge leaves each node:
   ``(W-1)/W * M`` each) and one all-to-all reduce-scatter (``r(W-r)/W * M`` per node), with M
   the padded model bytes in bf16; the ledger's ring-ideal inter-node bytes per rank are
-  ``3M(W-1)/W`` (the papers' 3M); the veth counters agree with the model within 3%;
+  ``3M(W-1)/W`` (the papers' 3M); the veth counters agree with the model within 3%, up to
+  what TCP sent again (``retransmitted_bytes``: on a loaded machine a late acknowledgement
+  makes a sender repeat a 64 KiB segment, which then crosses the veth twice);
 * every namespace of the run is gone afterwards (``ip netns list``), also when a rank fails.
 
 Needs root and iproute2 (``ip``, ``tc``): skipped with the reason otherwise.
@@ -30,6 +32,7 @@ from zero_testing.netns import (
     SimulatedCluster,
     interface_counters,
     needs_cluster,
+    retransmitted_bytes,
     run_on_cluster,
 )
 from zero_testing.traffic import node_egress_bytes
@@ -72,17 +75,19 @@ def _train(rank, on_cluster: bool) -> dict:
     for _ in range(STEPS):
         ids = torch.randint(0, VOCAB, (2, SEQ), generator=gen)
         dist.barrier()
-        tx0 = interface_counters() if on_cluster else None
+        tx0 = (interface_counters(), retransmitted_bytes()) if on_cluster else None
         dist.barrier()  # every rank has read the counters before any rank sends
         with CommLedger(Topology()) as ledger:
             loss = engine.module(input_ids=ids, labels=ids).loss
             engine.backward(loss)
             engine.step()
         dist.barrier()
-        tx = interface_counters() - tx0 if tx0 is not None else None
+        veth = None
+        if tx0 is not None:
+            veth = ((interface_counters() - tx0[0]).payload_bytes, retransmitted_bytes() - tx0[1])
         losses.append(loss.item())
         records = [(r.op, r.group_ranks, r.payload_bytes, r.wire_bytes) for r in ledger.records]
-        steps.append((records, ledger.totals(link=LinkKind.INTER_NODE).wire_bytes, tx and tx.payload_bytes))
+        steps.append((records, ledger.totals(link=LinkKind.INTER_NODE).wire_bytes, veth))
     engine.close()
     return {"losses": losses, "steps": steps, "model_bytes": 2 * WORLD * numel}
 
@@ -114,8 +119,10 @@ def test_zero3_on_two_nodes_matches_loopback_and_sends_the_formula_bytes() -> No
         for node in range(2):
             what = f"step {step} node {node}"
             assert model[node] == pytest.approx(per_node, rel=0.01), f"{what}: all collectives"
-            veth = ranks[node * PER_NODE]["steps"][step][2]
-            assert veth == pytest.approx(model[node], rel=0.03), f"{what}: veth vs model"
+            veth, again = ranks[node * PER_NODE]["steps"][step][2]
+            bounds = f"veth {veth:,} B, of which up to {again:,} B sent again; model {model[node]:,.0f} B"
+            assert veth >= 0.97 * model[node], f"{what}: the veth carried less: {bounds}"
+            assert veth - again <= 1.03 * model[node], f"{what}: the veth carried more: {bounds}"
         for r in range(WORLD):
             ledger_inter = ranks[r]["steps"][step][1]
             assert ledger_inter == pytest.approx(3 * m * (WORLD - 1) / WORLD, rel=0.01), f"rank {r} ledger"

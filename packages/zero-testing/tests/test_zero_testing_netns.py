@@ -20,6 +20,7 @@ from zero_testing.netns import (
     SimulatedCluster,
     interface_counters,
     needs_cluster,
+    retransmitted_bytes,
     run_on_cluster,
 )
 from zero_testing.traffic import node_egress_bytes, pair_bytes
@@ -157,3 +158,25 @@ def test_pair_model_matches_veth_counters_for_each_collective() -> None:
             veth = ranks[2 * node][op][0]
             # the barriers around the call add a few hundred bytes per node
             assert veth == pytest.approx(model[node], rel=0.02, abs=4096), f"{op} node {node}"
+
+
+def _broadcast_4mib(rank) -> tuple[int, int]:
+    """Rank 0 broadcasts 4 MiB to rank 1 on the other node: this node's veth payload and resends."""
+    full = torch.ones(1 << 20)
+    dist.barrier()
+    before, again = interface_counters(), retransmitted_bytes()
+    dist.barrier()  # every rank has read the counters before any rank sends
+    dist.broadcast(full, 0)
+    dist.barrier()
+    return (interface_counters() - before).payload_bytes, retransmitted_bytes() - again
+
+
+@needs_cluster()
+def test_resent_bytes_on_a_dropping_link_are_counted_and_the_veth_sees_each_once() -> None:
+    # 100 Mbit/s with a 1 ms queue: the token bucket drops most of a TCP burst before the veth
+    shape = LinkShape(rate_mbit=100.0, burst_kib=16, queue_ms=1)
+    with SimulatedCluster(2, shape) as cluster:
+        (veth, again), _ = run_on_cluster(cluster, 2, _broadcast_4mib, ranks_per_node=1, timeout=120)
+    assert again > 64 * 1024, f"the link was to drop segments; TCP resent only {again} B"
+    # the barriers around the broadcast add a few hundred bytes
+    assert 4 << 20 <= veth <= (4 << 20) + 4096, f"veth payload {veth} B for a 4 MiB broadcast"

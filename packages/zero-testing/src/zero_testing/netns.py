@@ -62,6 +62,7 @@ __all__ = [
     "FRAME_HEADER_BYTES",
     "LinkCounters",
     "interface_counters",
+    "retransmitted_bytes",
     "run_on_cluster",
 ]
 
@@ -117,7 +118,7 @@ def cluster_unavailable_reason() -> str | None:
     """``None`` when a simulated cluster can be made here, else why not (a skip message)."""
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
         return "a simulated cluster needs root (network namespaces); run as root"
-    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    missing = [tool for tool in ("ip", "tc", "ss") if shutil.which(tool) is None]
     if missing:
         return (
             f"a simulated cluster needs iproute2 ({', '.join(missing)} not found): apt-get install iproute2"
@@ -352,6 +353,33 @@ def interface_counters(ifname: str = NODE_IFNAME) -> LinkCounters:
                 fields = rest.split()
                 return LinkCounters(tx_bytes=int(fields[8]), tx_packets=int(fields[9]))
     raise RuntimeError(f"no interface {ifname!r} in this network namespace (/proc/self/net/dev)")
+
+
+def retransmitted_bytes() -> int:
+    """TCP payload bytes this network namespace has sent again to other addresses, so far.
+
+    The sum of ``bytes_retrans`` (``tcp_info``, via ``ss -ti``) over the established sockets
+    whose peer address is not their own, i.e. the inter-node sockets of a node namespace. Which
+    of them an interface counted depends on where the first copy was lost: a segment the shaped
+    link's queue dropped never reached the veth's counters (only its retransmission does), but a
+    segment sent again because its acknowledgement came late (a loaded machine delays the
+    receiver) crosses the veth twice. Around a window, an interface's payload therefore lies
+    between what the node sent once and that plus the difference of this counter.
+    """
+    out = subprocess.run(
+        ["ss", "-tinH", "state", "established"], capture_output=True, text=True, check=True
+    ).stdout
+    total, remote = 0, False
+    for line in out.splitlines():
+        if not line[:1].isspace():  # a socket: "<recv-q> <send-q> <local>:<port> <peer>:<port>"
+            fields = line.split()
+            local, peer = (f.rpartition(":")[0] for f in fields[-2:])
+            remote = local != peer
+        elif remote:
+            for word in line.split():
+                if word.startswith("bytes_retrans:"):
+                    total += int(word.partition(":")[2])
+    return total
 
 
 def _rank_main(
