@@ -386,6 +386,9 @@ def bench(session: nox.Session) -> None:
     # Real memory per rank, each implementation in fresh processes (the script sets MALLOC_MMAP_THRESHOLD_).
     _bench(session, "memory.py", docs=True, env=DS_ENV)
     _bench(session, "side_by_side.py", *session.posargs, docs=True, env=DS_ENV)
+    # DDP, FSDP2 and zero 1-3 in the same ranks, one step each in turn: ratios to DDP per step.
+    _bench(session, "paired_steps.py")
+    _bench(session, "paired_steps.py", "--hidden", "128", "--name", "paired_steps_small")
     # Where one released stage-3 step's time goes, and its distance to the DDP + wire floor (world 2).
     _bench(session, "profile_step.py", docs=True, env=DS_ENV)
     # Step time and memory against model size and world size (fresh processes per point).

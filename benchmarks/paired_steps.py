@@ -1,0 +1,190 @@
+"""Step-level paired timing: DDP and the zero stages in the same ranks, one step each in turn.
+
+Run from the repository root::
+
+    python benchmarks/paired_steps.py --steps 60 --out benchmarks/results
+
+Why: the side-by-side benchmark (``side_by_side.py``) runs every implementation in processes of
+its own, one after another, and compares rounds. On a shared machine whose speed drifts by
+tens of percent within minutes, its per-round ratios to DDP swing from 0.7 to 1.9, and a
+difference of a few percent between implementations cannot be resolved even over 24 rounds.
+Here every rank builds all the ``--impls`` (the side-by-side's builders, ``impls.py``) at once
+and steps them on the same batch one after another, rotating the order every step so none is
+always first; each step is timed alone (per step the slowest rank counts), and the ratio to
+DDP is taken per step, between steps a second apart. The drift then cancels in each ratio.
+
+Reported per implementation: the median step, the median of the per-step ratios to DDP with
+its interquartile range and a bootstrap 95% interval of that median, and the same median for
+the training thread's CPU time (``time.thread_time``: gloo's threads excluded). What sharing a
+process costs: the implementations share the allocator and caches, and each one's memory
+stays allocated during the others' steps (memory is ``memory.py``'s business, in fresh
+processes). The side-by-side stays the reference comparison with FSDP2 and DeepSpeed; this
+is the finer instrument between DDP and zero. Writes ``<--name>.json`` and ``.md`` (default
+``paired_steps``) into ``--out``. Not a test: nothing is asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import pathlib
+import random
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from _report import environment, markdown_table, spawn_ranks, write_results  # noqa: E402
+from impls import IMPLEMENTATIONS  # noqa: E402
+from workloads import rank_batches, workload_of, workload_parser  # noqa: E402
+
+PAIRABLE = ("ddp", "fsdp2", "zero-1", "zero-2", "zero-3")
+"""Implementations that can share a process (DeepSpeed's engines keep process-wide state)."""
+
+
+def rotation(names: Sequence[str], step: int) -> list[str]:
+    """The order of step ``step``: ``names`` rotated by ``step`` places (each name leads in turn)."""
+    k = step % len(names)
+    return [*names[k:], *names[:k]]
+
+
+def _timed_step(runner: Any, batch: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """One training step: the slowest rank's seconds, and this rank's training-thread CPU seconds."""
+    dist.barrier()
+    start, cpu = time.perf_counter(), time.thread_time()
+    runner.forward_backward(batch)
+    runner.optimizer_step()
+    cpu = time.thread_time() - cpu
+    took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    return float(took), cpu
+
+
+def _rank_main(rank: int, args: argparse.Namespace, store: str, results: Any) -> None:
+    os.environ.update(OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{store}", rank=rank, world_size=args.world,
+        timeout=datetime.timedelta(seconds=600),
+    )  # fmt: skip
+    w = workload_of(args)
+    runners = {name: IMPLEMENTATIONS[name](w, args.world) for name in args.impls}
+    batches = rank_batches(w, rank, args.world, 8)
+    wall: dict[str, list[float]] = {name: [] for name in args.impls}
+    cpu: dict[str, list[float]] = {name: [] for name in args.impls}
+    for step in range(args.warmup + args.steps):
+        for name in rotation(args.impls, step):
+            took, thread = _timed_step(runners[name], batches[step % len(batches)])
+            if step >= args.warmup:
+                wall[name].append(took)
+                cpu[name].append(thread)
+    for runner in runners.values():
+        runner.close()
+    if rank == 0:
+        results.put({"workload": w.describe(), "wall": wall, "cpu": cpu})
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def median_interval(values: Sequence[float], draws: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """A bootstrap 95% interval of the median of ``values`` (percentiles 2.5 and 97.5 of ``draws``)."""
+    if not values:
+        raise ValueError("median_interval needs at least one value")
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(draws))
+    return medians[int(0.025 * draws)], medians[min(draws - 1, int(0.975 * draws))]
+
+
+def summarize(wall: dict[str, list[float]], cpu: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    """Per implementation: median step, per-step ratios to DDP (median, quartiles, 95% interval), CPU ratio.
+
+    Raises:
+        ValueError: no ``ddp`` times, or an implementation with another number of steps.
+    """
+    if "ddp" not in wall:
+        raise ValueError("paired_steps compares with DDP: include 'ddp' in --impls")
+    out = {}
+    for name, times in wall.items():
+        if len(times) != len(wall["ddp"]):
+            raise ValueError(f"{name} has {len(times)} steps, ddp {len(wall['ddp'])}: not paired")
+        ratios = sorted(t / d for t, d in zip(times, wall["ddp"], strict=True))
+        cpu_ratios = [c / d for c, d in zip(cpu[name], cpu["ddp"], strict=True) if d > 0]
+        low, high = median_interval(ratios)
+        out[name] = {
+            "median_step_s": statistics.median(times),
+            "ratio": statistics.median(ratios),
+            "ratio_q1": ratios[len(ratios) // 4],
+            "ratio_q3": ratios[(3 * len(ratios)) // 4],
+            "ratio_low95": low,
+            "ratio_high95": high,
+            "cpu_ratio": statistics.median(cpu_ratios) if cpu_ratios else float("nan"),
+            "steps": len(times),
+        }
+    return out
+
+
+def report(summary: dict[str, dict[str, float]], workload: str, env: dict[str, Any], command: str) -> str:
+    """The markdown table of :func:`summarize`."""
+    rows = [
+        [
+            name,
+            f"{s['median_step_s'] * 1e3:.1f}",
+            f"{s['ratio']:.3f}",
+            f"{s['ratio_q1']:.3f} - {s['ratio_q3']:.3f}",
+            f"{s['ratio_low95']:.3f} - {s['ratio_high95']:.3f}",
+            f"{s['cpu_ratio']:.3f}",
+        ]
+        for name, s in summary.items()
+    ]
+    steps = next(iter(summary.values()))["steps"]
+    return "\n".join(
+        [
+            f"# Paired steps, world {env['world']}: {steps} steps of each, in rotation",
+            "",
+            f"{workload}; load average {env['load_average_1m']:.1f} on {env['cpus']} cpus. "
+            f"Command: `{command}`.",
+            "",
+            markdown_table(
+                [
+                    "implementation",
+                    "median step (ms)",
+                    "x DDP (median per step)",
+                    "quartiles",
+                    "95% interval of the median",
+                    "thread CPU x DDP",
+                ],
+                rows,
+                "lrrrrr",
+            ),  # fmt: skip
+        ]
+    )
+
+
+def main() -> None:
+    parser = workload_parser(__doc__, world=2, warmup=3, steps=60)
+    parser.add_argument("--impls", nargs="+", choices=PAIRABLE, default=["ddp", "zero-1", "zero-2", "zero-3"])
+    parser.add_argument("--timeout", type=float, default=3600.0)
+    parser.add_argument("--name", default="paired_steps", help="results file name (without .md / .json)")
+    args = parser.parse_args()
+    if "ddp" not in args.impls:
+        parser.error("--impls must include ddp (every ratio is to DDP)")
+    env = environment("zero-full") | {"world": args.world}
+    found = spawn_ranks(_rank_main, args.world, args, args.timeout)
+    summary = summarize(found["wall"], found["cpu"])
+    command = "python benchmarks/paired_steps.py " + " ".join(sys.argv[1:])
+    text = report(summary, found["workload"], env, command.strip())
+    print(text)
+    settings = vars(args) | {"out": str(args.out)}
+    result = {"environment": env, "args": settings, "summary": summary, **found}
+    write_results(args.out, args.name, result, text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""The paired-steps summary: per-step ratios to DDP, their median, quartiles and interval; the rotation."""
+
+from __future__ import annotations
+
+import pytest
+from paired_steps import median_interval, rotation, summarize
+
+
+def test_each_implementation_leads_in_turn():
+    names = ["ddp", "zero-1", "zero-2"]
+    assert [rotation(names, s)[0] for s in range(4)] == ["ddp", "zero-1", "zero-2", "ddp"]
+    assert sorted(rotation(names, 2)) == sorted(names)
+
+
+def test_ratios_are_taken_per_step_so_a_drift_shared_by_both_cancels():
+    # the machine slows down 3x during the run; zero is 5% slower than DDP at every step
+    ddp = [0.1, 0.2, 0.3, 0.1, 0.2, 0.3, 0.1, 0.2]
+    zero = [d * 1.05 for d in ddp]
+    found = summarize({"ddp": ddp, "zero-2": zero}, {"ddp": ddp, "zero-2": [d * 1.02 for d in ddp]})
+    assert found["zero-2"]["ratio"] == pytest.approx(1.05)
+    assert found["zero-2"]["ratio_low95"] == pytest.approx(1.05)
+    assert found["zero-2"]["ratio_high95"] == pytest.approx(1.05)
+    assert found["zero-2"]["cpu_ratio"] == pytest.approx(1.02)
+    assert found["zero-2"]["median_step_s"] == pytest.approx(0.2 * 1.05)
+    assert found["ddp"]["ratio"] == 1.0
+
+
+def test_quartiles_and_interval_bracket_the_median_and_an_outlier_does_not_move_it():
+    ddp = [1.0] * 9
+    zero = [1.01, 1.02, 1.03, 1.04, 1.05, 1.06, 1.07, 1.08, 5.0]
+    s = summarize({"ddp": ddp, "zero-3": zero}, {"ddp": ddp, "zero-3": zero})["zero-3"]
+    assert s["ratio"] == pytest.approx(1.05)
+    assert s["ratio_q1"] <= s["ratio"] <= s["ratio_q3"]
+    assert 1.01 <= s["ratio_low95"] <= s["ratio"] <= s["ratio_high95"] <= 1.08
+
+
+def test_unpaired_or_ddp_less_input_is_refused():
+    with pytest.raises(ValueError, match="include 'ddp'"):
+        summarize({"zero-1": [1.0]}, {"zero-1": [1.0]})
+    with pytest.raises(ValueError, match="not paired"):
+        summarize({"ddp": [1.0, 1.0], "zero-1": [1.0]}, {"ddp": [1.0, 1.0], "zero-1": [1.0]})
+    with pytest.raises(ValueError, match="at least one"):
+        median_interval([])
