@@ -248,3 +248,37 @@ def test_the_heartbeat_thread_writes_once_per_interval_and_reads_nothing():
         wd.close()
     assert 2 <= writes <= 1 + 11, writes  # the first publish, then at most 10 beats (loaded: fewer)
     assert reads == 0  # the store is read only while a wait is slow or a rank departs from its path
+
+
+class _SlowReadStore(_CountingStore):
+    """Reads from the main thread take 3 ms: a heartbeat due meanwhile queues on the store lock."""
+
+    def get(self, key):
+        if threading.current_thread() is threading.main_thread():
+            time.sleep(0.003)
+        return super().get(key)
+
+
+def test_a_departed_ranks_last_record_is_not_overwritten_by_a_stale_heartbeat():
+    # CI, session 16: rank 1 published `broken` and exited, but a heartbeat built before it landed
+    # after it; rank 0 never saw the departure and reported rank 1 as silent instead. Before the
+    # fix 49 of 50 rounds lost the record here.
+    lost = 0
+    for _ in range(50):
+        store = _SlowReadStore()
+        ahead = CommWatchdog(store, 0, 2, timeout=30, heartbeat_interval=60)
+        departs = CommWatchdog(store, 1, 2, timeout=30, heartbeat_interval=0.001)
+        try:
+            ahead.issued("all_gather")
+            ahead.issued("all_gather")
+            ahead.publish()
+            departs.issued("all_gather")
+            with pytest.raises(zero_comm.RanksDivergedError):
+                departs.diverged("runs `mid` (forward)")
+        finally:
+            departs.close()
+            ahead.close()
+        time.sleep(0.01)  # a heartbeat still in flight lands now
+        (position,) = [p for p in ahead.peers().values()]
+        lost += not position.broken
+    assert lost == 0, f"{lost} of 50 departures lost their last record"

@@ -237,19 +237,22 @@ class CommWatchdog:
         """Write this rank's position and the next heartbeat to the store (the thread, every interval)."""
         if self.store is None:
             return
-        self._beat += 1
-        op, call, what, since, waiting = self._position
-        record = {
-            "op": op,
-            "call": call,
-            "what": _render(what),
-            "since": since,
-            "beat": self._beat,
-            "waiting": waiting,
-            "diverged": self._departures,
-            "broken": self._broken,
-        }
+        # Read the state and write it under one lock: a record the heartbeat thread built before
+        # the main thread changed the state must not land after the main thread's own publish
+        # (a departed rank's last word, ``broken``, would be overwritten by a stale beat).
         with self._store_lock:
+            self._beat += 1
+            op, call, what, since, waiting = self._position
+            record = {
+                "op": op,
+                "call": call,
+                "what": _render(what),
+                "since": since,
+                "beat": self._beat,
+                "waiting": waiting,
+                "diverged": self._departures,
+                "broken": self._broken,
+            }
             self.store.set(_KEY.format(self.rank), json.dumps(record))
 
     # ------------------------------------------------------------------ waiting
