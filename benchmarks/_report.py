@@ -213,6 +213,21 @@ def write_results(
     return paths
 
 
+def timed_across_ranks(step: Callable[[], object]) -> tuple[float, float]:
+    """Run ``step()`` on every rank after a barrier; the slowest rank's wall seconds and this rank's
+    thread CPU seconds (the training thread alone: gloo's own threads are not counted)."""
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    start, cpu = time.perf_counter(), time.thread_time()
+    step()
+    cpu = time.thread_time() - cpu
+    took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    return float(took), cpu
+
+
 class ResultSink:
     """What a benchmark rank puts its result on (``results.put(x)``); :func:`spawn_ranks` returns it."""
 

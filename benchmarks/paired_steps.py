@@ -26,22 +26,19 @@ is the finer instrument between DDP and zero. Writes ``<--name>.json`` and ``.md
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import pathlib
 import random
 import statistics
 import sys
-import time
 from collections.abc import Sequence
+from functools import partial
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from _report import environment, markdown_table, spawn_ranks, write_results  # noqa: E402
+from _report import environment, markdown_table, spawn_ranks, timed_across_ranks, write_results  # noqa: E402
 from impls import IMPLEMENTATIONS  # noqa: E402
 from workloads import rank_batches, workload_of, workload_parser  # noqa: E402
 
@@ -55,25 +52,12 @@ def rotation(names: Sequence[str], step: int) -> list[str]:
     return [*names[k:], *names[:k]]
 
 
-def _timed_step(runner: Any, batch: dict[str, torch.Tensor]) -> tuple[float, float]:
-    """One training step: the slowest rank's seconds, and this rank's training-thread CPU seconds."""
-    dist.barrier()
-    start, cpu = time.perf_counter(), time.thread_time()
+def _train_step(runner: Any, batch: dict[str, torch.Tensor]) -> None:
     runner.forward_backward(batch)
     runner.optimizer_step()
-    cpu = time.thread_time() - cpu
-    took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(took, op=dist.ReduceOp.MAX)
-    return float(took), cpu
 
 
 def _rank_main(rank: int, args: argparse.Namespace, store: str, results: Any) -> None:
-    os.environ.update(OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=args.world,
-        timeout=datetime.timedelta(seconds=600),
-    )  # fmt: skip
     w = workload_of(args)
     runners = {name: IMPLEMENTATIONS[name](w, args.world) for name in args.impls}
     batches = rank_batches(w, rank, args.world, 8)
@@ -81,7 +65,8 @@ def _rank_main(rank: int, args: argparse.Namespace, store: str, results: Any) ->
     cpu: dict[str, list[float]] = {name: [] for name in args.impls}
     for step in range(args.warmup + args.steps):
         for name in rotation(args.impls, step):
-            took, thread = _timed_step(runners[name], batches[step % len(batches)])
+            batch = batches[step % len(batches)]
+            took, thread = timed_across_ranks(partial(_train_step, runners[name], batch))
             if step >= args.warmup:
                 wall[name].append(took)
                 cpu[name].append(thread)
@@ -89,8 +74,6 @@ def _rank_main(rank: int, args: argparse.Namespace, store: str, results: Any) ->
         runner.close()
     if rank == 0:
         results.put({"workload": w.describe(), "wall": wall, "cpu": cpu})
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def median_interval(values: Sequence[float], draws: int = 2000, seed: int = 0) -> tuple[float, float]:
@@ -162,7 +145,7 @@ def report(summary: dict[str, dict[str, float]], workload: str, env: dict[str, A
                 ],
                 rows,
                 "lrrrrr",
-            ),  # fmt: skip
+            ),
         ]
     )
 
@@ -176,7 +159,7 @@ def main() -> None:
     if "ddp" not in args.impls:
         parser.error("--impls must include ddp (every ratio is to DDP)")
     env = environment("zero-full") | {"world": args.world}
-    found = spawn_ranks(_rank_main, args.world, args, args.timeout)
+    found = spawn_ranks(_rank_main, args.world, args, args.timeout, process_group=True)
     summary = summarize(found["wall"], found["cpu"])
     command = "python benchmarks/paired_steps.py " + " ".join(sys.argv[1:])
     text = report(summary, found["workload"], env, command.strip())

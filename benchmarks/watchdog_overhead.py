@@ -23,20 +23,17 @@ per collective and per wait. Not a test: nothing is asserted.
 from __future__ import annotations
 
 import argparse
-import datetime
-import os
 import pathlib
 import statistics
 import sys
-import time
+from functools import partial
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from _report import environment, markdown_table, spawn_ranks, write_results  # noqa: E402
+from _report import environment, markdown_table, spawn_ranks, timed_across_ranks, write_results  # noqa: E402
 from impls import zero_section  # noqa: E402
 from workloads import Workload, adamw, build_model, global_batch, loss_of, rank_slice  # noqa: E402
 
@@ -48,27 +45,12 @@ def _engine(w: Workload, watchdog: bool) -> Any:
     return zero_full.initialize(build_model(w), config=config, optimizer=adamw)
 
 
-def _step(engine: Any, w: Workload, batch: dict[str, torch.Tensor]) -> float:
-    """One timed training step; returns the slowest rank's seconds."""
-    start = time.perf_counter()
-    loss = loss_of(engine, w, batch)
-    engine.backward(loss)
+def _step(engine: Any, w: Workload, batch: dict[str, torch.Tensor]) -> None:
+    engine.backward(loss_of(engine, w, batch))
     engine.step()
-    took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(took, op=dist.ReduceOp.MAX)
-    return float(took)
 
 
 def _rank_main(rank: int, args: argparse.Namespace, store: str, results: Any) -> None:
-    os.environ.update(OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"file://{store}",
-        rank=rank,
-        world_size=args.world,
-        timeout=datetime.timedelta(seconds=600),
-    )
     w = Workload(kind=args.workload, layers=args.layers, hidden=args.hidden, micro_batch=args.micro_batch)
     engines = {"on": _engine(w, True), "off": _engine(w, False)}
     steps = args.warmup + args.pairs
@@ -77,15 +59,13 @@ def _rank_main(rank: int, args: argparse.Namespace, store: str, results: Any) ->
     for s in range(steps):
         order = ("on", "off") if s % 2 == 0 else ("off", "on")
         for name in order:
-            took = _step(engines[name], w, batches[s % len(batches)])
+            took, _ = timed_across_ranks(partial(_step, engines[name], w, batches[s % len(batches)]))
             if s >= args.warmup:
                 times[name].append(took)
     for engine in engines.values():
         engine.close()
     if rank == 0:
         results.put({"workload": w.describe(), "times": times})
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def summarize(times: dict[str, list[float]]) -> dict[str, float]:
@@ -114,7 +94,7 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, default=None)
     args = parser.parse_args()
     env = environment("zero-full")  # before the ranks run: the load they add is not "other work"
-    found = spawn_ranks(_rank_main, args.world, args, args.timeout)
+    found = spawn_ranks(_rank_main, args.world, args, args.timeout, process_group=True)
     summary = summarize(found["times"])
     loaded = env["load_average_1m"] > 0.5 * (env["cpus"] or 1)
     label = " (LOADED machine: not a valid timing)" if loaded else ""

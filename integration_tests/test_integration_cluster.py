@@ -15,7 +15,7 @@ released after each use, a few steps:
   makes a sender repeat a 64 KiB segment, which then crosses the veth twice);
 * every namespace of the run is gone afterwards (``ip netns list``), also when a rank fails.
 
-Needs root and iproute2 (``ip``, ``tc``): skipped with the reason otherwise.
+Needs root and iproute2 (``ip``, ``tc``, ``ss``): skipped with the reason otherwise.
 """
 
 from __future__ import annotations
