@@ -10,7 +10,8 @@ on, ``check_paths`` off: the trace-departure check is part of it) and ``off`` wi
 ``robustness.watchdog = false``. Both live for the whole run, in the same processes and process
 group; after ``--warmup`` steps of each, ``--pairs`` pairs of steps run, the order inside a pair
 alternating (on-off, off-on, ...) so neither always runs first. Each step is timed alone; per
-step the slowest rank counts (an all-reduce of the time after the step, outside the window).
+step the slowest rank counts (the ranks start it together after a barrier; an all-reduce of
+the time after the step, outside the window: :func:`_report.timed_across_ranks`).
 
 Reported: the median step of each, the overhead ``median(on) / median(off) - 1`` (goal <= 2%),
 and the median of the per-pair ratios. With ``--out`` writes ``watchdog_overhead.json`` and
