@@ -100,8 +100,12 @@ def main() -> None:
         engine.close()
     except Exception as exc:  # noqa: BLE001 - reported to the test
         report.update(error=type(exc).__name__, message=str(exc), seconds=time.monotonic() - start)
-    with open(os.path.join(OUT, f"rank{rank}.json"), "w") as f:
+    # written whole, then renamed: torchrun SIGTERMs this rank as soon as its peer dies, and the
+    # test must never read a report cut short (an empty rank1.json broke a CI run)
+    final = os.path.join(OUT, f"rank{rank}.json")
+    with open(final + ".part", "w") as f:
         json.dump(report, f)
+    os.replace(final + ".part", final)
     os._exit(0)  # the process group may be wedged after a failed collective
 
 

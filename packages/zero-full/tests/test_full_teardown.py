@@ -40,7 +40,9 @@ SCRIPT = textwrap.dedent(
     gc.collect()
     if world() is not None:
         sys.exit(f"dist.group.WORLD outlived destroy_process_group ({sys.getrefcount(world()) - 1} refs)")
-    print("engine alive, default group gone:", engine.global_steps)
+    # one write: print() writes its arguments separately and the two ranks' output interleaves
+    sys.stdout.write(f"engine alive, default group gone: {engine.global_steps}\\n")
+    sys.stdout.flush()
     """
 )
 
