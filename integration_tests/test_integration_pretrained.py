@@ -282,7 +282,9 @@ _RSS_SCRIPT = textwrap.dedent(
         zero_params.state_of(p).shard.numel() * 4 if zero_params.is_partitioned(p) else p.numel() * 4
         for p in model.parameters()
     )
-    print("RESULT " + json.dumps({"base": base, "after": s["VmRSS"], "peak": s["VmHWM"], "kept": kept}))
+    result = {"base": base, "after": s["VmRSS"], "peak": s["VmHWM"], "kept": kept}
+    sys.stdout.write("RESULT " + json.dumps(result) + "\\n")  # one write: the two ranks share stdout
+    sys.stdout.flush()
     del model
     dist.destroy_process_group()
     """
