@@ -43,3 +43,28 @@ def _staged_equals_padded(rank):
 def test_staged_reduce_scatter_is_bit_identical_to_the_padded_one(dist, world):
     """Rows staged on put (edge, middle and own rows; world 5 exchanges every row): the same bits."""
     assert dist.run(world, _staged_equals_padded) == [2 * 2 * 2 * len(SHAPES)] * world
+
+
+def _staged_rows_are_every_ranks_partitions(rank):
+    world = rank.world_size
+    tensors = [rank_tensor(i, rank.rank, s, torch.float32) for i, s in enumerate(SHAPES)]
+    staged = StagedReduceScatter([t.numel() for t in tensors] + [world], None, torch.float32, "cpu")
+    for i in (4, 0, 6):  # some put, the others filled with zeros
+        staged.put(i, tensors[i])
+    staged.fill_missing(len(tensors))
+    rows = staged.staged_rows(len(tensors))
+    # what the rows hold, whatever their layout: every element of the tensors put, zeros for the rest
+    put = torch.cat([tensors[i].reshape(-1) for i in (4, 0, 6)])
+    held = torch.cat([r.reshape(-1) for r in rows])
+    padded = sum(-(-t.numel() // world) * world for t in tensors)
+    assert held.numel() == padded and (held != 0).sum() == (put != 0).sum()
+    assert torch.equal(held.abs().sort().values[-put.numel() :], put.abs().sort().values)
+    staged.put(len(tensors), torch.full((world,), 2.0))  # the last tensor is still open
+    parts = staged.issue(op="sum").wait()
+    return parts[-1].item()
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_staged_rows_show_what_will_be_sent_before_the_last_tensor_is_put(dist, world):
+    """``fill_missing(count)`` zeroes the tensors not put; ``staged_rows(count)`` views exactly them."""
+    assert dist.run(world, _staged_rows_are_every_ranks_partitions) == [2.0 * world] * world

@@ -61,6 +61,7 @@ def _train(rank, stage, comm, persistence=0):
             engine.step()
             losses.append(float(loss.detach()))
     ops = {op: ledger.totals(op).wire_bytes for op in ("all_gather", "reduce_scatter", "all_reduce")}
+    ops["reduce_scatter_calls"] = sum(1 for r in ledger.records if r.op == "reduce_scatter")
     engine.close()
     return losses, ops
 
@@ -100,8 +101,14 @@ def test_training_through_half_collectives_stays_near_the_single_process_run(dis
         moved = cast_ops["reduce_scatter"] + cast_ops["all_gather"] - fp32_ops["all_gather"]
         assert 2 * moved == fp32_ops["all_reduce"] - cast_ops["all_reduce"], (cast_ops, fp32_ops)
         return
-    # stage 3 gathers parameters in half; stages 1 and 2 refresh their fp32 masters in fp32
-    assert 2 * cast_ops["reduce_scatter"] == fp32_ops["reduce_scatter"], (cast_ops, fp32_ops)
+    # stage 3 gathers parameters in half; stages 1 and 2 refresh their fp32 masters in fp32.
+    # Their plain fp32 reduce-scatter carries the inf/nan check: one fp32 element per rank (world - 1
+    # on the wire) per call, where the cast path all-reduces a flag instead
+    sideband = 0
+    if stage in (1, 2):
+        sideband = fp32_ops["reduce_scatter_calls"] * (world - 1) * 4
+        assert fp32_ops["all_reduce"] == 0 < cast_ops["all_reduce"], (cast_ops, fp32_ops)
+    assert 2 * cast_ops["reduce_scatter"] + sideband == fp32_ops["reduce_scatter"], (cast_ops, fp32_ops)
     expect = fp32_ops["all_gather"] // 2 if stage == 3 else fp32_ops["all_gather"]
     assert cast_ops["all_gather"] == expect, (cast_ops, fp32_ops)
 
@@ -170,12 +177,16 @@ def _bf16_training(rank, comm):
             engine.step()
             losses.append(float(loss.detach()))
     engine.close()
-    return losses, ledger.totals("reduce_scatter").wire_bytes
+    calls = sum(1 for r in ledger.records if r.op == "reduce_scatter")
+    return losses, ledger.totals("reduce_scatter").wire_bytes, calls
 
 
 def test_bf16_training_may_reduce_its_gradients_in_fp32(dist):
     wide = dist.run(2, _bf16_training, "fp32")
     plain = dist.run(2, _bf16_training, None)
-    assert wide[0][1] == 2 * plain[0][1]  # fp32 on the wire: twice bf16's bytes
+    # fp32 on the wire: twice bf16's bytes; the plain bf16 one also carries the inf/nan check
+    # (one bf16 element per rank and call, world - 1 = 1 of them on the wire)
+    _, plain_bytes, plain_calls = plain[0]
+    assert wide[0][1] == 2 * (plain_bytes - plain_calls * 2)
     for a, b in zip(_mean_losses(wide), _mean_losses(plain)):  # one bf16 rounding less per reduction
         assert abs(a - b) <= 2e-2 * abs(b)

@@ -97,6 +97,27 @@ class StagedReduceScatter:
                 dst[: stop - start].copy_(flat[start:stop])
                 dst[stop - start :].zero_()
 
+    def fill_missing(self, count: int | None = None) -> None:
+        """Zero the staging positions of every tensor (of the first ``count``) not put yet.
+
+        :meth:`issue` does it for all of them.
+        """
+        for i, filled in enumerate(self._filled[:count]):
+            if not filled:
+                self.put(i, None)
+
+    def staged_rows(self, count: int) -> list[torch.Tensor]:
+        """Every rank's staged partitions of tensors ``[0, count)`` (views, this rank's own row included).
+
+        What :meth:`issue` will send and sum for those tensors, e.g. to scan them once for a
+        bound before the last tensor is put.
+        """
+        end = self._offsets[count] if count < len(self._offsets) else sum(self.parts)
+        rows = [self._send[:, :end]]
+        if self._own is not None:
+            rows.append(self._own[:end])
+        return rows
+
     def issue(self, *, op: ReduceOpLike = "avg", async_op: bool = False) -> ReduceScatterHandle:
         """Reduce the staged tensors (those never put: zeros); as :func:`~zero_comm.issue_reduce_scatter`.
 
@@ -105,9 +126,7 @@ class StagedReduceScatter:
         what = "reduce_scatter_coalesced"
         with record_function("zero.reduce_scatter.issue"):
             reduction = Reduction.parse(op, _RS_OPS, what)
-            for i, filled in enumerate(self._filled):
-                if not filled:
-                    self.put(i, None)
+            self.fill_missing()
             record_padded_reduce_scatter(self.group, sum(self.numels), self.parts, self.world, self._send)
             average = reduction is Reduction.AVG
             return issue_staged_rows(

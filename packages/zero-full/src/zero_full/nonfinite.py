@@ -6,7 +6,9 @@ an inf / nan gradient on one rank would otherwise turn every weight on every ran
 
 * with ``gradient_clipping`` the global norm is computed anyway (one all-reduce of the
   squared sums): a non-finite norm means some gradient is non-finite, no extra pass;
-* without clipping, one all-reduce (max) of a local inf/nan flag (``zero_optim.found_overflow``).
+* without clipping, stages 1 and 2 in fp32 / bf16 read the bound their gradient
+  reduce-scatter carried (``zero_optim.GradientBound``: no collective of its own);
+* otherwise one all-reduce (max) of a local inf/nan flag (``zero_optim.found_overflow``).
 
 Only when that global check fired, a cheap local scan finds this rank's first non-finite
 parameter and one more exchange tells every rank which rank holds which, so the message
@@ -25,7 +27,7 @@ from torch.profiler import record_function
 
 from zero_full.agreement import exchange_json
 from zero_full.config_sections import NonFinitePolicy
-from zero_optim import PartitionedOptimizer, found_overflow
+from zero_optim import GradientBound, PartitionedOptimizer, found_overflow
 
 __all__ = ["NonFiniteGradientError", "NonFiniteGuard"]
 
@@ -54,14 +56,28 @@ class NonFiniteGuard:
         self.group = group
         self.skipped_steps = 0
 
-    def flag_without_norm(self, optimizer: PartitionedOptimizer) -> bool:
-        """Whether any rank's gradients are non-finite: one all-reduce of a flag (no clipping)."""
+    def flag_without_norm(self, optimizer: PartitionedOptimizer, bound: GradientBound | None = None) -> bool:
+        """Whether any rank's gradients are non-finite (no clipping).
+
+        From ``bound`` when the gradient reduction carried one (every rank reads the same sum),
+        else one all-reduce of a flag.
+        """
+        if bound is not None:
+            return bound.nonfinite()
         return found_overflow(optimizer.groups, self.group)
 
-    def handle(self, optimizer: PartitionedOptimizer, step: int) -> None:
+    def handle(
+        self, optimizer: PartitionedOptimizer, step: int, *, overflowed: str = "the gradient norm"
+    ) -> None:
         """The global check fired: find and name the culprit, then skip (count, warn) or raise.
 
         Collective: every rank calls it after the same global answer.
+
+        Args:
+            optimizer: The optimizer whose gradient partitions are scanned for the culprit.
+            step: Optimizer steps taken so far.
+            overflowed: What the check summed, named when no element is inf / nan (the sum
+                itself overflowed).
 
         Raises:
             NonFiniteGradientError: the policy is ``raise``.
@@ -75,7 +91,10 @@ class NonFiniteGuard:
             where = ", ".join(f"`{name}` on rank {r}" for r, name in culprits)
             what = f"non-finite gradient (inf/nan) at optimizer step {step + 1}: first in {where}"
         else:
-            what = f"non-finite gradient norm at optimizer step {step + 1} (the sum of squares overflowed)"
+            what = (
+                f"non-finite gradient check at optimizer step {step + 1}: no element is inf/nan, but "
+                f"{overflowed} overflowed"
+            )
         if self.policy is NonFinitePolicy.RAISE:
             raise NonFiniteGradientError(
                 f"{what}. Every rank raised (robustness.nonfinite_gradients = 'raise'); check the data and "

@@ -46,6 +46,7 @@ from zero_full.mics import MicsGroups, build_mics_groups, sync_replicas
 from zero_full.nonfinite import NonFiniteGuard
 from zero_full.zeropp import build_zeropp, feedback_strategies
 from zero_optim import (
+    GradientBound,
     GradientReduction,
     LossScaler,
     LossScalerConfig,
@@ -79,6 +80,8 @@ class StagePieces:
         mics: The MiCS groups (``None`` unless ``mics_shard_size`` is set).
         feedback: The qgZ error-feedback strategies (``zeropp_loco_param``), told about each
             backward and optimizer step.
+        grad_bound: Stages 1 and 2: the inf / nan check the reduce-scatter carries (``None``:
+            the check all-reduces a flag).
     """
 
     optimizer: PartitionedOptimizer
@@ -86,6 +89,7 @@ class StagePieces:
     reduction: GradientReduction | None
     mics: MicsGroups | None = None
     feedback: list[Any] = dataclasses.field(default_factory=list)
+    grad_bound: GradientBound | None = None
 
     def begin_backward(self) -> None:
         """Tell the qgZ error-feedback strategies that a backward starts (their reductions restart)."""
@@ -177,7 +181,9 @@ def build_stage(
         reduce_strategy=comm.reduce_scatter,
         all_reduce_strategy=comm.all_reduce,
     )
-    return StagePieces(opt, None, reduction)
+    part = opt.partitioning
+    bound = part.grad_bound if isinstance(part, zero_optim.ReplicaPartitioning) else None
+    return StagePieces(opt, None, reduction, grad_bound=bound)
 
 
 def _cast_whole(model: nn.Module, dtype: torch.dtype) -> None:
@@ -252,8 +258,9 @@ class StepPipeline:
         if self.pieces.reduction is not None:
             self.pieces.reduction.at_boundary()
         applied = True
+        bound = self.pieces.grad_bound
         if self.scaler is not None:
-            overflow = found_overflow(opt.groups)
+            overflow = bound.nonfinite() if bound is not None else found_overflow(opt.groups)
             scale = self.scaler.scale
             self.scaler.update(overflow)
             if overflow:
@@ -280,11 +287,11 @@ class StepPipeline:
                 if finite:
                     self.last_grad_norm = norm
             elif self.guard is not None:
-                finite = not self.guard.flag_without_norm(opt)
+                finite = not self.guard.flag_without_norm(opt, bound)
             if not finite and self.guard is not None:
                 applied = False
                 try:
-                    self.guard.handle(opt, step)
+                    self.guard.handle(opt, step, overflowed=self._check_sum(bound))
                 finally:
                     opt.zero_grad()
             if applied:
@@ -293,3 +300,11 @@ class StepPipeline:
         for strategy in self.pieces.feedback:
             strategy.step_done()
         return applied
+
+    def _check_sum(self, bound: GradientBound | None) -> str:
+        """What the non-finite check summed: named when it overflowed though no element is inf / nan."""
+        if self._clip > 0:
+            return "the sum of squares of the gradient norm"
+        if bound is not None:
+            return "the sum of every rank's largest |gradient| (the reduce-scatter's inf/nan check)"
+        return "the gradient partitions"

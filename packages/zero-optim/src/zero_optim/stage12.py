@@ -50,6 +50,7 @@ from zero_offload import OptimizerOffloadConfig
 from zero_optim.buckets import BucketedReducer, BucketPlan, ReduceConfig, ReduceHandle
 from zero_optim.core import PartitionedOptimizer
 from zero_optim.flat import FlatGroup
+from zero_optim.grad_bound import BOUNDED_DTYPES, GradientBound
 from zero_optim.grad_regions import InPlaceGrads
 from zero_optim.publish import GatherBucket, PipelinedPublish, gather_buckets
 from zero_optim.reductions import BackwardReduction, BoundaryReduction, GradientReduction, HookedReduction
@@ -81,6 +82,12 @@ class ReplicaPartitioning:
         grads_in_place: Stage 1: keep the whole fp32 gradients in one flat buffer (each
             ``param.grad`` a view of it) whose partition views are the gradient partition,
             reduced in place (see :meth:`grad_views`).
+        bound_grads: Every plain gradient reduce-scatter carries a sideband whose sum tells
+            every rank whether any rank's gradients are non-finite (:attr:`grad_bound`).
+
+    Attributes:
+        grad_bound: The summed sidebands since the gradients were zeroed (``None`` without
+            ``bound_grads``); :meth:`release_grads` restarts it.
 
     Raises:
         ValueError: ``rank`` outside ``[0, world)`` or a bucket size below 1.
@@ -92,6 +99,7 @@ class ReplicaPartitioning:
         "_grads",
         "_regions",
         "allgather_bucket_size",
+        "grad_bound",
         "grads_in_place",
         "group",
         "rank",
@@ -106,6 +114,7 @@ class ReplicaPartitioning:
         *,
         allgather_bucket_size: int = 500_000_000,
         grads_in_place: bool = False,
+        bound_grads: bool = False,
     ) -> None:
         if world < 1 or not 0 <= rank < world:
             raise ValueError(f"ReplicaPartitioning: rank {rank} is not in [0, {world})")
@@ -120,6 +129,7 @@ class ReplicaPartitioning:
         self._gather_plan: tuple[tuple[FlatGroup, ...], tuple[GatherBucket, ...]] | None = None
         self._grads = InPlaceGrads(world, rank)
         self._regions: dict[int, torch.Tensor] = {}
+        self.grad_bound = GradientBound(world) if bound_grads else None
 
     def local_numel(self, param: nn.Parameter) -> int:
         """``ceil(numel / world)``: this rank's partition, padding included."""
@@ -183,10 +193,13 @@ class ReplicaPartitioning:
     def release_grads(self, group: FlatGroup) -> bool:
         """``zero_grad`` of ``group``: release its in-place gradients (nothing is written).
 
-        ``False`` if the group has none (its partition is then zeroed as usual).
+        ``False`` if the group has none (its partition is then zeroed as usual). Either way the
+        :attr:`grad_bound` restarts.
 
         Every parameter of a group is in place or none is (:meth:`grad_views` is per group).
         """
+        if self.grad_bound is not None:
+            self.grad_bound.reset()
         if not group.segments or group.segments[0].param not in self._grads:
             return False
         self._grads.release([seg.param for seg in group.segments])
@@ -300,6 +313,34 @@ def _take_grads(params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
     return grads
 
 
+def _plain_bound(partitioning: ReplicaPartitioning, strategy: object | None) -> GradientBound | None:
+    """The partitioning's bound, which only the plain reduce-scatter may carry.
+
+    Raises:
+        ValueError: a strategy is set too (its reductions would leave the bound incomplete).
+    """
+    bound = partitioning.grad_bound
+    if bound is not None and strategy is not None:
+        raise ValueError(
+            "a partitioning built with bound_grads needs the plain reduce-scatter: a strategy does not "
+            "carry the sideband, so the bound would miss its gradients"
+        )
+    return bound
+
+
+def _with_sideband(grads: list[torch.Tensor], bound: GradientBound | None) -> list[torch.Tensor]:
+    """``grads`` and, with a bound, their sideband last (see :mod:`zero_optim.grad_bound`)."""
+    return grads if bound is None or not grads else [*grads, bound.sideband(grads)]
+
+
+def _without_sideband(reduced: Sequence[torch.Tensor], bound: GradientBound | None) -> Sequence[torch.Tensor]:
+    """The reduced partitions of the gradients; the sideband's element (last) goes to the bound."""
+    if bound is None or not reduced:
+        return reduced
+    bound.received(reduced[-1])
+    return reduced[:-1]
+
+
 @dataclasses.dataclass(frozen=True)
 class ReduceScatterInto:
     """``reduce_fn`` of stages 1 and 2: average full gradients, add this rank's partition (coalesced).
@@ -313,6 +354,9 @@ class ReduceScatterInto:
     partitioning: ReplicaPartitioning
     strategy: zero_comm.ReduceScatterStrategy | None = None
 
+    def __post_init__(self) -> None:
+        _plain_bound(self.partitioning, self.strategy)
+
     def __call__(self, params: Sequence[nn.Parameter], *, async_op: bool = False) -> ReduceHandle:
         """Reduce-scatter the ``.grad`` of ``params`` (``None`` = zeros) and free them.
 
@@ -325,14 +369,17 @@ class ReduceScatterInto:
         with record_function("zero.optim.reduce_scatter_grads"):
             params, targets, runs = _in_fewer_runs(params, self.partitioning)
             grads = _take_grads(params)
+            bound = self.partitioning.grad_bound
             if self.strategy is not None:
                 handle = self.strategy.reduce_scatter_coalesced(grads, op="avg", async_op=True)
             else:
                 handle = zero_comm.reduce_scatter_coalesced_padded(
-                    grads, self.partitioning.group, op="avg", async_op=True
+                    _with_sideband(grads, bound), self.partitioning.group, op="avg", async_op=True
                 )
 
-            out = _AccumulateHandle(lambda: _add_in_runs(targets, handle.wait(), runs))
+            out = _AccumulateHandle(
+                lambda: _add_in_runs(targets, _without_sideband(handle.wait(), bound), runs)
+            )
             if not async_op:
                 out.wait()
             return out
@@ -351,17 +398,20 @@ class ReduceScatterInto:
         if len(params) == 1 and params[0].numel() % self.partitioning.world == 0:
             return None
         params, targets, runs = _in_fewer_runs(params, self.partitioning)
-        first = params[0]
-        staging = zero_comm.StagedReduceScatter(
-            [p.numel() for p in params], self.partitioning.group, first.dtype, first.device
-        )
-        return _StagedBucket(tuple(params), staging, targets, runs)
+        first, bound = params[0], self.partitioning.grad_bound
+        numels = [p.numel() for p in params] + ([bound.world] if bound is not None else [])
+        staging = zero_comm.StagedReduceScatter(numels, self.partitioning.group, first.dtype, first.device)
+        return _StagedBucket(tuple(params), staging, targets, runs, bound)
 
 
 class _StagedBucket:
-    """One bucket of :meth:`ReduceScatterInto.open_bucket`: gradients staged on arrival, then reduced."""
+    """One bucket of :meth:`ReduceScatterInto.open_bucket`: gradients staged on arrival, then reduced.
 
-    __slots__ = ("_index", "_params", "_runs", "_staging", "_targets")
+    With a bound, the staging holds one more tensor after the gradients: their sideband,
+    computed from the staged rows at :meth:`issue`.
+    """
+
+    __slots__ = ("_bound", "_index", "_params", "_runs", "_staging", "_targets")
 
     def __init__(
         self,
@@ -369,7 +419,9 @@ class _StagedBucket:
         staging: zero_comm.StagedReduceScatter,
         targets: list[torch.Tensor],
         runs: list[tuple[int, int]],
+        bound: GradientBound | None = None,
     ) -> None:
+        self._bound = bound
         self._params = params
         self._index = {id(p): i for i, p in enumerate(params)}
         self._staging = staging
@@ -388,9 +440,15 @@ class _StagedBucket:
             for p in self._params:  # a gradient that arrived without its hook (none normally)
                 if p.grad is not None:
                     self.put(p)
-            handle = self._staging.issue(op="avg", async_op=True)
+            bound, staging, count = self._bound, self._staging, len(self._params)
+            if bound is not None:
+                staging.fill_missing(count)  # zeros where no gradient came: scanned below
+                staging.put(count, bound.sideband(staging.staged_rows(count)))
+            handle = staging.issue(op="avg", async_op=True)
             targets, runs = self._targets, self._runs
-            out = _AccumulateHandle(lambda: _add_in_runs(targets, handle.wait(), runs))
+            out = _AccumulateHandle(
+                lambda: _add_in_runs(targets, _without_sideband(handle.wait(), bound), runs)
+            )
             if not async_op:
                 out.wait()
             return out
@@ -415,6 +473,9 @@ class ReduceScatterInPlace:
     partitioning: ReplicaPartitioning
     strategy: zero_comm.ReduceScatterStrategy | None = None
 
+    def __post_init__(self) -> None:
+        _plain_bound(self.partitioning, self.strategy)
+
     def __call__(self, params: Sequence[nn.Parameter], *, async_op: bool = False) -> ReduceHandle:
         """Reduce-scatter the whole gradients of ``params`` into their own partitions."""
         with record_function("zero.optim.reduce_scatter_grads"):
@@ -424,10 +485,12 @@ class ReduceScatterInPlace:
                 grads.reduced(params)
                 return _AccumulateHandle(lambda: None)
             if self.strategy is None:  # the reduced rows land in the regions themselves
-                in_place = zero_comm.reduce_scatter_in_place(live, part.group, op="avg", async_op=True)
+                bound = part.grad_bound
+                sent = _with_sideband(live, bound)
+                in_place = zero_comm.reduce_scatter_in_place(sent, part.group, op="avg", async_op=True)
 
                 def finish() -> None:
-                    in_place.wait()
+                    _without_sideband(in_place.wait(), bound)
                     grads.reduced(params)
 
             else:
@@ -556,6 +619,10 @@ def replicated_optimizer(
         all_reduce_strategy: Stage 0: the gradient all-reduce over ``group`` (``None``:
             ``zero_comm.all_reduce``; ``zero_comm.CastAllReduce`` for ``communication_data_type``).
 
+    Stages 1 and 2 with the plain reduce-scatter in fp32 or bf16 carry the inf / nan check in
+    it (:attr:`ReplicaPartitioning.grad_bound`, :mod:`zero_optim.grad_bound`): the engine reads
+    it instead of all-reducing a flag.
+
     Stages 1 and 2 (without offload) move the whole parameters into one flat buffer per
     parameter group (``param.data`` becomes a view of it; see
     :meth:`ReplicaPartitioning.working_views`): in fp32 the parameters are the master copy.
@@ -586,6 +653,7 @@ def replicated_optimizer(
             group,
             allgather_bucket_size=allgather_bucket_size,
             grads_in_place=stage == 1 and offload is None,
+            bound_grads=reduce_strategy is None and working_dtype in BOUNDED_DTYPES,
         )
     )
     devices = {p.device for p in model.parameters()}

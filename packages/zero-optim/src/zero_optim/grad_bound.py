@@ -1,0 +1,94 @@
+"""The inf / nan check that rides on the gradient reduce-scatter: no collective of its own.
+
+Without this, stages 1 and 2 learn whether any rank's gradients are non-finite from one
+all-reduce of a flag after the reduction (:func:`zero_optim.found_overflow`): on a small
+model one synchronisation point in seven. Instead, each bucket's reduce-scatter carries one
+more tensor of ``world`` elements, the *sideband*: every element holds this rank's
+``max |g|`` over the bucket's local gradients (``aminmax``: nan if any element is nan, inf
+if any is inf). The reduction sums it exactly like the gradients, so every rank receives
+the same ``sum_r max|g_r|`` (over the group size, for an average), and
+
+* it is non-finite if any rank sent an inf or nan;
+* it bounds every reduced element of the bucket: rounding is monotone, so
+  ``|fl(a + b)| <= fl(A + B)`` whenever ``|a| <= A`` and ``|b| <= B``, and the sideband is
+  summed in the same rank order as the gradients. A finite bound means every reduced
+  element is finite, and so is the partition they are added into (the bounds of every
+  reduction since the gradients were zeroed are summed in fp32, micro-steps included).
+
+So a finite sum is "no rank overflowed", with the same answer on every rank and no extra
+collective. The one difference from the flag: a sum of maxima that overflows although no
+element does (``sum_r max|g_r| > 3.4e38`` in fp32 or bf16) counts as an overflow. fp16
+gradients (whose range is 65504) keep the flag, as do the cast and quantized strategies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.profiler import record_function
+
+from zero_comm.coalesced import adjacent_flat_view
+
+__all__ = ["GradientBound"]
+
+BOUNDED_DTYPES = (torch.float32, torch.bfloat16)
+"""Gradient dtypes whose range makes a false overflow of the summed maxima implausible."""
+
+
+class GradientBound:
+    """The summed sidebands of every reduction since the gradients were last zeroed (one per optimizer).
+
+    Args:
+        world: Ranks the reduce-scatter runs over (the sideband has one element each).
+    """
+
+    __slots__ = ("_sum", "world")
+
+    def __init__(self, world: int) -> None:
+        if world < 1:
+            raise ValueError(f"GradientBound: world must be >= 1, got {world}")
+        self.world = world
+        self._sum: torch.Tensor | None = None
+
+    def sideband(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
+        """``world`` copies of ``max |g|`` over ``grads`` (their dtype), to reduce right beside them.
+
+        Raises:
+            ValueError: ``grads`` is empty.
+        """
+        if not grads:
+            raise ValueError("GradientBound.sideband needs the bucket's gradients, got none")
+        with record_function("zero.optim.grad_bound"), torch.no_grad():
+            # regions of one flat buffer, in either order, are scanned as one tensor
+            flat = adjacent_flat_view(grads)
+            flat = flat if flat is not None else adjacent_flat_view(grads[::-1])
+            scanned = grads if flat is None else [flat]
+            extremes = [e for g in scanned if g.numel() for e in torch.aminmax(g)]
+            first = grads[0]
+            if not extremes:
+                return torch.zeros(self.world, dtype=first.dtype, device=first.device)
+            peak = torch.stack(extremes).abs().amax()
+            return peak.reshape(1).expand(self.world).contiguous()
+
+    def received(self, reduced: torch.Tensor) -> None:
+        """Add this rank's reduced sideband element (a 1-element tensor) to the running sum."""
+        with record_function("zero.optim.grad_bound"), torch.no_grad():
+            if self._sum is None:  # a copy: the reduced element lies in the collective's buffer
+                self._sum = reduced.reshape(()).to(torch.float32, copy=True)
+            else:
+                self._sum.add_(reduced.reshape(()))
+
+    def nonfinite(self) -> bool:
+        """Whether any rank's gradients reduced since :meth:`reset` may hold an inf or nan (all ranks agree).
+
+        One read of a scalar (a device sync), no collective. ``False`` when nothing was reduced.
+        """
+        if self._sum is None:
+            return False
+        with record_function("zero.optim.overflow_check"):
+            return not bool(torch.isfinite(self._sum))
+
+    def reset(self) -> None:
+        """The gradients were zeroed: the next reductions start a new sum (no kernel runs)."""
+        self._sum = None
