@@ -21,10 +21,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
-from torch.profiler import record_function
 
 from zero_comm.handles import ReduceScatterHandle
 from zero_comm.ledger import record, ring_wire_bytes
+from zero_comm.profiling import profile_range
 from zero_comm.watchdog import watched_call
 
 __all__ = [
@@ -87,7 +87,7 @@ class RowExchange:
         rows = [self.own if r == self.rank and self.own is not None else next(received) for r in range(world)]
         # a buffer of ours to sum into: x + y == y + x exactly, so either of the first two rows
         dst = rows[0] if self.rank != 0 or self.own_writable else rows[1]
-        with record_function("zero.reduce_scatter.local_sum"):
+        with profile_range("zero.reduce_scatter.local_sum"):
             if dst.dtype in (torch.float16, torch.bfloat16):
                 return dst.copy_(_fp32_sum(rows, average))
             torch.add(rows[0], rows[1], out=dst)
@@ -237,7 +237,7 @@ def sum_rows(recv: torch.Tensor, out: torch.Tensor, average: bool) -> None:
     the outer dimension for few rows; many fp32 rows use ``torch.sum``.
     """
     rows = recv.shape[0]
-    with record_function("zero.reduce_scatter.local_sum"):
+    with profile_range("zero.reduce_scatter.local_sum"):
         if recv.dtype in (torch.float16, torch.bfloat16):
             out.copy_(_fp32_sum(recv, average))
             return

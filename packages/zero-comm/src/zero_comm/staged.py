@@ -6,10 +6,10 @@ from collections.abc import Sequence
 
 import torch
 from torch.distributed import ProcessGroup
-from torch.profiler import record_function
 
 from zero_comm.handles import ReduceScatterHandle
 from zero_comm.partition import partition_numel
+from zero_comm.profiling import profile_range
 from zero_comm.reduction import ReduceOpLike, Reduction
 from zero_comm.row_exchange import ADD_CHAIN_MAX_ROWS, issue_staged_rows, record_padded_reduce_scatter
 from zero_comm.topology import group_size_and_rank
@@ -124,7 +124,7 @@ class StagedReduceScatter:
         ``wait()`` returns, per tensor, this rank's padded partition (views into one buffer).
         """
         what = "reduce_scatter_coalesced"
-        with record_function("zero.reduce_scatter.issue"):
+        with profile_range("zero.reduce_scatter.issue"):
             reduction = Reduction.parse(op, _RS_OPS, what)
             self.fill_missing()
             record_padded_reduce_scatter(self.group, sum(self.numels), self.parts, self.world, self._send)

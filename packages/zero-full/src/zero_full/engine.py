@@ -38,6 +38,7 @@ from torch.profiler import record_function
 import zero_optim
 import zero_params
 from zero_comm import CommLedger, CommTotals, CommWatchdog, Topology, broadcast
+from zero_comm.profiling import profile_range
 from zero_coord import Coordinator, StepStats
 from zero_full import checkpoint as _checkpoint
 from zero_full.agreement import check_agreement
@@ -231,7 +232,7 @@ class Engine:
                 ``register_external_parameter``); the message names the parameter, the module
                 and the fix.
         """
-        with self._ledger, record_function("zero.engine.forward"):
+        with self._ledger, profile_range("zero.engine.forward"):
             try:
                 return self.module(*args, **kwargs)
             except Exception as exc:
@@ -273,7 +274,7 @@ class Engine:
                 f"engine.backward(loss) needs a scalar loss that requires grad, got {what}; "
                 "pass the loss computed by engine(...) with grad enabled"
             )
-        with self._ledger, record_function("zero.engine.backward"):
+        with self._ledger, profile_range("zero.engine.backward"):
             if self._pipeline.pieces.reduction is not None:
                 self._pipeline.pieces.reduction.begin_micro_step(self.is_gradient_accumulation_boundary())
             self._pipeline.pieces.begin_backward()
@@ -312,7 +313,7 @@ class Engine:
         self.micro_steps += 1
         if not boundary:
             return
-        with self._ledger, record_function("zero.engine.step"):
+        with self._ledger, profile_range("zero.engine.step"):
             self._pipeline.run(self.global_steps)
         self.global_steps += 1
         self._comm = self._ledger.totals()

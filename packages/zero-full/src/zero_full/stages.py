@@ -34,11 +34,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
-from torch.profiler import record_function
 
 import zero_optim
 import zero_params
 from zero_comm import Topology
+from zero_comm.profiling import profile_range
 from zero_coord import Coordinator
 from zero_full.comm_dtype import comm_strategies
 from zero_full.config import Precision, ZeroConfig
@@ -273,7 +273,7 @@ class StepPipeline:
                         self.scaler.scale,
                     )
             else:
-                with record_function("zero.optim.unscale"), torch.no_grad():
+                with profile_range("zero.optim.unscale"), torch.no_grad():
                     for g in opt.groups:
                         for grad in g.grads():
                             grad.mul_(1.0 / scale)

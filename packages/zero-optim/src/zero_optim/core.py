@@ -32,8 +32,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.profiler import record_function
 
+from zero_comm.profiling import profile_range
 from zero_offload import HostOptimizer, OffloadedOptimizer, OptimizerOffloadConfig, offload_optimizer_for
 from zero_optim.flat import FlatGroup, Segment
 from zero_optim.publish import PipelinedPublish
@@ -215,7 +215,7 @@ class PartitionedOptimizer:
         (:class:`zero_optim.publish.PipelinedPublish`); the results are those of
         :meth:`publish_updated_shards` after the step.
         """
-        with record_function("zero.optim.step"), torch.no_grad():
+        with profile_range("zero.optim.step"), torch.no_grad():
             before = getattr(self.partitioning, "before_step", None)
             if before is not None:
                 before()
@@ -245,7 +245,7 @@ class PartitionedOptimizer:
         :meth:`Partitioning.after_step` (stage 3 commits the shards, stages 1 / 2 gather the
         whole parameters). Collective under stages 1 / 2: call it on every rank.
         """
-        with record_function("zero.optim.publish"), torch.no_grad():
+        with profile_range("zero.optim.publish"), torch.no_grad():
             for group in self.groups:
                 group.publish()
             self.partitioning.after_step(self.groups)
@@ -258,7 +258,7 @@ class PartitionedOptimizer:
         reduction overwrites them, and :meth:`step` zeroes any it did not (``before_step``).
         """
         release = getattr(self.partitioning, "release_grads", None)
-        with record_function("zero.optim.zero_grad"):
+        with profile_range("zero.optim.zero_grad"):
             for group in self.groups:
                 if release is None or not release(group):
                     group.zero_grad()

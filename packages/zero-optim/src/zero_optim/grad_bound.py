@@ -26,9 +26,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch.profiler import record_function
 
 from zero_comm.coalesced import adjacent_flat_view
+from zero_comm.profiling import profile_range
 
 __all__ = ["GradientBound"]
 
@@ -59,7 +59,7 @@ class GradientBound:
         """
         if not grads:
             raise ValueError("GradientBound.sideband needs the bucket's gradients, got none")
-        with record_function("zero.optim.grad_bound"), torch.no_grad():
+        with profile_range("zero.optim.grad_bound"), torch.no_grad():
             # regions of one flat buffer, in either order, are scanned as one tensor
             flat = adjacent_flat_view(grads)
             flat = flat if flat is not None else adjacent_flat_view(grads[::-1])
@@ -73,7 +73,7 @@ class GradientBound:
 
     def received(self, reduced: torch.Tensor) -> None:
         """Add this rank's reduced sideband element (a 1-element tensor) to the running sum."""
-        with record_function("zero.optim.grad_bound"), torch.no_grad():
+        with profile_range("zero.optim.grad_bound"), torch.no_grad():
             if self._sum is None:  # a copy: the reduced element lies in the collective's buffer
                 self._sum = reduced.reshape(()).to(torch.float32, copy=True)
             else:
@@ -86,7 +86,7 @@ class GradientBound:
         """
         if self._sum is None:
             return False
-        with record_function("zero.optim.overflow_check"):
+        with profile_range("zero.optim.overflow_check"):
             return not bool(torch.isfinite(self._sum))
 
     def reset(self) -> None:

@@ -40,13 +40,18 @@ class RegionState(enum.Enum):
 
 
 class _Region:
-    """One parameter's padded gradient region and its state."""
+    """One parameter's padded gradient region, its state and the views ``param.grad`` is bound to.
 
-    __slots__ = ("param", "region", "state")
+    The views are made once: binding a gradient every step then runs no view operator.
+    """
+
+    __slots__ = ("flat", "param", "region", "shaped", "state")
 
     def __init__(self, param: nn.Parameter, region: torch.Tensor) -> None:
         self.param = param
         self.region = region
+        self.flat = region[: param.numel()]
+        self.shaped = self.flat.view(param.shape)
         self.state = RegionState.ACCUMULATING
 
 
@@ -76,8 +81,8 @@ class InPlaceGrads:
         offset = 0
         for p, size in zip(params, sizes, strict=True):
             region = full.narrow(0, offset, size * self.world)
-            self._regions[id(p)] = _Region(p, region)
-            p.grad = region[: p.numel()].view(p.shape)
+            entry = self._regions[id(p)] = _Region(p, region)
+            p.grad = entry.shaped
             offset += size * self.world
         return [self.partition(p) for p in params]
 
@@ -105,19 +110,19 @@ class InPlaceGrads:
             KeyError: ``param`` has no region.
         """
         entry = self._regions[id(param)]
-        region = entry.region
-        bound = region[: param.numel()]
-        grad = param.grad
-        if (
+        region, bound, grad = entry.region, entry.flat, param.grad
+        if grad is not entry.shaped and (
             grad is None
             or grad.numel() != bound.numel()
             or (bound.numel() and grad.data_ptr() != bound.data_ptr())
         ):
             if grad is None:
                 bound.zero_()
+            elif grad.shape == entry.shaped.shape:
+                entry.shaped.copy_(grad)
             else:
                 bound.copy_(grad.reshape(-1))
-            param.grad = bound.view(param.shape)
+            param.grad = entry.shaped
             entry.state = RegionState.ACCUMULATING
         elif entry.state is RegionState.RELEASED:  # a view assigned back, no gradient since: stale
             if bound.numel():

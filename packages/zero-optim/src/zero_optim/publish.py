@@ -19,8 +19,8 @@ from typing import Protocol
 
 import torch
 from torch import nn
-from torch.profiler import record_function
 
+from zero_comm.profiling import profile_range
 from zero_optim.flat import FlatGroup
 
 __all__ = ["GatherBucket", "PipelinedPublish", "gather_buckets"]
@@ -107,7 +107,7 @@ class PipelinedPublish:
 
     def stepped(self, group: int, stop: int) -> None:
         """Flat elements ``[0, stop)`` of ``group`` (and every earlier group) are stepped."""
-        with record_function("zero.optim.publish"):
+        with profile_range("zero.optim.publish"):
             self._groups[group].publish_range(self._published[group], stop)
         self._published[group] = stop
         self._issue_ready((group, stop))
@@ -115,7 +115,7 @@ class PipelinedPublish:
     def _issue_ready(self, done: tuple[int, int]) -> None:
         """Issue, in order, every bucket whose last segment ends at or before ``done``."""
         buckets = self.buckets
-        with record_function("zero.optim.allgather_params"):
+        with profile_range("zero.optim.allgather_params"):
             while self._next < len(buckets) and (buckets[self._next].group, buckets[self._next].end) <= done:
                 self._wait()
                 self._inflight = self._issue(buckets[self._next])
@@ -123,12 +123,12 @@ class PipelinedPublish:
 
     def finish(self) -> None:
         """Issue the buckets left (none after a full step) and wait for every gather."""
-        with record_function("zero.optim.publish"):
+        with profile_range("zero.optim.publish"):
             for gi, group in enumerate(self._groups):
                 group.publish_range(self._published[gi], group.numel)
                 self._published[gi] = group.numel
         self._issue_ready((len(self._groups), 0))
-        with record_function("zero.optim.allgather_params"):
+        with profile_range("zero.optim.allgather_params"):
             self._wait()
 
     def _wait(self) -> None:

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
-from torch.profiler import record_function
 
 import zero_comm
+from zero_comm.profiling import profile_range
 from zero_optim.flat import FlatGroup
 
 __all__ = ["LossScaler", "LossScalerConfig", "found_overflow"]
@@ -139,7 +139,7 @@ def found_overflow(groups: Sequence[FlatGroup], group: ProcessGroup | None = Non
     extremes and one read of the flag, after the all-reduce. Every rank of ``group`` must call
     it; all of them get the same answer.
     """
-    with record_function("zero.optim.overflow_check"):
+    with profile_range("zero.optim.overflow_check"):
         extremes = [e for g in groups for grad in g.grads() for e in torch.aminmax(grad)]
         device = groups[0].grad.device if groups else torch.device("cpu")
         if extremes:  # aminmax propagates nan, and an inf is the minimum or the maximum

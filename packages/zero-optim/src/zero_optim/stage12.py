@@ -40,10 +40,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
-from torch.profiler import record_function
 
 import zero_comm
 from zero_comm.coalesced import adjacent_flat_view, issue_all_gather_into
+from zero_comm.profiling import profile_range
 from zero_comm.runs import add_in_runs as _add_in_runs
 from zero_comm.runs import in_fewer_runs as _in_fewer_runs
 from zero_offload import OptimizerOffloadConfig
@@ -244,7 +244,7 @@ class ReplicaPartitioning:
         region (padding included), so each bucket's gathered rows reach the parameters with one
         fused copy instead of one strided copy per parameter.
         """
-        with record_function("zero.optim.allgather_params"), torch.no_grad():
+        with profile_range("zero.optim.allgather_params"), torch.no_grad():
             for bucket in self._buckets(groups):
                 self._gather(bucket)
 
@@ -366,7 +366,7 @@ class ReduceScatterInto:
         collective is issued in the order (given or reversed) with fewer runs — the same on
         every rank, since adjacency is judged within one storage, whose layout all ranks share.
         """
-        with record_function("zero.optim.reduce_scatter_grads"):
+        with profile_range("zero.optim.reduce_scatter_grads"):
             params, targets, runs = _in_fewer_runs(params, self.partitioning)
             grads = _take_grads(params)
             bound = self.partitioning.grad_bound
@@ -430,13 +430,13 @@ class _StagedBucket:
 
     def put(self, param: nn.Parameter) -> None:
         """Copy ``param.grad`` into the staging buffer and free it."""
-        with record_function("zero.optim.stage_grad"):
+        with profile_range("zero.optim.stage_grad"):
             self._staging.put(self._index[id(param)], param.grad)
             param.grad = None
 
     def issue(self, *, async_op: bool = False) -> ReduceHandle:
         """Reduce-scatter the bucket (gradients never put count as zeros) into the gradient partitions."""
-        with record_function("zero.optim.reduce_scatter_grads"):
+        with profile_range("zero.optim.reduce_scatter_grads"):
             for p in self._params:  # a gradient that arrived without its hook (none normally)
                 if p.grad is not None:
                     self.put(p)
@@ -478,7 +478,7 @@ class ReduceScatterInPlace:
 
     def __call__(self, params: Sequence[nn.Parameter], *, async_op: bool = False) -> ReduceHandle:
         """Reduce-scatter the whole gradients of ``params`` into their own partitions."""
-        with record_function("zero.optim.reduce_scatter_grads"):
+        with profile_range("zero.optim.reduce_scatter_grads"):
             part, grads = self.partitioning, self.partitioning.grads
             live = [r for r in (grads.region(p) for p in params) if r.numel()]
             if not live:
@@ -563,7 +563,7 @@ class AllReduceInto:
 
     def __call__(self, params: Sequence[nn.Parameter], *, async_op: bool = False) -> ReduceHandle:
         """All-reduce (average) the ``.grad`` of ``params`` (``None`` = zeros) and free them."""
-        with record_function("zero.optim.all_reduce_grads"):
+        with profile_range("zero.optim.all_reduce_grads"):
             grads = _take_grads(params)
             flat = torch.cat([g.reshape(-1) for g in grads]) if grads else torch.zeros(0)
             if self.strategy is not None:

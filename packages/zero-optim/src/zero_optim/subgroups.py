@@ -23,8 +23,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch.profiler import record_function
 
+from zero_comm.profiling import profile_range
 from zero_optim.flat import FlatGroup
 
 __all__ = ["SubGroupStepper"]
@@ -111,7 +111,7 @@ class SubGroupStepper:
         last: dict[str, Any] | None = None
         start = 0
         for stop in self._bounds(group.numel, cuts):
-            with record_function("zero.optim.sub_group_step"):
+            with profile_range("zero.optim.sub_group_step"):
                 last = self._step_range(group, pg, flat_state, scalars, elementwise, start, stop)
             if after is not None:
                 after(gi, stop)
