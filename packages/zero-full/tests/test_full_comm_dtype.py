@@ -102,12 +102,10 @@ def test_training_through_half_collectives_stays_near_the_single_process_run(dis
         assert 2 * moved == fp32_ops["all_reduce"] - cast_ops["all_reduce"], (cast_ops, fp32_ops)
         return
     # stage 3 gathers parameters in half; stages 1 and 2 refresh their fp32 masters in fp32.
-    # Their plain fp32 reduce-scatter carries the inf/nan check: one fp32 element per rank (world - 1
+    # The plain fp32 reduce-scatter carries the inf/nan check: one fp32 element per rank (world - 1
     # on the wire) per call, where the cast path all-reduces a flag instead
-    sideband = 0
-    if stage in (1, 2):
-        sideband = fp32_ops["reduce_scatter_calls"] * (world - 1) * 4
-        assert fp32_ops["all_reduce"] == 0 < cast_ops["all_reduce"], (cast_ops, fp32_ops)
+    sideband = fp32_ops["reduce_scatter_calls"] * (world - 1) * 4
+    assert fp32_ops["all_reduce"] == 0 < cast_ops["all_reduce"], (cast_ops, fp32_ops)
     assert 2 * cast_ops["reduce_scatter"] + sideband == fp32_ops["reduce_scatter"], (cast_ops, fp32_ops)
     expect = fp32_ops["all_gather"] // 2 if stage == 3 else fp32_ops["all_gather"]
     assert cast_ops["all_gather"] == expect, (cast_ops, fp32_ops)

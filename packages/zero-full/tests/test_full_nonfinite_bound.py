@@ -1,8 +1,8 @@
-"""Stages 1 and 2 in fp32 / bf16 check inf / nan with the bound their reduce-scatter carries.
+"""Stages 1, 2 and 3 in fp32 / bf16 check inf / nan with the bound their reduce-scatter carries.
 
 The step then issues no collective of its own for the check (counted by ``zero_comm.CommLedger``),
-fp16 keeps the all-reduced flag, and a bound that overflows although no element is inf / nan is
-named as such when the step is skipped.
+fp16 and MiCS keep the all-reduced flag, and a bound that overflows although no element is
+inf / nan is named as such when the step is skipped.
 """
 
 from __future__ import annotations
@@ -27,8 +27,9 @@ class Net(nn.Module):
         return self.b(torch.tanh(self.a(x))).square().mean()
 
 
-def _all_reduces_per_step(rank, stage, precision):
-    config = {"zero_optimization": {"stage": stage}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+def _all_reduces_per_step(rank, stage, precision, mics=False):
+    zero = {"stage": stage, **({"mics_shard_size": 2} if mics else {})}
+    config = {"zero_optimization": zero, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
     if precision != "fp32":
         config[precision] = {"enabled": True}
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
@@ -43,10 +44,15 @@ def _all_reduces_per_step(rank, stage, precision):
     return sum(1 for r in ledger.records if r.op == "all_reduce"), engine.global_steps
 
 
-@pytest.mark.parametrize("stage", [1, 2])
-def test_a_step_of_stages_1_and_2_issues_no_all_reduce_unless_fp16(dist, stage):
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_step_issues_no_all_reduce_unless_fp16(dist, stage):
     for precision, expected in (("fp32", 0), ("bf16", 0), ("fp16", 1)):
         assert dist.run(2, _all_reduces_per_step, stage, precision) == [(expected, 2)] * 2, precision
+
+
+def test_mics_keeps_the_flag(dist):
+    # shards of 2 at world 4: the replicas' all-reduce, then the flag over the shard group
+    assert dist.run(4, _all_reduces_per_step, 3, "fp32", True) == [(2, 2)] * 4
 
 
 class Scale(nn.Module):
@@ -58,23 +64,25 @@ class Scale(nn.Module):
         return (self.w * x).sum()  # the gradient of w is x
 
 
-def _maxima_overflow(rank):
-    config = {"zero_optimization": {"stage": 1}, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
+def _maxima_overflow(rank, stage):
+    zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
+    config = {"zero_optimization": zero, "optimizer": {"type": "SGD", "params": {"lr": 0.1}}}
     engine = zero_full.initialize(Scale(), config)
     x = torch.zeros(4)
     x[rank.rank] = 3.0e38  # each rank's largest gradient at another element: no reduced element overflows
     with captured_logs("zero.engine") as records:
         engine.backward(engine(x))
         engine.step()
-    weights = engine.module.w.detach().clone()
+    weights = engine.consolidated_state_dict().get("w")  # rank 0 only
     engine.close()
-    return engine.stats.skipped_steps, [m for m in records if "non-finite" in m], weights.tolist()
+    return engine.stats.skipped_steps, [m for m in records if "non-finite" in m], weights
 
 
-def test_a_bound_overflowing_without_an_inf_element_skips_saying_so(dist):
-    results = dist.run(2, _maxima_overflow)
-    for r, (skipped, warnings, weights) in enumerate(results):
-        assert skipped == 1 and weights == [1.0] * 4
-        assert len(warnings) == (1 if r == 0 else 0)
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_bound_overflowing_without_an_inf_element_skips_saying_so(dist, stage):
+    results = dist.run(2, _maxima_overflow, stage)
+    for r, (skipped, warnings, _) in enumerate(results):
+        assert skipped == 1 and len(warnings) == (1 if r == 0 else 0)
+    assert torch.equal(results[0][2], torch.ones(4))  # the step was not applied
     message = results[0][1][0]
     assert "no element is inf/nan" in message and "largest |gradient|" in message, message

@@ -17,6 +17,8 @@ Topology, process groups and byte accounting for the zero stack:
   ``group_rank``).
 * Casting strategies (:class:`CastAllGather`, :class:`CastReduceScatter`,
   :class:`CastAllReduce`): fp32 tensors communicated as bf16 / fp16 (``communication_data_type``).
+* :class:`GradientBound`: an inf / nan check carried by a gradient reduce-scatter (a sideband
+  of one element per rank), so the ranks agree without a collective of its own.
 * :class:`CommLedger`: per-step record of every collective's payload and ring-ideal
   wire bytes, by link kind.
 * :class:`CommWatchdog`: records what each rank is doing, heartbeats it to the process
@@ -43,6 +45,7 @@ from zero_comm.coalesced import (
     reduce_scatter_coalesced,
     reduce_scatter_coalesced_padded,
 )
+from zero_comm.grad_bound import BOUNDED_DTYPES, GradientBound
 from zero_comm.handles import AllGatherHandle, CollectiveHandle, ReduceScatterHandle, TensorHandle
 from zero_comm.hierarchical import hierarchical_all_gather_coalesced
 from zero_comm.in_place import reduce_scatter_in_place
@@ -122,6 +125,8 @@ __all__ = [
     "reset_process_peak",
     "ring_wire_bytes",
     "shard_range",
+    "BOUNDED_DTYPES",
+    "GradientBound",
 ]
 
 _QUANTIZED = frozenset(

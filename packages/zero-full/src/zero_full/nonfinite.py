@@ -7,7 +7,7 @@ an inf / nan gradient on one rank would otherwise turn every weight on every ran
 * with ``gradient_clipping`` the global norm is computed anyway (one all-reduce of the
   squared sums): a non-finite norm means some gradient is non-finite, no extra pass;
 * without clipping, stages 1 and 2 in fp32 / bf16 read the bound their gradient
-  reduce-scatter carried (``zero_optim.GradientBound``: no collective of its own);
+  reduce-scatter carried (``zero_comm.GradientBound``: no collective of its own);
 * otherwise one all-reduce (max) of a local inf/nan flag (``zero_optim.found_overflow``).
 
 Only when that global check fired, a cheap local scan finds this rank's first non-finite
@@ -25,9 +25,10 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.profiler import record_function
 
+from zero_comm import GradientBound
 from zero_full.agreement import exchange_json
 from zero_full.config_sections import NonFinitePolicy
-from zero_optim import GradientBound, PartitionedOptimizer, found_overflow
+from zero_optim import PartitionedOptimizer, found_overflow
 
 __all__ = ["NonFiniteGradientError", "NonFiniteGuard"]
 

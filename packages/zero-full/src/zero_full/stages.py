@@ -37,7 +37,7 @@ from torch.distributed import ProcessGroup
 
 import zero_optim
 import zero_params
-from zero_comm import Topology
+from zero_comm import BOUNDED_DTYPES, GradientBound, Topology
 from zero_comm.profiling import profile_range
 from zero_coord import Coordinator
 from zero_full.comm_dtype import comm_strategies
@@ -46,7 +46,6 @@ from zero_full.mics import MicsGroups, build_mics_groups, sync_replicas
 from zero_full.nonfinite import NonFiniteGuard
 from zero_full.zeropp import build_zeropp, feedback_strategies
 from zero_optim import (
-    GradientBound,
     GradientReduction,
     LossScaler,
     LossScalerConfig,
@@ -80,8 +79,9 @@ class StagePieces:
         mics: The MiCS groups (``None`` unless ``mics_shard_size`` is set).
         feedback: The qgZ error-feedback strategies (``zeropp_loco_param``), told about each
             backward and optimizer step.
-        grad_bound: Stages 1 and 2: the inf / nan check the reduce-scatter carries (``None``:
-            the check all-reduces a flag).
+        grad_bound: The inf / nan check the gradient reduce-scatter carries (stages 1 and 2,
+            and 3 without MiCS, in fp32 / bf16 with the plain reduce-scatter; ``None``: the
+            check all-reduces a flag).
     """
 
     optimizer: PartitionedOptimizer
@@ -161,6 +161,8 @@ def build_stage(
             offload=offload,
             param_offload=z.offload_param.to_param_offload_config(),
             sub_group_size=z.sub_group_size,
+            # the inf / nan check rides on the plain reduce-scatter over every rank
+            bound_grads=mics is None and reduce is None and dtype in BOUNDED_DTYPES,
         )
         coordinator = Coordinator(
             model, z.to_coordinator_config(), sink, shard_prefetch=zero_optim.offloaded_shards(opt)
@@ -168,7 +170,12 @@ def build_stage(
         coordinator.install()
         sync = ReplicaGradientSync(opt.groups, mics.replicate) if mics is not None else None
         feedback = feedback_strategies(model) if z.loco_enabled else []
-        return StagePieces(opt, coordinator, sync, mics, feedback)
+        bound = (
+            opt.partitioning.grad_bound
+            if isinstance(opt.partitioning, zero_optim.Stage3Partitioning)
+            else None
+        )
+        return StagePieces(opt, coordinator, sync, mics, feedback, grad_bound=bound)
     opt, reduction = zero_optim.replicated_optimizer(
         model,
         optimizer,

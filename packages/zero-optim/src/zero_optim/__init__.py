@@ -17,8 +17,8 @@
 * :func:`replicated_optimizer`: stages 0, 1 and 2 on the same core (whole parameters,
   :class:`ReplicaPartitioning`, a :class:`GradientReduction`).
 * :class:`LossScaler` / :func:`found_overflow`: fp16 loss scaling and the cross-rank
-  overflow check; :class:`GradientBound`: the same check carried by the reduce-scatter of
-  stages 1 and 2 (no collective of its own); :func:`clip_grad_norm_`: global-norm clipping
+  overflow check (stages 1, 2 and 3 without MiCS carry it in their reduce-scatter instead:
+  ``zero_comm.GradientBound``); :func:`clip_grad_norm_`: global-norm clipping
   over partitions.
 """
 
@@ -26,7 +26,6 @@ from zero_optim.buckets import BucketedReducer, BucketPlan, ReduceConfig
 from zero_optim.clip import clip_grad_norm_, global_grad_norm
 from zero_optim.core import PartitionedOptimizer, Partitioning
 from zero_optim.flat import FlatGroup, Segment
-from zero_optim.grad_bound import GradientBound
 from zero_optim.mics import ReplicaGradientSync, ReplicaMismatchError, check_replicas_consistent
 from zero_optim.reductions import BackwardReduction, BoundaryReduction, GradientReduction, HookedReduction
 from zero_optim.scaler import LossScaler, LossScalerConfig, found_overflow
@@ -48,7 +47,6 @@ __all__ = [
     "BucketPlan",
     "BucketedReducer",
     "FlatGroup",
-    "GradientBound",
     "GradientReduction",
     "HookedReduction",
     "LossScaler",

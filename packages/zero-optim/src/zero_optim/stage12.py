@@ -43,6 +43,7 @@ from torch.distributed import ProcessGroup
 
 import zero_comm
 from zero_comm.coalesced import adjacent_flat_view, issue_all_gather_into
+from zero_comm.grad_bound import BOUNDED_DTYPES, GradientBound
 from zero_comm.profiling import profile_range
 from zero_comm.runs import add_in_runs as _add_in_runs
 from zero_comm.runs import in_fewer_runs as _in_fewer_runs
@@ -50,7 +51,6 @@ from zero_offload import OptimizerOffloadConfig
 from zero_optim.buckets import BucketedReducer, BucketPlan, ReduceConfig, ReduceHandle
 from zero_optim.core import PartitionedOptimizer
 from zero_optim.flat import FlatGroup
-from zero_optim.grad_bound import BOUNDED_DTYPES, GradientBound
 from zero_optim.grad_regions import InPlaceGrads
 from zero_optim.publish import GatherBucket, PipelinedPublish, gather_buckets
 from zero_optim.reductions import BackwardReduction, BoundaryReduction, GradientReduction, HookedReduction
@@ -329,16 +329,13 @@ def _plain_bound(partitioning: ReplicaPartitioning, strategy: object | None) -> 
 
 
 def _with_sideband(grads: list[torch.Tensor], bound: GradientBound | None) -> list[torch.Tensor]:
-    """``grads`` and, with a bound, their sideband last (see :mod:`zero_optim.grad_bound`)."""
-    return grads if bound is None or not grads else [*grads, bound.sideband(grads)]
+    """``grads`` and, with a bound, their sideband last (see :mod:`zero_comm.grad_bound`)."""
+    return grads if bound is None else bound.carried(grads)
 
 
 def _without_sideband(reduced: Sequence[torch.Tensor], bound: GradientBound | None) -> Sequence[torch.Tensor]:
     """The reduced partitions of the gradients; the sideband's element (last) goes to the bound."""
-    if bound is None or not reduced:
-        return reduced
-    bound.received(reduced[-1])
-    return reduced[:-1]
+    return reduced if bound is None else bound.split(reduced)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -620,7 +617,7 @@ def replicated_optimizer(
             ``zero_comm.all_reduce``; ``zero_comm.CastAllReduce`` for ``communication_data_type``).
 
     Stages 1 and 2 with the plain reduce-scatter in fp32 or bf16 carry the inf / nan check in
-    it (:attr:`ReplicaPartitioning.grad_bound`, :mod:`zero_optim.grad_bound`): the engine reads
+    it (:attr:`ReplicaPartitioning.grad_bound`, :mod:`zero_comm.grad_bound`): the engine reads
     it instead of all-reducing a flag.
 
     Stages 1 and 2 (without offload) move the whole parameters into one flat buffer per

@@ -25,13 +25,16 @@ master stays with the optimizer (and goes to host memory or NVMe with ``offload_
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import zero_coord
 import zero_params
+from zero_comm import BOUNDED_DTYPES, AllToAllReduceScatter, GradientBound
 from zero_offload import OptimizerOffloadConfig, ParamOffloadConfig
 from zero_optim.buckets import BucketedReducer, BucketPlan, ReduceConfig
 from zero_optim.core import PartitionedOptimizer
@@ -47,15 +50,20 @@ class Stage3Partitioning:
     Args:
         working_dtype: The parameters' dtype, which the flat working buffer has.
 
+    Attributes:
+        grad_bound: The inf / nan check the gradient reduce-scatters carry (``None``: the step
+            all-reduces a flag); set by :func:`stage3_optimizer`, restarted by :meth:`release_grads`.
+
     Raises:
         TypeError: from :meth:`local_numel`, for a parameter that is not partitioned.
         ValueError: from :meth:`local_numel`, for a parameter of another dtype than ``working_dtype``.
     """
 
-    __slots__ = ("offloaded", "working_dtype")
+    __slots__ = ("grad_bound", "offloaded", "working_dtype")
 
     def __init__(self, working_dtype: torch.dtype = torch.float32) -> None:
         self.working_dtype = working_dtype
+        self.grad_bound: GradientBound | None = None
         self.offloaded: zero_params.OffloadedShards | None = None
         """The offloaded shards (``param_offload``); set once the flat buffers are bound."""
 
@@ -78,6 +86,12 @@ class Stage3Partitioning:
         """
         gathered = [p for p in params if not zero_params.state_of(p).persistent]
         return gathered + [p for p in params if zero_params.state_of(p).persistent]
+
+    def release_grads(self, group: FlatGroup) -> bool:
+        """``zero_grad`` of ``group``: the :attr:`grad_bound` restarts; ``False``: zero the partition."""
+        if self.grad_bound is not None:
+            self.grad_bound.reset()
+        return False
 
     def load(self, param: nn.Parameter, master: torch.Tensor) -> None:
         """Copy the current shard into the master view."""
@@ -122,6 +136,7 @@ def stage3_optimizer(
     offload: OptimizerOffloadConfig | None = None,
     param_offload: ParamOffloadConfig | None = None,
     sub_group_size: int = 1_000_000_000,
+    bound_grads: bool = False,
 ) -> tuple[PartitionedOptimizer, BucketedReducer]:
     """Build the ZeRO-3 optimizer of a partitioned model and its gradient sink.
 
@@ -140,6 +155,10 @@ def stage3_optimizer(
             ``optimizer.partitioning.offloaded`` (see :func:`offloaded_shards`).
         sub_group_size: Elements of the flat partition stepped at once (bounds the step's
             temporaries; see :class:`zero_optim.PartitionedOptimizer`).
+        bound_grads: Carry the inf / nan check in every gradient reduce-scatter
+            (``optimizer.partitioning.grad_bound``, a ``zero_comm.GradientBound``): fp32 or
+            bf16, each trained parameter reduced by a plain ``zero_comm.AllToAllReduceScatter``
+            over one group whose ranks together hold every element (not MiCS).
 
     Gradients of parameters inside ``zero_coord`` leaf modules (mark them before calling
     this) are reduced at the end of each backward, so ranks may route data differently
@@ -151,8 +170,8 @@ def stage3_optimizer(
 
     Raises:
         TypeError: a trainable parameter is not partitioned.
-        ValueError: a trainable parameter is not of ``working_dtype``, or the shards live on
-            different devices.
+        ValueError: a trainable parameter is not of ``working_dtype``, the shards live on
+            different devices, or ``bound_grads`` with another dtype or reduce strategy.
     """
     devices = {
         zero_params.state_of(p).shard.device for p in model.parameters() if zero_params.is_partitioned(p)
@@ -185,7 +204,42 @@ def stage3_optimizer(
         config.reduce_bucket_size,
         deferred=_leaf_params(model),
     )
-    return opt, BucketedReducer(plan, zero_params.reduce_scatter_grads, config)
+    reduce_fn = zero_params.reduce_scatter_grads
+    if bound_grads:
+        partitioning.grad_bound = _bound_for([p for _, p in order], working_dtype)
+        reduce_fn = functools.partial(zero_params.reduce_scatter_grads, bound=partitioning.grad_bound)
+    return opt, BucketedReducer(plan, reduce_fn, config)
+
+
+def _bound_for(params: Sequence[nn.Parameter], dtype: torch.dtype) -> GradientBound:
+    """A bound for gradients of ``dtype`` reduced by one plain all-to-all reduce-scatter group size.
+
+    Raises:
+        ValueError: another dtype, or a parameter reduced another way or over another group size.
+    """
+    if dtype not in BOUNDED_DTYPES:
+        raise ValueError(f"bound_grads needs fp32 or bf16 gradients, got {dtype}")
+    sizes = set()
+    for p in params:
+        state = zero_params.state_of(p)
+        strategy = state.reduce_strategy
+        if type(strategy) is not AllToAllReduceScatter:
+            raise ValueError(
+                f"bound_grads: {state.display_name!r} is reduced by {type(strategy).__name__}; "
+                "the bound rides only on the plain AllToAllReduceScatter"
+            )
+        sizes.add(strategy.group_size)
+    if len(sizes) > 1:
+        raise ValueError(
+            f"bound_grads: the parameters are reduced over groups of {sorted(sizes)} ranks, not one"
+        )
+    size = sizes.pop() if sizes else 1
+    if dist.is_initialized() and size != dist.get_world_size():
+        raise ValueError(
+            f"bound_grads: the gradients are reduced over {size} of {dist.get_world_size()} ranks "
+            "(MiCS shard groups?); the bound would miss the other ranks' gradients"
+        )
+    return GradientBound(size)
 
 
 def offloaded_shards(optimizer: PartitionedOptimizer) -> zero_params.OffloadedShards | None:

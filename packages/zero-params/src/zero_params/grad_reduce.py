@@ -9,7 +9,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from zero_comm import AllToAllReduceScatter, CastReduceScatter, ReduceScatterHandle, ReduceScatterStrategy
+from zero_comm import (
+    AllToAllReduceScatter,
+    CastReduceScatter,
+    GradientBound,
+    ReduceScatterHandle,
+    ReduceScatterStrategy,
+)
 from zero_comm.profiling import profile_range
 from zero_comm.runs import add_in_runs, adjacent_runs, in_fewer_runs
 from zero_params.selection import bucket_key
@@ -29,13 +35,17 @@ class _ReduceOp:
     comm: ReduceScatterHandle | None
     targets: list[torch.Tensor]
     runs: list[tuple[int, int]]
+    bound: GradientBound | None = None
 
     def wait(self) -> None:
         if self.comm is None:
             return
         with profile_range("zero.params.reduce_scatter_grads.wait"), torch._C.DisableTorchFunction():
             with torch.no_grad():
-                add_in_runs(self.targets, self.comm.wait(), self.runs)
+                reduced = self.comm.wait()
+                if self.bound is not None:
+                    reduced = self.bound.split(reduced)
+                add_in_runs(self.targets, reduced, self.runs)
         self.comm = None
         self.targets, self.runs = [], []
 
@@ -74,7 +84,10 @@ class GradReduceHandle:
 
 
 def reduce_scatter_grads(
-    params: nn.Parameter | Iterable[nn.Parameter], *, async_op: bool = False
+    params: nn.Parameter | Iterable[nn.Parameter],
+    *,
+    async_op: bool = False,
+    bound: GradientBound | None = None,
 ) -> GradReduceHandle:
     """Average the full ``.grad`` of ``params`` over their shard groups, keep this rank's partition.
 
@@ -90,13 +103,18 @@ def reduce_scatter_grads(
     Args:
         params: Partitioned parameters, the same on every rank, in the same order.
         async_op: Return before the communication completes (call ``wait()``).
+        bound: Carry the inf / nan check in each collective (``zero_comm.GradientBound``: one
+            more tensor of ``bound.world`` elements, summed into the bound); every parameter's
+            reduce strategy must then be a plain ``zero_comm.AllToAllReduceScatter`` over
+            ``bound.world`` ranks.
 
     Returns:
         A :class:`GradReduceHandle` (already waited for when ``async_op=False``).
 
     Raises:
         TypeError: a parameter is not partitioned.
-        ValueError: a ``.grad`` does not have the parameter's full number of elements.
+        ValueError: a ``.grad`` does not have the parameter's full number of elements, or
+            ``bound`` is given for a parameter reduced another way.
     """
     with profile_range("zero.params.reduce_scatter_grads"), torch._C.DisableTorchFunction():
         buckets: dict[tuple[Any, ...], tuple[ReduceScatterStrategy, list[tuple[ShardedParam, torch.Tensor]]]]
@@ -121,7 +139,7 @@ def reduce_scatter_grads(
             p.grad = None
             key = (bucket_key(state.reduce_strategy), grad.dtype, grad.device)
             buckets.setdefault(key, (state.reduce_strategy, []))[1].append((state, grad.contiguous()))
-        ops = [_issue(strategy, pairs, async_op) for strategy, pairs in buckets.values()]
+        ops = [_issue(strategy, pairs, async_op, bound) for strategy, pairs in buckets.values()]
         handle = GradReduceHandle(ops)
     if not async_op:
         handle.wait()
@@ -129,7 +147,10 @@ def reduce_scatter_grads(
 
 
 def _issue(
-    strategy: ReduceScatterStrategy, pairs: list[tuple[ShardedParam, torch.Tensor]], async_op: bool
+    strategy: ReduceScatterStrategy,
+    pairs: list[tuple[ShardedParam, torch.Tensor]],
+    async_op: bool,
+    bound: GradientBound | None = None,
 ) -> _ReduceOp:
     """One collective over ``pairs``, so that ``wait()`` adds each adjacent run of gradient
     partitions with one ``add_``.
@@ -144,5 +165,14 @@ def _issue(
     else:
         targets = [state.ensure_grad_partition() for state, _ in pairs]
         runs = adjacent_runs(targets)
-    comm = strategy.reduce_scatter_coalesced([g for _, g in pairs], op="avg", async_op=async_op)
-    return _ReduceOp(comm, targets, runs)
+    grads = [g for _, g in pairs]
+    if bound is not None:
+        if type(strategy) is not AllToAllReduceScatter or strategy.group_size != bound.world:
+            raise ValueError(
+                f"reduce_scatter_grads: {pairs[0][0].display_name!r} is reduced by "
+                f"{type(strategy).__name__} over {strategy.group_size} ranks; a GradientBound rides only "
+                f"on the plain AllToAllReduceScatter over {bound.world}: build the optimizer without it"
+            )
+        grads = bound.carried(grads)
+    comm = strategy.reduce_scatter_coalesced(grads, op="avg", async_op=async_op)
+    return _ReduceOp(comm, targets, runs, bound)

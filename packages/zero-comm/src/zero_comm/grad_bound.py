@@ -1,8 +1,9 @@
 """The inf / nan check that rides on the gradient reduce-scatter: no collective of its own.
 
-Without this, stages 1 and 2 learn whether any rank's gradients are non-finite from one
-all-reduce of a flag after the reduction (:func:`zero_optim.found_overflow`): on a small
-model one synchronisation point in seven. Instead, each bucket's reduce-scatter carries one
+Without this, a partitioned optimizer learns whether any rank's gradients are non-finite from
+one all-reduce of a flag after the reduction (``zero_optim.found_overflow``): on a small model
+one synchronisation point in seven at stages 1 and 2. Instead, each bucket's reduce-scatter
+(stages 1, 2, and 3 without MiCS, in ``zero_optim`` and ``zero_params``) carries one
 more tensor of ``world`` elements, the *sideband*: every element holds this rank's
 ``max |g|`` over the bucket's local gradients (``aminmax``: nan if any element is nan, inf
 if any is inf). The reduction sums it exactly like the gradients, so every rank receives
@@ -30,7 +31,7 @@ import torch
 from zero_comm.coalesced import adjacent_flat_view
 from zero_comm.profiling import profile_range
 
-__all__ = ["GradientBound"]
+__all__ = ["BOUNDED_DTYPES", "GradientBound"]
 
 BOUNDED_DTYPES = (torch.float32, torch.bfloat16)
 """Gradient dtypes whose range makes a false overflow of the summed maxima implausible."""
@@ -70,6 +71,17 @@ class GradientBound:
                 return torch.zeros(self.world, dtype=first.dtype, device=first.device)
             peak = torch.stack(extremes).abs().amax()
             return peak.reshape(1).expand(self.world).contiguous()
+
+    def carried(self, grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """``grads`` and their :meth:`sideband` last: what the reduce-scatter sends (``grads`` if empty)."""
+        return [*grads, self.sideband(grads)] if grads else list(grads)
+
+    def split(self, reduced: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+        """The reduced partitions of a :meth:`carried` call: the sideband's (last) is :meth:`received`."""
+        if not reduced:
+            return reduced
+        self.received(reduced[-1])
+        return reduced[:-1]
 
     def received(self, reduced: torch.Tensor) -> None:
         """Add this rank's reduced sideband element (a 1-element tensor) to the running sum."""
