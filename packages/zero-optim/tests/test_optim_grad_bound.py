@@ -135,17 +135,30 @@ def _stage3_refusals(rank):
             stage3_optimizer(model, None, CONFIG, working_dtype=dtype, bound_grads=True)
         except ValueError as exc:
             messages.append(str(exc))
+    groups = [torch.distributed.new_group([r]) for r in range(rank.world_size)]
+    alone = Odd()  # each rank its own shard group, as MiCS's shard groups are fewer than the world
+    zero_params.partition(alone, groups[rank.rank])
+    try:
+        stage3_optimizer(alone, None, CONFIG, bound_grads=True)
+    except ValueError as exc:
+        messages.append(str(exc))
     plain = Odd()
     zero_params.partition(plain)
     opt, sink = stage3_optimizer(plain, None, CONFIG)  # no bound asked: none carried
     messages.append(opt.partitioning.grad_bound is None)
+    try:  # a bound over another number of ranks than the reduce-scatter's
+        zero_params.reduce_scatter_grads(list(plain.parameters()), bound=zero_comm.GradientBound(3))
+    except ValueError as exc:
+        messages.append(str(exc))
     return messages
 
 
 def test_only_plain_fp32_and_bf16_reductions_carry_the_bound(dist):
     """fp16, a cast strategy and stage 0 keep the all-reduced flag; a strategy beside a bound is refused."""
     assert dist.run(2, _which_carry) == [[True, True, False, False, False]] * 2
-    half, cast, unbound = dist.run(2, _stage3_refusals)[0]
+    half, cast, alone, unbound, other_world = dist.run(2, _stage3_refusals)[0]
     assert "needs fp32 or bf16 gradients" in half
     assert "'inner.bias' is reduced by CastReduceScatter" in cast and "plain AllToAllReduceScatter" in cast
+    assert "reduced over 1 of 2 ranks" in alone and "MiCS" in alone
     assert unbound is True
+    assert "over 2 ranks" in other_world and "AllToAllReduceScatter over 3" in other_world

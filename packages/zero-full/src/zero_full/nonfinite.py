@@ -6,8 +6,9 @@ an inf / nan gradient on one rank would otherwise turn every weight on every ran
 
 * with ``gradient_clipping`` the global norm is computed anyway (one all-reduce of the
   squared sums): a non-finite norm means some gradient is non-finite, no extra pass;
-* without clipping, stages 1 and 2 in fp32 / bf16 read the bound their gradient
-  reduce-scatter carried (``zero_comm.GradientBound``: no collective of its own);
+* without clipping, stages 1, 2 and 3 (not MiCS) in fp32 / bf16 with the plain reduce-scatter
+  read the bound their gradient reduce-scatter carried (``zero_comm.GradientBound``: no
+  collective of its own);
 * otherwise one all-reduce (max) of a local inf/nan flag (``zero_optim.found_overflow``).
 
 Only when that global check fired, a cheap local scan finds this rank's first non-finite
