@@ -313,19 +313,17 @@ def _take_grads(params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
     return grads
 
 
-def _plain_bound(partitioning: ReplicaPartitioning, strategy: object | None) -> GradientBound | None:
-    """The partitioning's bound, which only the plain reduce-scatter may carry.
+def _check_plain(partitioning: ReplicaPartitioning, strategy: object | None) -> None:
+    """Refuse a strategy beside the partitioning's bound, which only the plain reduce-scatter carries.
 
     Raises:
-        ValueError: a strategy is set too (its reductions would leave the bound incomplete).
+        ValueError: both are set (the strategy's reductions would leave the bound incomplete).
     """
-    bound = partitioning.grad_bound
-    if bound is not None and strategy is not None:
+    if partitioning.grad_bound is not None and strategy is not None:
         raise ValueError(
             "a partitioning built with bound_grads needs the plain reduce-scatter: a strategy does not "
             "carry the sideband, so the bound would miss its gradients"
         )
-    return bound
 
 
 def _with_sideband(grads: list[torch.Tensor], bound: GradientBound | None) -> list[torch.Tensor]:
@@ -352,7 +350,7 @@ class ReduceScatterInto:
     strategy: zero_comm.ReduceScatterStrategy | None = None
 
     def __post_init__(self) -> None:
-        _plain_bound(self.partitioning, self.strategy)
+        _check_plain(self.partitioning, self.strategy)
 
     def __call__(self, params: Sequence[nn.Parameter], *, async_op: bool = False) -> ReduceHandle:
         """Reduce-scatter the ``.grad`` of ``params`` (``None`` = zeros) and free them.
@@ -471,7 +469,7 @@ class ReduceScatterInPlace:
     strategy: zero_comm.ReduceScatterStrategy | None = None
 
     def __post_init__(self) -> None:
-        _plain_bound(self.partitioning, self.strategy)
+        _check_plain(self.partitioning, self.strategy)
 
     def __call__(self, params: Sequence[nn.Parameter], *, async_op: bool = False) -> ReduceHandle:
         """Reduce-scatter the whole gradients of ``params`` into their own partitions."""
