@@ -21,6 +21,12 @@ stays allocated during the others' steps (memory is ``memory.py``'s business, in
 processes). The side-by-side stays the reference comparison with FSDP2 and DeepSpeed; this
 is the finer instrument between DDP and zero. Writes ``<--name>.json`` and ``.md`` (default
 ``paired_steps``) into ``--out``. Not a test: nothing is asserted.
+
+``--prefetch-blocks`` and ``--live-blocks`` set stage 3's ``stage3_prefetch_bucket_size`` and
+``stage3_max_live_parameters`` (in blocks, :func:`impls.block_numel`; defaults: the side-by-side's
+0.5 and 1.5) for every implementation built here; only zero-3 reads them. Parameters stay released
+after use (``stage3_max_reuse_distance`` 0) at any setting: these trade a larger gathered window,
+and a higher bound on the gathered parameters, for fewer collectives.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from _report import environment, markdown_table, spawn_ranks, timed_across_ranks, write_results  # noqa: E402
-from impls import IMPLEMENTATIONS  # noqa: E402
+from impls import IMPLEMENTATIONS, ImplOptions  # noqa: E402
 from workloads import rank_batches, workload_of, workload_parser  # noqa: E402
 
 PAIRABLE = ("ddp", "fsdp2", "zero-1", "zero-2", "zero-3")
@@ -59,7 +65,8 @@ def _train_step(runner: Any, batch: dict[str, torch.Tensor]) -> None:
 
 def _rank_main(rank: int, args: argparse.Namespace, store: str, results: Any) -> None:
     w = workload_of(args)
-    runners = {name: IMPLEMENTATIONS[name](w, args.world) for name in args.impls}
+    options = options_of(args)
+    runners = {name: IMPLEMENTATIONS[name](w, args.world, options) for name in args.impls}
     batches = rank_batches(w, rank, args.world, 8)
     wall: dict[str, list[float]] = {name: [] for name in args.impls}
     cpu: dict[str, list[float]] = {name: [] for name in args.impls}
@@ -150,14 +157,40 @@ def report(summary: dict[str, dict[str, float]], workload: str, env: dict[str, A
     )
 
 
-def main() -> None:
+def options_of(args: argparse.Namespace) -> ImplOptions:
+    """The builders' options from the command line: stage 3's prefetch bucket and live bound."""
+    return ImplOptions(prefetch_blocks=args.prefetch_blocks, live_blocks=args.live_blocks)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: the workload's shape, ``--impls``, ``--name`` and stage 3's two bounds."""
     parser = workload_parser(__doc__, world=2, warmup=3, steps=60)
     parser.add_argument("--impls", nargs="+", choices=PAIRABLE, default=["ddp", "zero-1", "zero-2", "zero-3"])
     parser.add_argument("--timeout", type=float, default=3600.0)
     parser.add_argument("--name", default="paired_steps", help="results file name (without .md / .json)")
+    defaults = ImplOptions()
+    parser.add_argument(
+        "--prefetch-blocks",
+        type=float,
+        default=defaults.prefetch_blocks,
+        help="stage 3: stage3_prefetch_bucket_size, in blocks (elements of one transformer block)",
+    )
+    parser.add_argument(
+        "--live-blocks",
+        type=float,
+        default=defaults.live_blocks,
+        help="stage 3: stage3_max_live_parameters, in blocks",
+    )
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     if "ddp" not in args.impls:
         parser.error("--impls must include ddp (every ratio is to DDP)")
+    if args.prefetch_blocks < 0 or args.live_blocks < 0:
+        parser.error("--prefetch-blocks and --live-blocks must be >= 0 (blocks of parameters)")
     env = environment("zero-full") | {"world": args.world}
     found = spawn_ranks(_rank_main, args.world, args, args.timeout, process_group=True)
     summary = summarize(found["wall"], found["cpu"])

@@ -41,3 +41,19 @@ def test_unpaired_or_ddp_less_input_is_refused():
         summarize({"ddp": [1.0, 1.0], "zero-1": [1.0]}, {"ddp": [1.0, 1.0], "zero-1": [1.0]})
     with pytest.raises(ValueError, match="at least one"):
         median_interval([])
+
+
+def test_the_stage3_bounds_on_the_command_line_reach_the_zero_section():
+    from impls import block_numel, zero_section
+    from paired_steps import build_parser, options_of
+    from workloads import workload_of
+
+    args = build_parser().parse_args(["--hidden", "96", "--prefetch-blocks", "2", "--live-blocks", "3.5"])
+    w = workload_of(args)
+    section = zero_section(3, w, options_of(args))
+    assert section["stage3_prefetch_bucket_size"] == 2 * block_numel(w) == 2 * 12 * 96 * 96
+    assert section["stage3_max_live_parameters"] == int(3.5 * block_numel(w))
+    assert section["stage3_max_reuse_distance"] == 0  # still released after use
+    default = zero_section(3, w, options_of(build_parser().parse_args(["--hidden", "96"])))
+    assert default["stage3_prefetch_bucket_size"] == block_numel(w) // 2
+    assert default["stage3_max_live_parameters"] == int(1.5 * block_numel(w))
