@@ -186,6 +186,8 @@ class ImplOptions:
         persistence_threshold: Stage 3: parameters of at most this many elements stay whole.
         prefetch_blocks: Stage 3: prefetch bucket, in blocks (:func:`block_numel`).
         live_blocks: Stage 3: most gathered parameters alive at once, in blocks.
+        reuse_blocks: Stage 3: ``stage3_max_reuse_distance``, in blocks; ``0`` (the default)
+            releases every parameter after use unless the very next module needs it.
         checkpointing: Activation checkpointing of every block (non-reentrant).
         bucket_blocks: ``reduce_bucket_size`` and ``allgather_bucket_size``, in blocks.
         sub_group_blocks: ``sub_group_size`` (elements the optimizer steps at once), in
@@ -199,6 +201,7 @@ class ImplOptions:
     persistence_threshold: int = 4096
     prefetch_blocks: float = 0.5
     live_blocks: float = 1.5
+    reuse_blocks: float = 0.0
     checkpointing: bool = False
     bucket_blocks: float = 4.0
     sub_group_blocks: float | None = None
@@ -312,7 +315,7 @@ def zero_section(stage: int, w: Workload, options: ImplOptions = ImplOptions()) 
                 "stage3_param_persistence_threshold": options.persistence_threshold,
                 "stage3_prefetch_bucket_size": int(options.prefetch_blocks * block),
                 "stage3_max_live_parameters": int(options.live_blocks * block),
-                "stage3_max_reuse_distance": 0,
+                "stage3_max_reuse_distance": int(options.reuse_blocks * block),
             }
         )
     return section

@@ -22,11 +22,12 @@ processes). The side-by-side stays the reference comparison with FSDP2 and DeepS
 is the finer instrument between DDP and zero. Writes ``<--name>.json`` and ``.md`` (default
 ``paired_steps``) into ``--out``. Not a test: nothing is asserted.
 
-``--prefetch-blocks`` and ``--live-blocks`` set stage 3's ``stage3_prefetch_bucket_size`` and
-``stage3_max_live_parameters`` (in blocks, :func:`impls.block_numel`; defaults: the side-by-side's
-0.5 and 1.5) for every implementation built here; only zero-3 reads them. Parameters stay released
-after use (``stage3_max_reuse_distance`` 0) at any setting: these trade a larger gathered window,
-and a higher bound on the gathered parameters, for fewer collectives.
+``--prefetch-blocks``, ``--live-blocks`` and ``--reuse-blocks`` set stage 3's
+``stage3_prefetch_bucket_size``, ``stage3_max_live_parameters`` and ``stage3_max_reuse_distance``
+(in blocks, :func:`impls.block_numel`; defaults: the side-by-side's 0.5, 1.5 and 0) for every
+implementation built here; only zero-3 reads them. The first two trade a larger gathered window,
+and a higher bound on the gathered parameters, for fewer collectives; with a reuse distance of 0
+every parameter is released after use unless the very next module needs it.
 """
 
 from __future__ import annotations
@@ -158,12 +159,14 @@ def report(summary: dict[str, dict[str, float]], workload: str, env: dict[str, A
 
 
 def options_of(args: argparse.Namespace) -> ImplOptions:
-    """The builders' options from the command line: stage 3's prefetch bucket and live bound."""
-    return ImplOptions(prefetch_blocks=args.prefetch_blocks, live_blocks=args.live_blocks)
+    """The builders' options from the command line: stage 3's prefetch bucket, live bound, reuse distance."""
+    return ImplOptions(
+        prefetch_blocks=args.prefetch_blocks, live_blocks=args.live_blocks, reuse_blocks=args.reuse_blocks
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line: the workload's shape, ``--impls``, ``--name`` and stage 3's two bounds."""
+    """The command line: the workload's shape, ``--impls``, ``--name`` and stage 3's three bounds."""
     parser = workload_parser(__doc__, world=2, warmup=3, steps=60)
     parser.add_argument("--impls", nargs="+", choices=PAIRABLE, default=["ddp", "zero-1", "zero-2", "zero-3"])
     parser.add_argument("--timeout", type=float, default=3600.0)
@@ -181,6 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=defaults.live_blocks,
         help="stage 3: stage3_max_live_parameters, in blocks",
     )
+    parser.add_argument(
+        "--reuse-blocks",
+        type=float,
+        default=defaults.reuse_blocks,
+        help="stage 3: stage3_max_reuse_distance, in blocks (0: release after use)",
+    )
     return parser
 
 
@@ -189,8 +198,8 @@ def main() -> None:
     args = parser.parse_args()
     if "ddp" not in args.impls:
         parser.error("--impls must include ddp (every ratio is to DDP)")
-    if args.prefetch_blocks < 0 or args.live_blocks < 0:
-        parser.error("--prefetch-blocks and --live-blocks must be >= 0 (blocks of parameters)")
+    if min(args.prefetch_blocks, args.live_blocks, args.reuse_blocks) < 0:
+        parser.error("--prefetch-blocks, --live-blocks and --reuse-blocks must be >= 0 (blocks)")
     env = environment("zero-full") | {"world": args.world}
     found = spawn_ranks(_rank_main, args.world, args, args.timeout, process_group=True)
     summary = summarize(found["wall"], found["cpu"])

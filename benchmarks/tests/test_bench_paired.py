@@ -54,6 +54,9 @@ def test_the_stage3_bounds_on_the_command_line_reach_the_zero_section():
     assert section["stage3_prefetch_bucket_size"] == 2 * block_numel(w) == 2 * 12 * 96 * 96
     assert section["stage3_max_live_parameters"] == int(3.5 * block_numel(w))
     assert section["stage3_max_reuse_distance"] == 0  # still released after use
+    reuse = build_parser().parse_args(["--hidden", "96", "--reuse-blocks", "4.5"])
+    assert zero_section(3, w, options_of(reuse))["stage3_max_reuse_distance"] == int(4.5 * block_numel(w))
     default = zero_section(3, w, options_of(build_parser().parse_args(["--hidden", "96"])))
     assert default["stage3_prefetch_bucket_size"] == block_numel(w) // 2
     assert default["stage3_max_live_parameters"] == int(1.5 * block_numel(w))
+    assert default["stage3_max_reuse_distance"] == 0
