@@ -28,6 +28,10 @@ is the finer instrument between DDP and zero. Writes ``<--name>.json`` and ``.md
 implementation built here; only zero-3 reads them. The first two trade a larger gathered window,
 and a higher bound on the gathered parameters, for fewer collectives; with a reuse distance of 0
 every parameter is released after use unless the very next module needs it.
+
+``--world 1`` runs every implementation in one process, with no communication at all: what
+is left of each ratio to DDP is what its own machinery costs (hooks, gathers that only copy,
+releases, gradient buckets, optimizer), apart from the wire.
 """
 
 from __future__ import annotations
@@ -193,13 +197,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main() -> None:
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line (``argv``; default ``sys.argv[1:]``), checked: DDP in ``--impls``, no negative bound.
+
+    A refused command exits with the parser's usage message (status 2).
+    """
     parser = build_parser()
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if "ddp" not in args.impls:
         parser.error("--impls must include ddp (every ratio is to DDP)")
     if min(args.prefetch_blocks, args.live_blocks, args.reuse_blocks) < 0:
         parser.error("--prefetch-blocks, --live-blocks and --reuse-blocks must be >= 0 (blocks)")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     env = environment("zero-full") | {"world": args.world}
     found = spawn_ranks(_rank_main, args.world, args, args.timeout, process_group=True)
     summary = summarize(found["wall"], found["cpu"])

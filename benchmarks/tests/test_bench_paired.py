@@ -60,3 +60,23 @@ def test_the_stage3_bounds_on_the_command_line_reach_the_zero_section():
     assert default["stage3_prefetch_bucket_size"] == block_numel(w) // 2
     assert default["stage3_max_live_parameters"] == int(1.5 * block_numel(w))
     assert default["stage3_max_reuse_distance"] == 0
+
+
+@pytest.mark.parametrize("flag", ["--prefetch-blocks", "--live-blocks", "--reuse-blocks"])
+def test_a_negative_stage3_bound_is_refused_with_the_flags_named(flag, capsys):
+    from paired_steps import parse_args
+
+    with pytest.raises(SystemExit) as exited:
+        parse_args([flag, "-0.5"])
+    assert exited.value.code == 2
+    assert "--prefetch-blocks, --live-blocks and --reuse-blocks must be >= 0" in capsys.readouterr().err
+
+
+def test_a_run_without_ddp_is_refused_and_a_world_1_run_is_accepted(capsys):
+    from paired_steps import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--impls", "zero-2", "zero-3"])
+    assert "--impls must include ddp" in capsys.readouterr().err
+    args = parse_args(["--world", "1", "--impls", "ddp", "zero-3", "--reuse-blocks", "0"])
+    assert (args.world, args.impls, args.reuse_blocks) == (1, ["ddp", "zero-3"], 0.0)
