@@ -389,6 +389,9 @@ def bench(session: nox.Session) -> None:
     # DDP, FSDP2 and zero 1-3 in the same ranks, one step each in turn: ratios to DDP per step.
     _bench(session, "paired_steps.py")
     _bench(session, "paired_steps.py", "--hidden", "128", "--name", "paired_steps_small")
+    # The same at world 1, in one process: no communication, so each ratio is the machinery's own cost.
+    every = ["--impls", "ddp", "fsdp2", "zero-1", "zero-2", "zero-3"]
+    _bench(session, "paired_steps.py", "--world", "1", *every, "--name", "paired_steps_world1")
     # Where one released stage-3 step's time goes, and its distance to the DDP + wire floor (world 2).
     _bench(session, "profile_step.py", docs=True, env=DS_ENV)
     # Step time and memory against model size and world size (fresh processes per point).
