@@ -259,3 +259,91 @@ def test_gather_into_whole_outputs_stages_only_other_ranks_rows(dist, spec, kind
     """
     world, rpn = spec
     assert dist.run(world, _whole_output_cases, kind, ranks_per_node=rpn) == [len(DTYPES) * 2] * world
+
+
+def _separate_shards(world, me, sizes, dtype):
+    """Shards of their own (not back to back) and whole outputs: every row staged."""
+    return [rank_tensor(20 + i, me, (n,), dtype) for i, n in enumerate(sizes)], [
+        torch.full((world * n,), 7.0, dtype=dtype) for n in sizes
+    ]
+
+
+def _single_whole(world, me, sizes, dtype):
+    """One unpadded tensor: the collective fills its output directly."""
+    return [rank_tensor(30, me, (sizes[-1],), dtype)], [torch.full((world, sizes[-1]), 7.0, dtype=dtype)]
+
+
+_PLAN_LAYOUTS = {
+    "adjacent": (_adjacent_shards, "PEER"),
+    "beside": (_shards_beside_outputs, "STAGED"),
+    "own_rows": (_own_row_shards, "STAGED"),
+    "separate": (_separate_shards, "STAGED"),
+    "single": (_single_whole, "WHOLE"),
+}
+
+
+def _plan_cases(rank, kind):
+    """One GatherIntoPlan issued three times: new shard values each time, own outputs emptied
+    (storage resized to 0 bytes) and refilled in between; each issue against the reference."""
+    from zero_comm import GatherIntoPlan
+
+    world, me = rank.world_size, rank.rank
+    layout, route = _PLAN_LAYOUTS[kind]
+    if world == 1:
+        route = "LOCAL"
+    elif route == "PEER" and world != 2:
+        route = "STAGED"
+    sizes = [n for n in ODD_SIZES if n]
+    issued = 0
+    with CommLedger(Topology()) as ledger:
+        for dtype in DTYPES.values():
+            shards, outs = layout(world, me, sizes, dtype)
+            plan = FlatAllGather().plan_gather_into(shards, outs)
+            assert isinstance(plan, GatherIntoPlan) and f"route={route}" in repr(plan), repr(plan)
+            owns_storage = kind in ("adjacent", "separate", "single")
+            for turn in range(3):
+                for s in shards:
+                    s.add_(turn)  # new values, same tensors
+                if owns_storage and turn:
+                    for out in outs:  # emptied and refilled, as a released parameter's storage
+                        nbytes = out.untyped_storage().nbytes()
+                        out.untyped_storage().resize_(0)
+                        out.untyped_storage().resize_(nbytes)
+                        out.fill_(7.0)
+                refs = [_reference(s.clone()) for s in shards]
+                assert plan.issue(async_op=bool(turn % 2)).wait() == outs
+                for i, (out, ref) in enumerate(zip(outs, refs)):
+                    assert torch.equal(out.view(-1), ref[: out.numel()]), (kind, dtype, turn, i)
+                issued += 1
+    payload = [sum(s.numel() for s in layout(world, me, sizes, d)[0]) * d.itemsize for d in DTYPES.values()]
+    assert [r.payload_bytes for r in ledger.records] == [b for b in payload for _ in range(3)]
+    return issued
+
+
+@over_worlds
+@pytest.mark.parametrize("kind", list(_PLAN_LAYOUTS))
+def test_a_planned_gather_issued_again_matches_torch_each_time(dist, spec, kind):
+    """GatherIntoPlan: planned once (the route its layout allows), issued three times over changed
+    shard values and outputs whose storage was emptied and refilled; every issue is in the ledger."""
+    world, rpn = spec
+    assert dist.run(world, _plan_cases, kind, ranks_per_node=rpn) == [len(DTYPES) * 3] * world
+
+
+def _plan_refusals(rank):
+    from zero_comm import GatherIntoPlan
+
+    world = rank.world_size
+    shard = torch.ones(5)
+    with pytest.raises(ValueError, match="more than"):
+        GatherIntoPlan([shard], [torch.empty(world * 5 + 1)])
+    with pytest.raises(ValueError, match="outputs for"):
+        GatherIntoPlan([shard, shard], [torch.empty(world * 5)])
+    with pytest.raises(ValueError, match="contiguous"):
+        GatherIntoPlan([shard], [torch.empty(world * 5, 2)[:, 0]])
+    return True
+
+
+@over_worlds
+def test_a_gather_plan_refuses_what_the_gather_refuses(dist, spec):
+    world, rpn = spec
+    assert dist.run(world, _plan_refusals, ranks_per_node=rpn) == [True] * world

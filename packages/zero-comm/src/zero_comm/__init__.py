@@ -5,7 +5,8 @@ Topology, process groups and byte accounting for the zero stack:
 * :class:`Topology`: nodes and ranks, cached process groups (intra / inter node, MiCS and
   hpZ shard and replicate groups, hierarchical hops).
 * :func:`all_gather_coalesced` (and :func:`all_gather_coalesced_into`, straight into
-  destinations), :func:`reduce_scatter_coalesced` (each rank's unpadded partitions, as
+  destinations; :class:`GatherIntoPlan`, the same gather planned once and issued again and
+  again), :func:`reduce_scatter_coalesced` (each rank's unpadded partitions, as
   DeepSpeed's; :func:`reduce_scatter_coalesced_padded` keeps the padding;
   :func:`reduce_scatter_in_place` writes each rank's reduced row into the padded inputs),
   :func:`hierarchical_all_gather_coalesced`: one collective for many tensors. As in
@@ -40,6 +41,7 @@ import importlib
 
 from zero_comm.cast import COMM_DTYPES, CastAllGather, CastAllReduce, CastReduceScatter
 from zero_comm.coalesced import (
+    GatherIntoPlan,
     all_gather_coalesced,
     all_gather_coalesced_into,
     reduce_scatter_coalesced,
@@ -90,6 +92,7 @@ __all__ = [
     "CommWatchdog",
     "DeviceMemory",
     "FlatAllGather",
+    "GatherIntoPlan",
     "GroupPosition",
     "HierarchicalAllGather",
     "HierarchicalGroups",

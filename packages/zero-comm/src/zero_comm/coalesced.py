@@ -16,6 +16,7 @@ the strategy objects (:mod:`zero_comm.strategies`) are built on them.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Sequence
 
 import torch
@@ -40,6 +41,7 @@ from zero_comm.row_exchange import (
 from zero_comm.topology import group_size_and_rank
 
 __all__ = [
+    "GatherIntoPlan",
     "GatherLayout",
     "adjacent_flat_view",
     "all_gather_coalesced",
@@ -271,7 +273,7 @@ def issue_all_gather_into(
     destination (one strided copy per tensor; none for a single unpadded tensor, which the
     collective fills directly), instead of through :func:`all_gather_coalesced`'s
     flat output and a second copy by the caller: e.g. whole parameters refreshed from their
-    updated partitions.
+    updated partitions. The same gather issued again and again is a :class:`GatherIntoPlan`.
 
     Args:
         shards: This rank's 1-D shards (as for :func:`all_gather_coalesced`).
@@ -288,76 +290,148 @@ def issue_all_gather_into(
             device, or more elements than its gathered tensor.
         RuntimeError: no process group is initialised.
     """
-    what = "all_gather_coalesced_into"
-    with profile_range("zero.all_gather.issue"):
+    return GatherIntoPlan(shards, outputs, group).issue(async_op=async_op)
+
+
+class _Route(enum.Enum):
+    """How a :class:`GatherIntoPlan` moves the rows (chosen once, when planned)."""
+
+    LOCAL = "one rank or nothing to send: local copies"
+    WHOLE = "one unpadded tensor: the collective fills it"
+    PEER = "two gloo ranks, shards back to back: only the peer's row is staged"
+    STAGED = "a staging buffer of every row, copied out"
+
+
+class GatherIntoPlan:
+    """:func:`issue_all_gather_into` of fixed shards into fixed outputs, checked and laid out once.
+
+    A parameter store gathers the same tensors into the same destinations step after step.
+    The plan validates them, picks the route (see :class:`_Route`) and makes every view of
+    the outputs once; :meth:`issue` then runs only the collective, its record in the ledger
+    and the copies. The shards and outputs keep the storages they were planned with: their
+    values may change, and a storage may be resized to 0 bytes and back between issues (as
+    ``zero_params.UnshardedStorage`` does); anything else needs a new plan. The outputs must
+    hold their bytes when planned (the layout checks compare addresses).
+
+    Args:
+        shards: This rank's 1-D shards (as for :func:`issue_all_gather_into`).
+        outputs: One destination per shard.
+        group: Process group (``None``: the world).
+
+    Raises:
+        ValueError, RuntimeError: as :func:`issue_all_gather_into`.
+    """
+
+    __slots__ = (
+        "_own",
+        "_payload",
+        "_peer",
+        "_route",
+        "_send",
+        "_skip",
+        "_wire",
+        "group",
+        "outputs",
+        "rank",
+        "shards",
+        "sizes",
+        "world",
+    )
+
+    def __init__(
+        self,
+        shards: Sequence[torch.Tensor],
+        outputs: Sequence[torch.Tensor],
+        group: ProcessGroup | None = None,
+    ) -> None:
+        what = "all_gather_coalesced_into"
         world, rank = group_size_and_rank(group, what)
         check_flat_inputs(shards, what, require_1d=True)
         check_gather_outputs(shards, outputs, world, what)
-        sizes = [s.numel() for s in shards]
+        self.group, self.world, self.rank = group, world, rank
+        self.shards, self.outputs = list(shards), list(outputs)
+        self.sizes = sizes = [s.numel() for s in shards]
         total = sum(sizes)
-        shard_bytes = total * shards[0].element_size()
-        record(
-            "all_gather",
-            group,
-            payload_bytes=shard_bytes,
-            wire_bytes=ring_wire_bytes("all_gather", shard_bytes, world),
-        )
-        outs = list(outputs)
+        self._payload = total * shards[0].element_size()
+        self._wire = ring_wire_bytes("all_gather", self._payload, world)
+        self._send: torch.Tensor | None = None
+        self._own: list[torch.Tensor] = []
+        self._peer: list[torch.Tensor] = []
+        self._skip: int | None = None
         if world == 1 or total == 0:
-            for shard, out in zip(shards, outs):
-                out.view(-1).copy_(shard[: out.numel()])
-            return AllGatherHandle("all_gather", None, lambda: outs)
-        if len(shards) == 1 and outs[0].numel() == world * total:
-            # one tensor and no padding to drop: the collective writes straight into it
-            work = gather_rows(outs[0].view(-1), shards[0], group, async_op=async_op)
-            return AllGatherHandle("all_gather", work, lambda: outs, keepalive=(shards[0],))
-        skip = rank if _shards_are_own_rows(shards, outs, world, rank) else None
-        if skip is None:
-            handle = _gather_from_peer(shards, sizes, outs, group, async_op)
-            if handle is not None:
-                return handle
-        staging = torch.empty(world, total, dtype=shards[0].dtype, device=shards[0].device)
-        send = _send_buffer(shards, staging, group)
-        work = gather_rows(staging.view(-1), send, group, async_op=async_op)
+            self._route = _Route.LOCAL
+        elif len(shards) == 1 and self.outputs[0].numel() == world * total:
+            self._route = _Route.WHOLE
+        elif _shards_are_own_rows(shards, self.outputs, world, rank):
+            self._route, self._skip = _Route.STAGED, rank
+        elif self._plan_peer():
+            self._route = _Route.PEER
+        else:
+            self._route = _Route.STAGED
+
+    def __repr__(self) -> str:
+        return f"GatherIntoPlan(tensors={len(self.sizes)}, route={self._route.name}, world={self.world})"
+
+    def _plan_peer(self) -> bool:
+        """Two gloo ranks, shards back to back, whole outputs not sharing the shards' buffer:
+        the shards are sent as they lie and copied straight into this rank's rows of the
+        outputs (one fused copy, while the exchange runs); only the other rank's row is staged."""
+        send = adjacent_flat_view(self.shards)
+        if send is None or not gathers_pairwise(self.group, send.device):
+            return False
+        if any(out.numel() != 2 * n for n, out in zip(self.sizes, self.outputs)):
+            return False
+        storage = send.untyped_storage().data_ptr()
+        if any(out.untyped_storage().data_ptr() == storage for out in self.outputs):
+            return False  # an output shares the shards' buffer: written only once the exchange is done
+        rank = self.rank
+        self._send = send
+        self._own = [out.view(2, n)[rank : rank + 1] for n, out in zip(self.sizes, self.outputs)]
+        self._peer = [out.view(2, n)[1 - rank : 2 - rank] for n, out in zip(self.sizes, self.outputs)]
+        return True
+
+    def issue(self, *, async_op: bool = True) -> AllGatherHandle:
+        """Issue the gather; the handle's ``wait()`` finishes the copies and returns the outputs."""
+        with profile_range("zero.all_gather.issue"):
+            record("all_gather", self.group, payload_bytes=self._payload, wire_bytes=self._wire)
+            outs = self.outputs
+            route = self._route
+            if route is _Route.PEER:
+                return self._issue_peer(async_op)
+            if route is _Route.LOCAL:
+                for shard, out in zip(self.shards, outs):
+                    out.view(-1).copy_(shard[: out.numel()])
+                return AllGatherHandle("all_gather", None, lambda: outs)
+            if route is _Route.WHOLE:
+                work = gather_rows(outs[0].view(-1), self.shards[0], self.group, async_op=async_op)
+                return AllGatherHandle("all_gather", work, lambda: outs, keepalive=(self.shards[0],))
+            return self._issue_staged(async_op)
+
+    def _issue_peer(self, async_op: bool) -> AllGatherHandle:
+        send = self._send
+        peer = torch.empty(send.numel(), dtype=send.dtype, device=send.device)
+        work = exchange_with_peer(peer, send, self.group, async_op=async_op)
+        torch.split_with_sizes_copy(send.view(1, -1), self.sizes, dim=1, out=self._own)
+        outs = self.outputs
+
+        def finish() -> list[torch.Tensor]:
+            torch.split_with_sizes_copy(peer.view(1, -1), self.sizes, dim=1, out=self._peer)
+            return outs
+
+        return AllGatherHandle("all_gather", work, finish, keepalive=(send, peer))
+
+    def _issue_staged(self, async_op: bool) -> AllGatherHandle:
+        first = self.shards[0]
+        staging = torch.empty(self.world, sum(self.sizes), dtype=first.dtype, device=first.device)
+        send = _send_buffer(self.shards, staging, self.group)
+        work = gather_rows(staging.view(-1), send, self.group, async_op=async_op)
+        outs, sizes, skip = self.outputs, self.sizes, self._skip
 
         def finish() -> list[torch.Tensor]:
             _copy_rows(staging, sizes, outs, skip)
             return outs
 
         return AllGatherHandle("all_gather", work, finish, keepalive=(send,))
-
-
-def _gather_from_peer(
-    shards: Sequence[torch.Tensor],
-    sizes: list[int],
-    outputs: list[torch.Tensor],
-    group: ProcessGroup | None,
-    async_op: bool,
-) -> AllGatherHandle | None:
-    """Two gloo ranks, shards back to back, whole outputs: no staging row of this rank's own.
-
-    The shards are sent as they lie and copied straight into this rank's rows of the outputs
-    (one fused copy, while the exchange runs); only the other rank's row is staged, then
-    copied into its rows. ``None`` when the case does not apply (the caller stages both rows).
-    """
-    send = adjacent_flat_view(shards)
-    if send is None or not gathers_pairwise(group, send.device):
-        return None
-    if any(out.numel() != 2 * n for n, out in zip(sizes, outputs)):
-        return None
-    storage = send.untyped_storage().data_ptr()
-    if any(out.untyped_storage().data_ptr() == storage for out in outputs):
-        return None  # an output shares the shards' buffer: written only once the exchange is done
-    rank = dist.get_rank(group)
-    peer = torch.empty(send.numel(), dtype=send.dtype, device=send.device)
-    work = exchange_with_peer(peer, send, group, async_op=async_op)
-    _copy_row_block(send.view(1, -1), rank, 2, sizes, outputs)
-
-    def finish() -> list[torch.Tensor]:
-        _copy_row_block(peer.view(1, -1), 1 - rank, 2, sizes, outputs)
-        return outputs
-
-    return AllGatherHandle("all_gather", work, finish, keepalive=(send, peer))
 
 
 def check_gather_outputs(

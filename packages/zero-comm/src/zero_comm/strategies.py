@@ -14,7 +14,7 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch.distributed import ProcessGroup
 
-from zero_comm.coalesced import issue_all_gather, issue_all_gather_into, issue_reduce_scatter
+from zero_comm.coalesced import GatherIntoPlan, issue_all_gather, issue_all_gather_into, issue_reduce_scatter
 from zero_comm.handles import AllGatherHandle, ReduceScatterHandle
 from zero_comm.hierarchical import issue_hierarchical_all_gather
 from zero_comm.reduction import ReduceOpLike
@@ -122,6 +122,17 @@ class FlatAllGather(OnGroup):
         tensor uses it when the strategy has it, and gathers into a flat buffer plus a copy when not.
         """
         return issue_all_gather_into(shards, outputs, self.group, async_op=async_op)
+
+    def plan_gather_into(
+        self, shards: Sequence[torch.Tensor], outputs: Sequence[torch.Tensor]
+    ) -> GatherIntoPlan:
+        """:meth:`all_gather_coalesced_into` of the same shards and outputs, planned once to be issued
+        many times (see :class:`zero_comm.GatherIntoPlan`).
+
+        Optional for an :class:`AllGatherStrategy`: a parameter store that gathers the same
+        parameters again and again plans them when the strategy has it.
+        """
+        return GatherIntoPlan(shards, outputs, self.group)
 
 
 class HierarchicalAllGather:

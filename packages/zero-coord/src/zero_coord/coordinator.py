@@ -207,6 +207,7 @@ class Coordinator:
         self._names = []
         self._traces = {}
         self._step = None
+        self._live.plans.clear()
 
     @property
     def paused(self) -> bool:

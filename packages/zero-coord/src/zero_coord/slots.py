@@ -21,7 +21,10 @@ from zero_comm.watchdog import label
 from zero_comm.watchdog import note as watchdog_note
 from zero_coord.stats import StatsAccumulator
 
-__all__ = ["GatherBatch", "LiveSlots", "ParamSlot", "SlotTable"]
+__all__ = ["MAX_PLANS", "GatherBatch", "LiveSlots", "ParamSlot", "SlotTable"]
+
+MAX_PLANS = 4096
+"""Most gather plans one :class:`LiveSlots` keeps (a few per trace event in practice)."""
 
 
 class GatherBatch:
@@ -179,6 +182,9 @@ class LiveSlots:
             autograd holds them, like a running module, so they do not count against
             ``max_live_parameters`` when prefetching.
         grad_ready: Slots whose gradient was accumulated in this backward.
+        plans: The gather of each window gathered so far (its slots and pass), planned once
+            (``zero_params.GatherPlan``): a valid trace gathers the same windows every step.
+            At most :data:`MAX_PLANS`; past that they are dropped and planned again as used.
     """
 
     __slots__ = (
@@ -189,11 +195,13 @@ class LiveSlots:
         "live",
         "live_slots",
         "pending_grad_numel",
+        "plans",
         "retained",
     )
 
     def __init__(self, acc: StatsAccumulator) -> None:
         self.acc = acc
+        self.plans: dict[tuple[Any, ...], zero_params.GatherPlan] = {}
         self.live = 0
         self.live_slots: dict[ParamSlot, None] = {}
         self.ahead: dict[ParamSlot, None] = {}
@@ -216,12 +224,16 @@ class LiveSlots:
         ``numel``: their elements, when the caller knows them (from the trace plan).
         """
         watchdog_note(lambda: label("gathers", [s.name for s in slots]))
-        params = []
+        key = (*slots, secondary)
+        plan = self.plans.get(key)
+        if plan is None:
+            if len(self.plans) >= MAX_PLANS:
+                self.plans.clear()  # windows of orders no longer run: plan the current ones afresh
+            plan = self.plans[key] = zero_params.GatherPlan([s.param for s in slots], secondary=secondary)
+        handle = plan.issue()
         nbytes = 0
         for s in slots:
-            params.append(s.param)
             nbytes += s.nbytes
-        handle = zero_params.gather(params, async_op=True, secondary=secondary)
         if numel is None:
             numel = sum(s.numel for s in slots)
         batch = GatherBatch(handle, numel, len(slots))

@@ -5,7 +5,8 @@ Init and GatheredParameters.
   :func:`is_partitioned`, :func:`full_shape`: the per-parameter state.
 * :func:`partition`, :func:`gather`, :func:`release`, :func:`reduce_scatter_grads`,
   :func:`commit_shards`, :func:`invalidate_secondary`: the operations (coalesced,
-  strategy-driven collectives from ``zero_comm``).
+  strategy-driven collectives from ``zero_comm``); :class:`GatherPlan`: one gather of fixed
+  parameters, planned once and issued again and again.
 * :class:`Init`: partition while constructing; :class:`GatheredParameters`: whole
   parameters inside a block; :func:`register_external_parameter`: parameters a module
   uses but does not own.
@@ -23,7 +24,7 @@ from zero_params.external import (
 )
 from zero_params.frozen import FrozenInt8Gather, FrozenInt8Store, quantize_frozen
 from zero_params.gathered import GatheredParameters
-from zero_params.gathering import GatherHandle, gather, release
+from zero_params.gathering import GatherHandle, GatherPlan, gather, release
 from zero_params.grad_reduce import GradReduceHandle, reduce_scatter_grads
 from zero_params.hpz import invalidate_secondary
 from zero_params.init import Init
@@ -47,6 +48,7 @@ __all__ = [
     "FrozenInt8Gather",
     "FrozenInt8Store",
     "GatherHandle",
+    "GatherPlan",
     "GatheredParameters",
     "GradReduceHandle",
     "Init",

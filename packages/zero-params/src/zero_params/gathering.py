@@ -19,10 +19,10 @@ from zero_comm import AllGatherHandle, AllGatherStrategy, group_ranks
 from zero_comm.profiling import profile_range
 from zero_params.hpz import build_secondary
 from zero_params.selection import Item, bucket_key, iter_states
-from zero_params.state import ParamStatus, ShardedParam, ShardHome
+from zero_params.state import ParamStatus, ShardedParam, ShardHome, UnshardedStorage
 from zero_params.transitions import make_available, make_not_available, unsharded_dest, unsharded_view
 
-__all__ = ["GatherHandle", "gather", "issue_gather", "release"]
+__all__ = ["GatherHandle", "GatherPlan", "gather", "issue_gather", "release"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -41,6 +41,7 @@ class _GatherOp:
     copy_out: bool
     secondary: bool
     refresh: bool  # commit_shards: the full data stays where it is, only its values change
+    views: list[torch.Tensor] | None = None  # full-shape views of the storages (a plan's), else made here
 
     def wait(self) -> None:
         if self.comm is None:
@@ -50,7 +51,10 @@ class _GatherOp:
             if self.copy_out:
                 for dest, gathered in zip(self.dests, outputs):
                     dest.view(-1).copy_(gathered[: dest.numel()])
-            if not self.refresh:
+            if self.views is not None:
+                for (p, state), view in zip(self.items, self.views):
+                    make_available(p, state, view)
+            elif not self.refresh:
                 primary = not self.secondary
                 for p, state in self.items:
                     make_available(p, state, unsharded_view(state))
@@ -208,6 +212,105 @@ def _upload_shards(items: list[tuple[nn.Parameter, ShardedParam]], use_secondary
         for i, t in zip(indices, home.upload([items[i][1] for i in indices]), strict=True):
             shards[i] = t
     return [s for s in shards if s is not None]
+
+
+class GatherPlan:
+    """:func:`gather` of one fixed list of parameters, planned once and issued again and again.
+
+    A coordinator gathers the same windows of parameters step after step. :func:`gather`
+    finds each parameter's state, buckets them by strategy, checks the shards and the
+    destinations and makes their views on every call; a plan does that once, with the
+    strategy's own plan of the collective (``plan_gather_into``, e.g.
+    :meth:`zero_comm.FlatAllGather.plan_gather_into`), and :meth:`issue` then refills the
+    storages, issues the collective and marks the parameters ``INFLIGHT``.
+
+    Each :meth:`issue` first checks, by identity, that nothing the plan was made from
+    changed: every parameter ``NOT_AVAILABLE``, with the same shard tensor, unsharded storage
+    and gather strategy. When anything did (a parameter gathered by other means, a shard
+    rebound, a new geometry), or the parameters are not a plain case (one strategy that can
+    plan, no offloaded or hpZ shards, nothing persistent), the call is exactly
+    :func:`gather`, and the next one plans again. Results are the same either way.
+
+    Args:
+        params: Partitioned parameters, the same on every rank, in the same order.
+        secondary: Gather over the hpZ secondary shards where valid (such a plan always
+            takes :func:`gather`'s path).
+    """
+
+    __slots__ = ("_comm", "_dests", "_items", "_keys", "_sizes", "_views", "params", "secondary")
+
+    def __init__(self, params: Iterable[nn.Parameter], *, secondary: bool = False) -> None:
+        self.params = list(params)
+        self.secondary = secondary
+        self._comm: Any = None  # the strategy's plan of the collective, once planned
+        self._items: list[Item] = []
+        self._keys: list[tuple[torch.Tensor, UnshardedStorage, torch.Tensor, AllGatherStrategy]] = []
+        self._sizes: list[int] = []
+        self._dests: list[torch.Tensor] = []
+        self._views: list[torch.Tensor] = []
+
+    def __repr__(self) -> str:
+        return f"GatherPlan(params={len(self.params)}, planned={self._comm is not None})"
+
+    def issue(self) -> GatherHandle:
+        """Gather the parameters asynchronously; ``wait()`` the handle to make them ``AVAILABLE``."""
+        if self._comm is None or not self._current():
+            return self._plan()
+        with profile_range("zero.params.gather"), torch._C.DisableTorchFunction():
+            for (_, state), size in zip(self._items, self._sizes):
+                state.unsharded.allocate(size, state.dtype, state.device)
+            comm = self._comm.issue(async_op=True)
+            op = _GatherOp(comm, self._items, self._dests, False, False, False, views=self._views)
+            return GatherHandle([_inflight(op)])
+
+    def _current(self) -> bool:
+        """Whether every parameter is ``NOT_AVAILABLE`` and still has the shard, storage and
+        strategy the plan was made with."""
+        not_available = ParamStatus.NOT_AVAILABLE
+        for (_, state), (shard, unsharded, flat, strategy) in zip(self._items, self._keys):
+            if (
+                state.status is not not_available
+                or state.shard is not shard
+                or state.unsharded is not unsharded
+                or unsharded.flat is not flat
+                or state.gather_strategy is not strategy
+            ):
+                return False
+        return True
+
+    def _plan(self) -> GatherHandle:
+        """Plan the gather where the parameters allow it and issue it; else :func:`gather`."""
+        self._comm = None
+        items = list(iter_states(self.params))
+        strategy = items[0][1].gather_strategy if items else None
+        planner = getattr(strategy, "plan_gather_into", None)
+        if planner is None or not all(_plannable(state, strategy) for _, state in items):
+            return gather(self.params, async_op=True, secondary=self.secondary)
+        with profile_range("zero.params.gather"), torch._C.DisableTorchFunction():
+            dests = [unsharded_dest(state, strategy) for _, state in items]
+            self._comm = planner([state.shard for _, state in items], dests)
+            self._items = items
+            self._dests = dests
+            self._sizes = [dest.numel() for dest in dests]
+            self._views = [unsharded_view(state) for _, state in items]
+            self._keys = [
+                (state.shard, state.unsharded, state.unsharded.flat, strategy) for _, state in items
+            ]
+        return self.issue()
+
+
+def _plannable(state: ShardedParam, strategy: AllGatherStrategy) -> bool:
+    """Whether a :class:`GatherPlan` can take ``state``: gathered by ``strategy`` alone, from a
+    shard on the gather device, not persistent, not offloaded, without hpZ."""
+    return (
+        state.status is ParamStatus.NOT_AVAILABLE
+        and not state.persistent
+        and state.offload is None
+        and state.secondary_strategy is None
+        and state.gather_strategy is strategy
+        and state.shard.device == state.device
+        and state.shard.dtype == state.dtype
+    )
 
 
 def release(params: nn.Parameter | Iterable[nn.Parameter]) -> None:
