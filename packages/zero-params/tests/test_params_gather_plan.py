@@ -103,7 +103,7 @@ def _unplannable():
     params, full = _params(threshold=13)  # (13,), (1,) and (5, 3) stay whole: persistent
     plan = zp.GatherPlan(params)
     matched = []
-    for turn in range(2):
+    for _ in range(2):
         plan.issue().wait()
         matched.append(_matches(params, full))
         zp.release(params)
