@@ -67,3 +67,21 @@ def test_adding_in_runs_is_bit_identical_to_one_add_per_tensor():
     assert [e.name for e in prof.events() if e.name == "aten::add_"] == ["aten::add_"] * 2
     for t, e in zip(targets, expected, strict=True):
         assert torch.equal(t, e)
+
+
+def test_a_mixed_order_is_sorted_by_place_in_the_storage():
+    """A bucket whose order is neither the storage's nor its reverse (a bias ready before its
+    weight): the partitions' order in their storage makes one run per storage."""
+    views = _flat_views(SIZES, torch.zeros(sum(SIZES)))
+    loose = torch.zeros(4)
+    partitions = _Partitions([*views, loose])
+    mixed = [3, 4, 1, 2, len(SIZES), 6, 5, 0]
+    ordered, targets, runs = in_fewer_runs(mixed, partitions)
+    # the flat buffer (first seen) by offset, an empty view beside its neighbour, then the loose one
+    assert [i for i in ordered if SIZES[i : i + 1] != [0]] == [1, 2, 3, 4, 6, len(SIZES)]
+    assert sorted(ordered) == sorted(mixed) and ordered[-1] == len(SIZES)
+    assert runs == [(0, len(SIZES)), (len(SIZES), len(SIZES) + 1)]
+    assert all(t is partitions.views[i] for t, i in zip(targets, ordered, strict=True))
+    # the same layout in another buffer (another rank's addresses) picks the same order
+    again = _Partitions([*_flat_views(SIZES, torch.zeros(sum(SIZES) + 8)[8:]), torch.zeros(4)])
+    assert in_fewer_runs(mixed, again)[0] == ordered

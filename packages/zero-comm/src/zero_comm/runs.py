@@ -61,21 +61,41 @@ def adjacent_runs(tensors: Sequence[torch.Tensor]) -> list[Run]:
 def in_fewer_runs(
     params: Sequence[T], partitions: GradPartitions
 ) -> tuple[list[T], list[torch.Tensor], list[Run]]:
-    """``params``, their gradient partitions and adjacent runs, in the order (given or reversed)
-    with fewer runs.
+    """``params``, their gradient partitions and adjacent runs, in the order with fewer runs:
+    the given one, the reversed one, or the partitions' order in their storages.
 
     Gradient buckets usually run in reverse registration order and flat gradient buffers in
-    registration order, so the reversed order often makes one run of a whole bucket. Adjacency
-    is judged within one storage, whose layout all ranks share, so every rank picks the same
-    order (issue the collective over the returned order).
+    registration order, so the reversed order often makes one run of a whole bucket; where the
+    backward's order is mixed (a bias before its weight, tied or persistent parameters), the
+    partitions sorted by their place in their storages make the fewest. Every candidate is judged
+    by storage and offset only (storages are told apart by where they first appear in
+    ``params``), whose layout all ranks share, so every rank picks the same order (issue the
+    collective over the returned order).
     """
     params = list(params)
     targets = [partitions.grad_partition(p) for p in params]
-    runs = adjacent_runs(targets)
-    backwards = adjacent_runs(targets[::-1])
-    if len(backwards) < len(runs):
-        return params[::-1], targets[::-1], backwards
-    return params, targets, runs
+    best = (params, targets, adjacent_runs(targets))
+    if len(best[2]) > 1:
+        backwards = adjacent_runs(targets[::-1])
+        if len(backwards) < len(best[2]):
+            best = (params[::-1], targets[::-1], backwards)
+    if len(best[2]) > 1:
+        order = sorted(range(len(params)), key=_place_key(targets))
+        placed = [targets[i] for i in order]
+        runs = adjacent_runs(placed)
+        if len(runs) < len(best[2]):
+            best = ([params[i] for i in order], placed, runs)
+    return best
+
+
+def _place_key(tensors: Sequence[torch.Tensor]) -> Any:
+    """Sort key of an index into ``tensors``: (which storage, first seen first; offset in it; index)."""
+    storages: dict[int, int] = {}
+    places = []
+    for i, t in enumerate(tensors):
+        storage = storages.setdefault(t.untyped_storage().data_ptr(), len(storages))
+        places.append((storage, t.storage_offset(), i))
+    return places.__getitem__
 
 
 def add_in_runs(targets: Sequence[torch.Tensor], parts: Sequence[torch.Tensor], runs: Sequence[Run]) -> None:

@@ -358,8 +358,9 @@ class ReduceScatterInto:
         Gradient partitions that lie back to back in a flat gradient take the reduced
         partitions with one ``add_`` per run instead of one per parameter. Buckets run in
         reverse registration order and the flat gradients in registration order, so the
-        collective is issued in the order (given or reversed) with fewer runs — the same on
-        every rank, since adjacency is judged within one storage, whose layout all ranks share.
+        collective is issued in the order with fewer runs (given, reversed, or the partitions'
+        place in their storage: ``zero_comm.runs.in_fewer_runs``) — the same on every rank, since
+        adjacency is judged within one storage, whose layout all ranks share.
         """
         with profile_range("zero.optim.reduce_scatter_grads"):
             params, targets, runs = _in_fewer_runs(params, self.partitioning)

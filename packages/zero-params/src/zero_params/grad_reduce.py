@@ -156,9 +156,10 @@ def _issue(
     partitions with one ``add_``.
 
     For a strategy whose results do not depend on the order (:data:`_ORDER_FREE`) the order
-    (given or reversed) with fewer runs is used: buckets run in reverse registration order, flat
-    gradient buffers in registration order. Runs are judged by storage layout, which the ranks
-    share, so every rank issues the same collective.
+    with fewer runs is used (given, reversed, or the partitions' place in their storage; see
+    ``zero_comm.runs.in_fewer_runs``): buckets run in backward order, flat gradient buffers in
+    registration order. Runs are judged by storage layout, which the ranks share, so every rank
+    issues the same collective.
     """
     if isinstance(strategy, _ORDER_FREE):
         pairs, targets, runs = in_fewer_runs(pairs, _PairPartitions())
