@@ -118,7 +118,7 @@ def _window_collectives(rank, bucket: int):
     config = CoordinatorConfig(prefetch_bucket_size=bucket, max_reuse_distance=0)
     coord = coordinate(model, config, ReduceScatterSink())
     topology = Topology(rank.ranks_per_node)
-    collectives, stats, errors, inputs = [], [], [], []
+    collectives, stats, errors, inputs, plans = [], [], [], [], []
     loss_fn = lambda out: out.pow(2).sum()  # noqa: E731 - tiny test loss
     for step in range(3):
         x = rank_input(step, rank.rank, (4, WIDTH))
@@ -128,18 +128,22 @@ def _window_collectives(rank, bucket: int):
             loss_fn(out).backward()
         collectives.append(sum(r.op == "all_gather" for r in ledger.records))
         stats.append(coord.last_step_stats)
+        plans.append(dict(coord._live.plans))  # each window's gather plan, by window
         with torch.no_grad():
             errors.append((out - ref(x)).abs().max().item())
     grad_errors = grad_partition_errors(model, reference_grads(ref, inputs, loss_fn, rank.world_size))
+    # The steady step gathered the windows of the first traced step with the very same plans.
+    reused = plans[2] == plans[1] and all("planned=True" in repr(p) for p in plans[2].values())
     coord.remove()
-    return collectives, stats, max(errors), max(grad_errors.values())
+    return collectives, stats, max(errors), max(grad_errors.values()), reused, len(coord._live.plans)
 
 
 @over_worlds
 def test_one_gather_per_prefetch_window_not_per_module(dist, world):
     window = WINDOW_LAYERS * LAYER_NUMEL
-    for collectives, stats, err, grad_err in dist.run(world, _window_collectives, window):
+    for collectives, stats, err, grad_err, reused, left in dist.run(world, _window_collectives, window):
         assert err == 0.0 and grad_err <= 1e-5, (err, grad_err)
+        assert reused and left == 0  # plans reused step after step, dropped by remove()
         steady = stats[2]
         assert steady.prefetch_misses == 2 and steady.prefetch_hit_rate >= 0.9, steady
         assert collectives[2] == steady.gathers, (collectives, steady)  # one collective per gather
@@ -151,5 +155,5 @@ def test_one_gather_per_prefetch_window_not_per_module(dist, world):
         modules = 2 * DEPTH - 1 - (1 + WINDOW_LAYERS)
         assert steady.gathers <= 1 + -(-modules // (WINDOW_LAYERS // 2)), steady
     # Control: a bucket of one layer gathers one layer at a time (the first with the missed one).
-    for _, stats, err, grad_err in dist.run(world, _window_collectives, LAYER_NUMEL):
-        assert err == 0.0 and grad_err <= 1e-5 and stats[2].gathers == 2 * DEPTH - 2, stats[2]
+    for _, stats, err, grad_err, reused, _ in dist.run(world, _window_collectives, LAYER_NUMEL):
+        assert reused and err == 0.0 and grad_err <= 1e-5 and stats[2].gathers == 2 * DEPTH - 2, stats[2]
