@@ -48,9 +48,11 @@ class CoordinatorConfig:
         max_live_parameters: Upper bound on gathered (or in-flight) parameter elements that
             prefetching and reuse may keep alive (``stage3_max_live_parameters``). The
             parameters a running module needs are always gathered, and when nothing is
-            prefetched the next module is, if it fits in the bound (a module larger than the
-            bound, such as a tied embedding and head, still has the next one in flight), so the
-            peak is at most this bound plus the parameters of the modules running at once.
+            prefetched the next module is (a module larger than the bound, such as a tied
+            embedding and head, still has the next one in flight), so the peak is at most this
+            bound plus the parameters of the modules running at once; a module larger than the
+            bound is itself prefetched only with nothing else ahead and everything else within
+            the bound, so the peak is then at most the bound plus that module.
             Under the bound, parameters kept for reuse that are needed later make room for
             prefetches needed sooner.
         max_reuse_distance: A parameter whose next use in the recorded trace is at most
