@@ -131,6 +131,62 @@ def breakdown(events: Any, steps: int) -> dict[str, float]:
     return {k: v / 1e3 / steps for k, v in totals.items()}
 
 
+def _is_wait(name: str) -> bool:
+    return name.startswith("zero.") and name.endswith(".wait")
+
+
+def waits_in_order(events: Any) -> list[dict[str, Any]]:
+    """The collective waits of a step in the order they come, each position over the profiled steps.
+
+    On the training thread, every outermost ``zero.*.wait`` range under each ``bench.step``:
+    its start within the step and its duration. Position ``k`` is the ``k``-th wait of every
+    step (steady steps wait at the same places; with unequal counts only the first ``n`` of
+    every step, ``n`` the least). Per position: the phase (``forward`` / ``backward`` /
+    ``step``: the innermost ``zero.engine.*`` range around it), the range's name, the median
+    start (ms into the step) and the median, mean and largest wait (ms).
+    """
+    tops = sorted((e for e in events if e.name == "bench.step"), key=lambda e: e.time_range.start)
+    if not tops:
+        return []
+    thread = tops[0].thread
+    index = {id(e): i for i, e in enumerate(tops)}
+    per_step: list[list[tuple[float, float, str, str]]] = [[] for _ in tops]
+    for e in events:
+        if e.thread != thread or not _is_wait(e.name):
+            continue
+        phase, node, top = "other", e.cpu_parent, None
+        while node is not None:
+            if _is_wait(node.name):
+                break  # nested in another wait: counted there
+            if phase == "other" and node.name.startswith("zero.engine."):
+                phase = node.name.removeprefix("zero.engine.")
+            if id(node) in index:
+                top = node
+            node = node.cpu_parent
+        if node is not None or top is None:
+            continue
+        start = (e.time_range.start - top.time_range.start) / 1e3
+        per_step[index[id(top)]].append((start, e.time_range.elapsed_us() / 1e3, e.name, phase))
+    for waits in per_step:
+        waits.sort()
+    rows = []
+    for k in range(min(len(w) for w in per_step)):
+        at = [w[k] for w in per_step]
+        took = [a[1] for a in at]
+        rows.append(
+            {
+                "position": k,
+                "phase": at[0][3],
+                "range": at[0][2],
+                "start_ms": statistics.median(a[0] for a in at),
+                "wait_ms": statistics.median(took),
+                "mean_ms": statistics.fmean(took),
+                "max_ms": max(took),
+            }
+        )
+    return rows
+
+
 def _thread_cpu_seconds() -> dict[int, float]:
     """utime + stime of every thread of this process (seconds)."""
     tick = os.sysconf("SC_CLK_TCK")
@@ -234,6 +290,7 @@ def _profiled(
     return {
         "profiled_step_ms": wall * 1e3,
         "breakdown_ms": breakdown(prof.events(), len(batches)),
+        "waits": waits_in_order(prof.events()),
         "other_threads_cpu_ms": others * 1e3 / len(batches),
         "main_thread_cpu_ms": (after.get(main, 0.0) - before.get(main, 0.0)) * 1e3 / len(batches),
     }
@@ -309,10 +366,32 @@ def summarize(args: argparse.Namespace, raw: dict[str, Any], psi: int) -> dict[s
         "distance_pct_of_step": 100.0 * (zero_s - floor) / zero_s,
         "ratio_to_ddp": zero_s / ddp_s,
         "breakdown_ms": rank0["breakdown_ms"],
+        "waits": [p.get("waits", []) for p in raw["profiled"]],
         "profiled_step_ms": rank0["profiled_step_ms"],
         "other_threads_cpu_ms": [p["other_threads_cpu_ms"] for p in raw["profiled"]],
         "main_thread_cpu_ms": [p["main_thread_cpu_ms"] for p in raw["profiled"]],
     }
+
+
+def waits_table(per_rank: list[list[dict[str, Any]]]) -> str:
+    """The waits of a step in order (:func:`waits_in_order`), one column per rank (rank 0's positions)."""
+    if not per_rank or not per_rank[0]:
+        return ""
+    ranks = range(len(per_rank))
+    rows = []
+    for k, first in enumerate(per_rank[0]):
+        cells = []
+        for waits in per_rank:
+            w = waits[k] if k < len(waits) and waits[k]["range"] == first["range"] else None
+            cells.append("-" if w is None else f"{w['wait_ms']:.2f} ({w['mean_ms']:.2f}, {w['max_ms']:.1f})")
+        rows.append([str(k), first["phase"], f"`{first['range']}`", f"{first['start_ms']:.1f}", *cells])
+    totals = [f"{sum(w['wait_ms'] for w in ws):.1f} ({sum(w['mean_ms'] for w in ws):.1f})" for ws in per_rank]
+    rows.append(["", "**all**", "", "", *totals])
+    return markdown_table(
+        ["#", "phase", "range", "starts at (ms)", *[f"rank {r}: median (mean, max) ms" for r in ranks]],
+        rows,
+        "rllr" + "r" * len(per_rank),
+    )
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -322,6 +401,7 @@ def markdown(result: dict[str, Any]) -> str:
     rows.append(("**profiled step (wall)**", f"{step:.1f}", "100%"))
     gloo = ", ".join(f"{v:.1f}" for v in s["other_threads_cpu_ms"])
     main = ", ".join(f"{v:.1f}" for v in s["main_thread_cpu_ms"])
+    waits = waits_table(s.get("waits", []))
     floor_rows = [
         ("DDP step (median of the slowest rank)", f"{s['ddp_step_s'] * 1e3:.1f} ms"),
         ("zero step, released", f"{s['zero3_step_s'] * 1e3:.1f} ms ({s['ratio_to_ddp']:.2f}x DDP)"),
@@ -348,6 +428,18 @@ def markdown(result: dict[str, Any]) -> str:
             f"CPU time of the other threads (gloo) per step, per rank: {gloo} ms; "
             f"training thread: {main} ms.",
             "",
+            *(
+                [
+                    "The waits for collectives of a step, in order, over the profiled steps (start: "
+                    "rank 0's median; a wait that is long on one rank only is that rank waiting for "
+                    "the other):",
+                    "",
+                    waits,
+                    "",
+                ]
+                if waits
+                else []
+            ),
             markdown_table(["floor", "value"], floor_rows, "lr"),
         ]
     )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from growth import predict
 from impls import ring_ideal_bytes, stage_of
-from profile_step import _category, fit_cost
+from profile_step import _category, fit_cost, waits_in_order, waits_table
 
 
 def test_the_cost_fit_recovers_latency_and_cost_per_byte():
@@ -45,3 +45,57 @@ def test_growth_predicts_compute_plus_ring_bytes():
     assert rows[0]["predicted_step_s"] == pytest.approx(0.01)
     assert rows[1]["predicted_step_s"] == pytest.approx(0.01 + ring_ideal_bytes("zero-3", 1000, 2) * 1e-9)
     assert stage_of("zero-3-compiled") == 3
+
+
+class _Range:
+    def __init__(self, start: float, end: float) -> None:
+        self.start, self.end = start, end
+
+    def elapsed_us(self) -> float:
+        return self.end - self.start
+
+
+class _Event:
+    """The attributes of a ``torch.profiler`` FunctionEvent that profile_step reads (times in us)."""
+
+    def __init__(
+        self, name: str, start: float, end: float, parent: _Event | None = None, thread: int = 1
+    ) -> None:
+        self.name, self.cpu_parent, self.thread = name, parent, thread
+        self.time_range = _Range(start, end)
+
+
+def _step(at: float, first_wait_us: float, second_wait_us: float) -> list[_Event]:
+    """One profiled step: a forward wait, a backward wait (with a nested wait), a step-phase wait."""
+    top = _Event("bench.step", at, at + 10_000)
+    fwd = _Event("zero.engine.forward", at, at + 3_000, top)
+    bwd = _Event("zero.engine.backward", at + 3_000, at + 8_000, top)
+    opt = _Event("zero.engine.step", at + 8_000, at + 10_000, top)
+    fetch = _Event("zero.coord.fetch", at + 1_000, at + 1_000 + first_wait_us + 50, fwd)
+    w1 = _Event("zero.params.gather.wait", at + 1_000, at + 1_000 + first_wait_us, fetch)
+    w2 = _Event("zero.params.reduce_scatter_grads.wait", at + 5_000, at + 5_000 + second_wait_us, bwd)
+    nested = _Event("zero.reduce_scatter.wait", at + 5_010, at + 5_020, w2)
+    w3 = _Event("zero.params.gather.wait", at + 9_000, at + 9_100, opt)
+    other_thread = _Event("zero.params.gather.wait", at + 2_000, at + 2_500, None, thread=2)
+    # Out of order on purpose: positions come from the start within the step.
+    return [w3, nested, top, fwd, bwd, opt, fetch, w2, w1, other_thread]
+
+
+def test_the_waits_of_a_step_come_in_order_with_median_mean_and_max():
+    events = _step(0.0, 400.0, 2_000.0) + _step(20_000.0, 600.0, 1_000.0) + _step(40_000.0, 800.0, 9_000.0)
+    rows = waits_in_order(events)
+    # Three outermost waits a step (the nested one and the other thread's are not counted).
+    assert [(r["phase"], r["range"]) for r in rows] == [
+        ("forward", "zero.params.gather.wait"),
+        ("backward", "zero.params.reduce_scatter_grads.wait"),
+        ("step", "zero.params.gather.wait"),
+    ]
+    assert [r["start_ms"] for r in rows] == pytest.approx([1.0, 5.0, 9.0])
+    assert rows[0]["wait_ms"] == pytest.approx(0.6) and rows[0]["max_ms"] == pytest.approx(0.8)
+    assert rows[1]["wait_ms"] == pytest.approx(2.0) and rows[1]["mean_ms"] == pytest.approx(4.0)
+    table = waits_table([rows, rows[:2]])
+    assert "| 0 | forward | `zero.params.gather.wait` | 1.0 | 0.60 (0.60, 0.8) | 0.60 (0.60, 0.8) |" in table
+    # Rank 1 has no third wait.
+    assert "| 2 | step | `zero.params.gather.wait` | 9.0 | 0.10 (0.10, 0.1) | - |" in table
+    assert "|  | **all** |  |  | 2.7 (4.7) | 2.6 (4.6) |" in table  # medians (means) summed
+    assert waits_in_order([]) == [] and waits_table([]) == ""
