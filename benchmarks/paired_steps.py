@@ -28,6 +28,8 @@ is the finer instrument between DDP and zero. Writes ``<--name>.json`` and ``.md
 implementation built here; only zero-3 reads them. The first two trade a larger gathered window,
 and a higher bound on the gathered parameters, for fewer collectives; with a reuse distance of 0
 every parameter is released after use unless the very next module needs it.
+``--bucket-blocks`` sets ``reduce_bucket_size`` and ``allgather_bucket_size`` of every zero
+stage (default: the side-by-side's 4 blocks).
 
 ``--world 1`` runs every implementation in one process, with no communication at all: what
 is left of each ratio to DDP is what its own machinery costs (hooks, gathers that only copy,
@@ -163,9 +165,13 @@ def report(summary: dict[str, dict[str, float]], workload: str, env: dict[str, A
 
 
 def options_of(args: argparse.Namespace) -> ImplOptions:
-    """The builders' options from the command line: stage 3's prefetch bucket, live bound, reuse distance."""
+    """The builders' options from the command line: stage 3's prefetch bucket, live bound, reuse distance;
+    the gradient / parameter buckets of every stage."""
     return ImplOptions(
-        prefetch_blocks=args.prefetch_blocks, live_blocks=args.live_blocks, reuse_blocks=args.reuse_blocks
+        prefetch_blocks=args.prefetch_blocks,
+        live_blocks=args.live_blocks,
+        reuse_blocks=args.reuse_blocks,
+        bucket_blocks=args.bucket_blocks,
     )
 
 
@@ -193,6 +199,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=defaults.reuse_blocks,
         help="stage 3: stage3_max_reuse_distance, in blocks (0: release after use)",
+    )
+    parser.add_argument(
+        "--bucket-blocks",
+        type=float,
+        default=defaults.bucket_blocks,
+        help="reduce_bucket_size and allgather_bucket_size, in blocks (every stage)",
     )
     return parser
 

@@ -20,6 +20,9 @@ On ``--world`` gloo ranks (one thread each), with the side-by-side's GPT-2 workl
    name (compute forward / backward, collective calls, waiting for collectives, zero's copies
    and casts, hooks and coordinator, optimizer, ...), and the CPU time of every other thread
    (gloo's) is read from ``/proc/self/task``. Rank 0 writes a Chrome trace (``--trace``).
+   The waits for collectives are also listed in the order a step meets them
+   (:func:`waits_in_order`), per rank: which ones are systematic (both ranks wait: a gather
+   issued too late) and which are one rank waiting for the other.
 
 ``--impl zero-1`` / ``zero-2`` profiles those stages the same way instead (their wire bytes
 are DDP's, so their floor is DDP's step).
