@@ -84,12 +84,17 @@ CATEGORIES = (
 # ----------------------------------------------------------------------------- attribution
 
 
+def _is_wait(name: str) -> bool:
+    """Whether a range is one of zero's waits for a collective (``zero.*.wait``)."""
+    return name.startswith("zero.") and name.endswith(".wait")
+
+
 def _category(chain: list[str]) -> str:
     """The category of an event's self time; ``chain`` = its name, then its ancestors' names."""
     own = chain[0]
     if own.startswith(("c10d::", "gloo")) or "record_param_comms" in own:
         return "collective calls (issue / synchronous)"
-    if own.startswith("zero.") and own.endswith(".wait"):
+    if _is_wait(own):
         return "waiting for collectives"
     zero_inner = next((n for n in chain if n.startswith("zero.") and not n.startswith("zero.engine.")), None)
     in_optim = zero_inner is not None and zero_inner.startswith(("zero.optim.step", "zero.optim.sub_group"))
@@ -132,10 +137,6 @@ def breakdown(events: Any, steps: int) -> dict[str, float]:
             continue
         totals[_category(chain)] += e.self_cpu_time_total
     return {k: v / 1e3 / steps for k, v in totals.items()}
-
-
-def _is_wait(name: str) -> bool:
-    return name.startswith("zero.") and name.endswith(".wait")
 
 
 def waits_in_order(events: Any) -> list[dict[str, Any]]:
