@@ -174,13 +174,15 @@ def block_modules(model: nn.Module) -> list[nn.Module]:
 def enable_checkpointing(model: nn.Module) -> None:
     """Activation checkpointing of every block (non-reentrant ``torch.utils.checkpoint``).
 
-    GPT-2 through ``transformers``' own ``gradient_checkpointing_enable``; the MLP and the
+    GPT-2 through ``transformers``' own checkpointing (``enable_hf_checkpointing``); the MLP and the
     Linear stack wrap each block's call in ``checkpoint``.
     """
     if isinstance(model, MLP | LinearStack):
         model.checkpointed = True
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        from zero_full.workloads import enable_hf_checkpointing
+
+        enable_hf_checkpointing(model, use_reentrant=False)
 
 
 def num_params(model: nn.Module) -> int:

@@ -19,7 +19,7 @@ from torch import nn
 import zero_coord
 import zero_full
 import zero_params
-from zero_full.workloads import GPT2Workload
+from zero_full.workloads import GPT2Workload, enable_hf_checkpointing
 
 SEQ = 16
 VOCAB = 257
@@ -148,7 +148,7 @@ def gpt2() -> nn.Module:
 class GPT2Loss(nn.Module):
     """Wraps the HF model so that ``model(ids)`` returns the LM loss.
 
-    ``checkpointing``: ``"reentrant"`` / ``"non_reentrant"`` turns on HF's gradient
+    ``checkpointing``: ``"reentrant"`` / ``"non_reentrant"`` turns on HF's activation
     checkpointing of every block with that ``torch.utils.checkpoint`` flavour.
     """
 
@@ -156,9 +156,7 @@ class GPT2Loss(nn.Module):
         super().__init__()
         self.lm = build_lm()
         if checkpointing != "none":
-            self.lm.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": checkpointing == "reentrant"}
-            )
+            enable_hf_checkpointing(self.lm, use_reentrant=checkpointing == "reentrant")
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.lm(input_ids=ids, labels=ids).loss

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from zero_full.workloads import GPT2Workload
+from zero_full.workloads import GPT2Workload, enable_hf_checkpointing
 
 
 def _by_hand(layers: int, hidden: int, heads: int, vocab: int, positions: int) -> GPT2LMHeadModel:
@@ -63,3 +65,35 @@ def test_bad_shapes_are_named():
         GPT2Workload(hidden=30, heads=4)
     with pytest.raises(ValueError, match="GPT2Workload.vocab must be >= 2"):
         GPT2Workload(vocab=1)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_hf_checkpointing_recomputes_each_block_with_the_same_gradients_and_no_warning(use_reentrant):
+    w = GPT2Workload(layers=2, hidden=24, heads=3, vocab=53, seq=7, seed=3)
+    plain, checkpointed = w.build_model(), w.build_model()
+    plain.train()
+    checkpointed.train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # transformers 5 warns on the deprecated spelling
+        enable_hf_checkpointing(checkpointed, use_reentrant=use_reentrant)
+    calls = [0]
+    checkpointed.transformer.h[1].mlp.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    ids = w.uniform_batch(0, 3)
+    for model in (plain, checkpointed):
+        model(input_ids=ids, labels=ids).loss.backward()
+    assert calls[0] == 2  # once in the forward, once more when the backward recomputes the block
+    for (name, a), b in zip(plain.named_parameters(), checkpointed.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=0, msg=name)
+
+
+def test_hf_checkpointing_takes_the_older_spelling_and_names_a_model_without_either():
+    seen = []
+
+    class Legacy(torch.nn.Module):  # transformers 4.x: gradient_checkpointing_enable only
+        def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs=None):
+            seen.append(gradient_checkpointing_kwargs)
+
+    enable_hf_checkpointing(Legacy(), use_reentrant=True)
+    assert seen == [{"use_reentrant": True}]
+    with pytest.raises(TypeError, match="Linear has no activation checkpointing"):
+        enable_hf_checkpointing(torch.nn.Linear(2, 2), use_reentrant=False)

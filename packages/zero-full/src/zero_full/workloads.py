@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["GPT2Workload", "require_transformers"]
+__all__ = ["GPT2Workload", "enable_hf_checkpointing", "require_transformers"]
 
 _MARKOV_STAY = 0.8  # probability that the next token follows the chain (the rest is uniform noise)
 
@@ -31,6 +31,31 @@ def require_transformers() -> None:
             "the demo model is built with the 'transformers' package, which is not installed: "
             "pip install zero-full[demo]"
         )
+
+
+def enable_hf_checkpointing(model: nn.Module, *, use_reentrant: bool) -> None:
+    """Turn on activation checkpointing of every block of a ``transformers`` model.
+
+    ``use_reentrant`` picks the ``torch.utils.checkpoint`` flavour. Through
+    ``activation_checkpointing_enable`` where ``transformers`` has it (5.x: the older
+    ``gradient_checkpointing_enable`` is a deprecated alias that warns), else through
+    ``gradient_checkpointing_enable`` (4.x).
+
+    Raises:
+        TypeError: ``model`` is not a ``transformers`` model that supports checkpointing.
+    """
+    kwargs = {"use_reentrant": use_reentrant}
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=kwargs)
+        return
+    legacy = getattr(model, "gradient_checkpointing_enable", None)
+    if legacy is None:
+        raise TypeError(
+            f"{type(model).__name__} has no activation checkpointing of its own: "
+            "expected a transformers PreTrainedModel"
+        )
+    legacy(gradient_checkpointing_kwargs=kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
