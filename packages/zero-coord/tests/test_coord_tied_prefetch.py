@@ -113,3 +113,67 @@ def test_the_last_layer_is_in_flight_during_the_heads_backward_with_a_small_modu
         assert steady.bytes_gathered == 4 * gathered, steady
         # Within the bound on top of the tied weight and the running module, plus the norm.
         assert steady.max_live_elements <= BOUND + EMBED_NUMEL + LAYER_NUMEL + norm_numel, steady
+
+
+MIX_ROWS = 45  # the body's own parameter: 45 x 17 = 765 elements, 2.5 layers
+HEAD_NUMEL = VOCAB * WIDTH  # an untied head larger than the bound
+
+
+class _Body(nn.Module):
+    """A parent with a parameter of its own around the layers: gathered while every layer runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = nn.Parameter(torch.randn(MIX_ROWS, WIDTH) / MIX_ROWS)
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.mix.sum(0)
+        for layer in self.layers:
+            x = torch.tanh(layer(x))
+        return x
+
+
+class ParentThenLargeHead(nn.Module):
+    """``body`` (own parameter + 4 layers), then a head larger than the bound."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = _Body()
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def _parent_steps(rank):
+    model, ref = build(ParentThenLargeHead)
+    config = CoordinatorConfig(
+        prefetch_bucket_size=2 * LAYER_NUMEL, max_live_parameters=BOUND, max_reuse_distance=0
+    )
+    coord = coordinate(model, config, ReduceScatterSink())
+    stats, errors = [], []
+    for step in range(3):
+        x = rank_input(step, rank.rank, (3, WIDTH))
+        out = model(x)
+        out.pow(2).mean().backward()
+        stats.append(coord.last_step_stats)
+        with torch.no_grad():
+            errors.append((out - ref(x)).abs().max().item())
+    coord.remove()
+    return stats, max(errors)
+
+
+@over_worlds
+def test_a_module_larger_than_the_bound_waits_while_the_running_modules_fill_it(dist, world):
+    # While the last layer runs, the body's own parameter (2.5 layers) and that layer already
+    # fill the bound (3 layers), with nothing ahead. Prefetching the head then would hold
+    # body + layer + head = 765 + 306 + 1649 = 2720 elements, over the bound plus the head
+    # (2567); it is gathered when it runs instead, after the body's release: a second miss
+    # besides the step's first module (measured peak 2414 with the condition, 2720 without).
+    for stats, err in dist.run(world, _parent_steps):
+        assert err < 1e-6
+        steady = stats[2]
+        assert steady.prefetch_misses == 2, steady
+        assert steady.max_live_elements <= BOUND + HEAD_NUMEL, steady
+        assert steady.max_live_elements < MIX_ROWS * WIDTH + LAYER_NUMEL + HEAD_NUMEL, steady
