@@ -38,7 +38,7 @@ class StagedReduceScatter:
         device: Where they live.
     """
 
-    __slots__ = ("_filled", "_offsets", "_own", "_send", "group", "numels", "parts", "rank", "world")
+    __slots__ = ("_filled", "_offsets", "_own", "_rows", "_send", "group", "numels", "parts", "rank", "world")
 
     def __init__(
         self,
@@ -63,6 +63,7 @@ class StagedReduceScatter:
         if staged_rows != self.world:
             self._own = torch.empty(total, dtype=dtype, device=device)
         self._filled = [False] * len(self.numels)
+        self._rows = [self._row(r) for r in range(self.world)]  # made once: put() runs per gradient
 
     def _row(self, r: int) -> torch.Tensor:
         """Staging row of rank ``r``'s partitions."""
@@ -86,16 +87,22 @@ class StagedReduceScatter:
                 f"StagedReduceScatter: tensor {index} has {tensor.numel()} elements, expected {numel}"
             )
         self._filled[index] = True
-        flat = None if tensor is None else tensor.reshape(-1)
         with torch.no_grad():
-            for r in range(self.world):
-                dst = self._row(r).narrow(0, off, part)
-                start, stop = min(r * part, numel), min((r + 1) * part, numel)
-                if flat is None or stop == start:
+            if tensor is None:
+                for row in self._rows:
+                    row.narrow(0, off, part).zero_()
+                return
+            flat = tensor.reshape(-1)
+            for r, row in enumerate(self._rows):  # rank r's partition: elements [r * part, (r + 1) * part)
+                dst = row.narrow(0, off, part)
+                n = min(part, numel - r * part)  # its elements that exist (the rest is padding)
+                if n == part:
+                    dst.copy_(flat.narrow(0, r * part, part))
+                elif n <= 0:
                     dst.zero_()
-                    continue
-                dst[: stop - start].copy_(flat[start:stop])
-                dst[stop - start :].zero_()
+                else:
+                    dst.narrow(0, 0, n).copy_(flat.narrow(0, r * part, n))
+                    dst.narrow(0, n, part - n).zero_()
 
     def fill_missing(self, count: int | None = None) -> None:
         """Zero the staging positions of every tensor (of the first ``count``) not put yet.
