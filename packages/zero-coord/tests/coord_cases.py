@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -221,6 +222,27 @@ def coordinate(model: nn.Module, config: CoordinatorConfig | None = None, sink=N
     coord = Coordinator(model, config or CoordinatorConfig(), sink)
     coord.install()
     return coord
+
+
+def train_steps(
+    model: nn.Module,
+    ref: nn.Module,
+    coord: Coordinator,
+    batch: Callable[[int], torch.Tensor],
+    steps: int = 3,
+    loss: Callable[[torch.Tensor], torch.Tensor] = lambda out: out.pow(2).mean(),
+) -> tuple[list, float]:
+    """``steps`` forward + backward passes on ``batch(step)``: each step's stats and the largest
+    difference of the outputs from the reference model's."""
+    stats, errors = [], []
+    for step in range(steps):
+        x = batch(step)
+        out = model(x)
+        loss(out).backward()
+        stats.append(coord.last_step_stats)
+        with torch.no_grad():
+            errors.append((out - ref(x)).abs().max().item())
+    return stats, max(errors)
 
 
 def rank_input(seed: int, rank: int, shape: tuple[int, ...], high: int | None = None) -> torch.Tensor:

@@ -9,7 +9,7 @@ forward and at once again in backward, must not be freed and gathered again in b
 from __future__ import annotations
 
 import torch
-from coord_cases import ReduceScatterSink, build, coordinate, over_worlds, rank_input
+from coord_cases import ReduceScatterSink, build, coordinate, over_worlds, rank_input, train_steps
 from torch import nn
 
 import zero_params
@@ -63,16 +63,9 @@ def _tied_steps(rank, norm=False):
     )
     sink = ReduceScatterSink()
     coord = coordinate(model, config, sink)
-    stats, errors = [], []
-    for step in range(3):
-        ids = rank_input(step, rank.rank, (3, 5), high=VOCAB)
-        out = model(ids)
-        out.pow(2).mean().backward()
-        stats.append(coord.last_step_stats)
-        with torch.no_grad():
-            errors.append((out - ref(ids)).abs().max().item())
+    stats, err = train_steps(model, ref, coord, lambda step: rank_input(step, rank.rank, (3, 5), high=VOCAB))
     coord.remove()
-    return stats, max(errors), sink.problems, model.last_layer_status
+    return stats, err, sink.problems, model.last_layer_status
 
 
 @over_worlds
@@ -152,16 +145,9 @@ def _parent_steps(rank):
         prefetch_bucket_size=2 * LAYER_NUMEL, max_live_parameters=BOUND, max_reuse_distance=0
     )
     coord = coordinate(model, config, ReduceScatterSink())
-    stats, errors = [], []
-    for step in range(3):
-        x = rank_input(step, rank.rank, (3, WIDTH))
-        out = model(x)
-        out.pow(2).mean().backward()
-        stats.append(coord.last_step_stats)
-        with torch.no_grad():
-            errors.append((out - ref(x)).abs().max().item())
+    stats, err = train_steps(model, ref, coord, lambda step: rank_input(step, rank.rank, (3, WIDTH)))
     coord.remove()
-    return stats, max(errors)
+    return stats, err
 
 
 @over_worlds
