@@ -4,6 +4,7 @@ The output head owns the embedding's weight (``head.weight is embed.weight``), s
 that parameter waits for its gradient until the embedding's own backward ran, at the very end.
 It must not block prefetching of every block in between, and the head's weight, used in
 forward and at once again in backward, must not be freed and gathered again in between.
+A module larger than the bound is prefetched only while everything else gathered fits in it.
 """
 
 from __future__ import annotations
