@@ -105,31 +105,32 @@ def _layout(rank, stage):
     return opt.state_dict()["layout"]
 
 
-def _stage3_layout(rank, persistent_last=True):
+def _stage3_layout(rank, persistent_first=True):
     model = Odd(unused=True)
-    zero_params.partition(model)
+    zero_params.partition(model, persistence_threshold=7)
     opt, _ = stage3_optimizer(model, make_optimizer("adamw"))
     layout = opt.state_dict()["layout"]
-    if persistent_last:
+    if persistent_first:
         return layout
     # back to the model's order: the same segments as stages 0-2
     order = {name: i for i, (name, _) in enumerate(model.named_parameters())}
     return [sorted(group, key=lambda seg: order[seg[0]]) for group in layout]
 
 
-def _persistent_last(layout, persistent):
-    return [[s for s in g if s[0] not in persistent] + [s for s in g if s[0] in persistent] for g in layout]
+def _persistent_first(layout, persistent):
+    return [[s for s in g if s[0] in persistent] + [s for s in g if s[0] not in persistent] for g in layout]
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_the_flat_layout_and_state_dict_layout_are_those_of_stage_3(dist, world):
-    """Every stage splits each parameter alike; stage 3 lays its persistent parameters out last."""
+    """Every stage splits each parameter alike; stage 3 lays its persistent parameters out first."""
     s1 = dist.run(world, _layout, 1)
     s2 = dist.run(world, _layout, 2)
     assert s1 == s2 == dist.run(world, _stage3_layout, False)
-    # Odd's empty parameter stays whole at stage 3 (persistent): its segment moves to the end
+    # parameters of at most 7 elements stay whole at stage 3 (persistent): their segments move to the front
     s3 = dist.run(world, _stage3_layout)
-    assert s3 == [_persistent_last(layout, {"ps.0"}) for layout in s1] != s1
+    persistent = {"ps.0", "ps.1", "ps.2", "ps.6", "inner.bias", "unused.weight", "unused.bias"}
+    assert s3 == [_persistent_first(layout, persistent) for layout in s1] != s1
     s0 = dist.run(world, _layout, 0)
     assert s0 == dist.run(1, _stage3_layout, False) * world  # stage 0: a one-rank partition world
 

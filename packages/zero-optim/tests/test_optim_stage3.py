@@ -217,3 +217,106 @@ def test_a_bucket_adds_its_reduced_partitions_with_one_add_per_flat_group(dist, 
     for found, groups in dist.run(world, _reduce_ops):
         assert groups == 2
         assert found["zero.params.reduce_scatter_grads.wait"].count("aten::add_") == groups, found
+
+
+def _stepped(rank, published: bool, dtype: torch.dtype, sub_group: int) -> dict:
+    """Four steps of threshold-7 stage 3 (persistent parameters in both groups), one gathered parameter.
+
+    ``published``: ``opt.step()`` (the refresh of the persistent parameters issued while the
+    rest is stepped); else the stepper, then :meth:`publish_updated_shards` (the reference).
+    ``ps.5`` is gathered (not persistent) across every step: the step must refresh it too.
+    """
+    model = Odd().to(dtype)
+    zero_params.partition(model, persistence_threshold=7)
+    opt, sink = stage3_optimizer(
+        model, make_optimizer("adamw"), working_dtype=dtype, sub_group_size=sub_group
+    )
+    world, r = rank.world_size, rank.rank
+    held = model.ps[5]
+    for step in range(4):
+        micro_step(model, sink, batch(step, 0, world)[4 * r : 4 * (r + 1)].to(dtype))
+        zero_params.gather(held).wait()
+        if published:
+            opt.step()
+        else:
+            with torch.no_grad():
+                opt.stepper.step()
+            opt.publish_updated_shards()
+        opt.zero_grad()
+        assert torch.equal(held.detach().reshape(-1), _whole_from_shards(held))
+        zero_params.release(held)
+    state = opt.state_dict()
+    whole = {n: p.detach().clone() for n, p in model.named_parameters() if zero_params.state_of(p).persistent}
+    moments = {
+        f"{i}.{k}": v.clone()
+        for i, s in state["torch_optimizer"]["state"].items()
+        for k, v in s.items()
+        if isinstance(v, torch.Tensor)
+    }
+    return {"whole": whole, "master": [m.clone() for m in state["master"]], "moments": moments}
+
+
+def _whole_from_shards(param: nn.Parameter) -> torch.Tensor:
+    """The parameter's value assembled from every rank's shard (a plain all-gather)."""
+    state = zero_params.state_of(param)
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    rows = [torch.empty_like(state.shard) for _ in range(world)]
+    if world > 1:
+        torch.distributed.all_gather(rows, state.shard.contiguous())
+    else:
+        rows = [state.shard]
+    return torch.cat(rows)[: state.numel]
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize(
+    "dtype,sub_group", [(torch.float32, 10**9), (torch.float32, 37), (torch.bfloat16, 53)]
+)
+def test_refreshing_persistent_parameters_during_the_step_is_bit_identical_to_after_it(
+    dist, world, dtype, sub_group
+):
+    """Whole persistent parameters, masters and AdamW moments equal bit for bit on every rank."""
+    during = dist.run(world, _stepped, True, dtype, sub_group)
+    after = dist.run(world, _stepped, False, dtype, sub_group)
+    for rank, (a, b) in enumerate(zip(during, after, strict=True)):
+        assert sorted(a["whole"]) == ["inner.bias", "ps.0", "ps.1", "ps.2", "ps.6"]
+        for key in ("whole", "moments"):
+            assert a[key].keys() == b[key].keys()
+            for n in a[key]:
+                assert torch.equal(a[key][n], b[key][n]), f"rank {rank}: {key} {n} differs"
+        for x, y in zip(a["master"], b["master"], strict=True):
+            assert torch.equal(x, y), f"rank {rank}: master differs"
+
+
+def _step_events(rank) -> tuple[list[str], list[list[int]], list[int]]:
+    """The order of stepped ranges and refreshes in one step, the refresh's cuts, the group sizes."""
+    model = Odd()
+    zero_params.partition(model, persistence_threshold=7)
+    opt, sink = stage3_optimizer(model, make_optimizer("adamw"))
+    micro_step(model, sink, batch(0, 0, rank.world_size)[4 * rank.rank : 4 * (rank.rank + 1)])
+    publisher = opt.partitioning.step_publisher(opt.groups)
+    assert publisher is not None
+    with torch.profiler.profile() as prof:
+        opt.step()
+    wanted = ("zero.optim.sub_group_step", "zero.params.commit_shards")
+    events = sorted((e for e in prof.events() if e.name in wanted), key=lambda e: e.time_range.start)
+    return [e.name for e in events], publisher.cuts, [g.numel for g in opt.groups]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_persistent_refresh_is_issued_before_the_rest_is_stepped(dist, world):
+    """Persistent parameters lie first in each flat group; their refresh is issued as soon as
+    they are stepped (one range per group ends there), then the group's other shards are stepped."""
+    for events, cuts, numels in dist.run(world, _step_events):
+        ends = [c[0] for c in cuts]
+        assert len(ends) == 2 and all(0 < e < n for e, n in zip(ends, numels)), (cuts, numels)
+        # group 0: range, refresh, range; group 1: the same; finish: the others' commit
+        assert events == [
+            "zero.optim.sub_group_step",
+            "zero.params.commit_shards",
+            "zero.optim.sub_group_step",
+            "zero.optim.sub_group_step",
+            "zero.params.commit_shards",
+            "zero.optim.sub_group_step",
+            "zero.params.commit_shards",
+        ], events

@@ -36,7 +36,7 @@ from torch import nn
 from zero_comm.profiling import profile_range
 from zero_offload import HostOptimizer, OffloadedOptimizer, OptimizerOffloadConfig, offload_optimizer_for
 from zero_optim.flat import FlatGroup, Segment
-from zero_optim.publish import PipelinedPublish
+from zero_optim.publish import StepPublisher
 from zero_optim.spec import OptimizerSpec, build_torch_optimizer, remap_onto_flat, trainable_groups
 from zero_optim.subgroups import SubGroupStepper
 
@@ -62,8 +62,8 @@ class Partitioning(Protocol):
         """Make the updated partitions visible to the next forward."""
         ...
 
-    def step_publisher(self, groups: Sequence[FlatGroup]) -> PipelinedPublish | None:
-        """:meth:`after_step`'s work, done while the optimizer steps (see :class:`PipelinedPublish`).
+    def step_publisher(self, groups: Sequence[FlatGroup]) -> StepPublisher | None:
+        """:meth:`after_step`'s work, done while the optimizer steps (a ``zero_optim.publish.StepPublisher``).
 
         Optional: a partitioning without this method (or returning ``None``) publishes with
         :meth:`after_step` once the whole step is done.
@@ -74,8 +74,9 @@ class Partitioning(Protocol):
         """The order in which a group's ``params`` are laid out in its flat buffers.
 
         Optional: a partitioning without this method keeps the group's order. Stage 3 puts
-        the persistent parameters last, so that the shards a prefetch window gathers lie
-        back to back in the flat buffer and are sent as they lie.
+        the persistent parameters first, so that the shards a prefetch window gathers lie
+        back to back in the flat buffer and are sent as they lie, and so that the step
+        reaches the persistent ones first (their refresh then travels while it steps the rest).
         """
         ...
 
@@ -210,9 +211,11 @@ class PartitionedOptimizer:
     def step(self) -> None:
         """One optimizer step over the flat partitions, then publish the updated values.
 
-        A partitioning with a ``step_publisher(groups)`` (stages 1 and 2) publishes while the
-        optimizer steps: each all-gather bucket goes out as soon as its elements are stepped
-        (:class:`zero_optim.publish.PipelinedPublish`); the results are those of
+        A partitioning with a ``step_publisher(groups)`` publishes while the optimizer steps
+        (:class:`zero_optim.publish.StepPublisher`): at stages 1 and 2 each all-gather bucket
+        goes out as soon as its elements are stepped (:class:`zero_optim.publish.PipelinedPublish`),
+        at stage 3 the persistent parameters' refresh as soon as they are stepped
+        (:class:`zero_optim.stage3.PersistentRefresh`); the results are those of
         :meth:`publish_updated_shards` after the step.
         """
         with profile_range("zero.optim.step"), torch.no_grad():
@@ -230,7 +233,7 @@ class PartitionedOptimizer:
                 self.stepper.step()
             self.publish_updated_shards()
 
-    def _step_publisher(self) -> PipelinedPublish | None:
+    def _step_publisher(self) -> StepPublisher | None:
         """The partitioning's optional ``step_publisher(groups)``; ``None`` with offload (the
         offloaded step publishes afterwards) or without one."""
         publisher = getattr(self.partitioning, "step_publisher", None)

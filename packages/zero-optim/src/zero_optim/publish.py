@@ -23,11 +23,35 @@ from torch import nn
 from zero_comm.profiling import profile_range
 from zero_optim.flat import FlatGroup
 
-__all__ = ["GatherBucket", "PipelinedPublish", "gather_buckets"]
+__all__ = ["GatherBucket", "PipelinedPublish", "StepPublisher", "gather_buckets"]
 
 
 class _Handle(Protocol):
     def wait(self) -> object: ...
+
+
+class StepPublisher(Protocol):
+    """Publishes a step's updated partitions while the optimizer steps (``Partitioning.step_publisher``).
+
+    :meth:`zero_optim.PartitionedOptimizer.step` passes :attr:`cuts` and :meth:`stepped` to
+    :meth:`zero_optim.subgroups.SubGroupStepper.step`, then calls :meth:`finish`: afterwards
+    the parameters show the stepped values, exactly as ``Partitioning.after_step`` would
+    leave them. :class:`PipelinedPublish` (stages 1 and 2) and
+    :class:`zero_optim.stage3.PersistentRefresh` are the two.
+    """
+
+    @property
+    def cuts(self) -> list[list[int]]:
+        """Per group, the flat offsets where a stepped range must end."""
+        ...
+
+    def stepped(self, group: int, stop: int) -> None:
+        """Flat elements ``[0, stop)`` of ``group`` (and every earlier group) are stepped."""
+        ...
+
+    def finish(self) -> None:
+        """Publish whatever is left and wait: the parameters show the step (collective)."""
+        ...
 
 
 @dataclasses.dataclass(frozen=True)

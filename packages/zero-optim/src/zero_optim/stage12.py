@@ -4,7 +4,7 @@ Parameters stay whole (``param.data`` untouched) on every rank. Each trainable p
 is flattened and padded to a multiple of the partition world size; this rank owns
 partition ``r`` of it — exactly the :class:`~zero_optim.flat.Segment` of stage 3, so every
 stage splits each parameter, its optimizer state and its checkpoint pieces alike at a given
-world size (stage 3 only orders its persistent parameters last in the flat buffers:
+world size (stage 3 only orders its persistent parameters first in the flat buffers:
 :meth:`~zero_optim.Stage3Partitioning.flat_order`).
 
 The stages differ by two small components:

@@ -13,7 +13,9 @@ State ownership (fp32 training):
 Persistent parameters (``stage3_param_persistence_threshold``) follow ``zero_params``'
 semantics: whole on every rank, their gradients averaged by the same reduce-scatter, their
 optimizer state partitioned like every other parameter's, and their whole value refreshed
-from the updated shards after each step by ``zero_params.commit_shards``.
+from the updated shards after each step by ``zero_params.commit_shards``. They lie first in
+the flat buffers, so a step reaches them first: :class:`PersistentRefresh` issues their
+refresh as soon as they are stepped, and it travels while the optimizer steps the rest.
 
 Parameter offload (``param_offload``, a ``zero_offload.ParamOffloadConfig``): after the
 flat buffers are built, the shards of the trainable non-persistent parameters are handed to
@@ -35,13 +37,14 @@ from torch import nn
 import zero_coord
 import zero_params
 from zero_comm import BOUNDED_DTYPES, AllToAllReduceScatter, GradientBound
+from zero_comm.profiling import profile_range
 from zero_offload import OptimizerOffloadConfig, ParamOffloadConfig
 from zero_optim.buckets import BucketedReducer, BucketPlan, ReduceConfig
 from zero_optim.core import PartitionedOptimizer
 from zero_optim.flat import FlatGroup
 from zero_optim.spec import OptimizerSpec
 
-__all__ = ["Stage3Partitioning", "offloaded_shards", "stage3_optimizer"]
+__all__ = ["PersistentRefresh", "Stage3Partitioning", "offloaded_shards", "stage3_optimizer"]
 
 
 class Stage3Partitioning:
@@ -78,14 +81,16 @@ class Stage3Partitioning:
         return state.partition_numel
 
     def flat_order(self, params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
-        """Gathered parameters first, in the group's order, then the persistent ones.
+        """The persistent parameters first, then the gathered ones, each in the group's order.
 
         A prefetch window gathers consecutive non-persistent parameters; with the small
         persistent ones (biases, norms) elsewhere, their shards lie back to back in the flat
-        buffer and the collective sends them as they lie instead of concatenating them.
+        buffer and the collective sends them as they lie instead of concatenating them. First,
+        the persistent ones are stepped first, and their refresh travels while the optimizer
+        steps the rest (:class:`PersistentRefresh`).
         """
-        gathered = [p for p in params if not zero_params.state_of(p).persistent]
-        return gathered + [p for p in params if zero_params.state_of(p).persistent]
+        persistent = [p for p in params if zero_params.state_of(p).persistent]
+        return persistent + [p for p in params if not zero_params.state_of(p).persistent]
 
     def release_grads(self, group: FlatGroup) -> bool:
         """``zero_grad`` of ``group``: the :attr:`grad_bound` restarts; ``False``: zero the partition."""
@@ -121,10 +126,96 @@ class Stage3Partitioning:
             )
         zero_params.commit_shards([seg.param for group in groups for seg in group.segments])
 
+    def step_publisher(self, groups: Sequence[FlatGroup]) -> PersistentRefresh | None:
+        """:meth:`after_step` done while the optimizer steps (:class:`PersistentRefresh`).
+
+        ``None`` with offloaded shards: they are stored from the working buffer after the
+        whole step (:meth:`after_step`).
+        """
+        if self.offloaded is not None:
+            return None
+        return PersistentRefresh(groups)
+
     def close(self) -> None:
         """Delete the offloaded shards' swap files (if any)."""
         if self.offloaded is not None:
             self.offloaded.close()
+
+
+class PersistentRefresh:
+    """Stage 3's publish during a step: the persistent parameters' refresh travels while the rest is stepped.
+
+    A ``zero_optim.publish.StepPublisher``. Each group's persistent parameters lie first in
+    its flat buffers (:meth:`Stage3Partitioning.flat_order`). As soon as the optimizer has
+    stepped them, their working values are published (16-bit working copies) and
+    ``zero_params.commit_shards`` issues their refresh asynchronously; the optimizer steps
+    the group's other shards meanwhile. :meth:`finish` commits the other parameters (which
+    invalidates their hpZ secondary shards and refreshes any still gathered, synchronously)
+    and waits for the refreshes. The collectives are those of :meth:`Stage3Partitioning.after_step`
+    split by group and persistence; a refresh copies the shards exactly, so the parameters
+    hold the same values.
+
+    Args:
+        groups: The optimizer's flat groups, in stepping order.
+    """
+
+    __slots__ = ("_ends", "_groups", "_handles", "_issued", "_published")
+
+    def __init__(self, groups: Sequence[FlatGroup]) -> None:
+        self._groups = tuple(groups)
+        self._ends = [_persistent_end(group) for group in self._groups]
+        self._published = [0] * len(self._groups)
+        self._issued = [end == 0 for end in self._ends]
+        self._handles: list[zero_params.GatherHandle] = []
+
+    @property
+    def cuts(self) -> list[list[int]]:
+        """Per group, where its persistent parameters end (if some are followed by others)."""
+        return [[end] if 0 < end < group.numel else [] for end, group in zip(self._ends, self._groups)]
+
+    def stepped(self, group: int, stop: int) -> None:
+        """Flat elements ``[0, stop)`` of ``group`` are stepped: publish them, refresh if complete."""
+        with profile_range("zero.optim.publish"):
+            self._groups[group].publish_range(self._published[group], stop)
+        self._published[group] = stop
+        if not self._issued[group] and stop >= self._ends[group]:
+            self._issue(group)
+
+    def _issue(self, group: int) -> None:
+        self._issued[group] = True
+        segments = self._groups[group].segments
+        params = [seg.param for seg in segments if zero_params.state_of(seg.param).persistent]
+        self._handles.append(zero_params.commit_shards(params, async_op=True))
+
+    def finish(self) -> None:
+        """Publish what is left, commit the other parameters and wait for every refresh."""
+        with profile_range("zero.optim.publish"):
+            for gi, group in enumerate(self._groups):
+                group.publish_range(self._published[gi], group.numel)
+                self._published[gi] = group.numel
+        for gi, issued in enumerate(self._issued):
+            if not issued:
+                self._issue(gi)
+        rest = [
+            seg.param
+            for group in self._groups
+            for seg in group.segments
+            if not zero_params.state_of(seg.param).persistent
+        ]
+        zero_params.commit_shards(rest)
+        for handle in self._handles:
+            handle.wait()
+        self._handles.clear()
+
+
+def _persistent_end(group: FlatGroup) -> int:
+    """The flat offset where ``group``'s leading persistent segments end (0: none)."""
+    end = 0
+    for seg in group.segments:
+        if not zero_params.state_of(seg.param).persistent:
+            break
+        end = seg.offset + seg.numel
+    return end
 
 
 def stage3_optimizer(
