@@ -74,6 +74,7 @@ from zero_comm.strategies import (
     ReduceScatterStrategy,
 )
 from zero_comm.topology import HierarchicalGroups, LinkKind, Topology, group_ranks
+from zero_comm.wait_timings import WaitRecord, WaitTimings
 from zero_comm.watchdog import CollectiveTimeoutError, CommWatchdog, RankPosition, RanksDivergedError, note
 
 __all__ = [
@@ -108,6 +109,8 @@ __all__ = [
     "StagedReduceScatter",
     "TensorHandle",
     "Topology",
+    "WaitRecord",
+    "WaitTimings",
     "all_gather_coalesced",
     "all_gather_coalesced_into",
     "all_reduce",

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from zero_comm.ledger import active_watchdog
+from zero_comm.wait_timings import WaitTimings
 
 __all__ = [
     "CollectiveTimeoutError",
@@ -131,6 +132,10 @@ class CommWatchdog:
             collective; it catches diverged paths before a size mismatch aborts the process
             inside the communication library (gloo's "Received data size doesn't match").
 
+    Attributes:
+        timings: Set to a :class:`~zero_comm.WaitTimings` to record when each collective was
+            issued and how long its wait took (``None``, the default: nothing is recorded).
+
     Use :meth:`close` (or ``with``) to stop the heartbeat thread.
     """
 
@@ -152,6 +157,7 @@ class CommWatchdog:
         "rank",
         "store",
         "timeout",
+        "timings",
         "world_size",
     )
 
@@ -175,6 +181,7 @@ class CommWatchdog:
         self.timeout = float(timeout)
         self.heartbeat_interval = float(heartbeat_interval)
         self.check_paths = check_paths
+        self.timings: WaitTimings | None = None
         self._recording = False
         self._call = 0
         self._beat = 0
@@ -228,6 +235,11 @@ class CommWatchdog:
         self._position = (op, self._call, self._label, time.time(), False)
         return self._call
 
+    @property
+    def position_label(self) -> str | Callable[[], str]:
+        """What the current collectives are for (the last :meth:`note`), unrendered."""
+        return self._label
+
     def position(self) -> RankPosition:
         """This rank's current position."""
         op, call, what, since, waiting = self._position
@@ -267,6 +279,7 @@ class CommWatchdog:
         if work is None:
             return
         start = time.monotonic()
+        timings, started = self.timings, time.perf_counter()
         slice_s = datetime.timedelta(seconds=min(self.heartbeat_interval, self.timeout))
         op, call, label, since, _ = self._position
         self._position = (op, call, label, since, True)
@@ -274,6 +287,8 @@ class CommWatchdog:
             while True:
                 try:
                     work.wait(slice_s)
+                    if timings is not None:
+                        timings.waited(work, started)
                     return
                 except RuntimeError as exc:
                     failed = "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower()
@@ -636,6 +651,8 @@ def watched_call(
     if wd.paths_checked:
         wd.check_same_path(kind, call, kwargs.get("group"))
     work = fn(*args, async_op=True, **kwargs)
+    if wd.timings is not None:
+        wd.timings.issued(work, kind, call, _render(wd.position_label))
     if async_op:
         return work
     wd.wait(work)
