@@ -47,6 +47,7 @@ from zero_comm.grad_bound import BOUNDED_DTYPES, GradientBound
 from zero_comm.profiling import profile_range
 from zero_comm.runs import add_in_runs as _add_in_runs
 from zero_comm.runs import in_fewer_runs as _in_fewer_runs
+from zero_comm.watchdog import note as watchdog_note
 from zero_offload import OptimizerOffloadConfig
 from zero_optim.buckets import BucketedReducer, BucketPlan, ReduceConfig, ReduceHandle
 from zero_optim.core import PartitionedOptimizer
@@ -269,6 +270,7 @@ class ReplicaPartitioning:
         """Gather ``bucket`` straight from the collective's buffer into the parameters (one copy)."""
         shards = [s for _, s in bucket.items]
         dests = [self._gather_dest(param) for param, _ in bucket.items]
+        watchdog_note(lambda: f"gathers the updated parameters ({len(bucket.items)} from the step)")
         return issue_all_gather_into(shards, dests, self.group, async_op=True)
 
     def _gather(self, bucket: GatherBucket) -> None:

@@ -38,6 +38,8 @@ import zero_coord
 import zero_params
 from zero_comm import BOUNDED_DTYPES, AllToAllReduceScatter, GradientBound
 from zero_comm.profiling import profile_range
+from zero_comm.watchdog import label
+from zero_comm.watchdog import note as watchdog_note
 from zero_offload import OptimizerOffloadConfig, ParamOffloadConfig
 from zero_optim.buckets import BucketedReducer, BucketPlan, ReduceConfig
 from zero_optim.core import PartitionedOptimizer
@@ -183,9 +185,9 @@ class PersistentRefresh:
 
     def _issue(self, group: int) -> None:
         self._issued[group] = True
-        segments = self._groups[group].segments
-        params = [seg.param for seg in segments if zero_params.state_of(seg.param).persistent]
-        self._handles.append(zero_params.commit_shards(params, async_op=True))
+        segments = [s for s in self._groups[group].segments if zero_params.state_of(s.param).persistent]
+        watchdog_note(lambda: label("refreshes the persistent", [s.name for s in segments]))
+        self._handles.append(zero_params.commit_shards([s.param for s in segments], async_op=True))
 
     def finish(self) -> None:
         """Publish what is left, commit the other parameters and wait for every refresh."""
@@ -202,6 +204,7 @@ class PersistentRefresh:
             for seg in group.segments
             if not zero_params.state_of(seg.param).persistent
         ]
+        watchdog_note("refreshes the gathered parameters after the step")
         zero_params.commit_shards(rest)
         for handle in self._handles:
             handle.wait()
