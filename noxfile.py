@@ -394,6 +394,8 @@ def bench(session: nox.Session) -> None:
     _bench(session, "paired_steps.py", "--world", "1", *every, "--name", "paired_steps_world1")
     # Where one released stage-3 step's time goes, and its distance to the DDP + wire floor (world 2).
     _bench(session, "profile_step.py", docs=True, env=DS_ENV)
+    # The same step's waits for collectives, unprofiled: lead and wait per position (WaitTimings).
+    _bench(session, "waits.py")
     # Step time and memory against model size and world size (fresh processes per point).
     _bench(session, "growth.py", docs=True)
     # The plain-MLP variant of the same comparison (world 2; results only, the docs show GPT-2).

@@ -9,11 +9,13 @@ On ``--world`` gloo ranks (one thread each), with the side-by-side's GPT-2 workl
 1. **Cost per byte.** A small sweep of ``all_gather_single`` and ``all_to_all_single`` (how
    zero reduce-scatters) over a few sizes; a least-squares line ``t = latency + bytes x cost``
    over the ring-ideal bytes a rank sends gives gloo's cost per byte on this machine.
-2. **DDP and zero stage 3, released** (``stage3_param_persistence_threshold`` 0, live /
-   prefetch bounds of 1.5 / 0.5 blocks, reuse distance 0: every parameter is gathered and freed
-   per use): ``--steps`` timed steps, interleaved (each batch stepped by DDP, then by zero, so
-   both see the same moments of a shared machine; per step the slowest rank; the median), and
-   zero's wire bytes per step from the engine's ``CommLedger``.
+2. **DDP and zero stage 3, released** (``stage3_param_persistence_threshold`` 0 unless
+   ``--persistence-threshold`` says otherwise — 4096 is the paired and side-by-side benchmarks'
+   setting, which keeps biases and norms whole —, live / prefetch bounds of 1.5 / 0.5 blocks,
+   reuse distance 0: every other parameter is gathered and freed per use): ``--steps`` timed
+   steps, interleaved (each batch stepped by DDP, then by zero, so both see the same moments of
+   a shared machine; per step the slowest rank; the median), and zero's wire bytes per step
+   from the engine's ``CommLedger``.
 3. **zero, profiled**:
    ``--profile-steps`` steps under ``torch.profiler`` (CPU): every event's self time on the
    training thread is attributed to the innermost category its ``record_function`` ranges
@@ -36,6 +38,7 @@ stage 3's distance to it is reported as a % of its step. Writes ``profile_step.j
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import pathlib
@@ -53,6 +56,7 @@ from workloads import Workload, count_params, rank_batches, workload_of, workloa
 
 MARK_BEGIN, MARK_END = "<!-- profile-step:begin -->", "<!-- profile-step:end -->"
 RELEASED = ImplOptions(persistence_threshold=0, prefetch_blocks=0.5, live_blocks=1.5)
+"""The stage-3 options profiled (``--persistence-threshold`` replaces the threshold)."""
 SWEEP_BYTES = (1 << 16, 1 << 18, 1 << 20, 1 << 22)  # bytes per rank's input
 COPY_OPS = {
     "aten::copy_",
@@ -322,7 +326,8 @@ def _rank_main(rank: int, args: argparse.Namespace, store: str, results: Any) ->
         )
         sweep = comm_sweep(world, args.sweep_repeats)
         ddp = IMPLEMENTATIONS["ddp"](w, world)
-        zero = IMPLEMENTATIONS[args.impl](w, world, RELEASED)
+        options = dataclasses.replace(RELEASED, persistence_threshold=args.persistence_threshold)
+        zero = IMPLEMENTATIONS[args.impl](w, world, options)
         runners = {"ddp": ddp, "zero": zero}
         _timed_steps(runners, warm)
         timed_results = _timed_steps(runners, timed)
@@ -421,7 +426,8 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(
         [
             f"Profile of one {meta['impl']} step ({meta['label']}): {meta['workload']}, P = {s['psi']:,}, "
-            f"world {s['world']}, gloo, fp32 AdamW, parameters released after use. Command: "
+            f"world {s['world']}, gloo, fp32 AdamW, parameters released after use (persistence threshold "
+            f"{meta.get('persistence_threshold', 0)}). Command: "
             f"`{meta['command']}`.",
             "",
             "Self time on the training thread of rank 0, per step, by the innermost `zero.*` range "
@@ -462,6 +468,13 @@ def main() -> None:
         default="zero-3",
         help="the zero stage profiled (stages 1 and 2: the floor is DDP's step, same bytes)",
     )
+    parser.add_argument(
+        "--persistence-threshold",
+        type=int,
+        default=RELEASED.persistence_threshold,
+        help="stage 3: parameters of at most this many elements stay whole (0: every one is released; "
+        "4096: the paired and side-by-side benchmarks' setting)",
+    )
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--label", default="quiet machine", help="how loaded the machine was (in the table)")
     parser.add_argument(
@@ -479,6 +492,7 @@ def main() -> None:
     meta.update(
         label=args.label,
         impl=args.impl,
+        persistence_threshold=args.persistence_threshold,
         workload=w.describe(),
         command="python " + " ".join(sys.argv),
         trace=str(args.trace),
