@@ -83,3 +83,40 @@ def reference_run(model: nn.Module, kind: str, steps: int, accumulate: int, worl
         opt.step()
         opt.zero_grad(set_to_none=False)
     return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def step_published(opt, during: bool) -> None:
+    """One optimizer step: ``opt.step()`` (which publishes while it steps) if ``during``; else the
+    reference, the stepper over the whole partition and then ``publish_updated_shards``."""
+    if during:
+        opt.step()
+        return
+    with torch.no_grad():
+        opt.stepper.step()
+    opt.publish_updated_shards()
+
+
+def flat_state(opt) -> dict:
+    """Copies of the optimizer's flat masters (``"master"``) and its tensor state (``"moments"``,
+    keyed ``"<group>.<name>"``), from ``opt.state_dict()``."""
+    state = opt.state_dict()
+    return {
+        "master": [m.clone() for m in state["master"]],
+        "moments": {
+            f"{i}.{k}": v.clone()
+            for i, s in state["torch_optimizer"]["state"].items()
+            for k, v in s.items()
+            if isinstance(v, torch.Tensor)
+        },
+    }
+
+
+def assert_same_results(during: list[dict], after: list[dict], named: tuple[str, ...]) -> None:
+    """Per rank, the ``named`` dicts of tensors, the masters and the moments equal bit for bit."""
+    for rank, (a, b) in enumerate(zip(during, after, strict=True)):
+        for key in (*named, "moments"):
+            assert a[key].keys() == b[key].keys()
+            for n in a[key]:
+                assert torch.equal(a[key][n], b[key][n]), f"rank {rank}: {key} {n} differs"
+        for x, y in zip(a["master"], b["master"], strict=True):
+            assert torch.equal(x, y), f"rank {rank}: master differs"
