@@ -87,9 +87,9 @@ class Stage3Partitioning:
 
         A prefetch window gathers consecutive non-persistent parameters; with the small
         persistent ones (biases, norms) elsewhere, their shards lie back to back in the flat
-        buffer and the collective sends them as they lie instead of concatenating them. First,
-        the persistent ones are stepped first, and their refresh travels while the optimizer
-        steps the rest (:class:`PersistentRefresh`).
+        buffer and the collective sends them as they lie instead of concatenating them. Laid
+        out first, the persistent ones are also stepped first, and their refresh travels while
+        the optimizer steps the rest (:class:`PersistentRefresh`).
         """
         persistent = [p for p in params if zero_params.state_of(p).persistent]
         return persistent + [p for p in params if not zero_params.state_of(p).persistent]
