@@ -29,6 +29,8 @@ import sys
 import time
 from typing import Any
 
+import torch.distributed as dist
+
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from _report import environment, markdown_table, spawn_ranks, write_results  # noqa: E402
@@ -84,8 +86,6 @@ def _rank_main(rank: int, args: argparse.Namespace, store: str, results: Any) ->
     watchdog.timings = None
     runner.close()
     gathered: list[Any] = [None] * args.world
-    import torch.distributed as dist
-
     dist.all_gather_object(gathered, steps)
     if rank == 0:
         results.put({"workload": w.describe(), "ranks": gathered})

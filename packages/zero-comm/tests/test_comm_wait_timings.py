@@ -18,7 +18,7 @@ from zero_comm.watchdog import watched_call
 
 
 class _DoneAt:
-    """A work object that completes ``after`` seconds after it was made."""
+    """A work object that completes ``after`` seconds after it was made (``wait`` blocks until then)."""
 
     def __init__(self, after: float) -> None:
         self.at = time.perf_counter() + after
@@ -28,9 +28,12 @@ class _DoneAt:
         return True
 
 
-def _collective(after: float):
+def _collective(after: float, made: list[_DoneAt] | None = None):
     def issue(*args, async_op=False, **kwargs):
-        return _DoneAt(after)
+        work = _DoneAt(after)
+        if made is not None:
+            made.append(work)
+        return work
 
     return issue
 
@@ -61,21 +64,24 @@ def test_lead_and_wait_of_an_asynchronous_collective(watchdog):
     assert isinstance(record, WaitRecord)
     assert (record.op, record.call, record.what) == ("all_gather", 1, "gathers `mid`")
     assert record.issued <= record.waited <= record.done
-    assert record.lead_s >= 0.06
-    assert 0.02 <= record.wait_s <= 0.06
+    assert record.lead_s >= 0.06  # left alone that long after the issue
+    assert record.done >= work.at  # the wait returned once the work completed ...
+    assert record.wait_s >= work.at - record.waited  # ... and lasted at least until then
     assert record.lead_s + record.wait_s == pytest.approx(record.done - record.issued)
 
 
 def test_a_synchronous_collective_waits_at_once_and_each_wait_is_recorded_once(watchdog):
     timings = watchdog.timings = WaitTimings()
     zero_comm.note("reduce-scatters the gradients of `out`")
-    assert watched_call("reduce_scatter", _collective(0.03), async_op=False) is None
+    made: list[_DoneAt] = []
+    assert watched_call("reduce_scatter", _collective(0.2, made), async_op=False) is None
     work = watched_call("all_reduce", _collective(0.0), async_op=True)
     watchdog.wait(work)
     watchdog.wait(work)  # waited again: not a second record
     first, second = timings.records
     assert (first.op, first.call, second.op, second.call) == ("reduce_scatter", 1, "all_reduce", 2)
-    assert first.lead_s < 0.01 and first.wait_s >= 0.02
+    # synchronous: the wait starts right after the issue, before the work completes, and lasts until it does
+    assert first.issued <= first.waited <= made[0].at <= first.done
     assert len(timings.records) == 2
 
 

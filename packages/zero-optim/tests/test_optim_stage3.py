@@ -312,3 +312,28 @@ def test_the_persistent_refresh_is_issued_before_the_rest_is_stepped(dist, world
             "zero.optim.sub_group_step",
             "zero.params.commit_shards",
         ], events
+
+
+def _plans(rank):
+    model = Odd()
+    zero_params.partition(model, persistence_threshold=7)
+    opt, _ = stage3_optimizer(model, make_optimizer("adamw"))
+    first = opt.partitioning.step_publisher(opt.groups)
+    again = opt.partitioning.step_publisher(list(opt.groups))
+    plan = first.plan
+    persistent = [[zero_params.state_of(p).persistent for p in ps] for ps in plan.persistent]
+    return (
+        again.plan is plan,  # made once for the same groups, not every step
+        persistent,
+        [zero_params.state_of(p).persistent for p in plan.rest],
+        [list(names) for names in plan.names],
+        [sum(zero_params.state_of(p).partition_numel for p in ps) for ps in plan.persistent]
+        == list(plan.ends),
+    )
+
+
+def test_the_refresh_plan_is_made_once_and_splits_persistent_from_gathered(dist):
+    same, persistent, rest, names, ends = dist.run(2, _plans)[0]
+    assert same and ends
+    assert all(all(flags) for flags in persistent) and not any(rest)
+    assert names == [["ps.0", "ps.1", "ps.2"], ["ps.6", "inner.bias"]]

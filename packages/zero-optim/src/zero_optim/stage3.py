@@ -27,7 +27,9 @@ master stays with the optimizer (and goes to host memory or NVMe with ``offload_
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -43,10 +45,10 @@ from zero_comm.watchdog import note as watchdog_note
 from zero_offload import OptimizerOffloadConfig, ParamOffloadConfig
 from zero_optim.buckets import BucketedReducer, BucketPlan, ReduceConfig
 from zero_optim.core import PartitionedOptimizer
-from zero_optim.flat import FlatGroup
+from zero_optim.flat import FlatGroup, Segment
 from zero_optim.spec import OptimizerSpec
 
-__all__ = ["PersistentRefresh", "Stage3Partitioning", "offloaded_shards", "stage3_optimizer"]
+__all__ = ["PersistentRefresh", "RefreshPlan", "Stage3Partitioning", "offloaded_shards", "stage3_optimizer"]
 
 
 class Stage3Partitioning:
@@ -64,13 +66,14 @@ class Stage3Partitioning:
         ValueError: from :meth:`local_numel`, for a parameter of another dtype than ``working_dtype``.
     """
 
-    __slots__ = ("grad_bound", "offloaded", "working_dtype")
+    __slots__ = ("_refresh_plan", "grad_bound", "offloaded", "working_dtype")
 
     def __init__(self, working_dtype: torch.dtype = torch.float32) -> None:
         self.working_dtype = working_dtype
         self.grad_bound: GradientBound | None = None
         self.offloaded: zero_params.OffloadedShards | None = None
         """The offloaded shards (``param_offload``); set once the flat buffers are bound."""
+        self._refresh_plan: RefreshPlan | None = None
 
     def local_numel(self, param: nn.Parameter) -> int:
         """The shard size (``ShardedParam.partition_numel``, padding included)."""
@@ -131,17 +134,60 @@ class Stage3Partitioning:
     def step_publisher(self, groups: Sequence[FlatGroup]) -> PersistentRefresh | None:
         """:meth:`after_step` done while the optimizer steps (:class:`PersistentRefresh`).
 
-        ``None`` with offloaded shards: they are stored from the working buffer after the
+        Its :class:`RefreshPlan` is made once for the same groups, not every step. ``None``
+        with offloaded shards: they are stored from the working buffer after the
         whole step (:meth:`after_step`).
         """
         if self.offloaded is not None:
             return None
-        return PersistentRefresh(groups)
+        plan = self._refresh_plan
+        if plan is None or not plan.covers(groups):
+            plan = self._refresh_plan = RefreshPlan.of(groups)
+        return PersistentRefresh(plan)
 
     def close(self) -> None:
         """Delete the offloaded shards' swap files (if any)."""
         if self.offloaded is not None:
             self.offloaded.close()
+
+
+@dataclasses.dataclass(frozen=True)
+class RefreshPlan:
+    """What :class:`PersistentRefresh` refreshes, worked out once for a set of flat groups.
+
+    Attributes:
+        groups: The flat groups, in stepping order.
+        ends: Per group, the flat offset where its leading persistent segments end (0: none).
+        persistent: Per group, its persistent parameters.
+        names: Per group, their names (for the watchdog's note).
+        rest: Every other parameter of the groups (committed after the step).
+    """
+
+    groups: tuple[FlatGroup, ...]
+    ends: tuple[int, ...]
+    persistent: tuple[tuple[nn.Parameter, ...], ...]
+    names: tuple[tuple[str, ...], ...]
+    rest: tuple[nn.Parameter, ...]
+
+    @classmethod
+    def of(cls, groups: Sequence[FlatGroup]) -> RefreshPlan:
+        """The plan of ``groups``: each group's leading run of persistent segments is refreshed
+        during the step (:meth:`Stage3Partitioning.flat_order` puts them all there), every
+        other parameter after it."""
+        ends, persistent, names, rest = [], [], [], []
+        for group in groups:
+            lead = list(
+                itertools.takewhile(lambda seg: zero_params.state_of(seg.param).persistent, group.segments)
+            )
+            ends.append(lead[-1].offset + lead[-1].numel if lead else 0)
+            persistent.append(tuple(seg.param for seg in lead))
+            names.append(tuple(seg.name for seg in lead))
+            rest.extend(seg.param for seg in group.segments[len(lead) :])
+        return cls(tuple(groups), tuple(ends), tuple(persistent), tuple(names), tuple(rest))
+
+    def covers(self, groups: Sequence[FlatGroup]) -> bool:
+        """Whether this plan was made for exactly ``groups`` (the same objects, in order)."""
+        return len(groups) == len(self.groups) and all(a is b for a, b in zip(groups, self.groups))
 
 
 class PersistentRefresh:
@@ -158,67 +204,57 @@ class PersistentRefresh:
     hold the same values.
 
     Args:
-        groups: The optimizer's flat groups, in stepping order.
+        plan: The groups' :class:`RefreshPlan` (:meth:`Stage3Partitioning.step_publisher`
+            makes it once).
     """
 
-    __slots__ = ("_ends", "_groups", "_handles", "_issued", "_published")
+    __slots__ = ("_handles", "_issued", "_published", "plan")
 
-    def __init__(self, groups: Sequence[FlatGroup]) -> None:
-        self._groups = tuple(groups)
-        self._ends = [_persistent_end(group) for group in self._groups]
-        self._published = [0] * len(self._groups)
-        self._issued = [end == 0 for end in self._ends]
+    def __init__(self, plan: RefreshPlan) -> None:
+        self.plan = plan
+        self._published = [0] * len(plan.groups)
+        self._issued = [not params for params in plan.persistent]
         self._handles: list[zero_params.GatherHandle] = []
 
     @property
     def cuts(self) -> list[list[int]]:
         """Per group, where its persistent parameters end (if some are followed by others)."""
-        return [[end] if 0 < end < group.numel else [] for end, group in zip(self._ends, self._groups)]
+        return [
+            [end] if 0 < end < group.numel else [] for end, group in zip(self.plan.ends, self.plan.groups)
+        ]
 
     def stepped(self, group: int, stop: int) -> None:
         """Flat elements ``[0, stop)`` of ``group`` are stepped: publish them, refresh if complete."""
         with profile_range("zero.optim.publish"):
-            self._groups[group].publish_range(self._published[group], stop)
+            self.plan.groups[group].publish_range(self._published[group], stop)
         self._published[group] = stop
-        if not self._issued[group] and stop >= self._ends[group]:
+        if not self._issued[group] and stop >= self.plan.ends[group]:
             self._issue(group)
 
     def _issue(self, group: int) -> None:
         self._issued[group] = True
-        segments = [s for s in self._groups[group].segments if zero_params.state_of(s.param).persistent]
-        watchdog_note(lambda: label("refreshes the persistent", [s.name for s in segments]))
-        self._handles.append(zero_params.commit_shards([s.param for s in segments], async_op=True))
+        names = self.plan.names[group]
+        watchdog_note(lambda: label("refreshes the persistent", names))
+        self._handles.append(zero_params.commit_shards(self.plan.persistent[group], async_op=True))
 
     def finish(self) -> None:
         """Publish what is left, commit the other parameters and wait for every refresh."""
         with profile_range("zero.optim.publish"):
-            for gi, group in enumerate(self._groups):
+            for gi, group in enumerate(self.plan.groups):
                 group.publish_range(self._published[gi], group.numel)
                 self._published[gi] = group.numel
         for gi, issued in enumerate(self._issued):
             if not issued:
                 self._issue(gi)
-        rest = [
-            seg.param
-            for group in self._groups
-            for seg in group.segments
-            if not zero_params.state_of(seg.param).persistent
-        ]
         watchdog_note("refreshes the gathered parameters after the step")
-        zero_params.commit_shards(rest)
+        zero_params.commit_shards(self.plan.rest)
         for handle in self._handles:
             handle.wait()
         self._handles.clear()
 
 
-def _persistent_end(group: FlatGroup) -> int:
-    """The flat offset where ``group``'s leading persistent segments end (0: none)."""
-    end = 0
-    for seg in group.segments:
-        if not zero_params.state_of(seg.param).persistent:
-            break
-        end = seg.offset + seg.numel
-    return end
+def _is_persistent(seg: Segment) -> bool:
+    return zero_params.state_of(seg.param).persistent
 
 
 def stage3_optimizer(
