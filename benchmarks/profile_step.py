@@ -22,6 +22,9 @@ On ``--world`` gloo ranks (one thread each), with the side-by-side's GPT-2 workl
    name (compute forward / backward, collective calls, waiting for collectives, zero's copies
    and casts, hooks and coordinator, optimizer, ...), and the CPU time of every other thread
    (gloo's) is read from ``/proc/self/task``. Rank 0 writes a Chrome trace (``--trace``).
+   DDP is profiled on the same batches, alternated step by step with zero, and
+   :func:`op_differences` lists the ops (and zero's ranges) whose self time per step differs
+   most between the two training threads: where zero's extra time goes, op by op.
    The waits for collectives are also listed in the order a step meets them
    (:func:`waits_in_order`), per rank: which ones are systematic (both ranks wait: a gather
    issued too late) and which are one rank waiting for the other.
@@ -88,6 +91,10 @@ CATEGORIES = (
 # ----------------------------------------------------------------------------- attribution
 
 
+ZERO_TOP, DDP_TOP = "bench.step", "bench.ddp_step"
+"""The ranges around one profiled zero step and one profiled DDP step."""
+
+
 def _is_wait(name: str) -> bool:
     """Whether a range is one of zero's waits for a collective (``zero.*.wait``)."""
     return name.startswith("zero.") and name.endswith(".wait")
@@ -122,7 +129,7 @@ def _category(chain: list[str]) -> str:
 
 def breakdown(events: Any, steps: int) -> dict[str, float]:
     """Milliseconds per step per category, from the training thread's events under ``bench.step``."""
-    tops = [e for e in events if e.name == "bench.step"]
+    tops = [e for e in events if e.name == ZERO_TOP]
     if not tops:
         return {}
     thread = tops[0].thread
@@ -134,13 +141,70 @@ def breakdown(events: Any, steps: int) -> dict[str, float]:
         while node is not None:
             chain.append(node.name)
             node = node.cpu_parent
-        if "bench.step" not in chain:
+        if ZERO_TOP not in chain:
             continue
-        if e.name == "bench.step":
+        if e.name == ZERO_TOP:
             totals["other"] += e.self_cpu_time_total
             continue
         totals[_category(chain)] += e.self_cpu_time_total
     return {k: v / 1e3 / steps for k, v in totals.items()}
+
+
+def op_self_ms(events: Any, top: str, steps: int) -> dict[str, float]:
+    """Self time per step (ms) of every event name on the training thread under the ``top`` ranges.
+
+    The training thread is the one the first ``top`` range ran on; the ``top`` ranges themselves
+    (the benchmark's loop) are left out. A range's self time is its time outside its children:
+    for zero's ranges that is Python and the waits it does not range separately.
+    """
+    tops = [e for e in events if e.name == top]
+    if not tops or steps <= 0:
+        return {}
+    thread = tops[0].thread
+    totals: dict[str, float] = {}
+    for e in events:
+        if e.thread != thread or e.name == top:
+            continue
+        node = e.cpu_parent
+        while node is not None and node.name != top:
+            node = node.cpu_parent
+        if node is None:
+            continue
+        totals[e.name] = totals.get(e.name, 0.0) + e.self_cpu_time_total
+    return {k: v / 1e3 / steps for k, v in totals.items()}
+
+
+def op_differences(zero: dict[str, float], ddp: dict[str, float], top: int = 15) -> list[dict[str, Any]]:
+    """The ``top`` names whose self time per step differs most between zero and DDP (largest first).
+
+    Each row: ``name``, ``zero_ms``, ``ddp_ms``, ``diff_ms`` (zero minus DDP: positive is time
+    zero spends that DDP does not). Ties keep the name order, so the table is stable.
+    """
+    rows = [
+        {"name": n, "zero_ms": zero.get(n, 0.0), "ddp_ms": ddp.get(n, 0.0)} for n in sorted({*zero, *ddp})
+    ]
+    for r in rows:
+        r["diff_ms"] = r["zero_ms"] - r["ddp_ms"]
+    rows.sort(key=lambda r: -abs(r["diff_ms"]))
+    return rows[:top]
+
+
+def differences_table(rows: list[dict[str, Any]], zero_total: float, ddp_total: float) -> str:
+    """:func:`op_differences` as a markdown table, with the whole thread's totals last."""
+    if not rows:
+        return ""
+    body = [
+        [f"`{r['name']}`", f"{r['zero_ms']:.2f}", f"{r['ddp_ms']:.2f}", f"{r['diff_ms']:+.2f}"] for r in rows
+    ]
+    body.append(
+        [
+            "**all (training thread)**",
+            f"{zero_total:.1f}",
+            f"{ddp_total:.1f}",
+            f"{zero_total - ddp_total:+.1f}",
+        ]
+    )
+    return markdown_table(["op or range", "zero ms / step", "DDP ms / step", "zero - DDP"], body, "lrrr")
 
 
 def waits_in_order(events: Any) -> list[dict[str, Any]]:
@@ -153,7 +217,7 @@ def waits_in_order(events: Any) -> list[dict[str, Any]]:
     ``step``: the innermost ``zero.engine.*`` range around it), the range's name, the median
     start (ms into the step) and the median, mean and largest wait (ms).
     """
-    tops = sorted((e for e in events if e.name == "bench.step"), key=lambda e: e.time_range.start)
+    tops = sorted((e for e in events if e.name == ZERO_TOP), key=lambda e: e.time_range.start)
     if not tops:
         return []
     thread = tops[0].thread
@@ -276,31 +340,45 @@ def _timed_steps(runners: dict[str, Any], batches: list[dict[str, torch.Tensor]]
 
 
 def _profiled(
-    runner: Any, batches: list[dict[str, torch.Tensor]], trace: pathlib.Path | None
+    runner: Any, ddp: Any, batches: list[dict[str, torch.Tensor]], trace: pathlib.Path | None
 ) -> dict[str, Any]:
+    """zero's steps under the profiler, each batch also stepped by DDP first (ranged apart).
+
+    The wall time and the threads' CPU are zero's alone: DDP's steps are taken out of them.
+    """
     from torch.profiler import ProfilerActivity, profile, record_function
 
     main = os.getpid()
-    dist.barrier()
-    before = _thread_cpu_seconds()
-    t0 = time.perf_counter()
+    wall = 0.0
+    cpu = {"main": 0.0, "others": 0.0}
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for batch in batches:
-            with record_function("bench.step"):
+            dist.barrier()
+            with record_function(DDP_TOP):
+                ddp.forward_backward(batch)
+                ddp.optimizer_step()
+            dist.barrier()
+            before = _thread_cpu_seconds()
+            t0 = time.perf_counter()
+            with record_function(ZERO_TOP):
                 runner.forward_backward(batch)
                 runner.optimizer_step()
-    wall = (time.perf_counter() - t0) / len(batches)
-    after = _thread_cpu_seconds()
-    others = sum(v - before.get(k, 0.0) for k, v in after.items() if k != main)
+            wall += time.perf_counter() - t0
+            after = _thread_cpu_seconds()
+            cpu["main"] += after.get(main, 0.0) - before.get(main, 0.0)
+            cpu["others"] += sum(v - before.get(k, 0.0) for k, v in after.items() if k != main)
     if trace is not None:
         trace.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(trace))
+    n, events = len(batches), prof.events()
     return {
-        "profiled_step_ms": wall * 1e3,
-        "breakdown_ms": breakdown(prof.events(), len(batches)),
-        "waits": waits_in_order(prof.events()),
-        "other_threads_cpu_ms": others * 1e3 / len(batches),
-        "main_thread_cpu_ms": (after.get(main, 0.0) - before.get(main, 0.0)) * 1e3 / len(batches),
+        "profiled_step_ms": wall * 1e3 / n,
+        "breakdown_ms": breakdown(events, n),
+        "waits": waits_in_order(events),
+        "zero_ops_ms": op_self_ms(events, ZERO_TOP, n),
+        "ddp_ops_ms": op_self_ms(events, DDP_TOP, n),
+        "other_threads_cpu_ms": cpu["others"] * 1e3 / n,
+        "main_thread_cpu_ms": cpu["main"] * 1e3 / n,
     }
 
 
@@ -331,11 +409,10 @@ def _rank_main(rank: int, args: argparse.Namespace, store: str, results: Any) ->
         runners = {"ddp": ddp, "zero": zero}
         _timed_steps(runners, warm)
         timed_results = _timed_steps(runners, timed)
-        ddp.close()
-        del ddp, runners
         ddp_result, zero_result = timed_results["ddp"], timed_results["zero"]
         trace = args.trace if rank == 0 else None
-        profiled = _profiled(zero, prof, trace)
+        profiled = _profiled(zero, ddp, prof, trace)
+        ddp.close()
         zero.close()
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, profiled)
@@ -375,6 +452,11 @@ def summarize(args: argparse.Namespace, raw: dict[str, Any], psi: int) -> dict[s
         "distance_pct_of_step": 100.0 * (zero_s - floor) / zero_s,
         "ratio_to_ddp": zero_s / ddp_s,
         "breakdown_ms": rank0["breakdown_ms"],
+        "op_differences": op_differences(rank0.get("zero_ops_ms", {}), rank0.get("ddp_ops_ms", {})),
+        "ops_total_ms": [
+            sum(rank0.get("zero_ops_ms", {}).values()),
+            sum(rank0.get("ddp_ops_ms", {}).values()),
+        ],
         "waits": [p.get("waits", []) for p in raw["profiled"]],
         "profiled_step_ms": rank0["profiled_step_ms"],
         "other_threads_cpu_ms": [p["other_threads_cpu_ms"] for p in raw["profiled"]],
@@ -411,6 +493,7 @@ def markdown(result: dict[str, Any]) -> str:
     gloo = ", ".join(f"{v:.1f}" for v in s["other_threads_cpu_ms"])
     main = ", ".join(f"{v:.1f}" for v in s["main_thread_cpu_ms"])
     waits = waits_table(s.get("waits", []))
+    differences = differences_table(s.get("op_differences", []), *s.get("ops_total_ms", [0.0, 0.0]))
     floor_rows = [
         ("DDP step (median of the slowest rank)", f"{s['ddp_step_s'] * 1e3:.1f} ms"),
         ("zero step, released", f"{s['zero3_step_s'] * 1e3:.1f} ms ({s['ratio_to_ddp']:.2f}x DDP)"),
@@ -448,6 +531,19 @@ def markdown(result: dict[str, Any]) -> str:
                     "",
                 ]
                 if waits
+                else []
+            ),
+            *(
+                [
+                    "Op by op, where zero's training thread spends its time differently from DDP's "
+                    "(rank 0, the profiled batches stepped by DDP and zero in turn; self time under the "
+                    "profiler, so a range's time outside its children, waits included; the largest "
+                    "differences first):",
+                    "",
+                    differences,
+                    "",
+                ]
+                if differences
                 else []
             ),
             markdown_table(["floor", "value"], floor_rows, "lr"),

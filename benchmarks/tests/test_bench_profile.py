@@ -5,7 +5,17 @@ from __future__ import annotations
 import pytest
 from growth import predict
 from impls import ring_ideal_bytes, stage_of
-from profile_step import _category, fit_cost, waits_in_order, waits_table
+from profile_step import (
+    DDP_TOP,
+    ZERO_TOP,
+    _category,
+    differences_table,
+    fit_cost,
+    op_differences,
+    op_self_ms,
+    waits_in_order,
+    waits_table,
+)
 
 
 def test_the_cost_fit_recovers_latency_and_cost_per_byte():
@@ -99,3 +109,39 @@ def test_the_waits_of_a_step_come_in_order_with_median_mean_and_max():
     assert "| 2 | step | `zero.params.gather.wait` | 9.0 | 0.10 (0.10, 0.1) | - |" in table
     assert "|  | **all** |  |  | 2.7 (4.7) | 2.6 (4.6) |" in table  # medians (means) summed
     assert waits_in_order([]) == [] and waits_table([]) == ""
+
+
+class _Timed(_Event):
+    """An event with a self time (us), as ``op_self_ms`` reads it."""
+
+    def __init__(self, name: str, self_us: float, parent: _Event | None = None, thread: int = 1) -> None:
+        super().__init__(name, 0.0, self_us, parent, thread)
+        self.self_cpu_time_total = self_us
+
+
+def test_op_self_times_per_step_and_their_differences_from_ddp():
+    events: list[_Event] = []
+    for _ in range(2):  # two steps of each
+        ddp_top, zero_top = _Timed(DDP_TOP, 100.0), _Timed(ZERO_TOP, 100.0)
+        fwd = _Timed("zero.engine.forward", 300.0, zero_top)
+        events += [ddp_top, zero_top, fwd]
+        events += [_Timed("aten::mm", 4_000.0, ddp_top), _Timed("aten::mm", 4_200.0, fwd)]
+        events += [_Timed("aten::copy_", 500.0, ddp_top), _Timed("aten::copy_", 2_500.0, fwd)]
+        events += [_Timed("aten::aminmax", 1_000.0, fwd)]
+        events += [_Timed("aten::mm", 9_000.0, None), _Timed("aten::mm", 9_000.0, zero_top, thread=2)]
+    zero, ddp = op_self_ms(events, ZERO_TOP, 2), op_self_ms(events, DDP_TOP, 2)
+    # Per step, only the training thread's events under each top; the tops themselves left out.
+    assert zero == pytest.approx(
+        {"zero.engine.forward": 0.3, "aten::mm": 4.2, "aten::copy_": 2.5, "aten::aminmax": 1.0}
+    )
+    assert ddp == pytest.approx({"aten::mm": 4.0, "aten::copy_": 0.5})
+    rows = op_differences(zero, ddp, top=3)
+    assert [(r["name"], round(r["diff_ms"], 6)) for r in rows] == [
+        ("aten::copy_", 2.0),
+        ("aten::aminmax", 1.0),
+        ("zero.engine.forward", 0.3),
+    ]
+    table = differences_table(rows, sum(zero.values()), sum(ddp.values()))
+    assert "| `aten::copy_` | 2.50 | 0.50 | +2.00 |" in table
+    assert "| **all (training thread)** | 8.0 | 4.5 | +3.5 |" in table
+    assert op_self_ms([], ZERO_TOP, 2) == {} and differences_table([], 0.0, 0.0) == ""
