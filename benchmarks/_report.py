@@ -21,10 +21,11 @@ import os
 import pathlib
 import platform
 import re
+import resource
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from zero_comm.launch import RankContext, launch
 
@@ -213,19 +214,37 @@ def write_results(
     return paths
 
 
-def timed_across_ranks(step: Callable[[], object]) -> tuple[float, float]:
-    """Run ``step()`` on every rank after a barrier; the slowest rank's wall seconds and this rank's
-    thread CPU seconds (the training thread alone: gloo's own threads are not counted)."""
+class StepTiming(NamedTuple):
+    """One step timed by :func:`timed_across_ranks`."""
+
+    wall_s: float
+    """The slowest rank's wall seconds."""
+    thread_cpu_s: float
+    """This rank's training-thread CPU seconds (gloo's own threads are not counted)."""
+    minor_faults: int
+    """Minor page faults of this rank's training thread: pages touched for the first time since
+    the allocator got them from the kernel (each one zeroed by the kernel), ``getrusage``'s
+    ``ru_minflt`` for the thread."""
+
+
+def _thread_faults() -> int:
+    return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+
+
+def timed_across_ranks(step: Callable[[], object]) -> StepTiming:
+    """Run ``step()`` on every rank after a barrier and time it (:class:`StepTiming`)."""
     import torch
     import torch.distributed as dist
 
     dist.barrier()
+    faults = _thread_faults()
     start, cpu = time.perf_counter(), time.thread_time()
     step()
     cpu = time.thread_time() - cpu
+    faults = _thread_faults() - faults
     took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
     dist.all_reduce(took, op=dist.ReduceOp.MAX)
-    return float(took), cpu
+    return StepTiming(float(took), cpu, faults)
 
 
 class ResultSink:

@@ -15,7 +15,9 @@ DDP is taken per step, between steps a second apart. The drift then cancels in e
 
 Reported per implementation: the median step, the median of the per-step ratios to DDP with
 its interquartile range and a bootstrap 95% interval of that median, and the same median for
-the training thread's CPU time (``time.thread_time``: gloo's threads excluded). What sharing a
+the training thread's CPU time (``time.thread_time``: gloo's threads excluded), and rank 0's
+training-thread minor page faults per step (pages the allocator took fresh from the kernel:
+each costs a kernel entry and a zeroed page, CPU the step pays). What sharing a
 process costs: the implementations share the allocator and caches, and each one's memory
 stays allocated during the others' steps (memory is ``memory.py``'s business, in fresh
 processes). The side-by-side stays the reference comparison with FSDP2 and DeepSpeed; this
@@ -77,17 +79,19 @@ def _rank_main(rank: int, args: argparse.Namespace, store: str, results: Any) ->
     batches = rank_batches(w, rank, args.world, 8)
     wall: dict[str, list[float]] = {name: [] for name in args.impls}
     cpu: dict[str, list[float]] = {name: [] for name in args.impls}
+    faults: dict[str, list[int]] = {name: [] for name in args.impls}
     for step in range(args.warmup + args.steps):
         for name in rotation(args.impls, step):
             batch = batches[step % len(batches)]
-            took, thread = timed_across_ranks(partial(_train_step, runners[name], batch))
+            timing = timed_across_ranks(partial(_train_step, runners[name], batch))
             if step >= args.warmup:
-                wall[name].append(took)
-                cpu[name].append(thread)
+                wall[name].append(timing.wall_s)
+                cpu[name].append(timing.thread_cpu_s)
+                faults[name].append(timing.minor_faults)
     for runner in runners.values():
         runner.close()
     if rank == 0:
-        results.put({"workload": w.describe(), "wall": wall, "cpu": cpu})
+        results.put({"workload": w.describe(), "wall": wall, "cpu": cpu, "faults": faults})
 
 
 def median_interval(values: Sequence[float], draws: int = 2000, seed: int = 0) -> tuple[float, float]:
@@ -99,8 +103,12 @@ def median_interval(values: Sequence[float], draws: int = 2000, seed: int = 0) -
     return medians[int(0.025 * draws)], medians[min(draws - 1, int(0.975 * draws))]
 
 
-def summarize(wall: dict[str, list[float]], cpu: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+def summarize(
+    wall: dict[str, list[float]], cpu: dict[str, list[float]], faults: dict[str, list[int]] | None = None
+) -> dict[str, dict[str, float]]:
     """Per implementation: median step, per-step ratios to DDP (median, quartiles, 95% interval), CPU ratio.
+
+    With ``faults`` (rank 0's training-thread minor page faults per step), their median too.
 
     Raises:
         ValueError: no ``ddp`` times, or an implementation with another number of steps.
@@ -124,6 +132,8 @@ def summarize(wall: dict[str, list[float]], cpu: dict[str, list[float]]) -> dict
             "cpu_ratio": statistics.median(cpu_ratios) if cpu_ratios else float("nan"),
             "steps": len(times),
         }
+        if faults is not None and faults.get(name):
+            out[name]["faults"] = statistics.median(faults[name])
     return out
 
 
@@ -137,6 +147,7 @@ def report(summary: dict[str, dict[str, float]], workload: str, env: dict[str, A
             f"{s['ratio_q1']:.3f} - {s['ratio_q3']:.3f}",
             f"{s['ratio_low95']:.3f} - {s['ratio_high95']:.3f}",
             f"{s['cpu_ratio']:.3f}",
+            f"{s['faults']:.0f}" if "faults" in s else "-",
         ]
         for name, s in summary.items()
     ]
@@ -156,10 +167,16 @@ def report(summary: dict[str, dict[str, float]], workload: str, env: dict[str, A
                     "quartiles",
                     "95% interval of the median",
                     "thread CPU x DDP",
+                    "page faults / step",
                 ],
                 rows,
-                "lrrrrr",
+                "lrrrrrr",
             ),
+            "",
+            "Page faults / step: rank 0's training thread, minor faults (a page the allocator got "
+            "fresh from the kernel, touched for the first time), median over steps. The "
+            "implementations share one heap here, so one's frees can make the next one's "
+            "allocations fault.",
         ]
     )
 
@@ -227,7 +244,7 @@ def main() -> None:
     args = parse_args()
     env = environment("zero-full") | {"world": args.world}
     found = spawn_ranks(_rank_main, args.world, args, args.timeout, process_group=True)
-    summary = summarize(found["wall"], found["cpu"])
+    summary = summarize(found["wall"], found["cpu"], found.get("faults"))
     command = "python benchmarks/paired_steps.py " + " ".join(sys.argv[1:])
     text = report(summary, found["workload"], env, command.strip())
     print(text)

@@ -60,7 +60,7 @@ def _rank_main(rank: int, args: argparse.Namespace, store: str, results: Any) ->
     for s in range(steps):
         order = ("on", "off") if s % 2 == 0 else ("off", "on")
         for name in order:
-            took, _ = timed_across_ranks(partial(_step, engines[name], w, batches[s % len(batches)]))
+            took = timed_across_ranks(partial(_step, engines[name], w, batches[s % len(batches)])).wall_s
             if s >= args.warmup:
                 times[name].append(took)
     for engine in engines.values():

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from paired_steps import median_interval, rotation, summarize
+import torch
+from _report import _thread_faults
+from paired_steps import median_interval, report, rotation, summarize
 
 
 def test_each_implementation_leads_in_turn():
@@ -80,3 +82,26 @@ def test_a_run_without_ddp_is_refused_and_a_world_1_run_is_accepted(capsys):
     assert "--impls must include ddp" in capsys.readouterr().err
     args = parse_args(["--world", "1", "--impls", "ddp", "zero-3", "--reuse-blocks", "0"])
     assert (args.world, args.impls, args.reuse_blocks) == (1, ["ddp", "zero-3"], 0.0)
+
+
+def test_page_faults_per_step_are_a_median_and_a_column():
+    ddp, zero = [1.0, 1.0, 1.0], [1.1, 1.1, 1.1]
+    found = summarize(
+        {"ddp": ddp, "zero-1": zero},
+        {"ddp": ddp, "zero-1": zero},
+        {"ddp": [0, 0, 5], "zero-1": [900, 10, 40]},
+    )
+    assert found["ddp"]["faults"] == 0 and found["zero-1"]["faults"] == 40
+    env = {"world": 2, "load_average_1m": 0.5, "cpus": 2}
+    table = report(found, "w", env, "cmd")
+    assert "| zero-1 | 1100.0 | 1.100 |" in table and table.splitlines()[7].endswith("| 40 |")
+    assert "page faults / step" in table
+    assert "faults" not in summarize({"ddp": ddp}, {"ddp": ddp})["ddp"]
+
+
+def test_the_training_thread_faults_are_counted_when_fresh_pages_are_touched():
+    size = 64 << 20  # above glibc's largest mmap threshold: fresh pages from the kernel
+    before = _thread_faults()
+    torch.empty(size // 4, dtype=torch.float32).fill_(1.0)
+    # One fault per 4 KiB page, or per 2 MiB with transparent huge pages.
+    assert _thread_faults() - before >= size // (2 << 20)
