@@ -148,6 +148,15 @@ def environment(*dists: str) -> dict[str, Any]:
     }
 
 
+def allocator_env() -> str:
+    """The glibc allocator settings in the environment (``MALLOC_*``), as a command prefix ("" if none).
+
+    They change how often freed memory goes back to the kernel, and so how many page faults a
+    step pays: a result measured with them names them.
+    """
+    return "".join(f"{k}={v} " for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_"))
+
+
 def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[object]], align: str = "") -> str:
     """A GitHub markdown table; ``align`` has one letter per column, ``l`` or ``r`` (default: ``l``).
 

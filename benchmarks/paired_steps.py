@@ -53,7 +53,14 @@ import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from _report import environment, markdown_table, spawn_ranks, timed_across_ranks, write_results  # noqa: E402
+from _report import (  # noqa: E402
+    allocator_env,
+    environment,
+    markdown_table,
+    spawn_ranks,
+    timed_across_ranks,
+    write_results,
+)
 from impls import IMPLEMENTATIONS, ImplOptions  # noqa: E402
 from workloads import rank_batches, workload_of, workload_parser  # noqa: E402
 
@@ -245,7 +252,7 @@ def main() -> None:
     env = environment("zero-full") | {"world": args.world}
     found = spawn_ranks(_rank_main, args.world, args, args.timeout, process_group=True)
     summary = summarize(found["wall"], found["cpu"], found.get("faults"))
-    command = "python benchmarks/paired_steps.py " + " ".join(sys.argv[1:])
+    command = allocator_env() + "python benchmarks/paired_steps.py " + " ".join(sys.argv[1:])
     text = report(summary, found["workload"], env, command.strip())
     print(text)
     settings = vars(args) | {"out": str(args.out)}

@@ -198,7 +198,7 @@ def differences_table(rows: list[dict[str, Any]], zero_total: float, ddp_total: 
     ]
     body.append(
         [
-            "**all (training thread)**",
+            "**all events of the step**",
             f"{zero_total:.1f}",
             f"{ddp_total:.1f}",
             f"{zero_total - ddp_total:+.1f}",
@@ -537,8 +537,9 @@ def markdown(result: dict[str, Any]) -> str:
                 [
                     "Op by op, where zero's training thread spends its time differently from DDP's "
                     "(rank 0, the profiled batches stepped by DDP and zero in turn; self time under the "
-                    "profiler, so a range's time outside its children, waits included; the largest "
-                    "differences first):",
+                    "profiler, so a range's time outside its children, zero's waits included; the "
+                    "largest differences first; time outside every event, such as a wait torch does "
+                    "not record, is in neither column):",
                     "",
                     differences,
                     "",

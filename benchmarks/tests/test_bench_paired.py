@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
-from _report import _thread_faults
+from _report import _thread_faults, allocator_env
 from paired_steps import median_interval, report, rotation, summarize
 
 
@@ -105,3 +107,12 @@ def test_the_training_thread_faults_are_counted_when_fresh_pages_are_touched():
     torch.empty(size // 4, dtype=torch.float32).fill_(1.0)
     # One fault per 4 KiB page, or per 2 MiB with transparent huge pages.
     assert _thread_faults() - before >= size // (2 << 20)
+
+
+def test_the_allocator_settings_a_run_had_prefix_its_command(monkeypatch):
+    for key in [k for k in os.environ if k.startswith("MALLOC_")]:
+        monkeypatch.delenv(key)
+    assert allocator_env() == ""
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "1000000000")
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
+    assert allocator_env() == "MALLOC_ARENA_MAX=2 MALLOC_TRIM_THRESHOLD_=1000000000 "

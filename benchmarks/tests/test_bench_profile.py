@@ -143,5 +143,5 @@ def test_op_self_times_per_step_and_their_differences_from_ddp():
     ]
     table = differences_table(rows, sum(zero.values()), sum(ddp.values()))
     assert "| `aten::copy_` | 2.50 | 0.50 | +2.00 |" in table
-    assert "| **all (training thread)** | 8.0 | 4.5 | +3.5 |" in table
+    assert "| **all events of the step** | 8.0 | 4.5 | +3.5 |" in table
     assert op_self_ms([], ZERO_TOP, 2) == {} and differences_table([], 0.0, 0.0) == ""
