@@ -461,3 +461,62 @@ def test_a_gradient_view_assigned_back_after_zero_grad_accumulates_from_zero(dis
     back = dist.run(world, _saved_view_assigned_back, True)
     for a, b in zip(plain, back, strict=True):
         assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+class _InjectedFailure(RuntimeError):
+    pass
+
+
+def _failed_publish(rank, stage):
+    """The optimizer raises on its second range, after the first all-gather bucket was issued."""
+    calls, fail_at = [0], [2]
+
+    class Failing(torch.optim.AdamW):
+        def step(self, closure=None):
+            calls[0] += 1
+            if calls[0] == fail_at[0]:
+                raise _InjectedFailure("injected optimizer failure")
+            return super().step(closure)
+
+    model = Odd()
+    opt, reduction = replicated_optimizer(
+        model,
+        lambda ps: Failing(ps, lr=1e-2),
+        stage,
+        ReduceConfig(reduce_bucket_size=64),
+        allgather_bucket_size=64,
+    )
+    x = batch(0, 0, rank.world_size)[4 * rank.rank : 4 * (rank.rank + 1)]
+    model(x).backward()
+    reduction.at_boundary()
+    first = opt.partitioning.step_publisher(opt.groups).buckets[0]
+    before = [p.detach().clone() for p, _ in first.items]
+    with pytest.raises(_InjectedFailure):
+        opt.step()
+    # The gather issued before the failure was waited for: its parameters show the stepped values.
+    published = [_whole(part, p) for p, part in first.items]
+    moved = [
+        not torch.equal(b, p.detach()) and torch.equal(p.detach(), w)
+        for b, (p, _), w in zip(before, first.items, published)
+        if p.numel()
+    ]
+    fail_at[0] = 0
+    opt.zero_grad()
+    model(x).backward()
+    reduction.at_boundary()
+    opt.step()  # a full step afterwards: its collectives line up on every rank
+    reduction.remove()
+    return moved
+
+
+def _whole(part: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """``param``'s whole value assembled from every rank's working partition."""
+    rows = [torch.empty_like(part) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(rows, part.contiguous())
+    return torch.cat(rows)[: param.numel()].view_as(param)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_an_optimizer_failure_mid_step_leaves_no_gather_in_flight(dist, stage):
+    for moved in dist.run(2, _failed_publish, stage):
+        assert len(moved) == 3 and all(moved), moved

@@ -216,7 +216,9 @@ class PartitionedOptimizer:
         goes out as soon as its elements are stepped (:class:`zero_optim.publish.PipelinedPublish`),
         at stage 3 the persistent parameters' refresh as soon as they are stepped
         (:class:`zero_optim.stage3.PersistentRefresh`); the results are those of
-        :meth:`publish_updated_shards` after the step.
+        :meth:`publish_updated_shards` after the step. If the optimizer raises part way, the
+        collectives already issued are waited for before the exception propagates (the
+        parameters then show a partial step: the exception is the caller's to handle).
         """
         with profile_range("zero.optim.step"), torch.no_grad():
             before = getattr(self.partitioning, "before_step", None)
@@ -224,7 +226,11 @@ class PartitionedOptimizer:
                 before()
             publish = self._step_publisher()
             if publish is not None:
-                self.stepper.step(cuts=publish.cuts, after=publish.stepped)
+                try:
+                    self.stepper.step(cuts=publish.cuts, after=publish.stepped)
+                except BaseException:
+                    publish.abort()  # nothing issued is left in flight behind the exception
+                    raise
                 publish.finish()
                 return
             if self.offload is not None:

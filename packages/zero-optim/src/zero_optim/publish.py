@@ -53,6 +53,14 @@ class StepPublisher(Protocol):
         """Publish whatever is left and wait: the parameters show the step (collective)."""
         ...
 
+    def abort(self) -> None:
+        """The step raised part way: wait for every collective already issued, publish nothing more.
+
+        Nothing then writes into the parameters after the exception has propagated, and no
+        issued collective is left unwaited for the next one to meet.
+        """
+        ...
+
 
 @dataclasses.dataclass(frozen=True)
 class GatherBucket:
@@ -154,6 +162,11 @@ class PipelinedPublish:
         self._issue_ready((len(self._groups), 0))
         with profile_range("zero.optim.allgather_params"):
             self._wait()
+
+    def abort(self) -> None:
+        """The step raised part way: wait for the gather in flight; issue no other."""
+        self._next = len(self.buckets)
+        self._wait()
 
     def _wait(self) -> None:
         """Wait for the gather in flight, if any."""

@@ -248,9 +248,17 @@ class PersistentRefresh:
                 self._issue(gi)
         watchdog_note("refreshes the gathered parameters after the step")
         zero_params.commit_shards(self.plan.rest)
-        for handle in self._handles:
+        self._wait_issued()
+
+    def abort(self) -> None:
+        """The step raised part way: wait for the refreshes already issued; issue no other."""
+        self._issued = [True] * len(self._issued)
+        self._wait_issued()
+
+    def _wait_issued(self) -> None:
+        handles, self._handles = self._handles, []
+        for handle in handles:
             handle.wait()
-        self._handles.clear()
 
 
 def _is_persistent(seg: Segment) -> bool:

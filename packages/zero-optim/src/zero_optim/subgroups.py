@@ -110,14 +110,18 @@ class SubGroupStepper:
         elementwise = [k for k, v in flat_state.items() if _per_element(v, group.numel)]
         last: dict[str, Any] | None = None
         start = 0
-        for stop in self._bounds(group.numel, cuts):
-            with profile_range("zero.optim.sub_group_step"):
-                last = self._step_range(group, pg, flat_state, scalars, elementwise, start, stop)
-            if after is not None:
-                after(gi, stop)
-            start = stop
-        if last is not None:
-            flat_state.update(last)
+        try:
+            for stop in self._bounds(group.numel, cuts):
+                with profile_range("zero.optim.sub_group_step"):
+                    last = self._step_range(group, pg, flat_state, scalars, elementwise, start, stop)
+                if after is not None:
+                    after(gi, stop)
+                start = stop
+        finally:
+            # Also when a range raised: the scalars (e.g. AdamW's ``step``) of the ranges stepped
+            # go with the per-element state they already wrote, so a later step finds both.
+            if last is not None:
+                flat_state.update(last)
 
     def _step_range(
         self,
