@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from optim_cases import Odd, batch, make_optimizer, reference_run
+from optim_cases import InjectedFailure, Odd, batch, failing_adamw, make_optimizer, reference_run
 
 import zero_comm
 import zero_params
@@ -463,25 +463,13 @@ def test_a_gradient_view_assigned_back_after_zero_grad_accumulates_from_zero(dis
         assert all(torch.equal(a[n], b[n]) for n in a)
 
 
-class _InjectedFailure(RuntimeError):
-    pass
-
-
 def _failed_publish(rank, stage):
     """The optimizer raises on its second range, after the first all-gather bucket was issued."""
-    calls, fail_at = [0], [2]
-
-    class Failing(torch.optim.AdamW):
-        def step(self, closure=None):
-            calls[0] += 1
-            if calls[0] == fail_at[0]:
-                raise _InjectedFailure("injected optimizer failure")
-            return super().step(closure)
-
+    fail_at = [2]
     model = Odd()
     opt, reduction = replicated_optimizer(
         model,
-        lambda ps: Failing(ps, lr=1e-2),
+        failing_adamw(fail_at),
         stage,
         ReduceConfig(reduce_bucket_size=64),
         allgather_bucket_size=64,
@@ -491,7 +479,7 @@ def _failed_publish(rank, stage):
     reduction.at_boundary()
     first = opt.partitioning.step_publisher(opt.groups).buckets[0]
     before = [p.detach().clone() for p, _ in first.items]
-    with pytest.raises(_InjectedFailure):
+    with pytest.raises(InjectedFailure):
         opt.step()
     # The gather issued before the failure was waited for: its parameters show the stepped values.
     published = [_whole(part, p) for p, part in first.items]

@@ -13,9 +13,11 @@ import pytest
 import torch
 from optim_cases import (
     SHAPES,
+    InjectedFailure,
     Odd,
     assert_same_results,
     batch,
+    failing_adamw,
     flat_state,
     make_optimizer,
     micro_step,
@@ -339,34 +341,16 @@ def test_the_refresh_plan_is_made_once_and_splits_persistent_from_gathered(dist)
     assert names == [["ps.0", "ps.1", "ps.2"], ["ps.6", "inner.bias"]]
 
 
-class _InjectedFailure(RuntimeError):
-    pass
-
-
-def _failing_adamw(fail_at: list[int]):
-    """An AdamW factory whose optimizers raise on the ``fail_at[0]``-th ``step`` call (0: never)."""
-    calls = [0]
-
-    class Failing(torch.optim.AdamW):
-        def step(self, closure=None):
-            calls[0] += 1
-            if calls[0] == fail_at[0]:
-                raise _InjectedFailure("injected optimizer failure")
-            return super().step(closure)
-
-    return lambda ps: Failing(ps, lr=1e-2)
-
-
 def _failed_step(rank):
     """The optimizer raises right after the first group's persistent refresh was issued."""
     model = Odd()
     zero_params.partition(model, persistence_threshold=7)
     fail_at = [2]  # range 1: group 0's persistent parameters (their refresh issued), range 2: the rest
-    opt, sink = stage3_optimizer(model, _failing_adamw(fail_at))
+    opt, sink = stage3_optimizer(model, failing_adamw(fail_at))
     x = batch(0, 0, rank.world_size)[4 * rank.rank : 4 * (rank.rank + 1)]
     micro_step(model, sink, x)
     refreshed = opt.partitioning.step_publisher(opt.groups).plan.persistent[0]
-    with pytest.raises(_InjectedFailure):
+    with pytest.raises(InjectedFailure):
         opt.step()
     # The refresh issued before the failure was waited for: the whole values are the stepped shards.
     first = [torch.equal(p.detach().reshape(-1), _whole_from_shards(p)) for p in refreshed]
