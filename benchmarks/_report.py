@@ -236,7 +236,8 @@ class StepTiming(NamedTuple):
     ``ru_minflt`` for the thread."""
 
 
-def _thread_faults() -> int:
+def thread_minor_faults() -> int:
+    """Minor page faults of the calling thread so far (``getrusage(RUSAGE_THREAD).ru_minflt``)."""
     return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
 
 
@@ -246,11 +247,11 @@ def timed_across_ranks(step: Callable[[], object]) -> StepTiming:
     import torch.distributed as dist
 
     dist.barrier()
-    faults = _thread_faults()
+    faults = thread_minor_faults()
     start, cpu = time.perf_counter(), time.thread_time()
     step()
     cpu = time.thread_time() - cpu
-    faults = _thread_faults() - faults
+    faults = thread_minor_faults() - faults
     took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
     dist.all_reduce(took, op=dist.ReduceOp.MAX)
     return StepTiming(float(took), cpu, faults)

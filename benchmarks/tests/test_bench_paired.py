@@ -6,7 +6,7 @@ import os
 
 import pytest
 import torch
-from _report import _thread_faults, allocator_env
+from _report import allocator_env, thread_minor_faults
 from paired_steps import median_interval, report, rotation, summarize
 
 
@@ -101,12 +101,12 @@ def test_page_faults_per_step_are_a_median_and_a_column():
     assert "faults" not in summarize({"ddp": ddp}, {"ddp": ddp})["ddp"]
 
 
-def test_the_training_thread_faults_are_counted_when_fresh_pages_are_touched():
+def test_the_trainingthread_minor_faults_are_counted_when_fresh_pages_are_touched():
     size = 64 << 20  # above glibc's largest mmap threshold: fresh pages from the kernel
-    before = _thread_faults()
+    before = thread_minor_faults()
     torch.empty(size // 4, dtype=torch.float32).fill_(1.0)
     # One fault per 4 KiB page, or per 2 MiB with transparent huge pages.
-    assert _thread_faults() - before >= size // (2 << 20)
+    assert thread_minor_faults() - before >= size // (2 << 20)
 
 
 def test_the_allocator_settings_a_run_had_prefix_its_command(monkeypatch):

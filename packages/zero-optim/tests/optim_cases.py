@@ -120,22 +120,3 @@ def assert_same_results(during: list[dict], after: list[dict], named: tuple[str,
                 assert torch.equal(a[key][n], b[key][n]), f"rank {rank}: {key} {n} differs"
         for x, y in zip(a["master"], b["master"], strict=True):
             assert torch.equal(x, y), f"rank {rank}: master differs"
-
-
-class InjectedFailure(RuntimeError):
-    """What :func:`failing_adamw`'s optimizers raise."""
-
-
-def failing_adamw(fail_at: list[int]):
-    """An AdamW factory (lr 1e-2) whose optimizers raise :class:`InjectedFailure` on the
-    ``fail_at[0]``-th ``step`` call, counted over all of them (set ``fail_at[0] = 0``: never)."""
-    calls = [0]
-
-    class Failing(torch.optim.AdamW):
-        def step(self, closure=None):
-            calls[0] += 1
-            if calls[0] == fail_at[0]:
-                raise InjectedFailure("injected optimizer failure")
-            return super().step(closure)
-
-    return lambda ps: Failing(ps, lr=1e-2)

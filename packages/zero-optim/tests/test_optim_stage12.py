@@ -12,7 +12,7 @@ import copy
 
 import pytest
 import torch
-from optim_cases import InjectedFailure, Odd, batch, failing_adamw, make_optimizer, reference_run
+from optim_cases import Odd, batch, make_optimizer, reference_run
 
 import zero_comm
 import zero_params
@@ -25,7 +25,7 @@ from zero_optim import (
     replicated_optimizer,
     stage3_optimizer,
 )
-from zero_testing import assert_state_close
+from zero_testing import InjectedFailure, assert_state_close, failing_adamw
 
 
 def _train(rank, stage, kind, steps, accumulate, bucket, overlap):

@@ -13,11 +13,9 @@ import pytest
 import torch
 from optim_cases import (
     SHAPES,
-    InjectedFailure,
     Odd,
     assert_same_results,
     batch,
-    failing_adamw,
     flat_state,
     make_optimizer,
     micro_step,
@@ -29,7 +27,7 @@ from torch import nn
 import zero_coord
 import zero_params
 from zero_optim import ReduceConfig, stage3_optimizer
-from zero_testing import assert_state_close
+from zero_testing import InjectedFailure, assert_state_close, failing_adamw
 
 
 def _layout(rank, threshold):

@@ -176,9 +176,7 @@ class RefreshPlan:
         other parameter after it."""
         ends, persistent, names, rest = [], [], [], []
         for group in groups:
-            lead = list(
-                itertools.takewhile(lambda seg: zero_params.state_of(seg.param).persistent, group.segments)
-            )
+            lead = list(itertools.takewhile(_is_persistent, group.segments))
             ends.append(lead[-1].offset + lead[-1].numel if lead else 0)
             persistent.append(tuple(seg.param for seg in lead))
             names.append(tuple(seg.name for seg in lead))
