@@ -8,6 +8,8 @@ the flat gradient buffer directly and results compare against plain torch optimi
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -194,6 +196,43 @@ def test_state_dict_round_trip_continues_identically():
     _train(other, other_opt, 2)
     for a, b in zip(other.parameters(), expected):
         assert torch.equal(a, b)
+
+
+def test_state_tensors_replaced_between_steps_are_the_ones_stepped():
+    """The stepper keeps its views of the flat state between steps; replaced tensors are seen."""
+
+    def make(ps):
+        return torch.optim.AdamW(ps, lr=1e-2)
+
+    ref = OddModel()
+    model = copy.deepcopy(ref)
+    ref_opt = make(list(ref.parameters()))
+    opt = PartitionedOptimizer(model, make, WholeParams(), sub_group_size=400)  # several ranges
+    _train(ref, ref_opt, 2, zero=lambda: ref_opt.zero_grad(set_to_none=False))
+    _train(model, opt, 2)
+    state = opt.torch_optimizer.state[opt.groups[0].master]
+    for key in ("exp_avg", "exp_avg_sq"):
+        state[key] = state[key].clone()  # same values, new tensors
+    _train(ref, ref_opt, 3, zero=lambda: ref_opt.zero_grad(set_to_none=False))
+    _train(model, opt, 3)
+    for (name, a), b in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7, msg=name)
+    moments = torch.cat([ref_opt.state[p]["exp_avg"].reshape(-1) for p in ref.parameters()])
+    torch.testing.assert_close(state["exp_avg"], moments, rtol=1e-6, atol=1e-9)
+
+
+def test_loading_a_state_dict_releases_the_replaced_state():
+    def make(ps):
+        return torch.optim.AdamW(ps, lr=1e-2)
+
+    model = OddModel()
+    opt = PartitionedOptimizer(model, make, WholeParams(), sub_group_size=400)
+    _train(model, opt, 2)
+    saved = copy.deepcopy(opt.state_dict())
+    old = weakref.ref(opt.torch_optimizer.state[opt.groups[0].master]["exp_avg"])
+    opt.load_state_dict(saved)
+    gc.collect()
+    assert old() is None, "the stepper still holds the optimizer state that loading replaced"
 
 
 def test_state_dict_of_another_layout_is_refused():

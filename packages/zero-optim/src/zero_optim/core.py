@@ -347,6 +347,7 @@ class PartitionedOptimizer:
             for group, master in zip(self.groups, state["master"]):
                 group.load_master(master)
             self.torch_optimizer.load_state_dict(state["torch_optimizer"])
+        self.stepper.forget_state_views()  # the loaded state replaced the tensors they view
         self.partitioning.after_step(self.groups)
 
 

@@ -87,7 +87,17 @@ class FlatGroup:
             the working values live in ``working_views``.
     """
 
-    __slots__ = ("_grad_views", "_in_params", "_offsets", "_views", "grad", "master", "segments", "working")
+    __slots__ = (
+        "_grad_views",
+        "_in_params",
+        "_offsets",
+        "_pieces",
+        "_views",
+        "grad",
+        "master",
+        "segments",
+        "working",
+    )
 
     def __init__(
         self,
@@ -107,6 +117,7 @@ class FlatGroup:
             offset += int(numel)
         self.segments: tuple[Segment, ...] = tuple(segments)
         self._offsets = [s.offset for s in self.segments]
+        self._pieces: dict[tuple[int, int], tuple[tuple[int, torch.Tensor, torch.Tensor], ...]] = {}
         self._views: tuple[torch.Tensor, ...] | None = None
         if working_views is not None:
             self._views = tuple(working_views)
@@ -189,12 +200,23 @@ class FlatGroup:
             i -= 1
         return i
 
-    def pieces(self, start: int, stop: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    def pieces(self, start: int, stop: int) -> tuple[tuple[int, torch.Tensor, torch.Tensor], ...]:
         """``(offset, master piece, gradient piece)`` covering flat elements ``[start, stop)``, in order.
 
         One piece in the flat layout; one per overlapped segment when the master lives in
         the parameters. The master pieces are writable views of where the values live.
+
+        The buffers never move, so the views of a range are made once and the same tensors
+        are returned for it afterwards: the optimizer steps the same ranges every step, and
+        making a range's views costs a few view operators per segment.
         """
+        key = (start, stop)
+        found = self._pieces.get(key)
+        if found is None:
+            found = self._pieces[key] = tuple(self._make_pieces(start, stop))
+        return found
+
+    def _make_pieces(self, start: int, stop: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
         if not self._in_params and self._grad_views is None:
             n = stop - start
             if n > 0:

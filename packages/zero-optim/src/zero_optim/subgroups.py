@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -42,7 +42,7 @@ class SubGroupStepper:
         ValueError: ``sub_group_size`` below 1.
     """
 
-    __slots__ = ("groups", "optimizer", "sub_group_size")
+    __slots__ = ("_views", "groups", "optimizer", "sub_group_size")
 
     def __init__(
         self, optimizer: torch.optim.Optimizer, groups: Sequence[FlatGroup], sub_group_size: int
@@ -52,6 +52,7 @@ class SubGroupStepper:
         self.optimizer = optimizer
         self.groups = tuple(groups)
         self.sub_group_size = int(sub_group_size)
+        self._views: dict[tuple[int, int, int], _RangeViews] = {}
 
     def step(
         self,
@@ -78,6 +79,16 @@ class SubGroupStepper:
         finally:
             for pg, params in zip(opt.param_groups, saved):
                 pg["params"] = params
+
+    def forget_state_views(self) -> None:
+        """Drop the views of the flat per-element state kept between steps.
+
+        Call it when the torch optimizer's state tensors were replaced (``load_state_dict``):
+        the views would otherwise keep the replaced tensors alive until the next step. A step
+        never uses views of tensors that are no longer the state (it checks), so this is about
+        memory only.
+        """
+        self._views.clear()
 
     def _bounds(self, numel: int, cuts: Sequence[int]) -> list[int]:
         """The ends of the stepped ranges: every ``sub_group_size`` elements, at each cut, at ``numel``."""
@@ -113,7 +124,7 @@ class SubGroupStepper:
         try:
             for stop in self._bounds(group.numel, cuts):
                 with profile_range("zero.optim.sub_group_step"):
-                    last = self._step_range(group, pg, flat_state, scalars, elementwise, start, stop)
+                    last = self._step_range(gi, group, pg, flat_state, scalars, elementwise, start, stop)
                 if after is not None:
                     after(gi, stop)
                 start = stop
@@ -125,6 +136,7 @@ class SubGroupStepper:
 
     def _step_range(
         self,
+        gi: int,
         group: FlatGroup,
         pg: dict[str, Any],
         flat_state: dict[str, Any],
@@ -134,12 +146,12 @@ class SubGroupStepper:
         stop: int,
     ) -> dict[str, Any]:
         opt = self.optimizer
-        pieces = list(group.pieces(start, stop))
-        for off, master, grad in pieces:
+        pieces = group.pieces(start, stop)
+        views = self._state_views(gi, group, flat_state, elementwise, start, stop)
+        for (_, master, grad), own in zip(pieces, views, strict=True):
             master.grad = grad
             state = {k: _copy_scalar(v) for k, v in scalars.items()}
-            for k in elementwise:
-                state[k] = flat_state[k].narrow(0, off, master.numel())
+            state.update(own)
             opt.state[master] = state
         pg["params"] = [m for _, m, _ in pieces]
         try:
@@ -149,8 +161,10 @@ class SubGroupStepper:
             states = [opt.state.pop(m, {}) for _, m, _ in pieces]
             for _, m, _ in pieces:
                 m.grad = None
-        for (off, master, _), state in zip(pieces, states, strict=True):
+        for (off, master, _), state, own in zip(pieces, states, views, strict=True):
             for k, v in state.items():
+                if own.get(k) is v:  # the optimizer updated its view of the flat state in place
+                    continue
                 if isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == master.numel() > 0:
                     _store_per_element(flat_state, k, v, off, group)
                 elif isinstance(v, torch.Tensor) and v.numel() > 1:
@@ -160,6 +174,44 @@ class SubGroupStepper:
                     )
         first = states[0] if states else {}
         return {k: v for k, v in first.items() if not (isinstance(v, torch.Tensor) and v.dim() == 1)}
+
+    def _state_views(
+        self,
+        gi: int,
+        group: FlatGroup,
+        flat_state: dict[str, Any],
+        elementwise: list[str],
+        start: int,
+        stop: int,
+    ) -> tuple[dict[str, torch.Tensor], ...]:
+        """Per piece of ``[start, stop)``, its views of the flat per-element state (made once per state).
+
+        The views are made again only when the flat state tensors are not the ones they were
+        made of (the first step creates them; loading a checkpoint replaces them).
+        """
+        key = (gi, start, stop)
+        flats = tuple(flat_state[k] for k in elementwise)
+        found = self._views.get(key)
+        if found is not None and found.keys == tuple(elementwise) and _same(found.flats, flats):
+            return found.views
+        views = tuple(
+            {k: f.narrow(0, off, master.numel()) for k, f in zip(elementwise, flats, strict=True)}
+            for off, master, _ in group.pieces(start, stop)
+        )
+        self._views[key] = _RangeViews(tuple(elementwise), flats, views)
+        return views
+
+
+class _RangeViews(NamedTuple):
+    """One stepped range's views of the flat per-element state, and the flat tensors they view."""
+
+    keys: tuple[str, ...]
+    flats: tuple[torch.Tensor, ...]
+    views: tuple[dict[str, torch.Tensor], ...]
+
+
+def _same(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
 
 
 def _per_element(value: Any, numel: int) -> bool:
