@@ -508,3 +508,32 @@ def _whole(part: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 def test_an_optimizer_failure_mid_step_leaves_no_gather_in_flight(dist, stage):
     for moved in dist.run(2, _failed_publish, stage):
         assert len(moved) == 3 and all(moved), moved
+
+
+def _moved_out(rank, stage, move):
+    model = Odd(unused=True)
+    opt, reduction = replicated_optimizer(
+        model, make_optimizer("sgd"), stage, ReduceConfig(reduce_bucket_size=300), allgather_bucket_size=300
+    )
+    world, r = rank.world_size, rank.rank
+    for step in range(3):
+        if step == move:  # after a step: the gather's plan for this bucket exists already
+            for p in model.parameters():
+                p.data = p.data.clone()
+        x = batch(step, 0, world)
+        model(x[4 * r : 4 * (r + 1)]).backward()
+        reduction.at_boundary()
+        opt.step()
+        opt.zero_grad()
+    reduction.remove()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_parameters_moved_out_of_the_flat_buffer_still_receive_the_gathered_step(dist, stage):
+    """The gathers' plans are reused step after step, but not once a parameter's storage moved."""
+    stay = dist.run(2, _moved_out, stage, -1)
+    moved = dist.run(2, _moved_out, stage, 2)
+    for a, b in zip(moved, stay):
+        for name, value in b.items():
+            assert torch.equal(a[name], value), name

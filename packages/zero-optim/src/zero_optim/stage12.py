@@ -42,7 +42,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 import zero_comm
-from zero_comm.coalesced import adjacent_flat_view, issue_all_gather_into
+from zero_comm.coalesced import GatherIntoPlan, adjacent_flat_view
 from zero_comm.grad_bound import BOUNDED_DTYPES, GradientBound
 from zero_comm.profiling import profile_range
 from zero_comm.runs import add_in_runs as _add_in_runs
@@ -97,6 +97,7 @@ class ReplicaPartitioning:
     __slots__ = (
         "_bound",
         "_gather_plan",
+        "_gather_routes",
         "_grads",
         "_regions",
         "allgather_bucket_size",
@@ -128,6 +129,7 @@ class ReplicaPartitioning:
         self.grads_in_place = grads_in_place
         self._bound: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._gather_plan: tuple[tuple[FlatGroup, ...], tuple[GatherBucket, ...]] | None = None
+        self._gather_routes: dict[int, tuple[tuple[int, ...], GatherIntoPlan]] = {}
         self._grads = InPlaceGrads(world, rank)
         self._regions: dict[int, torch.Tensor] = {}
         self.grad_bound = GradientBound(world) if bound_grads else None
@@ -264,14 +266,25 @@ class ReplicaPartitioning:
         if plan is None or len(plan[0]) != len(groups) or any(a is not b for a, b in zip(plan[0], groups)):
             buckets = tuple(gather_buckets(groups, self.world, self.allgather_bucket_size))
             plan = self._gather_plan = (tuple(groups), buckets)
+            self._gather_routes.clear()  # keyed by the buckets replaced
         return plan[1]
 
     def _issue(self, bucket: GatherBucket) -> zero_comm.AllGatherHandle:
-        """Gather ``bucket`` straight from the collective's buffer into the parameters (one copy)."""
-        shards = [s for _, s in bucket.items]
+        """Gather ``bucket`` straight from the collective's buffer into the parameters (one copy).
+
+        The bucket's :class:`~zero_comm.coalesced.GatherIntoPlan` (checks, route, views) is made
+        once and reused while its destinations are the ones it was made for.
+        """
         dests = [self._gather_dest(param) for param, _ in bucket.items]
+        where = tuple(d.data_ptr() for d in dests)
+        found = self._gather_routes.get(id(bucket))
+        if found is None or found[0] != where:
+            found = self._gather_routes[id(bucket)] = (
+                where,
+                GatherIntoPlan([s for _, s in bucket.items], dests, self.group),
+            )
         watchdog_note(lambda: f"gathers the updated parameters ({len(bucket.items)} from the step)")
-        return issue_all_gather_into(shards, dests, self.group, async_op=True)
+        return found[1].issue(async_op=True)
 
     def _gather(self, bucket: GatherBucket) -> None:
         if self.world == 1:
