@@ -33,6 +33,14 @@ every parameter is released after use unless the very next module needs it.
 ``--bucket-blocks`` sets ``reduce_bucket_size`` and ``allgather_bucket_size`` of every zero
 stage (default: the side-by-side's 4 blocks).
 
+``--phases`` times the forward, the backward and the optimizer step apart (each after a
+barrier, the slowest rank counting, as a whole step is timed otherwise) and adds a table of
+each phase's median wall time, training-thread CPU and page faults beside DDP's. Without a
+profiler, this shows which phase a ratio comes from: e.g. whether a stage's step is slower
+because of its own CPU or because it waits for a collective (wall above CPU). The barriers
+stop one phase's communication from overlapping the next, so a step is then the sum of its
+three phases, and the ratios of such a run are not those of a run without ``--phases``.
+
 ``--world 1`` runs every implementation in one process, with no communication at all: what
 is left of each ratio to DDP is what its own machinery costs (hooks, gathers that only copy,
 releases, gradient buckets, optimizer), apart from the wire.
@@ -54,6 +62,7 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from _report import (  # noqa: E402
+    StepTiming,
     allocator_env,
     environment,
     markdown_table,
@@ -74,9 +83,27 @@ def rotation(names: Sequence[str], step: int) -> list[str]:
     return [*names[k:], *names[:k]]
 
 
+PHASES = ("forward", "backward", "step")
+"""The phases ``--phases`` times apart, in order."""
+
+
 def _train_step(runner: Any, batch: dict[str, torch.Tensor]) -> None:
     runner.forward_backward(batch)
     runner.optimizer_step()
+
+
+def _phased_step(runner: Any, batch: dict[str, torch.Tensor]) -> list[StepTiming]:
+    """One training step timed phase by phase (:data:`PHASES`), each after a barrier."""
+    losses: list[torch.Tensor] = []
+    forward = timed_across_ranks(lambda: losses.append(runner.forward(batch)))
+    backward = timed_across_ranks(lambda: runner.backward(losses.pop()))
+    return [forward, backward, timed_across_ranks(runner.optimizer_step)]
+
+
+def _whole(phases: Sequence[StepTiming]) -> StepTiming:
+    """A step timed phase by phase, as one timing (the sums)."""
+    wall = sum(p.wall_s for p in phases)
+    return StepTiming(wall, sum(p.thread_cpu_s for p in phases), sum(p.minor_faults for p in phases))
 
 
 def _rank_main(rank: int, args: argparse.Namespace, store: str, results: Any) -> None:
@@ -87,18 +114,27 @@ def _rank_main(rank: int, args: argparse.Namespace, store: str, results: Any) ->
     wall: dict[str, list[float]] = {name: [] for name in args.impls}
     cpu: dict[str, list[float]] = {name: [] for name in args.impls}
     faults: dict[str, list[int]] = {name: [] for name in args.impls}
+    phases: dict[str, dict[str, list[list[float]]]] = {name: {p: [] for p in PHASES} for name in args.impls}
     for step in range(args.warmup + args.steps):
         for name in rotation(args.impls, step):
             batch = batches[step % len(batches)]
-            timing = timed_across_ranks(partial(_train_step, runners[name], batch))
+            if args.phases:
+                parts = _phased_step(runners[name], batch)
+                timing = _whole(parts)
+            else:
+                timing = timed_across_ranks(partial(_train_step, runners[name], batch))
             if step >= args.warmup:
                 wall[name].append(timing.wall_s)
                 cpu[name].append(timing.thread_cpu_s)
                 faults[name].append(timing.minor_faults)
+                if args.phases:
+                    for phase, part in zip(PHASES, parts, strict=True):
+                        phases[name][phase].append([part.wall_s, part.thread_cpu_s, part.minor_faults])
     for runner in runners.values():
         runner.close()
     if rank == 0:
-        results.put({"workload": w.describe(), "wall": wall, "cpu": cpu, "faults": faults})
+        found = {"workload": w.describe(), "wall": wall, "cpu": cpu, "faults": faults}
+        results.put(found | ({"phases": phases} if args.phases else {}))
 
 
 def median_interval(values: Sequence[float], draws: int = 2000, seed: int = 0) -> tuple[float, float]:
@@ -142,6 +178,57 @@ def summarize(
         if faults is not None and faults.get(name):
             out[name]["faults"] = statistics.median(faults[name])
     return out
+
+
+def summarize_phases(
+    phases: dict[str, dict[str, list[Sequence[float]]]],
+) -> dict[str, dict[str, dict[str, float]]]:
+    """Per implementation and phase: the median wall time and thread CPU (ms) and page faults.
+
+    ``phases[name][phase]`` lists ``(wall_s, thread_cpu_s, minor_faults)`` per step.
+
+    Raises:
+        ValueError: no ``ddp`` phases, or a phase missing or empty.
+    """
+    if "ddp" not in phases:
+        raise ValueError("paired_steps compares with DDP: include 'ddp' in --impls")
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for name, per_phase in phases.items():
+        out[name] = {}
+        for phase in PHASES:
+            steps = per_phase.get(phase)
+            if not steps:
+                raise ValueError(f"{name} has no timings of its {phase}")
+            out[name][phase] = {
+                "wall_ms": statistics.median(s[0] for s in steps) * 1e3,
+                "cpu_ms": statistics.median(s[1] for s in steps) * 1e3,
+                "faults": statistics.median(s[2] for s in steps),
+            }
+    return out
+
+
+def phases_table(phases: dict[str, dict[str, dict[str, float]]]) -> str:
+    """The markdown table of :func:`summarize_phases`: each phase's medians, the difference from DDP's."""
+    ddp = phases["ddp"]
+
+    def cell(name: str, phase: str, key: str) -> str:
+        value = phases[name][phase][key]
+        return f"{value:.1f}" if name == "ddp" else f"{value:.1f} ({value - ddp[phase][key]:+.1f})"
+
+    rows = [
+        [name]
+        + [cell(name, p, "wall_ms") for p in PHASES]
+        + [cell(name, p, "cpu_ms") for p in PHASES]
+        + ["/".join(f"{phases[name][p]['faults']:.0f}" for p in PHASES)]
+        for name in phases
+    ]
+    head = (
+        ["implementation"]
+        + [f"{p} (ms)" for p in PHASES]
+        + [f"{p} CPU (ms)" for p in PHASES]
+        + ["page faults " + "/".join(PHASES)]
+    )
+    return markdown_table(head, rows, "l" + "r" * (len(head) - 1))
 
 
 def report(summary: dict[str, dict[str, float]], workload: str, env: dict[str, Any], command: str) -> str:
@@ -205,6 +292,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--impls", nargs="+", choices=PAIRABLE, default=["ddp", "zero-1", "zero-2", "zero-3"])
     parser.add_argument("--timeout", type=float, default=3600.0)
     parser.add_argument("--name", default="paired_steps", help="results file name (without .md / .json)")
+    parser.add_argument(
+        "--phases",
+        action="store_true",
+        help="time forward, backward and the optimizer step apart (barriers between them) and tabulate them",
+    )
     defaults = ImplOptions()
     parser.add_argument(
         "--prefetch-blocks",
@@ -254,6 +346,19 @@ def main() -> None:
     summary = summarize(found["wall"], found["cpu"], found.get("faults"))
     command = allocator_env() + "python benchmarks/paired_steps.py " + " ".join(sys.argv[1:])
     text = report(summary, found["workload"], env, command.strip())
+    if "phases" in found:
+        text += "\n\n" + "\n".join(
+            [
+                "## Phase by phase",
+                "",
+                "Median per phase over the steps (the slowest rank of each); in brackets the difference "
+                "from DDP's median. Wall time above the thread's CPU is time the training thread waited "
+                "(for a collective, or for a core). A step here is the sum of its phases, each after a "
+                "barrier.",
+                "",
+                phases_table(summarize_phases(found["phases"])),
+            ]
+        )
     print(text)
     settings = vars(args) | {"out": str(args.out)}
     result = {"environment": env, "args": settings, "summary": summary, **found}

@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
-from _report import allocator_env, thread_minor_faults
-from paired_steps import median_interval, report, rotation, summarize
+from _report import allocator_env, spawn_ranks, thread_minor_faults
+from paired_steps import (
+    _phased_step,
+    _whole,
+    median_interval,
+    phases_table,
+    report,
+    rotation,
+    summarize,
+    summarize_phases,
+)
 
 
 def test_each_implementation_leads_in_turn():
@@ -116,3 +126,64 @@ def test_the_allocator_settings_a_run_had_prefix_its_command(monkeypatch):
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "1000000000")
     monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
     assert allocator_env() == "MALLOC_ARENA_MAX=2 MALLOC_TRIM_THRESHOLD_=1000000000 "
+
+
+def test_phase_medians_and_their_differences_from_ddp():
+    steps = {
+        "ddp": {
+            "forward": [(0.010, 0.009, 0), (0.030, 0.020, 2), (0.020, 0.010, 1)],
+            "backward": [(0.050, 0.040, 0)] * 3,
+            "step": [(0.005, 0.005, 0)] * 3,
+        },
+        "zero-1": {
+            "forward": [(0.012, 0.011, 4)] * 3,
+            "backward": [(0.049, 0.045, 10)] * 3,
+            "step": [(0.011, 0.006, 0), (0.009, 0.006, 0), (0.100, 0.006, 0)],
+        },
+    }
+    found = summarize_phases(steps)
+    assert found["ddp"]["forward"] == {"wall_ms": 20.0, "cpu_ms": 10.0, "faults": 1}
+    assert round(found["zero-1"]["step"]["wall_ms"], 6) == 11.0  # the median: an outlier does not move it
+    table = phases_table(found)
+    assert "| ddp | 20.0 | 50.0 | 5.0 | 10.0 | 40.0 | 5.0 | 1/0/0 |" in table
+    walls, cpus = "12.0 (-8.0) | 49.0 (-1.0) | 11.0 (+6.0)", "11.0 (+1.0) | 45.0 (+5.0) | 6.0 (+1.0)"
+    assert f"| zero-1 | {walls} | {cpus} | 4/10/0 |" in table
+    with pytest.raises(ValueError, match="include 'ddp'"):
+        summarize_phases({"zero-1": steps["zero-1"]})
+    with pytest.raises(ValueError, match="zero-1 has no timings of its step"):
+        summarize_phases({"ddp": steps["ddp"], "zero-1": {**steps["zero-1"], "step": []}})
+
+
+class _SleepyRunner:
+    """Known phase lengths: a forward of 30 ms, a backward of 60 ms, a step of 10 ms."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def forward(self, batch: int) -> torch.Tensor:
+        time.sleep(0.03)
+        return torch.tensor(float(batch))
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.losses.append(float(loss))
+        time.sleep(0.06)
+
+    def optimizer_step(self) -> None:
+        time.sleep(0.01)
+
+
+def _phases_on_rank(rank: int, args: object, store: str, results) -> None:
+    runner = _SleepyRunner()
+    parts = _phased_step(runner, 7)
+    if rank == 0:
+        results.put(
+            {"walls": [p.wall_s for p in parts], "whole": _whole(parts).wall_s, "losses": runner.losses}
+        )
+
+
+def test_each_phase_is_timed_apart_and_the_forward_loss_reaches_the_backward():
+    found = spawn_ranks(_phases_on_rank, 2, None, timeout=120, process_group=True)
+    assert found["losses"] == [7.0]
+    walls = found["walls"]
+    assert walls[0] >= 0.03 and walls[1] >= 0.06 and walls[2] >= 0.01
+    assert found["whole"] == pytest.approx(sum(walls))
