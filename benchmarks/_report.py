@@ -148,13 +148,24 @@ def environment(*dists: str) -> dict[str, Any]:
     }
 
 
-def allocator_env() -> str:
-    """The glibc allocator settings in the environment (``MALLOC_*``), as a command prefix ("" if none).
+THREAD_VARIABLES = ("MKL_NUM_THREADS", "OMP_NUM_THREADS")
+"""Environment variables that set how many threads each rank's operators use."""
 
-    They change how often freed memory goes back to the kernel, and so how many page faults a
-    step pays: a result measured with them names them.
+
+def command_env() -> str:
+    """The settings in the environment that shape a timing, as a command prefix ("" if none).
+
+    * glibc's allocator (``MALLOC_*``): how often freed memory goes back to the kernel, and so
+      how many page faults a step pays;
+    * operator threads (:data:`THREAD_VARIABLES`): with two ranks on two cores, torch's
+      default of one thread per core puts two threads of each rank on the same cores
+      (``nox -s bench`` sets ``OMP_NUM_THREADS=1``).
+
+    A result measured with them names them, so its command reproduces it.
     """
-    return "".join(f"{k}={v} " for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_"))
+    return "".join(
+        f"{k}={v} " for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_") or k in THREAD_VARIABLES
+    )
 
 
 def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[object]], align: str = "") -> str:

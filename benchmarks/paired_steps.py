@@ -63,7 +63,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from _report import (  # noqa: E402
     StepTiming,
-    allocator_env,
+    command_env,
     environment,
     markdown_table,
     spawn_ranks,
@@ -344,7 +344,7 @@ def main() -> None:
     env = environment("zero-full") | {"world": args.world}
     found = spawn_ranks(_rank_main, args.world, args, args.timeout, process_group=True)
     summary = summarize(found["wall"], found["cpu"], found.get("faults"))
-    command = allocator_env() + "python benchmarks/paired_steps.py " + " ".join(sys.argv[1:])
+    command = command_env() + "python benchmarks/paired_steps.py " + " ".join(sys.argv[1:])
     text = report(summary, found["workload"], env, command.strip())
     if "phases" in found:
         text += "\n\n" + "\n".join(

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from _report import allocator_env, spawn_ranks, thread_minor_faults
+from _report import THREAD_VARIABLES, command_env, spawn_ranks, thread_minor_faults
 from paired_steps import (
     _phased_step,
     _whole,
@@ -119,13 +119,15 @@ def test_the_trainingthread_minor_faults_are_counted_when_fresh_pages_are_touche
     assert thread_minor_faults() - before >= size // (2 << 20)
 
 
-def test_the_allocator_settings_a_run_had_prefix_its_command(monkeypatch):
-    for key in [k for k in os.environ if k.startswith("MALLOC_")]:
+def test_the_allocator_and_thread_settings_a_run_had_prefix_its_command(monkeypatch):
+    for key in [k for k in os.environ if k.startswith("MALLOC_") or k in THREAD_VARIABLES]:
         monkeypatch.delenv(key)
-    assert allocator_env() == ""
+    monkeypatch.setenv("OMP_PROC_BIND", "true")  # not a thread count: left out
+    assert command_env() == ""
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "1000000000")
     monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
-    assert allocator_env() == "MALLOC_ARENA_MAX=2 MALLOC_TRIM_THRESHOLD_=1000000000 "
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert command_env() == "MALLOC_ARENA_MAX=2 MALLOC_TRIM_THRESHOLD_=1000000000 OMP_NUM_THREADS=1 "
 
 
 def test_phase_medians_and_their_differences_from_ddp():
