@@ -23,6 +23,7 @@ import platform
 import re
 import resource
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
@@ -30,7 +31,10 @@ from typing import Any, NamedTuple
 from zero_comm.launch import RankContext, launch
 
 __all__ = [
+    "THREAD_VARIABLES",
     "benchmark_parser",
+    "command_env",
+    "command_line",
     "environment",
     "markdown_table",
     "median_seconds",
@@ -166,6 +170,18 @@ def command_env() -> str:
     return "".join(
         f"{k}={v} " for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_") or k in THREAD_VARIABLES
     )
+
+
+def command_line(script: str, argv: Sequence[str] | None = None) -> str:
+    """How to run ``benchmarks/<script>`` again as this process was run: :func:`command_env` first.
+
+    Args:
+        script: The file name under ``benchmarks/`` (printed as ``python benchmarks/<script>``
+            wherever the process was started from).
+        argv: The arguments (``None``: ``sys.argv[1:]``).
+    """
+    args = sys.argv[1:] if argv is None else argv
+    return " ".join([f"{command_env()}python benchmarks/{script}", *args])
 
 
 def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[object]], align: str = "") -> str:

@@ -63,7 +63,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 from _report import (  # noqa: E402
     StepTiming,
-    command_env,
+    command_line,
     environment,
     markdown_table,
     spawn_ranks,
@@ -344,8 +344,7 @@ def main() -> None:
     env = environment("zero-full") | {"world": args.world}
     found = spawn_ranks(_rank_main, args.world, args, args.timeout, process_group=True)
     summary = summarize(found["wall"], found["cpu"], found.get("faults"))
-    command = command_env() + "python benchmarks/paired_steps.py " + " ".join(sys.argv[1:])
-    text = report(summary, found["workload"], env, command.strip())
+    text = report(summary, found["workload"], env, command_line("paired_steps.py"))
     if "phases" in found:
         text += "\n\n" + "\n".join(
             [

@@ -53,7 +53,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _report import command_env, environment, markdown_table, replace_section, spawn_ranks, write_results
+from _report import command_line, environment, markdown_table, replace_section, spawn_ranks, write_results
 from impls import IMPLEMENTATIONS, ImplOptions, ring_ideal_bytes
 from workloads import Workload, count_params, rank_batches, workload_of, workload_parser
 
@@ -591,7 +591,7 @@ def main() -> None:
         impl=args.impl,
         persistence_threshold=args.persistence_threshold,
         workload=w.describe(),
-        command=command_env() + "python " + " ".join(sys.argv),
+        command=command_line("profile_step.py"),
         trace=str(args.trace),
     )
     result = {"meta": meta, "raw": raw, "summary": summarize(args, raw, psi)}

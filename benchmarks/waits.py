@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-from _report import environment, markdown_table, spawn_ranks, write_results  # noqa: E402
+from _report import command_line, environment, markdown_table, spawn_ranks, write_results  # noqa: E402
 from impls import IMPLEMENTATIONS, ImplOptions  # noqa: E402
 from workloads import rank_batches, workload_of, workload_parser  # noqa: E402
 
@@ -159,7 +159,7 @@ def report(
         ["phase", *(f"rank {i}: waits (ms / step)" for i in range(len(ranks)))],
         [[phase, *(f"{v:.2f}" for v in totals[phase])] for phase in PHASES],
     )
-    command = "python benchmarks/waits.py " + " ".join(sys.argv[1:])
+    command = command_line("waits.py")
     text = (
         f"# Collective waits of {args.impl}, world {args.world}\n\n{found['workload']}; "
         f"{args.steps} steps after {args.warmup} warm-up steps; load average {env['load_average_1m']:.1f} "

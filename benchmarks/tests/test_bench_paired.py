@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from _report import THREAD_VARIABLES, command_env, spawn_ranks, thread_minor_faults
+from _report import THREAD_VARIABLES, command_env, command_line, spawn_ranks, thread_minor_faults
 from paired_steps import (
     _phased_step,
     _whole,
@@ -128,6 +128,16 @@ def test_the_allocator_and_thread_settings_a_run_had_prefix_its_command(monkeypa
     monkeypatch.setenv("MALLOC_ARENA_MAX", "2")
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert command_env() == "MALLOC_ARENA_MAX=2 MALLOC_TRIM_THRESHOLD_=1000000000 OMP_NUM_THREADS=1 "
+
+
+def test_a_results_command_line_reruns_the_script_with_the_same_settings_and_arguments(monkeypatch):
+    for key in [k for k in os.environ if k.startswith("MALLOC_") or k in THREAD_VARIABLES]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setattr("sys.argv", ["/elsewhere/benchmarks/paired_steps.py", "--steps", "100"])
+    expected = "OMP_NUM_THREADS=1 python benchmarks/paired_steps.py --steps 100"
+    assert command_line("paired_steps.py") == expected
+    assert command_line("waits.py", []) == "OMP_NUM_THREADS=1 python benchmarks/waits.py"
 
 
 def test_phase_medians_and_their_differences_from_ddp():
