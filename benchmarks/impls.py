@@ -15,7 +15,9 @@ from which its model-state bytes are counted (:func:`model_state_bytes`).
   (``zero_allow_untested_optimizer``), fp32, ``DS_ACCELERATOR=cpu`` over the gloo group the
   benchmark created.
 * ``zero-1/2/3``: ``zero_full.initialize`` with the same ``zero_optimization`` section and
-  the same torch AdamW.
+  the same torch AdamW; at stages 1 and 2 plus zero's own ``reduce_max_inflight`` (4 by
+  default, :class:`ImplOptions`: up to four gradient buckets reducing at once, a key
+  DeepSpeed has no equivalent of).
 
 Every AdamW is ``workloads.adamw`` (all hyperparameters explicit). The ZeRO sections of
 DeepSpeed and zero are the same dict (:func:`zero_section`): buckets scaled to the model,
@@ -196,6 +198,10 @@ class ImplOptions:
             (as DDP does; DeepSpeed's default is false at stage 2); ``None`` leaves the key out
             (each implementation's default). Stage 1 never gets the key: zero always overlaps
             there and would report it as ignored.
+        reduce_max_inflight: zero stages 1 and 2 only (a zero key DeepSpeed does not have):
+            gradient buckets whose reduction may be in flight at once; ``None`` leaves the key
+            out (zero's default, 1). Stage 3 keeps 1: more reductions in flight queue its
+            gathers behind them in gloo (measured: slower).
     """
 
     persistence_threshold: int = 4096
@@ -206,6 +212,7 @@ class ImplOptions:
     bucket_blocks: float = 4.0
     sub_group_blocks: float | None = None
     overlap_comm: bool | None = True
+    reduce_max_inflight: int | None = 4
 
 
 def _model(w: Workload, options: ImplOptions) -> nn.Module:
@@ -321,6 +328,15 @@ def zero_section(stage: int, w: Workload, options: ImplOptions = ImplOptions()) 
     return section
 
 
+def zero_own_section(stage: int, w: Workload, options: ImplOptions = ImplOptions()) -> dict[str, Any]:
+    """zero's ``zero_optimization`` section: :func:`zero_section` plus zero's own keys (stages 1, 2:
+    ``reduce_max_inflight``)."""
+    section = zero_section(stage, w, options)
+    if stage in (1, 2) and options.reduce_max_inflight is not None:
+        section["reduce_max_inflight"] = options.reduce_max_inflight
+    return section
+
+
 class EngineRunner(Runner):
     """DeepSpeed's or zero's engine: ``engine(...)``, ``engine.backward``, ``engine.step``."""
 
@@ -375,9 +391,8 @@ def _zero(stage: int, compiled: bool = False) -> Callable[..., Runner]:
         import zero_full
 
         model = _model(w, options)
-        engine = zero_full.initialize(
-            model, config={"zero_optimization": zero_section(stage, w, options)}, optimizer=adamw
-        )
+        section = zero_own_section(stage, w, options)
+        engine = zero_full.initialize(model, config={"zero_optimization": section}, optimizer=adamw)
         if compiled:  # torch.compile (inductor) after initialize; compiled during the warm-up steps
             engine.compile()
         return EngineRunner(w, engine, [engine])

@@ -83,7 +83,8 @@ CHECKPOINTED = "+ckpt"
 # Stage 3 (zero and DeepSpeed) really releases: nothing persists, one block prefetched, two live.
 # Every stage (zero and DeepSpeed alike) bounds its transients by the config: reduce / all-gather
 # buckets of one block and an optimizer that steps one block's elements at a time; overlap_comm
-# at each implementation's default (false at stage 2, true at stage 3).
+# and zero's reduce_max_inflight at each implementation's default (overlap_comm false at stage 2,
+# true at stage 3; one reduction in flight).
 RELEASE = ImplOptions(
     persistence_threshold=0,
     prefetch_blocks=1.0,
@@ -91,6 +92,7 @@ RELEASE = ImplOptions(
     bucket_blocks=1.0,
     sub_group_blocks=1.0,
     overlap_comm=None,
+    reduce_max_inflight=None,
 )
 MEASURED_ENV = {"MALLOC_MMAP_THRESHOLD_": "1048576", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
 MARK_BEGIN = "<!-- memory-benchmark:begin -->"

@@ -31,7 +31,8 @@ implementation built here; only zero-3 reads them. The first two trade a larger 
 and a higher bound on the gathered parameters, for fewer collectives; with a reuse distance of 0
 every parameter is released after use unless the very next module needs it.
 ``--bucket-blocks`` sets ``reduce_bucket_size`` and ``allgather_bucket_size`` of every zero
-stage (default: the side-by-side's 4 blocks).
+stage (default: the side-by-side's 4 blocks); ``--reduce-max-inflight`` zero's
+``reduce_max_inflight`` at stages 1 and 2 (default: the side-by-side's 4; 1 is zero's default).
 
 ``--phases`` times the forward, the backward and the optimizer step apart (each after a
 barrier, the slowest rank counting, as a whole step is timed otherwise) and adds a table of
@@ -283,6 +284,7 @@ def options_of(args: argparse.Namespace) -> ImplOptions:
         live_blocks=args.live_blocks,
         reuse_blocks=args.reuse_blocks,
         bucket_blocks=args.bucket_blocks,
+        reduce_max_inflight=args.reduce_max_inflight,
     )
 
 
@@ -322,6 +324,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=defaults.bucket_blocks,
         help="reduce_bucket_size and allgather_bucket_size, in blocks (every stage)",
     )
+    parser.add_argument(
+        "--reduce-max-inflight",
+        type=int,
+        default=defaults.reduce_max_inflight,
+        help="zero stages 1 and 2: reduce_max_inflight (buckets reducing at once; 1 is zero's default)",
+    )
     return parser
 
 
@@ -336,6 +344,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--impls must include ddp (every ratio is to DDP)")
     if min(args.prefetch_blocks, args.live_blocks, args.reuse_blocks) < 0:
         parser.error("--prefetch-blocks, --live-blocks and --reuse-blocks must be >= 0 (blocks)")
+    if args.reduce_max_inflight < 1:
+        parser.error("--reduce-max-inflight must be >= 1 (gradient buckets reducing at once)")
     return args
 
 

@@ -140,7 +140,7 @@ def _inject_inf(engine) -> None:
 
 W2, W4 = 2, 4
 PARITY = [
-    (W2, "mlp", 0, {"reduce_bucket_size": 300}),
+    (W2, "mlp", 0, {"reduce_bucket_size": 300, "reduce_max_inflight": 2}),
     (W2, "mlp", 1, {"reduce_bucket_size": 300, "allgather_bucket_size": 500}),
     (W2, "mlp", 2, {"reduce_bucket_size": 300, "overlap_comm": True}),
     (W2, "mlp", 3, {"reduce_bucket_size": 300}),
@@ -149,7 +149,7 @@ PARITY = [
     (W4, "mlp", 0, {}),
     (W4, "mlp", 1, {"allgather_bucket_size": 200}),
     (W4, "mlp", 2, {"reduce_bucket_size": 500, "overlap_comm": False}),
-    (W4, "mlp", 3, {"reduce_bucket_size": 1_000, "overlap_comm": True}),
+    (W4, "mlp", 3, {"reduce_bucket_size": 1_000, "overlap_comm": True, "reduce_max_inflight": 3}),
 ]
 
 

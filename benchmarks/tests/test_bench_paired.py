@@ -76,6 +76,28 @@ def test_the_stage3_bounds_on_the_command_line_reach_the_zero_section():
     assert default["stage3_max_reuse_distance"] == 0
 
 
+def test_reduce_max_inflight_reaches_zero_stages_1_and_2_only():
+    from impls import zero_own_section, zero_section
+    from paired_steps import build_parser, options_of
+    from workloads import workload_of
+
+    args = build_parser().parse_args(["--hidden", "96", "--reduce-max-inflight", "2"])
+    w, options = workload_of(args), options_of(args)
+    assert [zero_own_section(s, w, options).get("reduce_max_inflight") for s in (1, 2, 3)] == [2, 2, None]
+    assert "reduce_max_inflight" not in zero_section(2, w, options)  # DeepSpeed's section: no such key
+    default = options_of(build_parser().parse_args(["--hidden", "96"]))
+    assert zero_own_section(1, w, default)["reduce_max_inflight"] == 4
+
+
+def test_reduce_max_inflight_below_one_is_refused(capsys):
+    from paired_steps import parse_args
+
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["--reduce-max-inflight", "0"])
+    assert exited.value.code == 2
+    assert "--reduce-max-inflight must be >= 1" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flag", ["--prefetch-blocks", "--live-blocks", "--reuse-blocks"])
 def test_a_negative_stage3_bound_is_refused_with_the_flags_named(flag, capsys):
     from paired_steps import parse_args

@@ -145,6 +145,28 @@ def test_overlap_comm_is_reported_as_ignored_where_the_stage_always_or_never_ove
         assert given.ignored_keys() == expected, (stage, value)
 
 
+@pytest.mark.parametrize(
+    ("stage", "overlap", "used"),
+    [(0, None, True), (1, None, True), (2, None, False), (2, True, True), (3, None, True), (3, False, False)],
+)
+def test_reduce_max_inflight_reaches_the_reductions_or_is_reported_as_ignored(
+    stage: int, overlap: bool | None, used: bool
+) -> None:
+    """Used wherever reductions run asynchronously: stages 0 and 1, stages 2 and 3 with overlap_comm."""
+    default = ZeroConfig.model_validate(zero_opt(stage=stage)).zero_optimization
+    assert default.to_reduce_config().max_inflight == 1
+    extra = {} if overlap is None else {"overlap_comm": overlap}
+    given = ZeroConfig.model_validate(zero_opt(stage=stage, reduce_max_inflight=3, **extra))
+    assert given.zero_optimization.to_reduce_config().max_inflight == 3
+    assert given.ignored_keys() == ([] if used else ["zero_optimization.reduce_max_inflight"])
+
+
+@pytest.mark.parametrize("value", [0, -1, 1.5, True])
+def test_reduce_max_inflight_must_be_a_whole_number_of_at_least_one(value: object) -> None:
+    with pytest.raises(ValidationError, match="reduce_max_inflight"):
+        ZeroConfig.model_validate(zero_opt(stage=1, reduce_max_inflight=value))
+
+
 def test_precision_enum_and_bfloat16_alias() -> None:
     assert ZeroConfig.model_validate({"bf16": {"enabled": True}}).precision is Precision.BF16
     assert ZeroConfig.model_validate({"bfloat16": {"enabled": True}}).precision is Precision.BF16

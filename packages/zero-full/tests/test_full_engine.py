@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 
@@ -145,6 +146,74 @@ def _derived_accumulation(rank):
 
 def test_accumulation_steps_are_derived_from_the_batch_sizes(dist):
     assert dist.run(2, _derived_accumulation) == [2, 2]
+
+
+# --------------------------------------------------------------------------- reductions in flight
+
+
+class _Recording(collections.deque):
+    """The reduction's queue of handles in flight, recording the most it ever held."""
+
+    most = 0
+
+    def append(self, handle):
+        super().append(handle)
+        self.most = max(self.most, len(self))
+
+
+def _queue_holder(engine, stage):
+    """The object whose ``_inflight`` queue bounds the reductions in flight (stages 1 to 3)."""
+    if stage == 3:
+        return engine.coordinator._sink
+    reduction = engine._pipeline.pieces.reduction
+    return reduction.reducer if stage == 2 else reduction
+
+
+def _train_inflight(rank, stage, inflight):
+    model = Net()
+    zero = {"stage": stage, "reduce_bucket_size": 20, "overlap_comm": True}  # 4 buckets, 1 parameter each
+    if stage == 1:
+        del zero["overlap_comm"]  # stage 1 always reduces during backward
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = 0
+    if inflight is not None:
+        zero["reduce_max_inflight"] = inflight
+    engine = zero_full.initialize(
+        model, {"zero_optimization": zero}, lambda ps: torch.optim.AdamW(ps, lr=0.05, weight_decay=0.1)
+    )
+    holder = _queue_holder(engine, stage)
+    holder._inflight = queue = _Recording()
+    r, n = rank.rank, BATCH // rank.world_size
+    for step in range(3):
+        x, y = _data(step)
+        engine.backward(engine(x[r * n : (r + 1) * n], y[r * n : (r + 1) * n]))
+        engine.step()
+    ignored = engine.config.ignored_keys()
+    return queue.most, _full(model), ignored
+
+
+def _adamw_reference(steps):
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
+    for step in range(steps):
+        model(*_data(step)).backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(("stage", "world"), [(1, 2), (2, 2), (3, 2), (2, 4)])
+def test_reduce_max_inflight_bounds_the_reductions_in_flight_and_never_changes_numbers(dist, stage, world):
+    """4 one-parameter buckets: the default keeps one reduction in flight, 3 lets three be; same bits."""
+    default = dist.run(world, _train_inflight, stage, None)
+    three = dist.run(world, _train_inflight, stage, 3)
+    ref = _adamw_reference(3)
+    for (most_1, params_1, ignored_1), (most_3, params_3, ignored_3) in zip(default, three, strict=True):
+        assert (most_1, most_3) == (1, 3)
+        assert ignored_1 == ignored_3 == []
+        for name, value in params_3.items():
+            torch.testing.assert_close(value, params_1[name], rtol=0, atol=0)
+            torch.testing.assert_close(value, ref[name], rtol=1e-5, atol=1e-6)
 
 
 # --------------------------------------------------------------------------- memory and stats

@@ -82,6 +82,7 @@ class ReduceConfig:
             bucket backward is filling. 1 (the default) still overlaps a bucket's reduction
             with the backward of the next one; 2 is DeepSpeed's double buffering (measured at
             world 2, 6 x 4096^2 Linear, 1-layer buckets: one more bucket, +100 MB of peak RSS).
+            ``zero_full``'s key for it is ``zero_optimization.reduce_max_inflight``.
     """
 
     reduce_bucket_size: int = 500_000_000
