@@ -32,7 +32,9 @@ and a higher bound on the gathered parameters, for fewer collectives; with a reu
 every parameter is released after use unless the very next module needs it.
 ``--bucket-blocks`` sets ``reduce_bucket_size`` and ``allgather_bucket_size`` of every zero
 stage (default: the side-by-side's 4 blocks); ``--reduce-max-inflight`` zero's
-``reduce_max_inflight`` at stages 1 and 2 (default: the side-by-side's 4; 1 is zero's default).
+``reduce_max_inflight`` at stages 1 and 2 (default: the side-by-side's 4; 1 is zero's default);
+``--compare-reduce-max-inflight N`` steps zero-1 and zero-2 a second time with N, in the same
+rotation (an A/B of the setting whose two arms are paired step by step).
 
 ``--phases`` times the forward, the backward and the optimizer step apart (each after a
 barrier, the slowest rank counting, as a whole step is timed otherwise) and adds a table of
@@ -50,6 +52,7 @@ releases, gradient buckets, optimizer), apart from the wire.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import pathlib
 import random
 import statistics
@@ -107,17 +110,38 @@ def _whole(phases: Sequence[StepTiming]) -> StepTiming:
     return StepTiming(wall, sum(p.thread_cpu_s for p in phases), sum(p.minor_faults for p in phases))
 
 
+def runner_specs(args: argparse.Namespace) -> list[tuple[str, str, ImplOptions]]:
+    """``(label, implementation, options)`` of every runner a rank builds, in ``--impls`` order.
+
+    With ``--compare-reduce-max-inflight N``, zero-1 and zero-2 (where in ``--impls``) are built
+    a second time with ``reduce_max_inflight`` N, labelled ``zero-1 (inflight N)``: both settings
+    step in the same rotation, so their ratios to DDP are paired.
+    """
+    options = options_of(args)
+    specs = [(name, name, options) for name in args.impls]
+    other = args.compare_reduce_max_inflight
+    if other is not None:
+        varied = dataclasses.replace(options, reduce_max_inflight=other)
+        specs += [
+            (f"{name} (inflight {other})", name, varied)
+            for name in args.impls
+            if name in ("zero-1", "zero-2")
+        ]
+    return specs
+
+
 def _rank_main(rank: int, args: argparse.Namespace, store: str, results: Any) -> None:
     w = workload_of(args)
-    options = options_of(args)
-    runners = {name: IMPLEMENTATIONS[name](w, args.world, options) for name in args.impls}
+    specs = runner_specs(args)
+    runners = {label: IMPLEMENTATIONS[name](w, args.world, options) for label, name, options in specs}
+    names = list(runners)
     batches = rank_batches(w, rank, args.world, 8)
-    wall: dict[str, list[float]] = {name: [] for name in args.impls}
-    cpu: dict[str, list[float]] = {name: [] for name in args.impls}
-    faults: dict[str, list[int]] = {name: [] for name in args.impls}
-    phases: dict[str, dict[str, list[list[float]]]] = {name: {p: [] for p in PHASES} for name in args.impls}
+    wall: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
+    faults: dict[str, list[int]] = {name: [] for name in names}
+    phases: dict[str, dict[str, list[list[float]]]] = {name: {p: [] for p in PHASES} for name in names}
     for step in range(args.warmup + args.steps):
-        for name in rotation(args.impls, step):
+        for name in rotation(names, step):
             batch = batches[step % len(batches)]
             if args.phases:
                 parts = _phased_step(runners[name], batch)
@@ -325,6 +349,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="reduce_bucket_size and allgather_bucket_size, in blocks (every stage)",
     )
     parser.add_argument(
+        "--compare-reduce-max-inflight",
+        type=int,
+        default=None,
+        help="also step zero-1 / zero-2 with this reduce_max_inflight, in the same rotation",
+    )
+    parser.add_argument(
         "--reduce-max-inflight",
         type=int,
         default=defaults.reduce_max_inflight,
@@ -344,8 +374,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--impls must include ddp (every ratio is to DDP)")
     if min(args.prefetch_blocks, args.live_blocks, args.reuse_blocks) < 0:
         parser.error("--prefetch-blocks, --live-blocks and --reuse-blocks must be >= 0 (blocks)")
-    if args.reduce_max_inflight < 1:
-        parser.error("--reduce-max-inflight must be >= 1 (gradient buckets reducing at once)")
+    compared = args.compare_reduce_max_inflight
+    if args.reduce_max_inflight < 1 or (compared is not None and compared < 1):
+        parser.error("--reduce-max-inflight and --compare-reduce-max-inflight must be >= 1 (buckets at once)")
     return args
 
 

@@ -89,13 +89,32 @@ def test_reduce_max_inflight_reaches_zero_stages_1_and_2_only():
     assert zero_own_section(1, w, default)["reduce_max_inflight"] == 4
 
 
-def test_reduce_max_inflight_below_one_is_refused(capsys):
+@pytest.mark.parametrize("flag", ["--reduce-max-inflight", "--compare-reduce-max-inflight"])
+def test_reduce_max_inflight_below_one_is_refused(flag, capsys):
     from paired_steps import parse_args
 
     with pytest.raises(SystemExit) as exited:
-        parse_args(["--reduce-max-inflight", "0"])
+        parse_args([flag, "0"])
     assert exited.value.code == 2
-    assert "--reduce-max-inflight must be >= 1" in capsys.readouterr().err
+    assert "--reduce-max-inflight and --compare-reduce-max-inflight must be >= 1" in capsys.readouterr().err
+
+
+def test_the_compared_setting_adds_zero_1_and_2_runners_with_it():
+    from paired_steps import parse_args, runner_specs
+
+    args = parse_args(["--impls", "ddp", "zero-1", "zero-3", "--compare-reduce-max-inflight", "1"])
+    specs = runner_specs(args)
+    assert [(label, name) for label, name, _ in specs] == [
+        ("ddp", "ddp"),
+        ("zero-1", "zero-1"),
+        ("zero-3", "zero-3"),
+        ("zero-1 (inflight 1)", "zero-1"),
+    ]
+    assert [options.reduce_max_inflight for *_, options in specs] == [4, 4, 4, 1]
+    assert [label for label, *_ in runner_specs(parse_args(["--impls", "ddp", "zero-2"]))] == [
+        "ddp",
+        "zero-2",
+    ]
 
 
 @pytest.mark.parametrize("flag", ["--prefetch-blocks", "--live-blocks", "--reuse-blocks"])
