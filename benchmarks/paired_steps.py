@@ -312,8 +312,39 @@ def options_of(args: argparse.Namespace) -> ImplOptions:
     )
 
 
+_OPTION_FLAGS = (
+    (
+        "--prefetch-blocks",
+        float,
+        "prefetch_blocks",
+        "stage 3: stage3_prefetch_bucket_size, in blocks (elements of one transformer block)",
+    ),
+    ("--live-blocks", float, "live_blocks", "stage 3: stage3_max_live_parameters, in blocks"),
+    (
+        "--reuse-blocks",
+        float,
+        "reuse_blocks",
+        "stage 3: stage3_max_reuse_distance, in blocks (0: release after use)",
+    ),
+    (
+        "--bucket-blocks",
+        float,
+        "bucket_blocks",
+        "reduce_bucket_size and allgather_bucket_size, in blocks (every stage)",
+    ),
+    (
+        "--reduce-max-inflight",
+        int,
+        "reduce_max_inflight",
+        "zero stages 1 and 2: reduce_max_inflight (buckets reducing at once; 1 is zero's default)",
+    ),
+)
+"""``(flag, type, ImplOptions field, help)`` of the command-line options that set :class:`ImplOptions`."""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The command line: the workload's shape, ``--impls``, ``--name`` and stage 3's three bounds."""
+    """The command line: the workload's shape, ``--impls``, ``--name``, stage 3's three bounds, the buckets
+    and the reductions in flight."""
     parser = workload_parser(__doc__, world=2, warmup=3, steps=60)
     parser.add_argument("--impls", nargs="+", choices=PAIRABLE, default=["ddp", "zero-1", "zero-2", "zero-3"])
     parser.add_argument("--timeout", type=float, default=3600.0)
@@ -324,41 +355,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="time forward, backward and the optimizer step apart (barriers between them) and tabulate them",
     )
     defaults = ImplOptions()
-    parser.add_argument(
-        "--prefetch-blocks",
-        type=float,
-        default=defaults.prefetch_blocks,
-        help="stage 3: stage3_prefetch_bucket_size, in blocks (elements of one transformer block)",
-    )
-    parser.add_argument(
-        "--live-blocks",
-        type=float,
-        default=defaults.live_blocks,
-        help="stage 3: stage3_max_live_parameters, in blocks",
-    )
-    parser.add_argument(
-        "--reuse-blocks",
-        type=float,
-        default=defaults.reuse_blocks,
-        help="stage 3: stage3_max_reuse_distance, in blocks (0: release after use)",
-    )
-    parser.add_argument(
-        "--bucket-blocks",
-        type=float,
-        default=defaults.bucket_blocks,
-        help="reduce_bucket_size and allgather_bucket_size, in blocks (every stage)",
-    )
+    for flag, kind, field, text in _OPTION_FLAGS:
+        parser.add_argument(flag, type=kind, default=getattr(defaults, field), help=text)
     parser.add_argument(
         "--compare-reduce-max-inflight",
         type=int,
         default=None,
         help="also step zero-1 / zero-2 with this reduce_max_inflight, in the same rotation",
-    )
-    parser.add_argument(
-        "--reduce-max-inflight",
-        type=int,
-        default=defaults.reduce_max_inflight,
-        help="zero stages 1 and 2: reduce_max_inflight (buckets reducing at once; 1 is zero's default)",
     )
     return parser
 
