@@ -599,9 +599,10 @@ class ZeroOptimizationConfig(Section):
     in place), so the bound is a memory bound; 1 (the default) keeps DeepSpeed's memory while
     still overlapping a bucket's reduction with the backward of the next. A larger bound lets
     backward run on when a peer is late instead of waiting bucket by bucket: on a small GPT-2 at
-    world 2 on CPU, 4 brought stages 1 and 2 from ~1.04x to ~1.00x DDP's step (the benchmarks
-    page); at stage 3 the reductions in flight queue the next gathers behind them (slower). Never
-    changes the numbers: the buckets, their order and their sums are the same."""
+    world 2 on CPU, 4 took stage 1 from 1.05x to 1.02x DDP's step and stage 2 from 1.03x to
+    1.02x (the benchmarks page); at stage 3 the reductions in flight queue the next gathers
+    behind them (slower where measured). Never changes the numbers: the buckets, their order and
+    their sums are the same."""
     allgather_partitions: Annotated[
         Flag,
         Key(
