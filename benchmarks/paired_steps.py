@@ -380,6 +380,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     compared = args.compare_reduce_max_inflight
     if args.reduce_max_inflight < 1 or (compared is not None and compared < 1):
         parser.error("--reduce-max-inflight and --compare-reduce-max-inflight must be >= 1 (buckets at once)")
+    if compared is not None and not {"zero-1", "zero-2"} & set(args.impls):
+        parser.error("--compare-reduce-max-inflight varies zero-1 and zero-2: include one of them in --impls")
     return args
 
 

@@ -89,14 +89,30 @@ def test_reduce_max_inflight_reaches_zero_stages_1_and_2_only():
     assert zero_own_section(1, w, default)["reduce_max_inflight"] == 4
 
 
-@pytest.mark.parametrize("flag", ["--reduce-max-inflight", "--compare-reduce-max-inflight"])
-def test_reduce_max_inflight_below_one_is_refused(flag, capsys):
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--reduce-max-inflight", "0"],
+            "--reduce-max-inflight and --compare-reduce-max-inflight must be >= 1",
+        ),
+        (
+            ["--compare-reduce-max-inflight", "0"],
+            "--reduce-max-inflight and --compare-reduce-max-inflight must",
+        ),
+        (
+            ["--impls", "ddp", "zero-3", "--compare-reduce-max-inflight", "2"],
+            "include one of them in --impls",
+        ),
+    ],
+)
+def test_a_reductions_in_flight_setting_that_cannot_run_is_refused(argv, message, capsys):
     from paired_steps import parse_args
 
     with pytest.raises(SystemExit) as exited:
-        parse_args([flag, "0"])
+        parse_args(argv)
     assert exited.value.code == 2
-    assert "--reduce-max-inflight and --compare-reduce-max-inflight must be >= 1" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
 
 
 def test_the_compared_setting_adds_zero_1_and_2_runners_with_it():

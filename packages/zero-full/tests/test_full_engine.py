@@ -44,6 +44,14 @@ def _full(model):
         return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)
+
+
 # --------------------------------------------------------------------------- refusals
 
 
@@ -103,7 +111,7 @@ def test_the_config_optimizer_is_used_and_two_optimizers_are_refused(dist):
 def _accumulate(rank, accumulation):
     model = Net()
     config = _stage3(gradient_accumulation_steps=accumulation)
-    engine = zero_full.initialize(model, config, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+    engine = zero_full.initialize(model, config, _sgd)
     world, r = rank.world_size, rank.rank
     trace = []
     for micro in range(2 * accumulation):
@@ -116,10 +124,11 @@ def _accumulate(rank, accumulation):
     return trace, _full(model)
 
 
-def _reference(accumulation):
+def _reference(accumulation, steps=2, make_optimizer=_sgd):
+    """Single-process training on the whole batches (``accumulation`` micro-batches of each step)."""
     model = Net()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for step in range(2):
+    opt = make_optimizer(model.parameters())
+    for step in range(steps):
         parts = [_data(step * accumulation + m) for m in range(accumulation)]
         x, y = (torch.cat(t) for t in zip(*parts))
         model(x, y).backward()
@@ -178,9 +187,7 @@ def _train_inflight(rank, stage, inflight):
         zero["stage3_param_persistence_threshold"] = 0
     if inflight is not None:
         zero["reduce_max_inflight"] = inflight
-    engine = zero_full.initialize(
-        model, {"zero_optimization": zero}, lambda ps: torch.optim.AdamW(ps, lr=0.05, weight_decay=0.1)
-    )
+    engine = zero_full.initialize(model, {"zero_optimization": zero}, _adamw)
     holder = _queue_holder(engine, stage)
     holder._inflight = queue = _Recording()
     r, n = rank.rank, BATCH // rank.world_size
@@ -192,22 +199,12 @@ def _train_inflight(rank, stage, inflight):
     return queue.most, _full(model), ignored
 
 
-def _adamw_reference(steps):
-    model = Net()
-    opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.1)
-    for step in range(steps):
-        model(*_data(step)).backward()
-        opt.step()
-        opt.zero_grad()
-    return {n: p.detach() for n, p in model.named_parameters()}
-
-
 @pytest.mark.parametrize(("stage", "world"), [(1, 2), (2, 2), (3, 2), (2, 4)])
 def test_reduce_max_inflight_bounds_the_reductions_in_flight_and_never_changes_numbers(dist, stage, world):
     """4 one-parameter buckets: the default keeps one reduction in flight, 3 lets three be; same bits."""
     default = dist.run(world, _train_inflight, stage, None)
     three = dist.run(world, _train_inflight, stage, 3)
-    ref = _adamw_reference(3)
+    ref = _reference(1, steps=3, make_optimizer=_adamw)
     for (most_1, params_1, ignored_1), (most_3, params_3, ignored_3) in zip(default, three, strict=True):
         assert (most_1, most_3) == (1, 3)
         assert ignored_1 == ignored_3 == []
