@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from coord_cases import (
@@ -9,6 +11,7 @@ from coord_cases import (
     Experts,
     MoEModel,
     build,
+    capture_coord_logs,
     coordinate,
     gathered_params,
     grad_partition_errors,
@@ -16,10 +19,11 @@ from coord_cases import (
     over_worlds,
     rank_input,
     reference_grads,
+    release_logs,
 )
 from torch import nn
 
-from zero_coord import Phase, find_leaf_modules, set_leaf_modules
+from zero_coord import CoordinatorConfig, Phase, find_leaf_modules, granularity_leaves, set_leaf_modules
 
 
 def _moe_with_leaf(rank, how: str):
@@ -102,3 +106,131 @@ def test_set_leaf_modules_marks_outermost_and_names_unmatched_entries():
         set_leaf_modules(model, ["NoSuchBlock", "a", "c.d"])
     with pytest.raises(TypeError, match="neither an nn.Module subclass"):
         set_leaf_modules(model, [42])
+
+
+class _Attn(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return self.proj(torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v)
+
+
+class _Block(nn.Module):
+    """ln, attention (2 Linears), an MLP in a Sequential (2 Linears, a GELU): 5 layers + 2 modules."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(width)
+        self.attn = _Attn(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln(x))
+        return x + self.mlp(x)
+
+
+class _Stack(nn.Module):
+    """Linear, 3 blocks, a wide head: the root's granularity above a block's, a block's above its
+    attention's, so the threshold decides which one is the leaf."""
+
+    def __init__(self, width: int = 7, depth: int = 3, head: int = 64) -> None:
+        super().__init__()
+        self.inp = nn.Linear(5, width)
+        self.blocks = nn.ModuleList(_Block(width) for _ in range(depth))
+        self.act = nn.GELU()
+        self.out = nn.Linear(width, head)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(self.act(x))
+
+
+def _block_granularity(width: int) -> tuple[int, int, int]:
+    """The formula by hand: (block, attention, root) elements // layers of a _Stack(width, 3)."""
+    ln, qkv, proj = 2 * width, width * 3 * width + 3 * width, width * width
+    mlp = (width * 4 * width + 4 * width) + (4 * width * width + width)
+    block = ln + qkv + proj + mlp
+    # layers: ln, qkv, proj, mlp.0, mlp.2 (torch leaves with parameters) + attn + the block
+    # itself; the Sequential (a container) and the GELU (no parameters) do not count
+    root_elements = (5 * width + width) + 3 * block + (width * 64 + 64)
+    root_layers = 1 + 3 * 7 + 1 + 1  # inp, 3 blocks, out, the root (the ModuleList is a container)
+    return block // 7, (qkv + proj) // 3, root_elements // root_layers
+
+
+def test_granularity_leaves_follow_deepspeeds_rule_parents_first() -> None:
+    width = 7
+    model = _Stack(width)
+    block, attn, root = _block_granularity(width)
+    assert attn < block < root  # the case tests that the parent (block) wins over the smaller attn
+    names = ["blocks.0", "blocks.1", "blocks.2"]
+    assert granularity_leaves(model, block) == (names, granularity_leaves(model, 0)[1])
+    _, smallest = granularity_leaves(model, 0)
+    assert (smallest.name, smallest.value) == ("blocks.0.attn", attn)
+    assert granularity_leaves(model, attn)[0] == ["blocks.0.attn", "blocks.1.attn", "blocks.2.attn"]
+    assert granularity_leaves(model, attn - 1)[0] == []
+    assert granularity_leaves(model, root)[0] == [""]  # the whole model as one leaf
+    with pytest.raises(ValueError, match="non-negative int"):
+        granularity_leaves(model, -1)
+
+
+def _granular_run(rank, threshold: int):
+    world = rank.world_size
+    model, ref = build(_Stack)
+    sink = DeferredSink(list(model.parameters()))
+    config = CoordinatorConfig(prefetch_bucket_size=400, max_live_parameters=800, max_reuse_distance=0)
+    handler = capture_coord_logs()
+    coord = coordinate(model, dataclasses.replace(config, module_granularity_threshold=threshold), sink)
+    logs = release_logs(handler)
+    inner = sum(hook_counts(m) for m in model.blocks[0].modules() if m is not model.blocks[0])
+    loss_fn = lambda out: out.pow(2).mean()  # noqa: E731 - tiny test loss
+    leaks = []
+    for step in range(3):
+        loss_fn(model(rank_input(step, rank.rank, (4, 5)))).backward()
+        leaks.append(gathered_params(model))
+    inputs = [(rank_input(step, r, (4, 5)),) for step in range(3) for r in range(world)]
+    errors = grad_partition_errors(model, reference_grads(ref, inputs, loss_fn, world))
+    leaves, gathers = coord.leaf_modules, coord.last_step_stats.gathers
+    coord.remove()
+    return leaves, inner, leaks, max(errors.values()), gathers, logs
+
+
+@over_worlds
+def test_module_granularity_threshold_gathers_blocks_as_leaves_with_the_reference_gradients(dist, world):
+    block = _block_granularity(7)[0]
+    per_module = dist.run(world, _granular_run, 0)
+    by_block = dist.run(world, _granular_run, block)
+    for (leaves0, inner0, *_, gathers0, _), (leaves, inner, leaks, error, gathers, logs) in zip(
+        per_module, by_block, strict=True
+    ):
+        assert leaves0 == () and inner0 > 0
+        assert leaves == ("blocks.0", "blocks.1", "blocks.2")
+        assert inner == 0  # no hooks inside a leaf block
+        assert leaks == [[]] * 3  # released after use, as per module
+        assert error <= 1e-5
+        assert gathers < gathers0, (gathers, gathers0)
+        assert any("3 module(s) gathered as leaves: blocks.0, blocks.1, blocks.2" in m for _, m in logs), logs
+
+
+def _too_small_threshold(rank):
+    model, _ = build(_Stack)
+    handler = capture_coord_logs()
+    coord = coordinate(model, CoordinatorConfig(module_granularity_threshold=1))
+    logs = release_logs(handler)
+    leaves = coord.leaf_modules
+    coord.remove()
+    return leaves, logs
+
+
+def test_a_threshold_below_every_granularity_is_a_warning_naming_the_smallest(dist):
+    attn = _block_granularity(7)[1]
+    ((leaves, logs),) = dist.run(1, _too_small_threshold)
+    assert leaves == ()
+    assert [
+        level for level, message in logs if f"smallest granularity is {attn} (blocks.0.attn)" in message
+    ] == ["WARNING"]

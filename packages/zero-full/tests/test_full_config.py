@@ -275,6 +275,7 @@ STAGE3_KNOBS = [
     ("model_persistence_threshold", "stage3_model_persistence_threshold", 1_000_003),
     ("max_live_parameters", "stage3_max_live_parameters", 1_023),
     ("max_reuse_distance", "stage3_max_reuse_distance", 7),
+    ("module_granularity_threshold", "stage3_module_granularity_threshold", 5_000),
     ("gather_16bit_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save", True),
     ("gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save", True),
 ]
@@ -596,6 +597,7 @@ def test_stage3_knobs_under_stage_2_are_ignored_not_unsupported() -> None:
             stage=2,
             prefetch_bucket_size=10,
             stage3_max_live_parameters=10,
+            stage3_module_granularity_threshold=10,
             stage3_gather_fp16_weights_on_model_save=True,
             offload_param={"device": "cpu"},
             mics_shard_size=4,
@@ -606,6 +608,7 @@ def test_stage3_knobs_under_stage_2_are_ignored_not_unsupported() -> None:
     assert cfg.ignored_keys() == [  # in declaration order
         "zero_optimization.stage3_prefetch_bucket_size",
         "zero_optimization.stage3_max_live_parameters",
+        "zero_optimization.stage3_module_granularity_threshold",
         "zero_optimization.stage3_gather_16bit_weights_on_model_save",
         "zero_optimization.mics_shard_size",
         "zero_optimization.offload_param",
@@ -744,11 +747,18 @@ def test_coordinator_config_mapping() -> None:
 
     cfg = ZeroConfig.model_validate(
         zero_opt(
-            stage=3, stage3_prefetch_bucket_size=1023, max_live_parameters=7, stage3_max_reuse_distance=0
+            stage=3,
+            stage3_prefetch_bucket_size=1023,
+            max_live_parameters=7,
+            stage3_max_reuse_distance=0,
+            stage3_module_granularity_threshold=5e4,
         )
     )
     assert cfg.zero_optimization.to_coordinator_config() == CoordinatorConfig(
-        prefetch_bucket_size=1023, max_live_parameters=7, max_reuse_distance=0
+        prefetch_bucket_size=1023,
+        max_live_parameters=7,
+        max_reuse_distance=0,
+        module_granularity_threshold=50_000,
     )
     assert ZeroConfig().zero_optimization.to_coordinator_config() == CoordinatorConfig()  # same defaults
 

@@ -213,6 +213,56 @@ def test_reduce_max_inflight_bounds_the_reductions_in_flight_and_never_changes_n
             torch.testing.assert_close(value, ref[name], rtol=1e-5, atol=1e-6)
 
 
+def _gpt2_granular(rank, threshold):
+    from zero_full.workloads import GPT2Workload
+
+    w = GPT2Workload(layers=3, hidden=24, heads=3, vocab=401, seq=9, seed=0)
+    model = w.build_model()
+    zero = {"stage3_max_reuse_distance": 0, "stage3_max_live_parameters": 0}
+    if threshold is not None:
+        zero["stage3_module_granularity_threshold"] = threshold
+    engine = zero_full.initialize(model, _stage3(**zero), _sgd)
+    r, n = rank.rank, 6 // rank.world_size
+    for step in range(3):  # the reference's batches, this rank's rows
+        ids = w.uniform_batch(step, 6)[r * n : (r + 1) * n]
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+    return engine.coordinator.leaf_modules, engine.stats.params.gathers, _full(model)
+
+
+def _gpt2_reference(world):
+    from zero_full.workloads import GPT2Workload
+
+    w = GPT2Workload(layers=3, hidden=24, heads=3, vocab=401, seq=9, seed=0)
+    model = w.build_model()
+    opt = _sgd(model.parameters())
+    for step in range(3):
+        ids = w.uniform_batch(step, 6)
+        n = 6 // world
+        parts = [ids[r * n : (r + 1) * n] for r in range(world)]
+        (sum(model(input_ids=part, labels=part).loss for part in parts) / world).backward()
+        opt.step()
+        opt.zero_grad()
+    return {name: p.detach() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_module_granularity_threshold_gathers_each_gpt2_block_once_with_unchanged_numbers(dist, world):
+    """DeepSpeed's ``stage3_module_granularity_threshold`` through ``initialize``: GPT-2 blocks
+    (~1.3 hidden^2 elements per layer; their MLP ~2.7) become leaves, fewer gathers per step,
+    the same parameters bit for bit as per-module gathering, and the single-process run's."""
+    per_module = dist.run(world, _gpt2_granular, None)
+    by_block = dist.run(world, _gpt2_granular, int(1.5 * 24 * 24))
+    ref = _gpt2_reference(world)
+    for (leaves0, gathers0, params0), (leaves, gathers, params) in zip(per_module, by_block, strict=True):
+        assert leaves0 == ()
+        assert leaves == ("transformer.h.0", "transformer.h.1", "transformer.h.2")
+        assert gathers < gathers0, (gathers, gathers0)
+        for name, value in params.items():
+            torch.testing.assert_close(value, params0[name], rtol=0, atol=0)
+            torch.testing.assert_close(value, ref[name], rtol=1e-5, atol=1e-6)
+
+
 # --------------------------------------------------------------------------- memory and stats
 
 

@@ -5,7 +5,8 @@ partitioned with ``zero_params``: it gathers each module's parameters before it 
 prefetches the next modules of a recorded :class:`Trace` (its frozen :class:`TracePlan`),
 releases parameters after use (never before their gradient reached the
 :class:`GradientSink`) and reports :class:`StepStats`. :func:`set_leaf_modules` marks
-blocks (mixture of experts) that are gathered as a whole. A :class:`ShardPrefetcher`
+blocks (mixture of experts) that are gathered as a whole; :func:`granularity_leaves` picks blocks
+of small modules by size (``CoordinatorConfig.module_granularity_threshold``). A :class:`ShardPrefetcher`
 (offloaded shards) is asked to swap in the shards of upcoming trace modules ahead of their
 gather.
 """
@@ -13,7 +14,7 @@ gather.
 from zero_coord.config import CoordinatorConfig, Phase, TraceState
 from zero_coord.coordinator import Coordinator
 from zero_coord.hooks import HookSet, ModuleHookState
-from zero_coord.leaf import LeafRegistry, find_leaf_modules, set_leaf_modules
+from zero_coord.leaf import Granularity, LeafRegistry, find_leaf_modules, granularity_leaves, set_leaf_modules
 from zero_coord.prefetch_source import ShardPrefetcher
 from zero_coord.sink import GradientSink
 from zero_coord.stats import StepStats
@@ -23,6 +24,7 @@ __all__ = [
     "Coordinator",
     "CoordinatorConfig",
     "GradientSink",
+    "Granularity",
     "HookSet",
     "LeafRegistry",
     "ModuleHookState",
@@ -34,5 +36,6 @@ __all__ = [
     "TracePlan",
     "TraceState",
     "find_leaf_modules",
+    "granularity_leaves",
     "set_leaf_modules",
 ]

@@ -60,11 +60,18 @@ class CoordinatorConfig:
             (``stage3_max_reuse_distance``); ``0`` keeps only parameters that are used again
             by the very next module. A parameter whose next use lies inside the window
             prefetching already covered also stays (it counts as prefetched).
+        module_granularity_threshold: Modules whose subtree holds at most this many
+            parameter elements per layer are gathered as one leaf
+            (``stage3_module_granularity_threshold``; see
+            :func:`~zero_coord.leaf.granularity_leaves`): one gather and one pair of hooks
+            for a block of small modules instead of one per module, at the price of the
+            whole block being gathered at once. ``0`` (the default) turns it off.
     """
 
     prefetch_bucket_size: int = 50_000_000
     max_live_parameters: int = 1_000_000_000
     max_reuse_distance: int = 1_000_000_000
+    module_granularity_threshold: int = 0
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

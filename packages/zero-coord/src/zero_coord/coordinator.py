@@ -48,7 +48,7 @@ from zero_coord.config import CoordinatorConfig, Phase
 from zero_coord.error_hints import annotate_unseen_parameter
 from zero_coord.fetch import Fetcher
 from zero_coord.hooks import GradHook, HookSet, ModuleHookState
-from zero_coord.leaf import find_leaf_modules
+from zero_coord.leaf import find_leaf_modules, granularity_leaves, outermost_leaves
 from zero_coord.prefetch_source import ShardPrefetcher
 from zero_coord.release import Releaser
 from zero_coord.sink import GradientSink
@@ -303,7 +303,7 @@ class Coordinator:
         self._reset_structure()
         model = self._model
         self._table = SlotTable.for_model(model)
-        leaves = find_leaf_modules(model)
+        leaves = self._leaves()
         leaf_modules = set(leaves.values())
         inside_leaf: set[nn.Module] = set()
         for leaf in leaves.values():
@@ -316,6 +316,39 @@ class Coordinator:
                 self._add_state(module, name, slots, module in leaf_modules)
         # Windows split between forward and backward only where backward gathers over hpZ groups.
         self._fetcher.hpz = any(s.hpz for s in self._table.slots)
+
+    def _leaves(self) -> dict[str, nn.Module]:
+        """The leaf modules: those marked (``set_leaf_modules``) and, with a
+        ``module_granularity_threshold``, those it selects; the outermost of each path."""
+        model = self._model
+        leaves = find_leaf_modules(model)
+        threshold = self._config.module_granularity_threshold
+        if threshold == 0:
+            return leaves
+        chosen, smallest = granularity_leaves(model, threshold)
+        if not chosen:
+            logger.warning(
+                "module_granularity_threshold %d selects no module: the smallest granularity is %s "
+                "(%s); set the threshold to at least that to gather such blocks as one leaf",
+                threshold,
+                "none (no module has parameters below it)" if smallest is None else smallest.value,
+                "-" if smallest is None else (smallest.name or "<root>"),
+            )
+            return leaves
+        modules = dict(model.named_modules())
+        logger.info(
+            "module_granularity_threshold %d: %d module(s) gathered as leaves: %s",
+            threshold,
+            len(chosen),
+            ", ".join(name or "<root>" for name in chosen),
+        )
+        return outermost_leaves({**leaves, **{name: modules[name] for name in chosen}})
+
+    @property
+    def leaf_modules(self) -> tuple[str, ...]:
+        """Qualified names of the modules gathered as one leaf (marked or by granularity), once
+        installed."""
+        return tuple(ms.name for ms in self._states if ms.is_leaf)
 
     def _add_state(self, module: nn.Module, name: str, slots: tuple[ParamSlot, ...], leaf: bool) -> None:
         ms = ModuleHookState(self, module, name, len(self._states), slots, leaf)

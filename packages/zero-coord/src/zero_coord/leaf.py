@@ -11,15 +11,32 @@ per marked module and nothing on parameters). It stores qualified names relative
 model, so ``copy.deepcopy(model)`` carries the marking along, a second call adds to it, and
 the :class:`~zero_coord.Coordinator` of a model (or of any module containing it) finds it
 when it installs its hooks. There is no process-wide registry.
+
+Leaves by size (DeepSpeed's ``stage3_module_granularity_threshold``):
+:func:`granularity_leaves` picks, without marking anything, the modules whose parameters per
+layer are at most a threshold: blocks of many small modules, whose per-module gathers and
+hooks cost more than their bytes. The coordinator treats them as leaves too
+(:attr:`~zero_coord.CoordinatorConfig.module_granularity_threshold`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 from collections.abc import Iterable
 
 from torch import nn
 
-__all__ = ["LeafRegistry", "find_leaf_modules", "set_leaf_modules"]
+import zero_params
+
+__all__ = [
+    "Granularity",
+    "LeafRegistry",
+    "find_leaf_modules",
+    "granularity_leaves",
+    "outermost_leaves",
+    "set_leaf_modules",
+]
 
 _REGISTRY_ATTR = "_zero_coord_leaf_registry"
 
@@ -103,6 +120,11 @@ def find_leaf_modules(model: nn.Module) -> dict[str, nn.Module]:
             if name in registry.names:
                 full = f"{prefix}.{name}" if prefix and name else (prefix or name)
                 marked[full] = module
+    return outermost_leaves(marked)
+
+
+def outermost_leaves(marked: dict[str, nn.Module]) -> dict[str, nn.Module]:
+    """The entries of ``marked`` (qualified name -> module) not inside another entry."""
     outermost: dict[str, nn.Module] = {}
     for name in sorted(marked, key=lambda n: (n.count("."), n) if n else (-1, n)):
         if not any(_is_inside(name, outer) for outer in outermost):
@@ -112,3 +134,87 @@ def find_leaf_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 def _is_inside(name: str, outer: str) -> bool:
     return outer == "" or name == outer or name.startswith(outer + ".")
+
+
+# torch's container classes (ModuleList, Sequential, ModuleDict, ...): never leaves, as in
+# DeepSpeed; a container's forward may never run (ModuleList), so its children keep their hooks.
+_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+_MAX_LEAF_ELEMENTS = 1_000_000_000  # DeepSpeed's cap: larger subtrees are never one leaf
+
+
+@dataclasses.dataclass(frozen=True)
+class Granularity:
+    """Parameter elements per layer of one module's subtree (DeepSpeed's module granularity).
+
+    Attributes:
+        name: Qualified name of the module.
+        elements: Parameter elements in its subtree (whole sizes, also while partitioned).
+        layers: Modules with parameters in its subtree, itself included (torch containers
+            and parameterless modules do not count).
+    """
+
+    name: str
+    elements: int
+    layers: int
+
+    @property
+    def value(self) -> int:
+        """``elements // layers``; ``sys.maxsize`` where it can never be a leaf."""
+        if self.layers == 0 or self.elements > _MAX_LEAF_ELEMENTS:
+            return sys.maxsize
+        return self.elements // self.layers
+
+
+def _granularities(model: nn.Module) -> dict[str, Granularity]:
+    """Every module's :class:`Granularity` (modules that can never be leaves have none)."""
+    found: dict[str, Granularity] = {}
+
+    def visit(name: str, module: nn.Module) -> tuple[int, int]:
+        own = sum(zero_params.full_shape(p).numel() for p in module.parameters(recurse=False))
+        children = list(module.named_children())
+        if not children:  # a torch leaf: one layer, never a leaf module of its own
+            return (1, own) if own else (0, 0)
+        layers, elements = 0, own
+        for child_name, child in children:
+            child_layers, child_elements = visit(f"{name}.{child_name}" if name else child_name, child)
+            layers += child_layers
+            elements += child_elements
+        if elements == 0 or isinstance(module, _CONTAINERS):
+            return layers, elements
+        layers += 1
+        found[name] = Granularity(name, elements, layers)
+        return layers, elements
+
+    visit("", model)
+    return found
+
+
+def granularity_leaves(model: nn.Module, threshold: int) -> tuple[list[str], Granularity | None]:
+    """The modules DeepSpeed's ``stage3_module_granularity_threshold`` turns into leaves.
+
+    A module's granularity is its subtree's parameter elements divided by its layers
+    (:class:`Granularity`). From the root down, the first module on each path whose
+    granularity is at most ``threshold`` becomes a leaf (parents before children); torch
+    containers, modules without parameters and torch's own leaf modules (``Linear``, ...)
+    never do. Nothing is marked on the model.
+
+    Args:
+        model: The model (parameters whole or partitioned).
+        threshold: Elements per layer; ``0`` selects nothing.
+
+    Returns:
+        The qualified names of the leaves (``named_modules()`` order), and the module of the
+        smallest granularity (``None`` if no module has one), to say what threshold would
+        have selected something.
+    """
+    if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
+        raise ValueError(f"granularity_leaves: threshold must be a non-negative int, got {threshold!r}")
+    found = _granularities(model)
+    smallest = min(found.values(), key=lambda g: g.value, default=None)
+    if threshold == 0:
+        return [], smallest
+    leaves: list[str] = []
+    for name in [name for name, _ in model.named_modules() if name in found]:  # parents first
+        if found[name].value <= threshold and not any(_is_inside(name, leaf) for leaf in leaves):
+            leaves.append(name)
+    return leaves, smallest

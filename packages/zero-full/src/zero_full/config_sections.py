@@ -557,6 +557,7 @@ class ZeroOptimizationConfig(Section):
         "model_persistence_threshold": ("stage3_model_persistence_threshold",),
         "max_live_parameters": ("stage3_max_live_parameters",),
         "max_reuse_distance": ("stage3_max_reuse_distance",),
+        "module_granularity_threshold": ("stage3_module_granularity_threshold",),
         "gather_16bit_weights_on_model_save": (
             "stage3_gather_16bit_weights_on_model_save",
             "stage3_gather_fp16_weights_on_model_save",
@@ -659,6 +660,14 @@ class ZeroOptimizationConfig(Section):
     max_reuse_distance: Annotated[Int(0), _stage3()] = 1_000_000_000
     """A parameter used again within this many gathered elements (in the trace) stays gathered
     after its module."""
+    module_granularity_threshold: Annotated[Int(0), _stage3()] = 0
+    """Modules whose subtree holds at most this many parameter elements per layer (elements
+    divided by the modules with parameters inside, itself included) are gathered as one leaf:
+    one gather and one pair of hooks per block of small modules instead of one per module,
+    the whole block gathered at once. Chosen from the root down, parents first; torch
+    containers and single layers never qualify (DeepSpeed's rule). 0 turns it off; a threshold
+    below every module's granularity is logged as a warning naming the smallest. The modules
+    chosen: ``engine.coordinator.leaf_modules``."""
     gather_16bit_weights_on_model_save: Annotated[Flag, _stage3(Ignored(_SAVE_16BIT))] = False
     """DeepSpeed: gather the 16-bit weights for ``save_16bit_model`` (its older name:
     ``stage3_gather_fp16_weights_on_model_save``)."""
@@ -799,6 +808,7 @@ class ZeroOptimizationConfig(Section):
             prefetch_bucket_size=self.prefetch_bucket_size,
             max_live_parameters=self.max_live_parameters,
             max_reuse_distance=self.max_reuse_distance,
+            module_granularity_threshold=self.module_granularity_threshold,
         )
 
     def to_reduce_config(self) -> ReduceConfig:
