@@ -198,6 +198,11 @@ class ImplOptions:
             (as DDP does; DeepSpeed's default is false at stage 2); ``None`` leaves the key out
             (each implementation's default). Stage 1 never gets the key: zero always overlaps
             there and would report it as ignored.
+        granularity_blocks: Stage 3, GPT-2 only: ``stage3_module_granularity_threshold``, in
+            blocks (DeepSpeed's key: zero and DeepSpeed alike gather each module whose
+            parameters per layer are at most this as one leaf). The default, 1/8 block (1.5
+            hidden^2 elements), makes each GPT-2 block (12 hidden^2 over 9 layers: 1.33 hidden^2)
+            one leaf and nothing larger; ``None`` leaves the key out (per-module gathers).
         reduce_max_inflight: zero stages 1 and 2 only (a zero key DeepSpeed does not have):
             gradient buckets whose reduction may be in flight at once; ``None`` leaves the key
             out (zero's default, 1). Stage 3 keeps 1: more reductions in flight queue its
@@ -212,6 +217,7 @@ class ImplOptions:
     bucket_blocks: float = 4.0
     sub_group_blocks: float | None = None
     overlap_comm: bool | None = True
+    granularity_blocks: float | None = 0.125
     reduce_max_inflight: int | None = 4
 
 
@@ -325,6 +331,8 @@ def zero_section(stage: int, w: Workload, options: ImplOptions = ImplOptions()) 
                 "stage3_max_reuse_distance": int(options.reuse_blocks * block),
             }
         )
+        if options.granularity_blocks is not None and w.kind == "gpt2":  # a Linear stack has no blocks
+            section["stage3_module_granularity_threshold"] = int(options.granularity_blocks * block)
     return section
 
 

@@ -84,7 +84,7 @@ CHECKPOINTED = "+ckpt"
 # Every stage (zero and DeepSpeed alike) bounds its transients by the config: reduce / all-gather
 # buckets of one block and an optimizer that steps one block's elements at a time; overlap_comm
 # and zero's reduce_max_inflight at each implementation's default (overlap_comm false at stage 2,
-# true at stage 3; one reduction in flight).
+# true at stage 3; one reduction in flight); stage 3 gathers per module (no granularity threshold).
 RELEASE = ImplOptions(
     persistence_threshold=0,
     prefetch_blocks=1.0,
@@ -92,6 +92,7 @@ RELEASE = ImplOptions(
     bucket_blocks=1.0,
     sub_group_blocks=1.0,
     overlap_comm=None,
+    granularity_blocks=None,
     reduce_max_inflight=None,
 )
 MEASURED_ENV = {"MALLOC_MMAP_THRESHOLD_": "1048576", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
