@@ -198,11 +198,11 @@ class ImplOptions:
             (as DDP does; DeepSpeed's default is false at stage 2); ``None`` leaves the key out
             (each implementation's default). Stage 1 never gets the key: zero always overlaps
             there and would report it as ignored.
-        granularity_blocks: Stage 3, GPT-2 only: ``stage3_module_granularity_threshold``, in
-            blocks (DeepSpeed's key: zero and DeepSpeed alike gather each module whose
-            parameters per layer are at most this as one leaf). The default, 1/8 block (1.5
-            hidden^2 elements), makes each GPT-2 block (12 hidden^2 over 9 layers: 1.33 hidden^2)
-            one leaf and nothing larger; ``None`` leaves the key out (per-module gathers).
+        leaf_blocks: Stage 3, GPT-2 only: ``stage3_module_granularity_threshold`` at the
+            granularity of one block (:func:`block_granularity`; DeepSpeed's key: zero and
+            DeepSpeed alike gather each block as one leaf, and nothing larger, as long as the
+            embeddings outweigh ~5 hidden-wide rows per vocabulary entry: see that function);
+            ``False`` leaves the key out (per-module gathers).
         reduce_max_inflight: zero stages 1 and 2 only (a zero key DeepSpeed does not have):
             gradient buckets whose reduction may be in flight at once; ``None`` leaves the key
             out (zero's default, 1). Stage 3 keeps 1: more reductions in flight queue its
@@ -217,7 +217,7 @@ class ImplOptions:
     bucket_blocks: float = 4.0
     sub_group_blocks: float | None = None
     overlap_comm: bool | None = True
-    granularity_blocks: float | None = 0.125
+    leaf_blocks: bool = True
     reduce_max_inflight: int | None = 4
 
 
@@ -309,6 +309,21 @@ def block_numel(w: Workload) -> int:
     return w.hidden * w.hidden * (1 if w.kind == "linear" else 12)
 
 
+def block_granularity(w: Workload) -> int:
+    """DeepSpeed's module granularity of one GPT-2 block: ``(12 h^2 + 13 h) // 9``.
+
+    Its parameters (two LayerNorms, the attention's ``c_attn`` / ``c_proj`` and the MLP's
+    ``c_fc`` / ``c_proj``, weights and biases: ``12 h^2 + 13 h``) over its 9 modules with
+    parameters (those six, the attention, the MLP, the block). Used as the threshold, it selects
+    the blocks and, parents coming first, nothing above them as long as the model's own
+    granularity is larger: with the tied head counted twice, when the vocabulary is above ~4
+    hidden sizes (the GPT-2 of ``GPT2Model``: ~5.3); the benchmark and memory workloads are
+    (8192 entries against hidden sizes of 128 to 1024).
+    """
+    h = w.hidden
+    return (12 * h * h + 13 * h) // 9
+
+
 def zero_section(stage: int, w: Workload, options: ImplOptions = ImplOptions()) -> dict[str, Any]:
     """The ``zero_optimization`` section shared by DeepSpeed and zero (sizes in elements)."""
     block = block_numel(w)
@@ -331,8 +346,8 @@ def zero_section(stage: int, w: Workload, options: ImplOptions = ImplOptions()) 
                 "stage3_max_reuse_distance": int(options.reuse_blocks * block),
             }
         )
-        if options.granularity_blocks is not None and w.kind == "gpt2":  # a Linear stack has no blocks
-            section["stage3_module_granularity_threshold"] = int(options.granularity_blocks * block)
+        if options.leaf_blocks and w.kind == "gpt2":  # a Linear stack has no blocks
+            section["stage3_module_granularity_threshold"] = block_granularity(w)
     return section
 
 

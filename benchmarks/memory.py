@@ -7,7 +7,8 @@ Run from the repository root (``python -m nox -s bench`` does, with every depend
 For each workload (a stack of bias-free ``Linear`` layers where parameters dominate, and a
 ``transformers`` GPT-2 of comparable size; ``--quick``: small ones), each world size
 (``--worlds``, default 2 and 4) and each implementation (``ddp``, ``fsdp2``, ``deepspeed-1/2/3``,
-``zero-1/2/3`` and ``zero-3+ckpt``, zero stage 3 with activation checkpointing of every block),
+``zero-1/2/3``, ``zero-3+ckpt``, zero stage 3 with activation checkpointing of every block, and
+``zero-3+leaf``, zero stage 3 gathering each GPT-2 block as one leaf, as the speed benchmarks do),
 the launcher spawns ``W`` FRESH gloo ranks (``_report.spawn_ranks``) with
 ``MALLOC_MMAP_THRESHOLD_=1048576`` (glibc returns every freed block of 1 MiB or more to the
 kernel, so the RSS follows the live tensors) and ``OMP_NUM_THREADS=1``. On each rank:
@@ -78,8 +79,11 @@ IMPLS = (
     "zero-2",
     "zero-3",
     "zero-3+ckpt",
+    "zero-3+leaf",
 )
-CHECKPOINTED = "+ckpt"
+# What a suffix of an implementation's name changes in RELEASE: activation checkpointing of every
+# block; each GPT-2 block gathered as one leaf (the side-by-side's stage3_module_granularity_threshold).
+VARIANTS = {"+ckpt": {"checkpointing": True}, "+leaf": {"leaf_blocks": True}}
 # Stage 3 (zero and DeepSpeed) really releases: nothing persists, one block prefetched, two live.
 # Every stage (zero and DeepSpeed alike) bounds its transients by the config: reduce / all-gather
 # buckets of one block and an optimizer that steps one block's elements at a time; overlap_comm
@@ -92,7 +96,7 @@ RELEASE = ImplOptions(
     bucket_blocks=1.0,
     sub_group_blocks=1.0,
     overlap_comm=None,
-    granularity_blocks=None,
+    leaf_blocks=False,
     reduce_max_inflight=None,
 )
 MEASURED_ENV = {"MALLOC_MMAP_THRESHOLD_": "1048576", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
@@ -126,13 +130,14 @@ class Run:
 def split_impl(impl: str) -> tuple[str, ImplOptions]:
     """The :data:`impls.IMPLEMENTATIONS` name and the options of a benchmark implementation name.
 
-    ``zero-3+ckpt`` is ``zero-3`` with activation checkpointing; every implementation gets the
-    :data:`RELEASE` policy (only stage 3 reads it).
+    ``zero-3+ckpt`` is ``zero-3`` with activation checkpointing, ``zero-3+leaf`` with each GPT-2
+    block gathered as one leaf (:data:`VARIANTS`); every implementation gets the :data:`RELEASE`
+    policy (only stage 3 reads it).
     """
     if impl not in IMPLS:
         raise ValueError(f"unknown implementation {impl!r}: choose from {', '.join(IMPLS)}")
-    base, ckpt = impl.removesuffix(CHECKPOINTED), impl.endswith(CHECKPOINTED)
-    return base, dataclasses.replace(RELEASE, checkpointing=ckpt)
+    base, plus, suffix = impl.partition("+")
+    return base, dataclasses.replace(RELEASE, **VARIANTS.get(plus + suffix, {}))
 
 
 def formula_bytes(impl: str, psi: int, world: int) -> float:

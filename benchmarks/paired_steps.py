@@ -30,9 +30,8 @@ is the finer instrument between DDP and zero. Writes ``<--name>.json`` and ``.md
 implementation built here; only zero-3 reads them. The first two trade a larger gathered window,
 and a higher bound on the gathered parameters, for fewer collectives; with a reuse distance of 0
 every parameter is released after use unless the very next module needs it.
-``--granularity-blocks`` sets ``stage3_module_granularity_threshold`` (in blocks; default: the
-side-by-side's 1/8, which gathers each GPT-2 block as one leaf; 0 leaves the key out: one gather
-per module).
+``--per-module`` leaves out ``stage3_module_granularity_threshold`` (the side-by-side sets it to
+one GPT-2 block's granularity, :func:`impls.block_granularity`, so each block is one leaf).
 ``--bucket-blocks`` sets ``reduce_bucket_size`` and ``allgather_bucket_size`` of every zero
 stage (default: the side-by-side's 4 blocks); ``--reduce-max-inflight`` zero's
 ``reduce_max_inflight`` at stages 1 and 2 (default: the side-by-side's 4; 1 is zero's default);
@@ -307,7 +306,7 @@ def options_of(args: argparse.Namespace) -> ImplOptions:
     """The builders' options from the command line: stage 3's prefetch bucket, live bound, reuse distance;
     the gradient / parameter buckets of every stage."""
     return ImplOptions(
-        granularity_blocks=args.granularity_blocks or None,
+        leaf_blocks=not args.per_module,
         prefetch_blocks=args.prefetch_blocks,
         live_blocks=args.live_blocks,
         reuse_blocks=args.reuse_blocks,
@@ -337,12 +336,6 @@ _OPTION_FLAGS = (
         "reduce_bucket_size and allgather_bucket_size, in blocks (every stage)",
     ),
     (
-        "--granularity-blocks",
-        float,
-        "granularity_blocks",
-        "stage 3: stage3_module_granularity_threshold, in blocks (0: per-module gathers)",
-    ),
-    (
         "--reduce-max-inflight",
         int,
         "reduce_max_inflight",
@@ -368,6 +361,11 @@ def build_parser() -> argparse.ArgumentParser:
     for flag, kind, field, text in _OPTION_FLAGS:
         parser.add_argument(flag, type=kind, default=getattr(defaults, field), help=text)
     parser.add_argument(
+        "--per-module",
+        action="store_true",
+        help="stage 3: no stage3_module_granularity_threshold (one gather per module, not per GPT-2 block)",
+    )
+    parser.add_argument(
         "--compare-reduce-max-inflight",
         type=int,
         default=None,
@@ -385,10 +383,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if "ddp" not in args.impls:
         parser.error("--impls must include ddp (every ratio is to DDP)")
-    if min(args.prefetch_blocks, args.live_blocks, args.reuse_blocks, args.granularity_blocks) < 0:
-        parser.error(
-            "--prefetch-blocks, --live-blocks, --reuse-blocks and --granularity-blocks must be >= 0 (blocks)"
-        )
+    if min(args.prefetch_blocks, args.live_blocks, args.reuse_blocks) < 0:
+        parser.error("--prefetch-blocks, --live-blocks and --reuse-blocks must be >= 0 (blocks)")
     compared = args.compare_reduce_max_inflight
     if args.reduce_max_inflight < 1 or (compared is not None and compared < 1):
         parser.error("--reduce-max-inflight and --compare-reduce-max-inflight must be >= 1 (buckets at once)")

@@ -42,6 +42,9 @@ def test_split_impl_names_the_base_implementation_and_its_options():
     assert options.persistence_threshold == 0 and options.live_blocks == 2.0
     with pytest.raises(ValueError, match="unknown implementation 'zero-4'"):
         split_impl("zero-4")
+    base, leaf = split_impl("zero-3+leaf")
+    assert (base, leaf) == ("zero-3", dataclasses.replace(RELEASE, leaf_blocks=True))
+    assert not RELEASE.leaf_blocks  # the other rows gather per module
 
 
 def test_formulas_and_the_release_policy_of_stage_3():

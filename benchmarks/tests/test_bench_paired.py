@@ -133,38 +133,45 @@ def test_the_compared_setting_adds_zero_1_and_2_runners_with_it():
     ]
 
 
-@pytest.mark.parametrize(
-    "flag", ["--prefetch-blocks", "--live-blocks", "--reuse-blocks", "--granularity-blocks"]
-)
+@pytest.mark.parametrize("flag", ["--prefetch-blocks", "--live-blocks", "--reuse-blocks"])
 def test_a_negative_stage3_bound_is_refused_with_the_flags_named(flag, capsys):
     from paired_steps import parse_args
 
     with pytest.raises(SystemExit) as exited:
         parse_args([flag, "-0.5"])
     assert exited.value.code == 2
-    assert "--reuse-blocks and --granularity-blocks must be >= 0" in capsys.readouterr().err
+    assert "--prefetch-blocks, --live-blocks and --reuse-blocks must be >= 0" in capsys.readouterr().err
 
 
-def test_the_granularity_threshold_makes_each_gpt2_block_one_leaf_for_zero_and_deepspeed():
-    """The benchmarks' default threshold (1/8 block) reaches the shared section (DeepSpeed reads the
-    same key) and selects exactly the blocks; 0 on the command line leaves the key out."""
-    from impls import ImplOptions, block_numel, zero_section
+@pytest.mark.parametrize(
+    "shape",
+    [
+        {"hidden": 256},  # the side-by-side's GPT-2
+        {"hidden": 128},  # the small one
+        {"layers": 8, "hidden": 1024, "heads": 16, "seq": 64, "micro_batch": 1},  # memory.py's
+        {"layers": 3, "hidden": 96, "heads": 4},
+    ],
+)
+def test_the_threshold_is_one_blocks_granularity_and_selects_exactly_the_blocks(shape):
+    """zero and DeepSpeed read the same section; the blocks are selected, never a parent (the root
+    of memory.py's GPT-2, nearly all blocks, sits just above them); --per-module leaves it out."""
+    from impls import ImplOptions, block_granularity, zero_section
     from paired_steps import build_parser, options_of
-    from workloads import Workload, build_model, workload_of
+    from workloads import Workload, build_model
 
     from zero_coord import granularity_leaves
 
-    args = build_parser().parse_args(["--hidden", "96", "--layers", "3"])
-    w = workload_of(args)
-    section = zero_section(3, w, options_of(args))
-    assert section["stage3_module_granularity_threshold"] == block_numel(w) // 8
-    leaves, _ = granularity_leaves(build_model(w), section["stage3_module_granularity_threshold"])
-    assert leaves == ["transformer.h.0", "transformer.h.1", "transformer.h.2"]
-    off = build_parser().parse_args(["--hidden", "96", "--granularity-blocks", "0"])
-    assert "stage3_module_granularity_threshold" not in zero_section(3, w, options_of(off))
-    mlp = Workload("mlp", layers=3, hidden=96)
-    assert "stage3_module_granularity_threshold" not in zero_section(3, mlp, ImplOptions())
+    w = Workload("gpt2", **shape)
+    model = build_model(w)
+    threshold = zero_section(3, w, ImplOptions())["stage3_module_granularity_threshold"]
+    assert threshold == block_granularity(w)
+    leaves, _ = granularity_leaves(model, threshold)
+    assert leaves == [f"transformer.h.{i}" for i in range(w.layers)]
+    assert granularity_leaves(model, threshold - 1)[0] != leaves  # exactly the block's, not above
+    per_module = options_of(build_parser().parse_args(["--per-module"]))
+    assert "stage3_module_granularity_threshold" not in zero_section(3, w, per_module)
     assert "stage3_module_granularity_threshold" not in zero_section(2, w, ImplOptions())
+    assert "stage3_module_granularity_threshold" not in zero_section(3, Workload("mlp"), ImplOptions())
 
 
 def test_a_run_without_ddp_is_refused_and_a_world_1_run_is_accepted(capsys):

@@ -217,20 +217,23 @@ def test_module_granularity_threshold_gathers_blocks_as_leaves_with_the_referenc
         assert any("3 module(s) gathered as leaves: blocks.0, blocks.1, blocks.2" in m for _, m in logs), logs
 
 
-def _too_small_threshold(rank):
+def _installed_with_threshold(rank, threshold):
     model, _ = build(_Stack)
     handler = capture_coord_logs()
-    coord = coordinate(model, CoordinatorConfig(module_granularity_threshold=1))
+    coord = coordinate(model, CoordinatorConfig(module_granularity_threshold=threshold))
     logs = release_logs(handler)
     leaves = coord.leaf_modules
     coord.remove()
-    return leaves, logs
+    return leaves, [(level, message) for level, message in logs if level == "WARNING"]
 
 
-def test_a_threshold_below_every_granularity_is_a_warning_naming_the_smallest(dist):
-    attn = _block_granularity(7)[1]
-    ((leaves, logs),) = dist.run(1, _too_small_threshold)
+def test_a_threshold_selecting_nothing_or_most_of_the_model_is_a_warning(dist):
+    _, attn, root = _block_granularity(7)
+    ((leaves, warnings),) = dist.run(1, _installed_with_threshold, 1)
     assert leaves == ()
-    assert [
-        level for level, message in logs if f"smallest granularity is {attn} (blocks.0.attn)" in message
-    ] == ["WARNING"]
+    assert len(warnings) == 1 and f"smallest granularity is {attn} (blocks.0.attn)" in warnings[0][1]
+    ((leaves, warnings),) = dist.run(1, _installed_with_threshold, root)
+    assert leaves == ("",)  # the whole model as one leaf: gathered whole, said so
+    assert len(warnings) == 1 and "makes <root> one leaf: 2528 of the model's 2528" in warnings[0][1]
+    ((leaves, warnings),) = dist.run(1, _installed_with_threshold, _block_granularity(7)[0])
+    assert len(leaves) == 3 and warnings == []  # a block is 658 of 2528 elements

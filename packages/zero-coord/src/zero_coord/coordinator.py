@@ -342,7 +342,28 @@ class Coordinator:
             len(chosen),
             ", ".join(name or "<root>" for name in chosen),
         )
+        self._warn_of_large_leaves(chosen, modules)
         return outermost_leaves({**leaves, **{name: modules[name] for name in chosen}})
+
+    def _warn_of_large_leaves(self, chosen: list[str], modules: dict[str, nn.Module]) -> None:
+        """A leaf holding most of the model is gathered whole: say so (a threshold above a
+        parent's granularity, e.g. of a model made almost only of blocks, picks the parent)."""
+        def elements(module: nn.Module) -> int:
+            return sum(zero_params.full_shape(p).numel() for p in set(module.parameters()))
+
+        total = elements(self._model)
+        for name in chosen:
+            inside = elements(modules[name])
+            if inside * 2 > total:
+                logger.warning(
+                    "module_granularity_threshold %d makes %s one leaf: %d of the model's %d parameter "
+                    "elements are gathered whole at once; lower the threshold below its granularity to "
+                    "gather the blocks inside it instead",
+                    self._config.module_granularity_threshold,
+                    name or "<root>",
+                    inside,
+                    total,
+                )
 
     @property
     def leaf_modules(self) -> tuple[str, ...]:
