@@ -348,6 +348,7 @@ class Coordinator:
     def _warn_of_large_leaves(self, chosen: list[str], modules: dict[str, nn.Module]) -> None:
         """A leaf holding most of the model is gathered whole: say so (a threshold above a
         parent's granularity, e.g. of a model made almost only of blocks, picks the parent)."""
+
         def elements(module: nn.Module) -> int:
             return sum(zero_params.full_shape(p).numel() for p in set(module.parameters()))
 
