@@ -31,7 +31,8 @@ implementation built here; only zero-3 reads them. The first two trade a larger 
 and a higher bound on the gathered parameters, for fewer collectives; with a reuse distance of 0
 every parameter is released after use unless the very next module needs it.
 ``--per-module`` leaves out ``stage3_module_granularity_threshold`` (the side-by-side sets it to
-one GPT-2 block's granularity, :func:`impls.block_granularity`, so each block is one leaf).
+one GPT-2 block's granularity, :func:`impls.block_granularity`, so each block is one leaf);
+``--compare-per-module`` steps zero-3 a second time without it, in the same rotation.
 ``--bucket-blocks`` sets ``reduce_bucket_size`` and ``allgather_bucket_size`` of every zero
 stage (default: the side-by-side's 4 blocks); ``--reduce-max-inflight`` zero's
 ``reduce_max_inflight`` at stages 1 and 2 (default: the side-by-side's 4; 1 is zero's default);
@@ -116,8 +117,10 @@ def runner_specs(args: argparse.Namespace) -> list[tuple[str, str, ImplOptions]]
     """``(label, implementation, options)`` of every runner a rank builds, in ``--impls`` order.
 
     With ``--compare-reduce-max-inflight N``, zero-1 and zero-2 (where in ``--impls``) are built
-    a second time with ``reduce_max_inflight`` N, labelled ``zero-1 (inflight N)``: both settings
-    step in the same rotation, so their ratios to DDP are paired.
+    a second time with ``reduce_max_inflight`` N, labelled ``zero-1 (inflight N)``; with
+    ``--compare-per-module``, zero-3 a second time without the granularity threshold, labelled
+    ``zero-3 (per module)``: both settings step in the same rotation, so their ratios to DDP are
+    paired.
     """
     options = options_of(args)
     specs = [(name, name, options) for name in args.impls]
@@ -129,6 +132,8 @@ def runner_specs(args: argparse.Namespace) -> list[tuple[str, str, ImplOptions]]
             for name in args.impls
             if name in ("zero-1", "zero-2")
         ]
+    if args.compare_per_module:
+        specs.append(("zero-3 (per module)", "zero-3", dataclasses.replace(options, leaf_blocks=False)))
     return specs
 
 
@@ -366,6 +371,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="stage 3: no stage3_module_granularity_threshold (one gather per module, not per GPT-2 block)",
     )
     parser.add_argument(
+        "--compare-per-module",
+        action="store_true",
+        help="also step zero-3 without the granularity threshold (per-module gathers), in the same rotation",
+    )
+    parser.add_argument(
         "--compare-reduce-max-inflight",
         type=int,
         default=None,
@@ -390,6 +400,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--reduce-max-inflight and --compare-reduce-max-inflight must be >= 1 (buckets at once)")
     if compared is not None and not {"zero-1", "zero-2"} & set(args.impls):
         parser.error("--compare-reduce-max-inflight varies zero-1 and zero-2: include one of them in --impls")
+    if args.compare_per_module and ("zero-3" not in args.impls or args.per_module):
+        parser.error("--compare-per-module varies zero-3's leaves: include zero-3, without --per-module")
     return args
 
 

@@ -104,9 +104,11 @@ def test_reduce_max_inflight_reaches_zero_stages_1_and_2_only():
             ["--impls", "ddp", "zero-3", "--compare-reduce-max-inflight", "2"],
             "include one of them in --impls",
         ),
+        (["--impls", "ddp", "zero-2", "--compare-per-module"], "include zero-3, without --per-module"),
+        (["--impls", "ddp", "zero-3", "--per-module", "--compare-per-module"], "include zero-3, without"),
     ],
 )
-def test_a_reductions_in_flight_setting_that_cannot_run_is_refused(argv, message, capsys):
+def test_a_comparison_or_setting_that_cannot_run_is_refused(argv, message, capsys):
     from paired_steps import parse_args
 
     with pytest.raises(SystemExit) as exited:
@@ -127,6 +129,12 @@ def test_the_compared_setting_adds_zero_1_and_2_runners_with_it():
         ("zero-1 (inflight 1)", "zero-1"),
     ]
     assert [options.reduce_max_inflight for *_, options in specs] == [4, 4, 4, 1]
+    leaves = runner_specs(parse_args(["--impls", "ddp", "zero-3", "--compare-per-module"]))
+    assert [(label, name, options.leaf_blocks) for label, name, options in leaves] == [
+        ("ddp", "ddp", True),
+        ("zero-3", "zero-3", True),
+        ("zero-3 (per module)", "zero-3", False),
+    ]
     assert [label for label, *_ in runner_specs(parse_args(["--impls", "ddp", "zero-2"]))] == [
         "ddp",
         "zero-2",

@@ -665,9 +665,11 @@ class ZeroOptimizationConfig(Section):
     divided by the modules with parameters inside, itself included) are gathered as one leaf:
     one gather and one pair of hooks per block of small modules instead of one per module,
     the whole block gathered at once. Chosen from the root down, parents first; torch
-    containers and single layers never qualify (DeepSpeed's rule). 0 turns it off; a threshold
-    below every module's granularity is logged as a warning naming the smallest. The modules
-    chosen: ``engine.coordinator.leaf_modules``."""
+    containers and single layers never qualify (DeepSpeed's rule). A GPT-2 block's granularity
+    is ``(12 h^2 + 13 h) // 9``; a model made almost only of blocks has one just above it, so a
+    higher threshold can make the whole model one leaf (logged as a warning, as is a threshold
+    below every module's granularity). 0 turns it off. The modules chosen:
+    ``engine.coordinator.leaf_modules``."""
     gather_16bit_weights_on_model_save: Annotated[Flag, _stage3(Ignored(_SAVE_16BIT))] = False
     """DeepSpeed: gather the 16-bit weights for ``save_16bit_model`` (its older name:
     ``stage3_gather_fp16_weights_on_model_save``)."""
