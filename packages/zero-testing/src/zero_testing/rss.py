@@ -54,7 +54,8 @@ class RestAndPeak:
     """Resident bytes above a baseline.
 
     Attributes:
-        rest: After the warm-up steps (the state the process keeps between steps).
+        rest: Between steps after the warm-up (the state the process keeps between steps: the
+            lowest of a few readings at step boundaries).
         peak: The highest during one more step, the peak reset just before it.
     """
 
@@ -62,14 +63,27 @@ class RestAndPeak:
     peak: int
 
 
-def rest_and_peak(step: Callable[[], object], baseline: int, warmup: int = 2) -> RestAndPeak:
+def rest_and_peak(
+    step: Callable[[], object], baseline: int, warmup: int = 2, readings: int = 3
+) -> RestAndPeak:
     """Run ``step`` ``warmup`` times, read the RSS at rest, then the peak of one more ``step``.
 
-    ``baseline`` is :func:`resident_bytes` taken before the model was built (the runtime's own).
+    The RSS at rest is the lowest of ``readings`` readings, one after each of the last steps
+    (the warm-up's last and ``readings - 1`` more): memory a step freed that the allocator has
+    not handed back yet (another thread's arena, a heap top not trimmed) sometimes sits in one
+    reading of one rank (+24 MiB seen once in a few runs), while what the process keeps between
+    steps is in every reading. ``baseline`` is :func:`resident_bytes` taken before the model
+    was built (the runtime's own).
     """
+    if warmup < 1 or readings < 1:
+        raise ValueError(f"rest_and_peak needs warmup >= 1 and readings >= 1, got {warmup}, {readings}")
     for _ in range(warmup):
         step()
-    rest = resident_bytes() - baseline
+    rests = [resident_bytes()]
+    for _ in range(readings - 1):
+        step()
+        rests.append(resident_bytes())
+    rest = min(rests) - baseline
     reset_peak()
     step()
     return RestAndPeak(rest=rest, peak=peak_bytes() - baseline)
