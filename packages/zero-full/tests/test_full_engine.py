@@ -213,10 +213,15 @@ def test_reduce_max_inflight_bounds_the_reductions_in_flight_and_never_changes_n
             torch.testing.assert_close(value, ref[name], rtol=1e-5, atol=1e-6)
 
 
-def _gpt2_granular(rank, threshold):
+def _gpt2():
+    """A GPT-2 whose root and trunk have coarser granularity than its blocks (vocabulary 401 > 5 x 24)."""
     from zero_full.workloads import GPT2Workload
 
-    w = GPT2Workload(layers=3, hidden=24, heads=3, vocab=401, seq=9, seed=0)
+    return GPT2Workload(layers=3, hidden=24, heads=3, vocab=401, seq=9, seed=0)
+
+
+def _gpt2_granular(rank, threshold):
+    w = _gpt2()
     model = w.build_model()
     zero = {"stage3_max_reuse_distance": 0, "stage3_max_live_parameters": 0}
     if threshold is not None:
@@ -231,9 +236,7 @@ def _gpt2_granular(rank, threshold):
 
 
 def _gpt2_reference(world):
-    from zero_full.workloads import GPT2Workload
-
-    w = GPT2Workload(layers=3, hidden=24, heads=3, vocab=401, seq=9, seed=0)
+    w = _gpt2()
     model = w.build_model()
     opt = _sgd(model.parameters())
     for step in range(3):
