@@ -227,6 +227,22 @@ def _installed_with_threshold(rank, threshold):
     return leaves, [(level, message) for level, message in logs if level == "WARNING"]
 
 
+def _flat_model_threshold(rank):
+    model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))  # a container of layers: no leaf
+    handler = capture_coord_logs()
+    coord = coordinate(model, CoordinatorConfig(module_granularity_threshold=10**6))
+    logs = release_logs(handler)
+    leaves = coord.leaf_modules
+    coord.remove()
+    return leaves, [message for level, message in logs if level == "WARNING"]
+
+
+def test_a_threshold_on_a_model_without_blocks_says_no_module_can_be_a_leaf(dist):
+    ((leaves, warnings),) = dist.run(1, _flat_model_threshold)
+    assert leaves == ()
+    assert len(warnings) == 1 and "no module of Sequential can be a leaf" in warnings[0], warnings
+
+
 def test_a_threshold_selecting_nothing_or_most_of_the_model_is_a_warning(dist):
     _, attn, root = _block_granularity(7)
     ((leaves, warnings),) = dist.run(1, _installed_with_threshold, 1)

@@ -327,13 +327,21 @@ class Coordinator:
             return leaves
         chosen, smallest = granularity_leaves(model, threshold)
         if not chosen:
-            logger.warning(
-                "module_granularity_threshold %d selects no module: the smallest granularity is %s "
-                "(%s); set the threshold to at least that to gather such blocks as one leaf",
-                threshold,
-                "none (no module has parameters below it)" if smallest is None else smallest.value,
-                "-" if smallest is None else (smallest.name or "<root>"),
-            )
+            if smallest is None:
+                logger.warning(
+                    "module_granularity_threshold %d selects no module: no module of %s can be a leaf "
+                    "(only single layers and torch containers hold parameters)",
+                    threshold,
+                    type(model).__name__,
+                )
+            else:
+                logger.warning(
+                    "module_granularity_threshold %d selects no module: the smallest granularity is %d "
+                    "(%s); set the threshold to at least that to gather such blocks as one leaf",
+                    threshold,
+                    smallest.value,
+                    smallest.name or "<root>",
+                )
             return leaves
         modules = dict(model.named_modules())
         logger.info(
