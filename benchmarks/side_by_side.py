@@ -55,7 +55,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from _report import environment, markdown_table, read_wchar, replace_section, write_results
+from _report import (
+    environment,
+    markdown_table,
+    read_wchar,
+    replace_section,
+    thread_minor_faults,
+    write_results,
+)
 from impls import (
     IMPLEMENTATIONS,
     formula_state_bytes,
@@ -114,12 +121,13 @@ def run_one(impl: str, plan: Plan, rank: int, world: int, rows: int) -> dict[str
     if world > 1:
         dist.barrier()
     times = []
-    w0, c0 = read_wchar(), time.process_time()
+    w0, c0, f0 = read_wchar(), time.process_time(), thread_minor_faults()
     for s in range(plan.warmup, plan.warmup + plan.steps):
         t = time.perf_counter()
         losses.append(_train_step(runner, batches[s]))
         times.append(time.perf_counter() - t)
     cpu = time.process_time() - c0
+    faults = thread_minor_faults() - f0
     wrote = read_wchar() - w0
     loss = runner.forward_backward(batches[-1])
     state = model_state_bytes(runner)
@@ -134,6 +142,7 @@ def run_one(impl: str, plan: Plan, rank: int, world: int, rows: int) -> dict[str
         "setup_s": setup_s,
         "step_s": times,
         "cpu_s": cpu / plan.steps,
+        "faults_per_step": faults / plan.steps,
         "losses": losses,
         "wchar_bytes": wrote,
         "model_state_bytes": state,
@@ -257,6 +266,7 @@ def summarize(plan: Plan, world: int, psi: int, ref: dict[str, Any], raw: list[d
         losses = [[sum(x) / ranks_n for x in zip(*(r["losses"] for r in ranks))] for ranks in runs]
         loss_diff = max(abs(a - b) for run in losses for a, b in zip(run, ref["losses"]))
         state = max(r["model_state_bytes"] for ranks in runs for r in ranks)
+        faults = statistics.median(sum(r["faults_per_step"] for r in ranks) / ranks_n for ranks in runs)
         wchar = statistics.median(
             sum(r["wchar_bytes"] for r in ranks) / ranks_n / plan.steps for ranks in runs
         )
@@ -270,6 +280,7 @@ def summarize(plan: Plan, world: int, psi: int, ref: dict[str, Any], raw: list[d
                 "ratio_to_ddp": ratio,
                 "cpu_ms": cpu_s * 1e3,
                 "cpu_ratio_to_ddp": cpu_ratio,
+                "faults_per_step": faults,
                 "round_step_ms": [round_step_s(impl, rnd) * 1e3 for rnd in range(plan.rounds)]
                 if impl != "single"
                 else [step_s * 1e3],
@@ -299,6 +310,7 @@ def table(rows: list[dict]) -> str:
         "x DDP",
         "CPU ms/rank",
         "CPU x DDP",
+        "page faults/step",
         "model states MB/rank",
         "formula MB",
         "/ formula",
@@ -317,6 +329,7 @@ def table(rows: list[dict]) -> str:
                 "-" if r["ratio_to_ddp"] is None else f"{r['ratio_to_ddp']:.2f}",
                 f"{r['cpu_ms']:.0f}",
                 "-" if r["cpu_ratio_to_ddp"] is None else f"{r['cpu_ratio_to_ddp']:.2f}",
+                f"{r['faults_per_step']:.0f}",
                 _mb(r["model_state_bytes"]),
                 _mb(r["formula_state_bytes"]),
                 f"{r['model_state_bytes'] / r['formula_state_bytes']:.2f}",
@@ -326,7 +339,7 @@ def table(rows: list[dict]) -> str:
                 f"{r['max_abs_loss_diff']:.1e}",
             ]
         )
-    return markdown_table(headers, cells, align="lrrrrrrrrrrr")
+    return markdown_table(headers, cells, align="lrrrrrrrrrrrr")
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -355,6 +368,8 @@ def markdown(result: dict[str, Any]) -> str:
         "CPU ms: CPU time of the rank's process (all its threads, gloo's included) per step, mean over",
         "ranks, median over rounds; CPU x DDP likewise, per round: less sensitive than wall time to other",
         "jobs on a shared machine.",
+        "Page faults/step: minor page faults of the rank's training thread per measured step (pages the",
+        "allocator took fresh from the kernel), mean over ranks, median over rounds.",
         "Model states: distinct tensor storages reachable from the module, optimizer and engine after",
         "backward (params, grads, optimizer state, buffers), largest rank.",
         "Formula: fp32 AdamW ZeRO formula (DDP 16P, stage 1 8P+8P/N, stage 2 4P+12P/N, stage 3 and FSDP2",

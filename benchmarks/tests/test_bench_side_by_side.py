@@ -76,3 +76,40 @@ def test_shared_and_fresh_exclude_each_other(capsys):
         side_by_side.parser().parse_args(["--shared", "--fresh"])
     assert exit_info.value.code == 2
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+def _run(impl: str, rnd: int, rank: int, steps: list[float], cpu: float, faults: float) -> dict:
+    return {
+        "impl": impl,
+        "round": rnd,
+        "rank": rank,
+        "setup_s": 1.0,
+        "step_s": steps,
+        "cpu_s": cpu,
+        "faults_per_step": faults,
+        "losses": [1.0, 1.0],
+        "wchar_bytes": 0,
+        "model_state_bytes": 16,
+    }
+
+
+def test_summary_ratios_are_per_round_and_faults_are_the_median_over_rounds_of_the_rank_mean():
+    """Per round: each step's slowest rank, median over steps; the ratio to DDP of the same round,
+    median over rounds; page faults: mean over ranks, median over rounds."""
+    plan = dataclasses.replace(_plan(True), impls=("ddp", "zero-1"), rounds=3)
+    raw = []
+    ddp = [[1.0, 3.0], [2.0, 2.0], [4.0, 4.0]]  # per round, slowest rank per step: medians 2, 2, 4
+    zero = [[1.5, 2.5], [3.0, 3.0], [4.0, 4.4]]  # medians 2, 3, 4.2 -> ratios 1.0, 1.5, 1.05
+    for rnd in range(3):
+        for rank in range(2):
+            slower = 0.0 if rank == 0 else -0.5  # rank 1 is never the slowest
+            raw.append(_run("ddp", rnd, rank, [t + slower for t in ddp[rnd]], 1.0, 100.0 * rank))
+            raw.append(_run("zero-1", rnd, rank, [t + slower for t in zero[rnd]], 1.0, 10.0 * (rnd + 1)))
+    ref = _run("single", 0, 0, [1.0], 1.0, 7.0)
+    rows = {r["impl"]: r for r in side_by_side.summarize(plan, 2, 1, ref, raw)}
+    assert rows["zero-1"]["round_step_ms"] == pytest.approx([2000.0, 3000.0, 4200.0])
+    assert rows["zero-1"]["ratio_to_ddp"] == pytest.approx(1.05)
+    assert rows["ddp"]["faults_per_step"] == pytest.approx(50.0)
+    assert rows["zero-1"]["faults_per_step"] == pytest.approx(20.0)
+    assert rows["single"]["faults_per_step"] == pytest.approx(7.0)
+    assert "| 20 |" in side_by_side.table([rows["zero-1"]])
