@@ -8,7 +8,7 @@ For each workload (a stack of bias-free ``Linear`` layers where parameters domin
 ``transformers`` GPT-2 of comparable size; ``--quick``: small ones), each world size
 (``--worlds``, default 2 and 4) and each implementation (``ddp``, ``fsdp2``, ``deepspeed-1/2/3``,
 ``zero-1/2/3``, ``zero-3+ckpt``, zero stage 3 with activation checkpointing of every block, and
-``zero-3+leaf``, zero stage 3 gathering each GPT-2 block as one leaf, as the speed benchmarks do),
+``zero-3+leaf``, zero stage 3 gathering each GPT-2 block as one leaf, as the speed benchmarks do; GPT-2 only),
 the launcher spawns ``W`` FRESH gloo ranks (``_report.spawn_ranks``) with
 ``MALLOC_MMAP_THRESHOLD_=1048576`` (glibc returns every freed block of 1 MiB or more to the
 kernel, so the RSS follows the live tensors) and ``OMP_NUM_THREADS=1``. On each rank:
@@ -138,6 +138,15 @@ def split_impl(impl: str) -> tuple[str, ImplOptions]:
         raise ValueError(f"unknown implementation {impl!r}: choose from {', '.join(IMPLS)}")
     base, plus, suffix = impl.partition("+")
     return base, dataclasses.replace(RELEASE, **VARIANTS.get(plus + suffix, {}))
+
+
+def impls_for(impls: list[str], w: Workload) -> list[str]:
+    """The implementations of ``impls`` that measure something of their own on ``w``.
+
+    ``zero-3+leaf`` only on GPT-2: the granularity threshold is set for GPT-2 blocks only (a
+    Linear stack has none), so elsewhere it would be a second ``zero-3`` row.
+    """
+    return [impl for impl in impls if not (impl.endswith("+leaf") and w.kind != "gpt2")]
 
 
 def formula_bytes(impl: str, psi: int, world: int) -> float:
@@ -524,7 +533,7 @@ def run_all(
     for name, w in workloads.items():
         psi = count_params(w)
         for world in args.worlds:
-            for impl in impls:
+            for impl in impls_for(impls, w):
                 run = Run(impl, w, world, args.warmup, args.steps, args.timeout)
                 t0 = time.monotonic()
                 try:

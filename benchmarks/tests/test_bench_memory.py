@@ -11,6 +11,7 @@ from memory import (
     RELEASE,
     failed_row,
     formula_bytes,
+    impls_for,
     markdown,
     merge_results,
     rank_figures,
@@ -45,6 +46,12 @@ def test_split_impl_names_the_base_implementation_and_its_options():
     base, leaf = split_impl("zero-3+leaf")
     assert (base, leaf) == ("zero-3", dataclasses.replace(RELEASE, leaf_blocks=True))
     assert not RELEASE.leaf_blocks  # the other rows gather per module
+
+
+def test_the_leaf_row_runs_on_gpt2_only():
+    impls = ["ddp", "zero-3", "zero-3+ckpt", "zero-3+leaf"]
+    assert impls_for(impls, Workload("gpt2", hidden=64)) == impls
+    assert impls_for(impls, Workload("linear", layers=3, hidden=64)) == ["ddp", "zero-3", "zero-3+ckpt"]
 
 
 def test_formulas_and_the_release_policy_of_stage_3():

@@ -23,7 +23,14 @@ from coord_cases import (
 )
 from torch import nn
 
-from zero_coord import CoordinatorConfig, Phase, find_leaf_modules, granularity_leaves, set_leaf_modules
+from zero_coord import (
+    CoordinatorConfig,
+    Phase,
+    coordinated_leaves,
+    find_leaf_modules,
+    granularity_leaves,
+    set_leaf_modules,
+)
 
 
 def _moe_with_leaf(rank, how: str):
@@ -215,6 +222,21 @@ def test_module_granularity_threshold_gathers_blocks_as_leaves_with_the_referenc
         assert error <= 1e-5
         assert gathers < gathers0, (gathers, gathers0)
         assert any("3 module(s) gathered as leaves: blocks.0, blocks.1, blocks.2" in m for _, m in logs), logs
+
+
+def test_coordinated_leaves_are_the_marked_and_the_selected_outermost_first() -> None:
+    """Marked leaves and those a threshold selects, merged: a marked attention inside a selected
+    block is covered by the block; a marked module outside the selected ones stays a leaf."""
+    width = 7
+    block, attn, _ = _block_granularity(width)
+    model = _Stack(width)
+    set_leaf_modules(model, ["blocks.0.attn", "out"])
+    assert list(coordinated_leaves(model, 0)) == ["out", "blocks.0.attn"]
+    leaves = coordinated_leaves(model, block)
+    assert sorted(leaves) == ["blocks.0", "blocks.1", "blocks.2", "out"]
+    assert leaves["blocks.1"] is model.blocks[1] and leaves["out"] is model.out
+    attns = ["blocks.0.attn", "blocks.1.attn", "blocks.2.attn"]
+    assert sorted(coordinated_leaves(model, attn)) == [*attns, "out"]
 
 
 def _installed_with_threshold(rank, threshold):

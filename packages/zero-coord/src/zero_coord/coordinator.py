@@ -48,7 +48,7 @@ from zero_coord.config import CoordinatorConfig, Phase
 from zero_coord.error_hints import annotate_unseen_parameter
 from zero_coord.fetch import Fetcher
 from zero_coord.hooks import GradHook, HookSet, ModuleHookState
-from zero_coord.leaf import find_leaf_modules, granularity_leaves, outermost_leaves
+from zero_coord.leaf import coordinated_leaves
 from zero_coord.prefetch_source import ShardPrefetcher
 from zero_coord.release import Releaser
 from zero_coord.sink import GradientSink
@@ -303,7 +303,7 @@ class Coordinator:
         self._reset_structure()
         model = self._model
         self._table = SlotTable.for_model(model)
-        leaves = self._leaves()
+        leaves = coordinated_leaves(model, self._config.module_granularity_threshold)
         leaf_modules = set(leaves.values())
         inside_leaf: set[nn.Module] = set()
         for leaf in leaves.values():
@@ -316,63 +316,6 @@ class Coordinator:
                 self._add_state(module, name, slots, module in leaf_modules)
         # Windows split between forward and backward only where backward gathers over hpZ groups.
         self._fetcher.hpz = any(s.hpz for s in self._table.slots)
-
-    def _leaves(self) -> dict[str, nn.Module]:
-        """The leaf modules: those marked (``set_leaf_modules``) and, with a
-        ``module_granularity_threshold``, those it selects; the outermost of each path."""
-        model = self._model
-        leaves = find_leaf_modules(model)
-        threshold = self._config.module_granularity_threshold
-        if threshold == 0:
-            return leaves
-        chosen, smallest = granularity_leaves(model, threshold)
-        if not chosen:
-            if smallest is None:
-                logger.warning(
-                    "module_granularity_threshold %d selects no module: no module of %s can be a leaf "
-                    "(only single layers and torch containers hold parameters)",
-                    threshold,
-                    type(model).__name__,
-                )
-            else:
-                logger.warning(
-                    "module_granularity_threshold %d selects no module: the smallest granularity is %d "
-                    "(%s); set the threshold to at least that to gather such blocks as one leaf",
-                    threshold,
-                    smallest.value,
-                    smallest.name or "<root>",
-                )
-            return leaves
-        modules = dict(model.named_modules())
-        logger.info(
-            "module_granularity_threshold %d: %d module(s) gathered as leaves: %s",
-            threshold,
-            len(chosen),
-            ", ".join(name or "<root>" for name in chosen),
-        )
-        self._warn_of_large_leaves(chosen, modules)
-        return outermost_leaves({**leaves, **{name: modules[name] for name in chosen}})
-
-    def _warn_of_large_leaves(self, chosen: list[str], modules: dict[str, nn.Module]) -> None:
-        """A leaf holding most of the model is gathered whole: say so (a threshold above a
-        parent's granularity, e.g. of a model made almost only of blocks, picks the parent)."""
-
-        def elements(module: nn.Module) -> int:
-            return sum(zero_params.full_shape(p).numel() for p in set(module.parameters()))
-
-        total = elements(self._model)
-        for name in chosen:
-            inside = elements(modules[name])
-            if inside * 2 > total:
-                logger.warning(
-                    "module_granularity_threshold %d makes %s one leaf: %d of the model's %d parameter "
-                    "elements are gathered whole at once; lower the threshold below its granularity to "
-                    "gather the blocks inside it instead",
-                    self._config.module_granularity_threshold,
-                    name or "<root>",
-                    inside,
-                    total,
-                )
 
     @property
     def leaf_modules(self) -> tuple[str, ...]:

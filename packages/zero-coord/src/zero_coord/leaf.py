@@ -22,6 +22,7 @@ hooks cost more than their bytes. The coordinator treats them as leaves too
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
 from collections.abc import Iterable
 
@@ -32,6 +33,7 @@ import zero_params
 __all__ = [
     "Granularity",
     "LeafRegistry",
+    "coordinated_leaves",
     "find_leaf_modules",
     "granularity_leaves",
     "outermost_leaves",
@@ -39,6 +41,7 @@ __all__ = [
 ]
 
 _REGISTRY_ATTR = "_zero_coord_leaf_registry"
+logger = logging.getLogger("zero.coord")
 
 
 class LeafRegistry:
@@ -218,3 +221,66 @@ def granularity_leaves(model: nn.Module, threshold: int) -> tuple[list[str], Gra
         if found[name].value <= threshold and not any(_is_inside(name, leaf) for leaf in leaves):
             leaves.append(name)
     return leaves, smallest
+
+
+def coordinated_leaves(model: nn.Module, threshold: int) -> dict[str, nn.Module]:
+    """The modules a :class:`~zero_coord.Coordinator` of ``model`` gathers as leaves, by qualified name.
+
+    Those marked (:func:`set_leaf_modules`) and, with a ``threshold`` (``module_granularity_threshold``;
+    ``0``: none), those :func:`granularity_leaves` selects; the outermost of each path. Logs the
+    modules the threshold selects; warns when it selects nothing (naming the smallest
+    granularity, or saying no module can be a leaf) and when a selected leaf holds more than
+    half of the model's parameter elements (it is gathered whole at once).
+    """
+    leaves = find_leaf_modules(model)
+    if threshold == 0:
+        return leaves
+    chosen, smallest = granularity_leaves(model, threshold)
+    if not chosen:
+        if smallest is None:
+            logger.warning(
+                "module_granularity_threshold %d selects no module: no module of %s can be a leaf "
+                "(only single layers and torch containers hold parameters)",
+                threshold,
+                type(model).__name__,
+            )
+        else:
+            logger.warning(
+                "module_granularity_threshold %d selects no module: the smallest granularity is %d "
+                "(%s); set the threshold to at least that to gather such blocks as one leaf",
+                threshold,
+                smallest.value,
+                smallest.name or "<root>",
+            )
+        return leaves
+    modules = dict(model.named_modules())
+    logger.info(
+        "module_granularity_threshold %d: %d module(s) gathered as leaves: %s",
+        threshold,
+        len(chosen),
+        ", ".join(name or "<root>" for name in chosen),
+    )
+    _warn_of_large_leaves(model, threshold, {name: modules[name] for name in chosen})
+    return outermost_leaves({**leaves, **{name: modules[name] for name in chosen}})
+
+
+def _warn_of_large_leaves(model: nn.Module, threshold: int, chosen: dict[str, nn.Module]) -> None:
+    """A leaf holding most of the model is gathered whole: say so (a threshold above a
+    parent's granularity, e.g. of a model made almost only of blocks, picks the parent)."""
+
+    def elements(module: nn.Module) -> int:
+        return sum(zero_params.full_shape(p).numel() for p in set(module.parameters()))
+
+    total = elements(model)
+    for name, module in chosen.items():
+        inside = elements(module)
+        if inside * 2 > total:
+            logger.warning(
+                "module_granularity_threshold %d makes %s one leaf: %d of the model's %d parameter "
+                "elements are gathered whole at once; lower the threshold below its granularity to "
+                "gather the blocks inside it instead",
+                threshold,
+                name or "<root>",
+                inside,
+                total,
+            )
