@@ -324,6 +324,13 @@ def block_granularity(w: Workload) -> int:
     return (12 * h * h + 13 * h) // 9
 
 
+def leaf_threshold(w: Workload, options: ImplOptions) -> int | None:
+    """``stage3_module_granularity_threshold`` of ``options`` on ``w``: one block's granularity
+    with ``leaf_blocks`` on a GPT-2, ``None`` (the key left out) otherwise (a Linear stack or an
+    MLP has no blocks)."""
+    return block_granularity(w) if options.leaf_blocks and w.kind == "gpt2" else None
+
+
 def zero_section(stage: int, w: Workload, options: ImplOptions = ImplOptions()) -> dict[str, Any]:
     """The ``zero_optimization`` section shared by DeepSpeed and zero (sizes in elements)."""
     block = block_numel(w)
@@ -346,8 +353,9 @@ def zero_section(stage: int, w: Workload, options: ImplOptions = ImplOptions()) 
                 "stage3_max_reuse_distance": int(options.reuse_blocks * block),
             }
         )
-        if options.leaf_blocks and w.kind == "gpt2":  # a Linear stack has no blocks
-            section["stage3_module_granularity_threshold"] = block_granularity(w)
+        threshold = leaf_threshold(w, options)
+        if threshold is not None:
+            section["stage3_module_granularity_threshold"] = threshold
     return section
 
 

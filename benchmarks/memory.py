@@ -66,7 +66,7 @@ from _report import (
     spawn_ranks,
     write_results,
 )
-from impls import ImplOptions, formula_state_bytes
+from impls import ImplOptions, formula_state_bytes, leaf_threshold
 from workloads import ADAMW, Workload
 
 IMPLS = (
@@ -143,10 +143,16 @@ def split_impl(impl: str) -> tuple[str, ImplOptions]:
 def impls_for(impls: list[str], w: Workload) -> list[str]:
     """The implementations of ``impls`` that measure something of their own on ``w``.
 
-    ``zero-3+leaf`` only on GPT-2: the granularity threshold is set for GPT-2 blocks only (a
-    Linear stack has none), so elsewhere it would be a second ``zero-3`` row.
+    A variant asking for block leaves (``zero-3+leaf``) runs only where :func:`impls.leaf_threshold`
+    sets a threshold (GPT-2: a Linear stack has no blocks); elsewhere it would be a second
+    ``zero-3`` row.
     """
-    return [impl for impl in impls if not (impl.endswith("+leaf") and w.kind != "gpt2")]
+    kept = []
+    for impl in impls:
+        options = split_impl(impl)[1]
+        if not options.leaf_blocks or leaf_threshold(w, options) is not None:
+            kept.append(impl)
+    return kept
 
 
 def formula_bytes(impl: str, psi: int, world: int) -> float:
