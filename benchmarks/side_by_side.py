@@ -56,6 +56,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from _report import (
+    command_line,
     environment,
     markdown_table,
     read_wchar,
@@ -358,6 +359,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"per run, {plan['rounds']} rounds, implementations interleaved"
         + (", each run in fresh processes." if plan.get("fresh") else ", in one set of processes per world."),
         "",
+        f"Command: `{result['command']}`" if "command" in result else "(command not recorded)",
+        "",
     ]
     for world in plan["worlds"]:
         rows = [r for r in result["rows"] if r["world"] == world]
@@ -533,6 +536,7 @@ def main() -> None:
         "psi": psi,
         "adamw": {**ADAMW, "betas": list(ADAMW["betas"])},
         "run_seconds": time.monotonic() - start,
+        "command": command_line("side_by_side.py"),
         "rows": rows,
         "raw": raw,
     }

@@ -113,3 +113,29 @@ def test_summary_ratios_are_per_round_and_faults_are_the_median_over_rounds_of_t
     assert rows["zero-1"]["faults_per_step"] == pytest.approx(20.0)
     assert rows["single"]["faults_per_step"] == pytest.approx(7.0)
     assert "| 20 |" in side_by_side.table([rows["zero-1"]])
+
+
+def test_the_report_names_the_command_with_the_allocator_settings_it_ran_under(monkeypatch):
+    """glibc's MALLOC_* variables change the page faults (and so the step time) of every
+    implementation: a result measured under them says so in the command it records."""
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "4294967296")
+    monkeypatch.setattr("sys.argv", ["side_by_side.py", "--worlds", "2", "--rounds", "3"])
+    plan = dataclasses.replace(_plan(True), impls=("ddp",), rounds=1)
+    ref = _run("single", 0, 0, [1.0], 1.0, 0.0)
+    raw = [_run("ddp", 0, rank, [1.0], 1.0, 0.0) for rank in range(2)]
+    result = {
+        "meta": {"date": "d", "cpus": 2, "load_average_1m": 0.0, "python": "3", "versions": {"torch": "t"}},
+        "plan": {**dataclasses.asdict(plan), "workload": dataclasses.asdict(plan.workload)},
+        "workload_text": "w",
+        "psi": 1,
+        "run_seconds": 1.0,
+        "command": side_by_side.command_line("side_by_side.py"),
+        "rows": side_by_side.summarize(plan, 2, 1, ref, raw),
+    }
+    text = side_by_side.markdown(result)
+    expected = "MALLOC_TRIM_THRESHOLD_=4294967296 python benchmarks/side_by_side.py --worlds 2 --rounds 3"
+    assert f"Command: `{expected}`" in text
+    del result["command"]  # a result written before the command was recorded
+    assert "(command not recorded)" in side_by_side.markdown(result)
