@@ -29,7 +29,9 @@ rank per step next to the ring ideal; max |loss - reference loss| over every ste
 
 Real memory (RSS) is not measured here (it needs ``MALLOC_MMAP_THRESHOLD_`` set, which would
 change the step times measured): ``benchmarks/memory.py`` measures it, each implementation in
-fresh processes.
+fresh processes. The report records the command it ran as, with the allocator (``MALLOC_*``) and
+thread variables set in its environment: glibc's trimming changes every implementation's page
+faults, and so its step time.
 
 Writes ``side_by_side.json`` and ``side_by_side.md`` and three PNG plots into ``--out``; with
 ``--docs DIR`` also copies the plots to ``DIR/assets/benchmarks/`` and the table into
