@@ -125,8 +125,9 @@ def test_sigterm_removes_the_cluster_and_stale_namespaces_are_collected() -> Non
         assert stale not in _netns_names()
 
 
-def _collectives(rank) -> dict[str, tuple[int, list]]:
-    """Each collective once on the world group: this node's veth payload and this rank's record."""
+def _collectives(rank) -> dict[str, tuple[int, int, list]]:
+    """Each collective once on the world group: this node's veth payload, the bytes its TCP
+    sent again in that window, and this rank's record."""
     n, world = 30011, rank.world_size
     shard, full = torch.ones(n), torch.ones(n * world)
     out = torch.empty(n * world)
@@ -139,12 +140,12 @@ def _collectives(rank) -> dict[str, tuple[int, list]]:
     seen = {}
     for op, (call, wire, payload) in calls.items():
         dist.barrier()
-        before = interface_counters()
+        before, again = interface_counters(), retransmitted_bytes()
         dist.barrier()  # every rank has read the counters before any rank sends
         call()
         dist.barrier()
         sent = (interface_counters() - before).payload_bytes
-        seen[op] = (sent, [(op, WORLD4, payload, wire)])
+        seen[op] = (sent, retransmitted_bytes() - again, [(op, WORLD4, payload, wire)])
     return seen
 
 
@@ -153,11 +154,17 @@ def test_pair_model_matches_veth_counters_for_each_collective() -> None:
     with SimulatedCluster(2, LinkShape(None)) as cluster:
         ranks = run_on_cluster(cluster, 4, _collectives, ranks_per_node=2, timeout=240)
     for op in ranks[0]:
-        model = node_egress_bytes([ranks[r][op][1] for r in WORLD4], 2)
+        model = node_egress_bytes([ranks[r][op][2] for r in WORLD4], 2)
         for node in (0, 1):
-            veth = ranks[2 * node][op][0]
-            # the barriers around the call add a few hundred bytes per node
-            assert veth == pytest.approx(model[node], rel=0.02, abs=4096), f"{op} node {node}"
+            veth, again = ranks[2 * node][op][:2]
+            # the barriers around the call add a few hundred bytes per node; a segment TCP sent
+            # again because its acknowledgement came late (a loaded machine) crossed the veth
+            # twice, so the veth lies between the model and the model plus the resent bytes
+            low = model[node] * 0.98 - 4096
+            high = model[node] * 1.02 + 4096 + again
+            assert low <= veth <= high, (
+                f"{op} node {node}: veth {veth} B, model {model[node]} B, resent {again} B"
+            )
 
 
 def _broadcast_4mib(rank) -> tuple[int, int]:
