@@ -36,7 +36,9 @@ A rank that dies is named with its exit code (``spawn_ranks``), the run is recor
 failed and the next one starts; a run that exceeds ``--timeout`` is killed. Writes
 ``<name>.json``, ``<name>.md`` and ``<name>.png`` into ``--out``; with ``--docs DIR`` also the
 plot to ``DIR/assets/benchmarks/`` and the tables into ``DIR/memory.md`` between its
-``memory-benchmark`` markers. Not a test: nothing is asserted.
+``memory-benchmark`` markers. Each row records the command that measured it (``_report.command_line``:
+the arguments and any ``MALLOC_*`` or thread variable set before the script sets its own), and
+the report names it. Not a test: nothing is asserted.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ import warnings
 from typing import Any
 
 from _report import (
+    command_line,
     environment,
     markdown_table,
     peak_rss_bytes,
@@ -395,6 +398,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"anything else): {_mb(min(runtimes, default=None))}-{_mb(max(runtimes, default=None))} MB RSS "
         "per rank.",
         "",
+        *_commands(result["rows"]),
     ]
     for name, text in result["workloads"].items():
         for world in result["worlds"]:
@@ -430,6 +434,20 @@ def markdown(result: dict[str, Any]) -> str:
     if result.get("note"):
         lines += ["", result["note"]]
     return "\n".join(lines) + "\n"
+
+
+def _commands(rows: list[dict[str, Any]]) -> list[str]:
+    """The report's command line(s): one per run the rows came from, oldest first (``--merge``).
+
+    Each row carries the command of the run that measured it; rows of files written before rows
+    carried one are reported as not recorded.
+    """
+    commands = list(dict.fromkeys(r.get("command") for r in sorted(rows, key=lambda r: r.get("date") or "")))
+    if not commands:
+        return []
+    named = [f"`{c}`" if c else "(command not recorded)" for c in commands]
+    head = "Command: " if len(named) == 1 else "Commands (rows merged from several runs): "
+    return [head + "; ".join(named), ""]
 
 
 def plot(result: dict[str, Any], path: pathlib.Path) -> pathlib.Path:
@@ -592,6 +610,7 @@ def main() -> None:
         print(f"deepspeed is not installed: skipping {dropped}", file=sys.stderr)
     table_of = QUICK_WORKLOADS if args.quick else WORKLOADS
     workloads = {name: table_of[name] for name in args.workloads}
+    command = command_line("memory.py")  # as typed: the script sets MEASURED_ENV itself
     os.environ.update(MEASURED_ENV)  # inherited by every spawned rank (glibc reads it at start-up)
     env = environment("deepspeed", "transformers", "matplotlib", "zero-full", "zero-optim", "zero-params")
     print(
@@ -606,6 +625,7 @@ def main() -> None:
     def report(rows: list[dict[str, Any]]) -> str:
         for row in rows:
             row.setdefault("date", env["date"])
+            row.setdefault("command", command)
         result = {
             "meta": env,
             "env": MEASURED_ENV,

@@ -198,3 +198,26 @@ def test_merge_keeps_the_rows_not_measured_again_with_their_dates():
     assert merged["run_seconds"] == 20.0 and merged["meta"]["date"] == "d2"
     text = markdown(merged)
     assert "measured on d1: ddp (linear, world 2); d2: zero-2 (linear, world 2)" in text
+
+
+def test_the_report_names_the_command_of_each_run_its_rows_came_from():
+    steps = [{"rest": 300 * MB, "forward": 310 * MB, "peak": 400 * MB}]
+
+    def row(impl, date, command=None):
+        r = summarize(impl, "linear", 2, 10 * MB, [rank_figures(0, 100 * MB, 100 * MB, steps, 160 * MB)])
+        return dict(r, date=date, **({} if command is None else {"command": command}))
+
+    one = "MALLOC_TRIM_THRESHOLD_=0 python benchmarks/memory.py --worlds 2"
+    single = _result(
+        "d1", {"linear": "a Linear stack"}, [2], [row("ddp", "d1", one), row("zero-2", "d1", one)]
+    )
+    assert f"Command: `{one}`" in markdown(single).splitlines()
+    # a row of a file written before rows carried their command, merged with a new run's
+    again = "python benchmarks/memory.py --impls zero-3"
+    merged = merge_results(
+        _result("d1", {"linear": "a Linear stack"}, [2], [row("ddp", "d1")]),
+        _result("d2", {"linear": "a Linear stack"}, [2], [row("zero-3", "d2", again)]),
+    )
+    text = markdown(merged)
+    assert f"Commands (rows merged from several runs): (command not recorded); `{again}`" in text
+    assert "Command: " not in text
