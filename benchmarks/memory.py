@@ -398,7 +398,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"anything else): {_mb(min(runtimes, default=None))}-{_mb(max(runtimes, default=None))} MB RSS "
         "per rank.",
         "",
-        *_commands(result["rows"]),
+        *_single_run_command(result["rows"]),
     ]
     for name, text in result["workloads"].items():
         for world in result["worlds"]:
@@ -423,31 +423,40 @@ def markdown(result: dict[str, Any]) -> str:
         "and DeepSpeed): reduce and all-gather buckets of 1 block, sub_group_size 1 block.",
     ]
     lines.append(" ".join(notes))
-    dates = sorted({r["date"] for r in result["rows"] if r.get("date")})
-    if len(dates) > 1:  # rows merged from several runs (--merge): say which run measured which row
-        runs = []
-        for date in dates:
-            rows = [r for r in result["rows"] if r.get("date") == date]
+    runs = _runs(result["rows"])
+    if len(runs) > 1:  # rows merged from several runs (--merge): say which run measured which row
+        said = []
+        for date, rows in runs.items():
             names = ", ".join(f"{r['impl']} ({r['workload']}, world {r['world']})" for r in rows)
-            runs.append(f"{date}: {names}")
-        lines += ["", "Rows merged from several runs (`--merge`), measured on " + "; ".join(runs) + "."]
+            said.append(f"{date} by {_command_of(rows)}: {names}")
+        lines += ["", "Rows merged from several runs (`--merge`), measured on " + "; ".join(said) + "."]
     if result.get("note"):
         lines += ["", result["note"]]
     return "\n".join(lines) + "\n"
 
 
-def _commands(rows: list[dict[str, Any]]) -> list[str]:
-    """The report's command line(s): one per run the rows came from, oldest first (``--merge``).
+def _runs(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """The rows by the run that measured them (its date), oldest first: several after ``--merge``.
 
-    Each row carries the command of the run that measured it; rows of files written before rows
-    carried one are reported as not recorded.
+    Rows of files written before rows carried a date are one run (``--merge`` dates them).
     """
-    commands = list(dict.fromkeys(r.get("command") for r in sorted(rows, key=lambda r: r.get("date") or "")))
-    if not commands:
-        return []
-    named = [f"`{c}`" if c else "(command not recorded)" for c in commands]
-    head = "Command: " if len(named) == 1 else "Commands (rows merged from several runs): "
-    return [head + "; ".join(named), ""]
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for row in sorted(rows, key=lambda r: r.get("date", "")):
+        runs.setdefault(row.get("date", ""), []).append(row)
+    return runs
+
+
+def _command_of(rows: list[dict[str, Any]]) -> str:
+    """The command of the run that measured ``rows`` (rows of files written before rows carried
+    their command: not recorded)."""
+    command = rows[0].get("command")
+    return f"`{command}`" if command else "(command not recorded)"
+
+
+def _single_run_command(rows: list[dict[str, Any]]) -> list[str]:
+    """The report's "Command:" line when one run measured every row (merged runs name theirs below)."""
+    runs = list(_runs(rows).values())
+    return [f"Command: {_command_of(runs[0])}", ""] if len(runs) == 1 else []
 
 
 def plot(result: dict[str, Any], path: pathlib.Path) -> pathlib.Path:
