@@ -174,7 +174,10 @@ def _import_libraries(impl: str, w: Workload) -> None:
     """
     names = ["torch._dynamo", *(["torch.distributed.fsdp"] if impl == "fsdp2" else [])]
     if w.kind == "gpt2":
-        names += ["transformers.models.gpt2.modeling_gpt2", "zero_full.workloads"]  # the model's builder
+        names += [
+            "transformers.models.gpt2.modeling_gpt2",
+            "zero_full.cli.train.workloads",
+        ]  # the model's builder
     if impl.startswith("deepspeed"):
         names.append("deepspeed")
     if impl.startswith("zero"):

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from _report import ResultSink, benchmark_parser, environment, markdown_table, spawn_ranks, write_results
 
-from zero_full.workloads import GPT2Workload
+from zero_full.cli.train.workloads import GPT2Workload
 
 WORLD, RANKS_PER_NODE = 4, 2
 VARIANTS = {

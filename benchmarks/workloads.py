@@ -1,7 +1,7 @@
 """The workloads the benchmarks train (side by side, memory).
 
 A :class:`Workload` is frozen: the model (a ``transformers`` GPT-2 built from a config with
-random weights from a seed, by ``zero_full.workloads.GPT2Workload``, a plain MLP, or a stack
+random weights from a seed, by ``zero_full.cli.train.workloads.GPT2Workload``, a plain MLP, or a stack
 of bias-free square Linear layers where parameters dominate memory), the data (each step's
 global batch is a pure function of the seed and the step; rank ``r`` of ``W`` takes slice
 ``r``, the single-process reference takes all of it) and the fp32 AdamW hyperparameters (:data:`ADAMW`, passed
@@ -23,7 +23,7 @@ from _report import benchmark_parser
 from torch import nn
 
 if TYPE_CHECKING:
-    from zero_full.workloads import GPT2Workload
+    from zero_full.cli.train.workloads import GPT2Workload
 
 __all__ = [
     "ADAMW",
@@ -76,7 +76,7 @@ class Workload:
         Imported here, not at the top: a memory benchmark of DDP imports ``zero_full`` only as
         part of its measured baseline (``memory._import_libraries``).
         """
-        from zero_full.workloads import GPT2Workload
+        from zero_full.cli.train.workloads import GPT2Workload
 
         return GPT2Workload(self.layers, self.hidden, self.heads, self.vocab, self.seq, self.seed)
 
@@ -180,7 +180,7 @@ def enable_checkpointing(model: nn.Module) -> None:
     if isinstance(model, MLP | LinearStack):
         model.checkpointed = True
     else:
-        from zero_full.workloads import enable_hf_checkpointing
+        from zero_full.cli.train.workloads import enable_hf_checkpointing
 
         enable_hf_checkpointing(model, use_reentrant=False)
 

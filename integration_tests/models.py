@@ -19,7 +19,7 @@ from torch import nn
 import zero_coord
 import zero_full
 import zero_params
-from zero_full.workloads import GPT2Workload, enable_hf_checkpointing
+from zero_full.cli.train.workloads import GPT2Workload, enable_hf_checkpointing
 
 SEQ = 16
 VOCAB = 257

@@ -209,8 +209,8 @@ def test_configuration_page_as_built_lists_every_accepted_key():
 
 
 def _sections(cls, name, annotation):
-    from zero_full.config_base import Section
-    from zero_full.config_sections import _PARAMS_BY_TYPE, OptimizerConfig
+    from zero_full.config.base import Section
+    from zero_full.config.sections import _PARAMS_BY_TYPE, OptimizerConfig
 
     if cls is OptimizerConfig and name == "params":
         return list(dict.fromkeys(_PARAMS_BY_TYPE.values()))

@@ -30,8 +30,8 @@ import torch
 from safetensors.torch import load_file
 
 import zero_full
-from zero_full.cli import main as cli_main
-from zero_full.workloads import GPT2Workload
+from zero_full.cli.main import main as cli_main
+from zero_full.cli.train.workloads import GPT2Workload
 
 VOCAB = 97
 

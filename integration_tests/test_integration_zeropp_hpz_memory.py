@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import zero_full
-from zero_full.estimate import estimate_model_states
+from zero_full.memory.estimate import estimate_model_states
 from zero_testing.rss import resident_bytes, rest_and_peak
 
 LAYERS, WIDTH, WORLD, PER_NODE, HPZ = 4, 1024, 4, 2, 2

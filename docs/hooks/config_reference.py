@@ -1,7 +1,7 @@
 """mkdocs hook: fill the configuration page with the reference rendered from the code.
 
 ``docs/configuration.md`` holds the marker below; at build time it is replaced by
-``zero_full.config_reference.render_markdown()`` (every key of every section with its type,
+``zero_full.config.reference.render_markdown()`` (every key of every section with its type,
 default, DeepSpeed spellings, stages and description), so the page cannot drift from the
 config classes. The ``docs`` nox session installs zero-full for this.
 """
@@ -21,7 +21,7 @@ def on_page_markdown(markdown: str, page: Any, **kwargs: Any) -> str:
     with warnings.catch_warnings():  # torch warns at import when numpy is absent (the docs venv)
         warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
         try:
-            from zero_full.config_reference import render_markdown
+            from zero_full.config.reference import render_markdown
         except ImportError as exc:
             from mkdocs.exceptions import PluginError  # mkdocs only: the docs test imports this hook too
 

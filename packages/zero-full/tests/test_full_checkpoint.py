@@ -21,7 +21,7 @@ from zero_comm import partition_numel, shard_range
 from zero_full import checkpoint
 from zero_full.checkpoint import io as ckpt_io
 from zero_full.checkpoint.safetensors import SafetensorsWriter
-from zero_full.cli import main as cli_main
+from zero_full.cli.main import main as cli_main
 from zero_testing import raised_message
 
 BATCH = 8

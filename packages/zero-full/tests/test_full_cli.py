@@ -12,9 +12,9 @@ from fractions import Fraction
 
 import pytest
 
-from zero_full.cli import main
-from zero_full.estimate import EstimatePrecision, estimate_model_states, format_bytes, parse_count
-from zero_full.report import gloo_smoke_check
+from zero_full.cli.doctor import gloo_smoke_check
+from zero_full.cli.main import main
+from zero_full.memory.estimate import EstimatePrecision, estimate_model_states, format_bytes, parse_count
 
 
 def formula_bytes(psi: int, n: int, precision: str) -> dict[int, float]:

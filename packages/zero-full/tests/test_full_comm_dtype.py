@@ -9,7 +9,7 @@ from torch import nn
 import zero_comm
 import zero_full
 import zero_params
-from zero_full.config import Precision
+from zero_full.config.zero_config import Precision
 
 BATCH = 12
 STEPS = 6

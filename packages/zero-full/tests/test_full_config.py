@@ -9,7 +9,7 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from zero_full.config import (
+from zero_full.config.zero_config import (
     BatchSizes,
     ConfigFileError,
     OffloadDevice,

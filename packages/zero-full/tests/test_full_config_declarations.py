@@ -7,10 +7,10 @@ from typing import Annotated
 
 import pytest
 
-from zero_full.config import ZeroConfig
-from zero_full.config_base import Section, declared_key, key_report
-from zero_full.config_reference import config_sections
-from zero_full.config_types import ALL_STAGES, Flag, Ignored, Implemented, Key, Refused
+from zero_full.config.base import Section, declared_key, key_report
+from zero_full.config.reference import config_sections
+from zero_full.config.types import ALL_STAGES, Flag, Ignored, Implemented, Key, Refused
+from zero_full.config.zero_config import ZeroConfig
 
 # every section class, each once (optimizer.params: Adam / AdamW and SGD)
 SECTIONS = list(dict.fromkeys(section.cls for section in config_sections()))

@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from zero_full.config import ZeroConfig
-from zero_full.config_base import Section
-from zero_full.config_reference import ALL_STAGES, ConfigKey, config_keys, config_sections, render_markdown
-from zero_full.config_sections import _PARAMS_BY_TYPE, OptimizerConfig
-from zero_full.config_types import Ignored, Refused
+from zero_full.config.base import Section
+from zero_full.config.reference import ALL_STAGES, ConfigKey, config_keys, config_sections, render_markdown
+from zero_full.config.sections import _PARAMS_BY_TYPE, OptimizerConfig
+from zero_full.config.types import Ignored, Refused
+from zero_full.config.zero_config import ZeroConfig
 
 KEYS = list(config_keys())
 SGD_KEYS = next(s.keys for s in config_sections() if s.title == "optimizer.params (SGD)")
@@ -59,7 +59,7 @@ def test_every_key_has_a_description():
     bare = [k.path for k in KEYS if not k.description.strip()]
     assert not bare, (
         f"config keys without a description: {bare}; add a docstring under the field in "
-        "zero_full/config_sections.py"
+        "zero_full/config/sections.py"
     )
 
 

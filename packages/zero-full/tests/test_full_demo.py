@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from zero_full.cli import main
-from zero_full.train_options import TrainOptions, build_config
-from zero_full.train_run import TrainError, _Progress, run_training
+from zero_full.cli.main import main
+from zero_full.cli.train.options import TrainOptions, build_config
+from zero_full.cli.train.run import TrainError, _Progress, run_training
 
 TINY = "--layers 1 --hidden 32 --heads 2 --vocab 97 --seq 16 --micro-batch 2".split()
 

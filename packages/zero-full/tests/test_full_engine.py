@@ -215,7 +215,7 @@ def test_reduce_max_inflight_bounds_the_reductions_in_flight_and_never_changes_n
 
 def _gpt2():
     """A GPT-2 whose root and trunk have coarser granularity than its blocks (vocabulary 401 > 5 x 24)."""
-    from zero_full.workloads import GPT2Workload
+    from zero_full.cli.train.workloads import GPT2Workload
 
     return GPT2Workload(layers=3, hidden=24, heads=3, vocab=401, seq=9, seed=0)
 

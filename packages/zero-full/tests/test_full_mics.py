@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from zero_full.mics import check_mics_layout
+from zero_full.wiring.mics import check_mics_layout
 
 
 @pytest.mark.parametrize(

@@ -14,8 +14,8 @@ import torch
 from safetensors.torch import save_file
 
 from zero_full import CheckpointError
-from zero_full.hf_save import parse_size, plan_shards, shard_file_names
-from zero_full.pretrained import checkpoint_index, read_flat_range
+from zero_full.hf.load import checkpoint_index, read_flat_range
+from zero_full.hf.save import parse_size, plan_shards, shard_file_names
 
 SHAPES = [(7,), (1,), (3, 5), (1, 11), (4, 1, 3), (2, 3, 2, 5), ()]
 

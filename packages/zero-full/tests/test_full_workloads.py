@@ -1,4 +1,4 @@
-"""``zero_full.workloads.GPT2Workload``: the model every caller built by hand, and its batches."""
+"""``zero_full.cli.train.workloads.GPT2Workload``: the model every caller built by hand, and its batches."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from zero_full.workloads import GPT2Workload, enable_hf_checkpointing
+from zero_full.cli.train.workloads import GPT2Workload, enable_hf_checkpointing
 
 
 def _by_hand(layers: int, hidden: int, heads: int, vocab: int, positions: int) -> GPT2LMHeadModel:

@@ -16,7 +16,7 @@ from torch import nn
 import zero_full
 import zero_params
 from zero_comm import CommLedger, Topology, padded_numel, partition_numel
-from zero_full.zeropp import check_zeropp_layout
+from zero_full.wiring.zeropp import check_zeropp_layout
 from zero_kernels import dequantize, quantize
 
 BATCH = 8
@@ -355,7 +355,7 @@ def test_initialize_refuses_a_bad_layout_by_key(dist):
 
 
 def test_estimate_adds_the_hpz_secondary_shard():
-    from zero_full.estimate import estimate_model_states
+    from zero_full.memory.estimate import estimate_model_states
 
     est = estimate_model_states(1000, 4, "mixed", (3,), None, 2)
     plain, hpz = est.stages
@@ -368,7 +368,7 @@ def test_estimate_adds_the_hpz_secondary_shard():
 
 
 def test_cli_estimate_hpz(capsys):
-    from zero_full.cli import main
+    from zero_full.cli.main import main
 
     assert main(["estimate", "--params", "1M", "--world", "4", "--hpz", "2", "--stage", "3"]) == 0
     out = capsys.readouterr().out
@@ -448,7 +448,7 @@ def test_quantized_nontrainable_weights_is_implemented_not_ignored():
 
 
 def test_estimate_int8_frozen_entry():
-    from zero_full.estimate import estimate_model_states
+    from zero_full.memory.estimate import estimate_model_states
 
     est = estimate_model_states(10_000, 4, "mixed", (3,), frozen_int8_params=6144)
     plain, frozen = est.stages
@@ -462,7 +462,7 @@ def test_estimate_int8_frozen_entry():
 
 @pytest.mark.parametrize("mics", [None, 2])
 def test_estimate_int8_frozen_entry_adds_mics_group_and_hpz_secondary(mics):
-    from zero_full.estimate import EstimatePrecision, estimate_model_states
+    from zero_full.memory.estimate import EstimatePrecision, estimate_model_states
 
     psi, frozen, world = 10_000, 6144, 4
     est = estimate_model_states(psi, world, "mixed", (3,), mics, 2, frozen)
@@ -481,7 +481,7 @@ def test_estimate_int8_frozen_entry_adds_mics_group_and_hpz_secondary(mics):
 
 
 def test_cli_estimate_frozen_int8(capsys):
-    from zero_full.cli import main
+    from zero_full.cli.main import main
 
     assert main(["estimate", "--params", "1M", "--world", "4", "--frozen-int8", "900k", "--stage", "3"]) == 0
     out = capsys.readouterr().out

@@ -14,14 +14,14 @@ engine.step()
 ```
 """
 
-from zero_full.agreement import RankMismatchError
 from zero_full.checkpoint import CheckpointError
-from zero_full.config import ZeroConfig
+from zero_full.config.zero_config import ZeroConfig
 from zero_full.engine import Engine, EngineStats, Init, initialize
-from zero_full.hf_save import SavedPretrained
-from zero_full.memory_report import MemoryReport
-from zero_full.nonfinite import NonFiniteGradientError
-from zero_full.pretrained import LoadReport, from_pretrained, load_safetensors_into
+from zero_full.guards.agreement import RankMismatchError
+from zero_full.guards.nonfinite import NonFiniteGradientError
+from zero_full.hf.load import LoadReport, from_pretrained, load_safetensors_into
+from zero_full.hf.save import SavedPretrained
+from zero_full.memory.report import MemoryReport
 from zero_params import GatheredParameters, register_external_parameter
 
 __all__ = [

@@ -2,21 +2,21 @@
 
 The engine wires the layers for ZeRO stage 0, 1, 2 or 3 over the whole process group
 (after broadcasting rank 0's values, so every rank starts from the same model; the stage
-pieces are built by :func:`zero_full.stages.build_stage`):
+pieces are built by :func:`zero_full.wiring.stages.build_stage`):
 
 * stage 3: ``zero_params.partition`` (unless the model was built under :class:`Init`),
   ``zero_optim.stage3_optimizer`` and a ``zero_coord.Coordinator`` whose hooks gather,
   prefetch and release parameters and hand each gradient to the bucketed sink;
 * MiCS (stage 3 with ``mics_shard_size``): the same, partitioned over shard groups of
   ``mics_shard_size`` ranks and replicated across them, with the replicate-group gradient
-  all-reduce at the accumulation boundary (see :mod:`zero_full.mics`);
+  all-reduce at the accumulation boundary (see :mod:`zero_full.wiring.mics`);
 * stages 0, 1, 2: ``zero_optim.replicated_optimizer`` (whole parameters; see
   :mod:`zero_optim.stage12`).
 
 A training step is ``loss = engine(batch)``, ``engine.backward(loss)``, ``engine.step()``.
 ``backward`` scales the loss by ``loss_scale / gradient_accumulation_steps`` (like
 DeepSpeed; the scale is 1 unless fp16) and ``step`` runs, only at the accumulation boundary,
-the :class:`zero_full.stages.StepPipeline`: overflow check (fp16: skipped on every rank),
+the :class:`zero_full.wiring.stages.StepPipeline`: overflow check (fp16: skipped on every rank),
 unscaling, ``gradient_clipping``, the optimizer step.
 """
 
@@ -41,15 +41,15 @@ from zero_comm import CommLedger, CommTotals, CommWatchdog, Topology, broadcast
 from zero_comm.profiling import profile_range
 from zero_coord import Coordinator, StepStats
 from zero_full import checkpoint as _checkpoint
-from zero_full.agreement import check_agreement
 from zero_full.checkpoint import StepCounters, TrainState
-from zero_full.comm_dtype import comm_strategies
-from zero_full.compiled import check_not_precompiled, compile_model, explain_graph_break
-from zero_full.config import Precision, ZeroConfig
-from zero_full.memory_report import MemoryReport, build_memory_report, reset_peak_memory
-from zero_full.mics import MicsGroups, build_mics_groups
-from zero_full.stages import StepPipeline, build_stage, working_dtype
-from zero_full.zeropp import build_zeropp, check_zeropp_layout, env_ranks_per_node
+from zero_full.config.zero_config import Precision, ZeroConfig
+from zero_full.guards.agreement import check_agreement
+from zero_full.memory.report import MemoryReport, build_memory_report, reset_peak_memory
+from zero_full.wiring.comm_dtype import comm_strategies
+from zero_full.wiring.compiled import check_not_precompiled, compile_model, explain_graph_break
+from zero_full.wiring.mics import MicsGroups, build_mics_groups
+from zero_full.wiring.stages import StepPipeline, build_stage, working_dtype
+from zero_full.wiring.zeropp import build_zeropp, check_zeropp_layout, env_ranks_per_node
 from zero_optim import LossScaler, OptimizerSpec, PartitionedOptimizer, check_replicas_consistent
 
 __all__ = ["Engine", "EngineStats", "Init", "initialize"]
@@ -243,7 +243,7 @@ class Engine:
         """``torch.compile`` the model in place (``model.compile(**kwargs)``), after the engine's hooks.
 
         Under stage 3 every hooked module boundary is a graph break (the coordinator's hooks
-        run eagerly); see :mod:`zero_full.compiled`.
+        run eagerly); see :mod:`zero_full.wiring.compiled`.
 
         Args:
             **kwargs: ``torch.compile`` options (``backend``, ``mode``, ``dynamic``, ...).
@@ -416,9 +416,9 @@ class Engine:
 
         ``model.safetensors``, or ``model-0000x-of-0000y.safetensors`` + index above
         ``max_shard_size``; streamed one tensor at a time. Collective: call on every rank.
-        See :func:`zero_full.hf_save.save_pretrained`.
+        See :func:`zero_full.hf.save.save_pretrained`.
         """
-        from zero_full import hf_save
+        from zero_full.hf import save as hf_save
 
         return hf_save.save_pretrained(self, directory, max_shard_size=max_shard_size, dtype=dtype)
 
@@ -429,7 +429,7 @@ class Engine:
         working tensor of frozen parameters); the optimizer state is left as it is.
         Collective: call on every rank. Returns a :class:`zero_full.LoadReport`.
         """
-        from zero_full import pretrained
+        from zero_full.hf import load as pretrained
 
         return pretrained.load_into_engine(self, path, strict=strict)
 

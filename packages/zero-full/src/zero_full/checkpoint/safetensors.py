@@ -29,7 +29,7 @@ from zero_full.checkpoint import io as ckpt_io
 from zero_full.checkpoint.io import CheckpointError
 from zero_full.checkpoint.layout import covered_prefix
 from zero_full.checkpoint.manifest import Manifest, StateDictKey
-from zero_full.estimate import format_bytes
+from zero_full.memory.estimate import format_bytes
 
 __all__ = [
     "CheckpointReader",
@@ -211,7 +211,7 @@ class CheckpointReader:
     Opens the manifest of ``directory/tag`` (``None``: ``directory/latest``), optionally
     verifies every file's sha256, and assembles full parameters from their saved pieces,
     memory-mapping each shard file once. Used by ``zero consolidate`` (one safetensors file)
-    and ``zero consolidate --hf`` (:mod:`zero_full.hf_save`).
+    and ``zero consolidate --hf`` (:mod:`zero_full.hf.save`).
 
     Raises:
         CheckpointError: no such checkpoint, or a missing or corrupt file.
@@ -328,7 +328,7 @@ def _cmd_consolidate(args: argparse.Namespace) -> int:
 
 
 def _cmd_consolidate_hf(args: argparse.Namespace) -> int:
-    from zero_full.hf_save import consolidate_checkpoint_hf
+    from zero_full.hf.save import consolidate_checkpoint_hf
 
     try:
         res = consolidate_checkpoint_hf(

@@ -6,8 +6,8 @@ import dataclasses
 
 from torch import nn
 
-from zero_full.config import ZeroConfig
-from zero_full.mics import MicsGroups
+from zero_full.config.zero_config import ZeroConfig
+from zero_full.wiring.mics import MicsGroups
 from zero_optim import LossScaler, PartitionedOptimizer
 
 __all__ = ["StepCounters", "TrainState"]

@@ -8,9 +8,9 @@ import math
 import sys
 from typing import Any
 
-from zero_full.train_options import TrainOptions
-from zero_full.train_run import TrainError, run_training
-from zero_full.train_summary import format_summary
+from zero_full.cli.train.options import TrainOptions
+from zero_full.cli.train.run import TrainError, run_training
+from zero_full.cli.train.summary import format_summary
 
 __all__ = ["add_train_parser"]
 

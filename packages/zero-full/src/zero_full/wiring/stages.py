@@ -7,10 +7,10 @@
   ``offload_param`` the optimizer hands the shards to a ``zero_params.OffloadedShards``,
   which the coordinator asks to swap in the shards of upcoming modules;
 * ZeRO++ (stage 3 with ``zero_quantized_weights``, ``zero_hpz_partition_size``,
-  ``zero_quantized_gradients``): the strategies of :func:`zero_full.zeropp.build_zeropp`
+  ``zero_quantized_gradients``): the strategies of :func:`zero_full.wiring.zeropp.build_zeropp`
   handed to ``zero_params.partition``;
 * MiCS (stage 3 with ``mics_shard_size``): the same over the shard group (see
-  :mod:`zero_full.mics`), plus ``zero_optim.ReplicaGradientSync`` as the reduction: the
+  :mod:`zero_full.wiring.mics`), plus ``zero_optim.ReplicaGradientSync`` as the reduction: the
   gradient partitions are averaged across the replicate group at the accumulation boundary;
 * stages 0, 1, 2: ``zero_optim.replicated_optimizer`` (whole parameters; stage 0 a full
   optimizer on every rank with all-reduced gradients, stage 1 partitioned optimizer state
@@ -40,11 +40,11 @@ import zero_params
 from zero_comm import BOUNDED_DTYPES, GradientBound, Topology
 from zero_comm.profiling import profile_range
 from zero_coord import Coordinator
-from zero_full.comm_dtype import comm_strategies
-from zero_full.config import Precision, ZeroConfig
-from zero_full.mics import MicsGroups, build_mics_groups, sync_replicas
-from zero_full.nonfinite import NonFiniteGuard
-from zero_full.zeropp import build_zeropp, feedback_strategies
+from zero_full.config.zero_config import Precision, ZeroConfig
+from zero_full.guards.nonfinite import NonFiniteGuard
+from zero_full.wiring.comm_dtype import comm_strategies
+from zero_full.wiring.mics import MicsGroups, build_mics_groups, sync_replicas
+from zero_full.wiring.zeropp import build_zeropp, feedback_strategies
 from zero_optim import (
     GradientReduction,
     LossScaler,
@@ -117,7 +117,8 @@ def build_stage(
         topology: Nodes and cached groups (MiCS groups are built from it; default: a new one).
 
     Raises:
-        ValueError: an invalid MiCS layout for this world (see :func:`zero_full.mics.check_mics_layout`).
+        ValueError: an invalid MiCS layout for this world (see
+            :func:`zero_full.wiring.mics.check_mics_layout`).
     """
     z = config.zero_optimization
     dtype = working_dtype(config)

@@ -27,8 +27,8 @@ from zero_comm import (
     reset_device_peak,
     reset_process_peak,
 )
-from zero_full.config import Precision
-from zero_full.estimate import EstimatePrecision, estimate_model_states, format_bytes
+from zero_full.config.zero_config import Precision
+from zero_full.memory.estimate import EstimatePrecision, estimate_model_states, format_bytes
 
 if TYPE_CHECKING:
     from zero_full.engine import Engine

@@ -1,7 +1,7 @@
 """The ``zero`` command line: ``zero estimate``, ``zero report``, ``zero train``, ``zero consolidate``.
 
 The commands only parse arguments and format results; the work is done by
-:mod:`zero_full.estimate` and :mod:`zero_full.report`.
+:mod:`zero_full.memory.estimate` and :mod:`zero_full.cli.doctor`.
 """
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ import sys
 from collections.abc import Sequence
 
 from zero_full.checkpoint.safetensors import add_consolidate_parser
-from zero_full.estimate import (
+from zero_full.cli.doctor import EnvironmentReport, collect_report
+from zero_full.cli.train.command import add_train_parser
+from zero_full.memory.estimate import (
     EstimatePrecision,
     MemoryEstimate,
     estimate_model_states,
     format_bytes,
     parse_count,
 )
-from zero_full.report import EnvironmentReport, collect_report
-from zero_full.train_cli import add_train_parser
 
 __all__ = ["build_parser", "main"]
 

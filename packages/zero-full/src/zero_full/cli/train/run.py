@@ -3,8 +3,8 @@
 :func:`run_training` validates the options, builds the config, launches ``world`` local gloo
 ranks with :func:`zero_comm.launch.launch` (one thread each, a file store in a temporary
 directory, ``MALLOC_MMAP_THRESHOLD_`` so freed tensors leave the RSS) running
-:func:`zero_full.train_rank.train_rank`, draws a progress bar from rank 0's reports (loss averaged
-over the ranks, tokens per second) and returns a :class:`~zero_full.train_summary.TrainSummary`.
+:func:`zero_full.cli.train.rank.train_rank`, draws a progress bar from rank 0's reports (loss averaged
+over the ranks, tokens per second) and returns a :class:`~zero_full.cli.train.summary.TrainSummary`.
 A rank that dies or raises stops the run at once (the others are killed) with a
 :class:`TrainError` naming it; a run whose ranks all stay silent for ``timeout`` + 60 s is
 stopped the same way, and every distributed wait is bounded by ``timeout``.
@@ -20,11 +20,11 @@ import time
 from typing import Any
 
 from zero_comm.launch import LaunchError, RankFailure, RankFailureKind, launch
-from zero_full.config import ZeroConfig
-from zero_full.train_options import TrainOptions, build_config
-from zero_full.train_rank import train_rank
-from zero_full.train_summary import TrainSummary
-from zero_full.workloads import require_transformers
+from zero_full.cli.train.options import TrainOptions, build_config
+from zero_full.cli.train.rank import train_rank
+from zero_full.cli.train.summary import TrainSummary
+from zero_full.cli.train.workloads import require_transformers
+from zero_full.config.zero_config import ZeroConfig
 
 __all__ = ["TrainError", "run_training"]
 

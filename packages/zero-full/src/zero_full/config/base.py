@@ -2,13 +2,13 @@
 
 :class:`Section` runs its key check before pydantic's own validation: an unknown key is
 reported with its full DeepSpeed path (``zero_optimization.stage3_prefetch_bucket_sz``) and
-the closest accepted name (or the :class:`~zero_full.config_types.Rejected` reason for a
+the closest accepted name (or the :class:`~zero_full.config.types.Rejected` reason for a
 DeepSpeed key zero does not take), a value of ``"auto"`` (Hugging Face Trainer configs) is
 reported by key, and two spellings of one knob (``stage3_prefetch_bucket_size`` /
 ``prefetch_bucket_size``) with different values are a conflict.
 
 :func:`key_report` walks a validated config and reads each field's
-:class:`~zero_full.config_types.Key`: the keys given that have no effect, and the values
+:class:`~zero_full.config.types.Key`: the keys given that have no effect, and the values
 zero refuses. ``ZeroConfig.ignored_keys()`` and ``unsupported_features()`` are built on it.
 """
 
@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from zero_full.config_types import Ignored, Key, Refused, Rejected
+from zero_full.config.types import Ignored, Key, Refused, Rejected
 
 __all__ = ["KeyFinding", "KeyReport", "Section", "declared_key", "key_report", "section_in"]
 
@@ -64,7 +64,7 @@ class Section(BaseModel):
       the list may name the field itself first when that is the documented spelling.
     * ``_REJECTED``: DeepSpeed keys that are not accepted but that users bring, with what to do.
 
-    Every field declares a :class:`~zero_full.config_types.Key` in its ``Annotated`` type.
+    Every field declares a :class:`~zero_full.config.types.Key` in its ``Annotated`` type.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True)
@@ -191,7 +191,7 @@ class Section(BaseModel):
 
 
 def declared_key(cls: type[Section], field: str) -> Key:
-    """The :class:`~zero_full.config_types.Key` declared in the type of ``cls.field``.
+    """The :class:`~zero_full.config.types.Key` declared in the type of ``cls.field``.
 
     Raises:
         TypeError: the field declares none (every field must: ``Annotated[T, Key(...)]``).
@@ -253,9 +253,9 @@ def key_report(section: Section, stage: int) -> KeyReport:
 
     A key is ignored when given while unused (its stages do not include ``stage``, or its
     ``when`` condition is false; the keys of an unused section are not looked at), or when its
-    status is :class:`~zero_full.config_types.Ignored` and the value given is not the one zero
+    status is :class:`~zero_full.config.types.Ignored` and the value given is not the one zero
     behaves as. A value is refused when the key is used, its status is
-    :class:`~zero_full.config_types.Refused` and the value is not the supported one.
+    :class:`~zero_full.config.types.Refused` and the value is not the supported one.
 
     Args:
         section: A validated section (usually the whole ``ZeroConfig``).

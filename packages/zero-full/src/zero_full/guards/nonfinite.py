@@ -27,8 +27,8 @@ from torch.distributed import ProcessGroup
 from torch.profiler import record_function
 
 from zero_comm import GradientBound
-from zero_full.agreement import exchange_json
-from zero_full.config_sections import NonFinitePolicy
+from zero_full.config.sections import NonFinitePolicy
+from zero_full.guards.agreement import exchange_json
 from zero_optim import PartitionedOptimizer, found_overflow
 
 __all__ = ["NonFiniteGradientError", "NonFiniteGuard"]

@@ -1,7 +1,7 @@
 """What ``zero train`` runs: its options (the command's flags) and the config they make.
 
 :class:`TrainOptions` holds the flags; :meth:`TrainOptions.workload` is the GPT-2 they describe
-(:class:`zero_full.workloads.GPT2Workload`); :func:`build_config` the DeepSpeed-style config of
+(:class:`zero_full.cli.train.workloads.GPT2Workload`); :func:`build_config` the DeepSpeed-style config of
 the run (``--config`` with the flags applied, else a default scaled to the small model).
 """
 
@@ -11,8 +11,8 @@ import dataclasses
 import json
 from typing import Any
 
-from zero_full.config import ZeroConfig
-from zero_full.workloads import GPT2Workload
+from zero_full.cli.train.workloads import GPT2Workload
+from zero_full.config.zero_config import ZeroConfig
 
 __all__ = ["TrainOptions", "build_config"]
 

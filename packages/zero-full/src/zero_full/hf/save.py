@@ -32,7 +32,7 @@ from zero_full.checkpoint.consolidate import gather_full, state_dict_buffers, st
 from zero_full.checkpoint.layout import local_pieces
 from zero_full.checkpoint.manifest import StateDictKey
 from zero_full.checkpoint.safetensors import SafetensorsWriter
-from zero_full.pretrained import INDEX_FILE, SINGLE_FILE
+from zero_full.hf.load import INDEX_FILE, SINGLE_FILE
 
 if TYPE_CHECKING:
     from zero_full.engine import Engine

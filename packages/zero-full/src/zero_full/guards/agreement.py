@@ -29,7 +29,7 @@ from torch.profiler import record_function
 
 import zero_comm
 import zero_params
-from zero_full.config import ZeroConfig
+from zero_full.config.zero_config import ZeroConfig
 
 __all__ = ["RankMismatchError", "agreement_items", "check_agreement", "exchange_json"]
 

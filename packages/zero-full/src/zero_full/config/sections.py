@@ -1,9 +1,9 @@
 """Sections of the zero configuration (``fp16``, ``bf16``, ``optimizer``, ``zero_optimization``).
 
-Every section is a frozen pydantic model with ``extra="forbid"`` (:class:`zero_full.config_base.Section`:
+Every section is a frozen pydantic model with ``extra="forbid"`` (:class:`zero_full.config.base.Section`:
 unknown keys, ``"auto"`` values and alias conflicts are reported with their DeepSpeed path).
-Every key is declared once, here: its type (:mod:`zero_full.config_types`, whose messages name
-the accepted range), its :class:`~zero_full.config_types.Key` (the stages that use it, and
+Every key is declared once, here: its type (:mod:`zero_full.config.types`, whose messages name
+the accepted range), its :class:`~zero_full.config.types.Key` (the stages that use it, and
 whether it is implemented, ignored or refused) and its description (the docstring under it).
 
 :class:`zero_full.config.ZeroConfig` assembles these sections; use it rather than the
@@ -22,8 +22,8 @@ from typing import Annotated, Any, ClassVar
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
-from zero_full.config_base import Section, key_report
-from zero_full.config_types import (
+from zero_full.config.base import Section, key_report
+from zero_full.config.types import (
     IMPLEMENTED,
     Betas,
     Choice,

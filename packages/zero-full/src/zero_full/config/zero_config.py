@@ -36,8 +36,8 @@ from typing import Annotated, Any, ClassVar
 from pydantic import Field, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from zero_full.config_base import KeyReport, Section, key_report
-from zero_full.config_sections import (
+from zero_full.config.base import KeyReport, Section, key_report
+from zero_full.config.sections import (
     AdamParams,
     BF16Config,
     FP16Config,
@@ -50,7 +50,7 @@ from zero_full.config_sections import (
     SGDParams,
     ZeroOptimizationConfig,
 )
-from zero_full.config_types import IMPLEMENTED, Choice, Flag, Ignored, Int, Key, Real, Rejected
+from zero_full.config.types import IMPLEMENTED, Choice, Flag, Ignored, Int, Key, Real, Rejected
 
 __all__ = [
     "AdamParams",
@@ -323,15 +323,15 @@ class ZeroConfig(Section):
     def key_report(self) -> KeyReport:
         """The keys given that have no effect, and the values zero refuses, each with its reason.
 
-        Derived from the :class:`~zero_full.config_types.Key` each field declares (see
-        :func:`zero_full.config_base.key_report`).
+        Derived from the :class:`~zero_full.config.types.Key` each field declares (see
+        :func:`zero_full.config.base.key_report`).
         """
         return key_report(self, self.stage)
 
     def unsupported_features(self) -> list[str]:
         """Features this config requests that zero accepts but does not implement yet.
 
-        These are the values of keys declared :class:`~zero_full.config_types.Refused`, listed
+        These are the values of keys declared :class:`~zero_full.config.types.Refused`, listed
         only when the chosen stage would use the key (a stage-3 knob under stage 2 is in
         :meth:`ignored_keys` instead). The engine refuses to start when this list is not
         empty; nothing is silently dropped.
@@ -362,7 +362,7 @@ class ZeroConfig(Section):
         under stage 3, ``offload_optimizer`` under stage 0), keys whose condition does not
         hold (``nvme_path`` without the nvme device, ``fp16`` settings while fp16 is off,
         dynamic-scaling settings with a static ``loss_scale``, ``adam_w_mode`` on ``AdamW``),
-        and keys declared :class:`~zero_full.config_types.Ignored` (DeepSpeed switches zero has
+        and keys declared :class:`~zero_full.config.types.Ignored` (DeepSpeed switches zero has
         no use for, such as ``reduce_scatter = false`` or ``steps_per_print``). DeepSpeed
         accepts them too; the engine logs this list once, with the reasons
         (:meth:`key_report`).

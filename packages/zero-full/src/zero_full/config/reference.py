@@ -3,7 +3,7 @@
 :func:`config_keys` walks :class:`~zero_full.config.ZeroConfig` and its sections and
 describes every key a config accepts: its DeepSpeed path, the other accepted spellings,
 the type and range its validator enforces, the default, and what the field declares in its
-:class:`~zero_full.config_types.Key` (the stages that use it, its condition, whether it is
+:class:`~zero_full.config.types.Key` (the stages that use it, its condition, whether it is
 implemented, ignored or refused) with its description (the docstring under the field).
 :func:`render_markdown` turns that into the documentation site's configuration page (a
 mkdocs hook inserts it at build time), so the page cannot drift from the code.
@@ -33,10 +33,9 @@ from pydantic import BeforeValidator
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from zero_full.config import ZeroConfig
-from zero_full.config_base import Section, declared_key
-from zero_full.config_sections import AdamParams, OptimizerConfig, SGDParams
-from zero_full.config_types import (
+from zero_full.config.base import Section, declared_key
+from zero_full.config.sections import AdamParams, OptimizerConfig, SGDParams
+from zero_full.config.types import (
     Ignored,
     Implemented,
     Refused,
@@ -47,6 +46,7 @@ from zero_full.config_types import (
     check_real,
     parse_choice,
 )
+from zero_full.config.zero_config import ZeroConfig
 
 __all__ = ["ALL_STAGES", "ConfigKey", "SectionDoc", "config_keys", "config_sections", "render_markdown"]
 

@@ -1,7 +1,7 @@
 """``communication_data_type``: which collective strategies move the parameters and gradients.
 
 :func:`comm_strategies` turns the config key into strategy objects (``None`` where the plain
-collectives are used), which :func:`zero_full.stages.build_stage` and :class:`zero_full.Init`
+collectives are used), which :func:`zero_full.wiring.stages.build_stage` and :class:`zero_full.Init`
 hand to the layers below:
 
 * gradients, every stage: :class:`zero_comm.CastReduceScatter` (stages 1-3) or
@@ -21,7 +21,7 @@ from torch.distributed import ProcessGroup
 
 import zero_comm
 import zero_params
-from zero_full.config import Precision, ZeroConfig
+from zero_full.config.zero_config import Precision, ZeroConfig
 
 __all__ = ["CommStrategies", "comm_strategies"]
 

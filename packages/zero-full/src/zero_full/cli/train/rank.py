@@ -21,10 +21,10 @@ from torch import nn
 from zero_comm import CommTotals, read_process_memory
 from zero_comm.launch import RankContext
 from zero_coord import StepStats
-from zero_full.config import ZeroConfig
+from zero_full.cli.train.options import TrainOptions
+from zero_full.cli.train.workloads import require_transformers
+from zero_full.config.zero_config import ZeroConfig
 from zero_full.engine import initialize
-from zero_full.train_options import TrainOptions
-from zero_full.workloads import require_transformers
 
 __all__ = ["CRASH_EXIT_CODE", "RankResult", "train_rank"]
 

@@ -1,6 +1,6 @@
 """The closing table of ``zero train``: memory per rank against DDP and the formula, traffic, loss.
 
-:class:`TrainSummary` is what :func:`zero_full.train_run.run_training` returns; :func:`format_summary`
+:class:`TrainSummary` is what :func:`zero_full.cli.train.run.run_training` returns; :func:`format_summary`
 the table the command prints.
 """
 
@@ -9,10 +9,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from zero_full.config import Precision, ZeroConfig
-from zero_full.estimate import EstimatePrecision, estimate_model_states, format_bytes
-from zero_full.train_options import TrainOptions
-from zero_full.train_rank import RankResult
+from zero_full.cli.train.options import TrainOptions
+from zero_full.cli.train.rank import RankResult
+from zero_full.config.zero_config import Precision, ZeroConfig
+from zero_full.memory.estimate import EstimatePrecision, estimate_model_states, format_bytes
 
 __all__ = ["TrainSummary", "format_summary"]
 

@@ -1,0 +1,1 @@
+"""``zero train``: the demo training run on N local processes."""

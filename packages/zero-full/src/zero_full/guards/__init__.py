@@ -1,0 +1,1 @@
+"""Checks across ranks during training: agreement at ``initialize``, non-finite gradients."""

@@ -1,0 +1,1 @@
+"""Memory per rank: the ZeRO formulas and the process's real memory."""

@@ -1,0 +1,1 @@
+"""What ``initialize`` builds from a config: stages, MiCS and ZeRO++ groups, strategies."""
