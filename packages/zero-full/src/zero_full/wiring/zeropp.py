@@ -14,7 +14,7 @@ that ``zero_params.partition`` (and ``zero_full.Init``) store in every parameter
 * ``zero_quantized_gradients`` (qgZ): ``zero_comm.QuantizedReduceScatter`` over the world
   (int4, intra-node then inter-node all-to-all), or ``zero_comm.ErrorFeedbackReduceScatter``
   with ``zeropp_loco_param``.
-* ``zero_quantized_nontrainable_weights``: see :mod:`zero_full.frozen_quant`.
+* ``zero_quantized_nontrainable_weights``: see :mod:`zero_params.frozen`.
 """
 
 from __future__ import annotations

@@ -87,7 +87,7 @@ def build_config(opts: TrainOptions) -> dict[str, Any]:
     without an ``optimizer`` section gets the AdamW one.
 
     Raises:
-        FileNotFoundError, zero_full.config.ConfigFileError, pydantic.ValidationError: a bad
+        FileNotFoundError, zero_full.config.zero_config.ConfigFileError, pydantic.ValidationError: a bad
             file (validated with :meth:`ZeroConfig.from_json`, which names path and key).
         ValueError: inconsistent batch sizes for ``--world``.
     """
