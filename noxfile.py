@@ -12,6 +12,7 @@
     nox -s demo               the demo, zero train (README's demo command)
     nox -s bench              benchmarks, results under benchmarks/results/
     nox -s cluster-bench      step time and inter-node bytes on a simulated 2-node cluster (root)
+    nox -s gpu                the GPU check (an accelerator; -- --dry-run: the same on CPU)
 
 torch is pinned to 2.13.0 through constraints.txt (a CPU wheel; an unpinned torch
 would pull a multi-GB CUDA build). Package metadata keeps a normal range. It is installed once
@@ -352,6 +353,48 @@ def demo(session: nox.Session) -> None:
     """The demo: ``zero train``, a GPT-2-style model trained with ZeRO-3 on 2 local gloo processes."""
     _install(session, "zero-full", extras="demo")
     session.run("zero", "train", "--world", "2", "--steps", "30", env=TEST_ENV)
+
+
+# What the GPU check imports besides torch (module -> pip requirement), installed only when missing.
+GPU_CHECK_NEEDS = {
+    "numpy": "numpy",
+    "pydantic": "pydantic>=2",
+    "pytest": "pytest>=8",
+    "hypothesis": "hypothesis>=6",
+}
+
+
+@nox.session(venv_backend="none")
+def gpu(session: nox.Session) -> None:
+    """The GPU check on a machine with an accelerator, from a fresh checkout, in a few minutes.
+
+    Runs in the current Python with the machine's own torch (a CUDA build; nothing replaces it):
+    zero's packages are imported from the checkout (PYTHONPATH), and only modules the machine
+    lacks are pip-installed. First the Triton kernels against their torch twins on the device
+    (kernels/tests), then integration_tests/gpu_check.py (stages 0-3, MiCS, offload against one
+    process; memory and step time against DDP and FSDP2; the watchdog with a late rank); results
+    under benchmarks/results/gpu/. ``nox -s gpu -- --dry-run`` runs the check on CPU with gloo
+    (CI runs the same through integration_tests/test_integration_gpu_check.py).
+    """
+    dry_run = "--dry-run" in session.posargs
+    sources = [str(ROOT / d / "src") for d in PACKAGE_DIRS.values()]
+    env = dict(TEST_ENV, PYTHONPATH=os.pathsep.join([*sources, os.environ.get("PYTHONPATH", "")]))
+    probe = (
+        "import importlib.util as u, sys; print(' '.join(m for m in sys.argv[1:] if u.find_spec(m) is None))"
+    )
+    needs = dict(GPU_CHECK_NEEDS, **({} if dry_run else {"triton": "triton"}))
+    missing = str(session.run("python", "-c", probe, *needs, silent=True, env=env)).split()
+    if missing:
+        session.run("python", "-m", "pip", "install", *(needs[m] for m in missing), external=True)
+    check = "import torch; print('torch', torch.__version__, torch.accelerator.current_accelerator())"
+    session.run("python", "-c", check, env=env)
+    if not dry_run:
+        kernels = str(ROOT / "kernels/tests/test_kernels_triton.py")
+        session.run("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", kernels, env=env)
+    out = str(ROOT / "benchmarks/results/gpu")
+    session.run(
+        "python", str(ROOT / "integration_tests/gpu_check.py"), "--out", out, *session.posargs, env=env
+    )
 
 
 # Only the bench session installs DeepSpeed (the peer it compares against), with torch held at the pin.
