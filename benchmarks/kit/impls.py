@@ -19,7 +19,7 @@ from which its model-state bytes are counted (:func:`model_state_bytes`).
   default, :class:`ImplOptions`: up to four gradient buckets reducing at once, a key
   DeepSpeed has no equivalent of).
 
-Every AdamW is ``workloads.adamw`` (all hyperparameters explicit). The ZeRO sections of
+Every AdamW is ``benchmarks.kit.workloads.adamw`` (all hyperparameters explicit). The ZeRO sections of
 DeepSpeed and zero are the same dict (:func:`zero_section`): buckets scaled to the model,
 ``overlap_comm`` at stages 2 and 3 (DDP overlaps its reduction with backward too), and at
 stage 3 parameters really released after use (by default, :class:`ImplOptions`:
@@ -40,7 +40,15 @@ from typing import Any
 
 import torch
 from torch import nn
-from workloads import Workload, adamw, block_modules, build_model, enable_checkpointing, loss_of
+
+from benchmarks.kit.workloads import (
+    Workload,
+    adamw,
+    block_modules,
+    build_model,
+    enable_checkpointing,
+    loss_of,
+)
 
 __all__ = [
     "IMPLEMENTATIONS",

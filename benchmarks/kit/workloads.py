@@ -14,13 +14,13 @@ ranks' gradients (what every data-parallel implementation does) gives its gradie
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
 import torch
-from _report import benchmark_parser
 from torch import nn
+
+from benchmarks.kit.cli import BenchmarkParser, benchmark_parser
 
 if TYPE_CHECKING:
     from zero_full.cli.train.workloads import GPT2Workload
@@ -74,7 +74,7 @@ class Workload:
         """The GPT-2 of ``kind == "gpt2"`` (zero_full's builder: config, seeded model, batches).
 
         Imported here, not at the top: a memory benchmark of DDP imports ``zero_full`` only as
-        part of its measured baseline (``memory._import_libraries``).
+        part of its measured baseline (``benchmarks.kit.step_memory._import_libraries``).
         """
         from zero_full.cli.train.workloads import GPT2Workload
 
@@ -103,10 +103,10 @@ def shape_defaults() -> dict[str, int]:
     return {name: getattr(default, name) for name in SHAPE_FIELDS}
 
 
-def workload_parser(doc: str, **ints: int | None) -> argparse.ArgumentParser:
-    """:func:`_report.benchmark_parser` with the workload's shape options first (``--layers``, ...,
-    ``--micro-batch``, defaults :func:`shape_defaults`); read them back with :func:`workload_of`."""
-    return benchmark_parser(doc, **shape_defaults(), **ints)
+def workload_parser(name: str, doc: str, **options: Any) -> BenchmarkParser:
+    """:func:`benchmarks.kit.cli.benchmark_parser` with the workload's shape options first (``--layers``,
+    ..., ``--micro-batch``, defaults :func:`shape_defaults`); read them back with :func:`workload_of`."""
+    return benchmark_parser(name, doc, **shape_defaults(), **options)
 
 
 def workload_of(args: Any, kind: str = "gpt2") -> Workload:
