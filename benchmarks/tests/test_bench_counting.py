@@ -1,4 +1,4 @@
-"""``benchmarks/impls.py``: the ZeRO formulas and model-state bytes counted from storages."""
+"""``benchmarks.kit.impls``: the ZeRO formulas and model-state bytes counted from storages."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Pure helpers of benchmarks/generate.py: token rate, slowest-rank median, summary."""
+"""Pure helpers of the generate benchmark: token rate, slowest-rank median, summary."""
 
 from __future__ import annotations
 

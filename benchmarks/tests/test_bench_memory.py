@@ -1,4 +1,4 @@
-"""``benchmarks/memory.py``'s pure helpers, and the Linear-stack workload it adds."""
+"""The memory benchmark's pure helpers, and the Linear-stack workload it adds."""
 
 from __future__ import annotations
 
