@@ -68,7 +68,7 @@ from benchmarks.kit.cli import BenchmarkParser
 from benchmarks.kit.impls import IMPLEMENTATIONS, ImplOptions
 from benchmarks.kit.measure import StepTiming, spawn_ranks, timed_across_ranks
 from benchmarks.kit.report import Report, command_line, environment, markdown_table
-from benchmarks.kit.workloads import rank_batches, workload_of, workload_parser
+from benchmarks.kit.workloads import QUICK_SHAPE, rank_batches, workload_of, workload_parser
 
 PAIRABLE = ("ddp", "fsdp2", "zero-1", "zero-2", "zero-3")
 """Implementations that can share a process (DeepSpeed's engines keep process-wide state)."""
@@ -346,7 +346,7 @@ def build_parser() -> BenchmarkParser:
     parser = workload_parser(
         "paired_steps",
         __doc__,
-        quick={"layers": 2, "hidden": 64, "warmup": 1, "steps": 4},
+        quick={**QUICK_SHAPE, "warmup": 1, "steps": 4},
         world=2,
         warmup=3,
         steps=60,

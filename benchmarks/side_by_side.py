@@ -62,7 +62,15 @@ from benchmarks.kit.docs import DocsBlock
 from benchmarks.kit.impls import IMPLEMENTATIONS, formula_state_bytes, model_state_bytes, ring_ideal_bytes
 from benchmarks.kit.measure import read_wchar, thread_minor_faults
 from benchmarks.kit.report import Report, command_line, environment, markdown_table
-from benchmarks.kit.workloads import ADAMW, Workload, count_params, rank_batches, workload_of, workload_parser
+from benchmarks.kit.workloads import (
+    ADAMW,
+    QUICK_SHAPE,
+    Workload,
+    count_params,
+    rank_batches,
+    workload_of,
+    workload_parser,
+)
 from zero_comm.launch import RankContext, launch
 
 DISTRIBUTED = [name for name in IMPLEMENTATIONS if name != "single"]
@@ -456,7 +464,7 @@ def build_parser() -> BenchmarkParser:
     parser = workload_parser(
         "side_by_side",
         __doc__,
-        quick={"layers": 2, "hidden": 64, "worlds": [2], "rounds": 1, "warmup": 1, "steps": 2},
+        quick={**QUICK_SHAPE, "worlds": [2], "rounds": 1, "warmup": 1, "steps": 2},
         docs=True,
         rounds=3,
         warmup=2,

@@ -34,7 +34,7 @@ from benchmarks.kit.cli import BenchmarkParser
 from benchmarks.kit.impls import IMPLEMENTATIONS, ImplOptions
 from benchmarks.kit.measure import spawn_ranks
 from benchmarks.kit.report import Report, command_line, environment, markdown_table
-from benchmarks.kit.workloads import rank_batches, workload_of, workload_parser
+from benchmarks.kit.workloads import QUICK_SHAPE, rank_batches, workload_of, workload_parser
 
 PHASES = ("forward", "backward", "step")
 
@@ -176,7 +176,7 @@ def build_parser() -> BenchmarkParser:
     parser = workload_parser(
         "waits",
         __doc__,
-        quick={"layers": 2, "hidden": 64, "warmup": 1, "steps": 3},
+        quick={**QUICK_SHAPE, "warmup": 1, "steps": 3},
         world=2,
         warmup=4,
         steps=30,

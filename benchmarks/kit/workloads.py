@@ -37,6 +37,7 @@ __all__ = [
     "loss_of",
     "num_params",
     "rank_batches",
+    "QUICK_SHAPE",
     "shape_defaults",
     "workload_of",
     "workload_parser",
@@ -95,6 +96,8 @@ class Workload:
 
 
 SHAPE_FIELDS = ("layers", "hidden", "heads", "vocab", "seq", "micro_batch")
+QUICK_SHAPE = {"layers": 2, "hidden": 64, "vocab": 512, "seq": 32}
+"""The shape a benchmark's ``--quick`` gives the workload: a smoke run."""
 
 
 def shape_defaults() -> dict[str, int]:
