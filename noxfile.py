@@ -22,6 +22,7 @@ per checkout (.nox/_shared-torch) and every session's venv sees it (see ``_torch
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import pathlib
 import re
@@ -50,8 +51,6 @@ PACKAGE_DIRS = {
 TORCH = "torch==2.13.0"
 # Ranks of multi-process tests share 2 cores: one thread each.
 TEST_ENV = {"OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
-# Benchmarks that run DeepSpeed (or may import it) keep it on the CPU.
-DS_ENV = dict(TEST_ENV, DS_ACCELERATOR="cpu")
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = False
@@ -128,12 +127,32 @@ def _pytest(session: nox.Session, tests: pathlib.Path, env: dict[str, str] | Non
     )
 
 
-def _bench(
-    session: nox.Session, script: str, *args: str, docs: bool = False, env: dict[str, str] = TEST_ENV
-) -> None:
-    """Run ``benchmarks/<script>``: results into benchmarks/results (``docs``: and docs/), then ``args``."""
-    where = ["--out", str(ROOT / "benchmarks/results"), *(["--docs", str(ROOT / "docs")] if docs else [])]
-    session.run("python", str(ROOT / "benchmarks" / script), *where, *args, env=env)
+def _registry():
+    """``benchmarks/registry.py`` (standard library only: read before anything is installed)."""
+    spec = importlib.util.spec_from_file_location("benchmarks_registry", ROOT / "benchmarks" / "registry.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
+    spec.loader.exec_module(module)
+    return module
+
+
+def _bench(session: nox.Session, only: str) -> None:
+    """Every run the registry lists for session ``only`` (``-- NAME ...``: those benchmarks only).
+
+    Each is ``python -m benchmarks NAME ARGS --out benchmarks/results`` from the repository root,
+    with ``--docs docs`` where the run fills a docs block.
+    """
+    registry = _registry()
+    names = list(session.posargs)
+    for name in names:
+        registry.find(name)  # an unknown name fails before anything runs
+    session.chdir(ROOT)
+    for bench in registry.BENCHMARKS:
+        if bench.session != only or (names and bench.name not in names):
+            continue
+        for run in bench.runs:
+            where = ["--out", "benchmarks/results", *(["--docs", "docs"] if run.docs else [])]
+            session.run("python", "-m", "benchmarks", bench.name, *run.args, *where, env=bench.env())
 
 
 def _install(session: nox.Session, *dists: str, extras: str = "test", editable: bool = False) -> None:
@@ -398,20 +417,18 @@ def gpu(session: nox.Session) -> None:
 
 
 # Only the bench session installs DeepSpeed (the peer it compares against), with torch held at the pin.
-# ninja: DeepSpeed JIT-builds its CPU Adam (benchmarks/offload.py compares against it).
+# ninja: DeepSpeed JIT-builds its CPU Adam (the offload benchmark compares against it).
 BENCH_PEERS = ["deepspeed==0.19.8", "ninja", "transformers>=4.45", "matplotlib>=3.8"]
 
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Benchmarks; results (markdown + JSON, plots) are written under benchmarks/results/.
+    """Every benchmark of benchmarks/registry.py; results (JSON, markdown, plots) under benchmarks/results/.
 
-    zero-comm's collectives, ZeRO++'s quantized collectives and kernels, the memory benchmark
-    (real memory per rank of DDP, FSDP2, DeepSpeed 0.19.8 and zero, fresh processes each), then
-    the side-by-side comparison with DDP, FSDP2 and DeepSpeed (world 2 and 4, every run in
-    processes of its own); the memory and side-by-side tables and plots are also copied into
-    docs/. About an hour on 2 idle cores (the side-by-side alone took 27 minutes in session 11);
-    ``nox -s bench -- --rounds 3`` passes options to benchmarks/side_by_side.py.
+    The runs each benchmark makes are listed in the registry (``python -m benchmarks list``);
+    those that fill a docs block (memory, side-by-side, profile, growth) also update docs/.
+    About an hour and a half on 2 idle cores. ``nox -s bench -- memory comm`` runs only the
+    benchmarks named.
     """
     _install(session, "zero-full", extras="")
     _pip(session, "-c", CONSTRAINTS, *BENCH_PEERS, "pytest>=8")
@@ -419,42 +436,18 @@ def bench(session: nox.Session) -> None:
     session.run("python", "-c", check, env={"DS_ACCELERATOR": "cpu"})
     session.run("python", "-c", f"import torch; assert torch.__version__.startswith('{TORCH[7:]}')")
     _pytest(session, ROOT / "benchmarks/tests", env=None)
-    _bench(session, "comm.py", "--world", "2")
-    _bench(session, "quantize_kernels.py")
-    _bench(session, "quantized.py")
-    _bench(session, "mics.py")
-    _bench(session, "generate.py")
-    _bench(session, "watchdog_overhead.py")
-    _bench(session, "offload.py", env=DS_ENV)
-    # Real memory per rank, each implementation in fresh processes (the script sets MALLOC_MMAP_THRESHOLD_).
-    _bench(session, "memory.py", docs=True, env=DS_ENV)
-    _bench(session, "side_by_side.py", *session.posargs, docs=True, env=DS_ENV)
-    # DDP, FSDP2 and zero 1-3 in the same ranks, one step each in turn: ratios to DDP per step.
-    _bench(session, "paired_steps.py")
-    _bench(session, "paired_steps.py", "--hidden", "128", "--name", "paired_steps_small")
-    # The same at world 1, in one process: no communication, so each ratio is the machinery's own cost.
-    every = ["--impls", "ddp", "fsdp2", "zero-1", "zero-2", "zero-3"]
-    _bench(session, "paired_steps.py", "--world", "1", *every, "--name", "paired_steps_world1")
-    # Where one released stage-3 step's time goes, and its distance to the DDP + wire floor (world 2).
-    _bench(session, "profile_step.py", docs=True, env=DS_ENV)
-    # The same step's waits for collectives, unprofiled: lead and wait per position (WaitTimings).
-    _bench(session, "waits.py")
-    # Step time and memory against model size and world size (fresh processes per point).
-    _bench(session, "growth.py", docs=True)
-    # The plain-MLP variant of the same comparison (world 2; results only, the docs show GPT-2).
-    mlp = ["--workload", "mlp", "--worlds", "2", "--rounds", "2", "--name", "side_by_side_mlp"]
-    _bench(session, "side_by_side.py", *mlp, env=DS_ENV)
+    _bench(session, "bench")
 
 
 @nox.session(name="cluster-bench")
 def cluster_bench(session: nox.Session) -> None:
     """Step time and inter-node bytes at 2 simulated nodes x 2 ranks over a shaped link (needs root).
 
-    benchmarks/cluster.py builds the nodes as network namespaces joined by veth links shaped with
+    The cluster benchmark builds the nodes as network namespaces joined by veth links shaped with
     ``tc`` (``ip`` and ``tc`` come from iproute2, installed with apt-get when missing) and runs
     DDP, ZeRO-3, MiCS (shard = node) and the ZeRO++ variants the installed zero-full implements;
     results in benchmarks/results/cluster.{md,json,png} and the table in docs/benchmarks.md.
-    Options after ``--`` go to the script, e.g. ``nox -s cluster-bench -- --rate-mbit 50``.
+    For other settings run it directly: ``python -m benchmarks cluster --rate-mbit 50``.
     """
     if os.geteuid() != 0:
         session.error("cluster-bench needs root: it creates network namespaces and shapes veth links")
@@ -463,4 +456,4 @@ def cluster_bench(session: nox.Session) -> None:
         session.run("apt-get", "install", "-y", "-q", "iproute2", external=True)
     _install(session, "zero-full", "zero-testing", extras="")
     _pip(session, "-c", CONSTRAINTS, "transformers>=4.45", "matplotlib>=3.8")
-    _bench(session, "cluster.py", *session.posargs, docs=True)
+    _bench(session, "cluster-bench")

@@ -2,7 +2,7 @@
 
 Run from the repository root, as root (``nox -s cluster-bench`` does)::
 
-    python benchmarks/cluster.py --rate-mbit 20 --out benchmarks/results --docs docs
+    python -m benchmarks cluster --rate-mbit 20 --docs docs
 
 Builds a :class:`zero_testing.netns.SimulatedCluster` (one network namespace per node, veth
 links through a bridge, each link shaped with ``tc tbf`` at ``--rate-mbit`` in both
@@ -24,8 +24,7 @@ the other from the rank-pair model of :mod:`zero_testing.traffic` (independent o
 classification) and the same from the veth counters (physical, headers included).
 
 Writes ``cluster.json``, ``cluster.md`` and ``cluster.png`` into ``--out``; ``--docs DIR`` also
-copies the plot to ``DIR/assets/benchmarks/`` and the table into ``DIR/benchmarks.md`` (between
-``<!-- cluster:begin -->`` and ``<!-- cluster:end -->``). Not a test: the
+puts the plot and the table into ``DIR/benchmarks.md``'s ``cluster`` block. Not a test: the
 only check is that the rank-pair model and the veth counters agree (printed).
 """
 
@@ -33,17 +32,19 @@ from __future__ import annotations
 
 import argparse
 import pathlib
-import shutil
 import signal
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from _report import benchmark_parser, environment, markdown_table, replace_section, write_results
+
+from benchmarks.kit.cli import BenchmarkParser, benchmark_parser
+from benchmarks.kit.docs import DocsBlock
+from benchmarks.kit.report import Report, command_line, environment, markdown_table
 
 NODES, RANKS_PER_NODE = 2, 2
 WORLD = NODES * RANKS_PER_NODE
@@ -55,6 +56,7 @@ RELEASE = {
     "stage3_max_live_parameters": 100_000,
 }
 GATHER_OPS = ("all_gather", "quantized_all_gather")
+BLOCK = DocsBlock("benchmarks.md", "cluster")
 VARIANTS: dict[str, dict[str, Any] | None] = {
     "DDP": None,
     "ZeRO-3": {},
@@ -266,11 +268,11 @@ def run_variant(name: str, args: argparse.Namespace, cluster: Any) -> dict[str, 
     }
 
 
-def write_reports(out: pathlib.Path, args: argparse.Namespace, rows: list[dict], link: dict) -> None:
-    """``cluster.json``, ``cluster.md`` and ``cluster.png`` in ``out``."""
+def report(args: argparse.Namespace, rows: list[dict], link: dict, command: str) -> Report:
+    """``cluster.json``, ``cluster.md`` and ``cluster.png``; the table for the docs block."""
     meta = {
         **environment("transformers", "zero-full"),
-        "command": " ".join(["python", *sys.argv]),
+        "command": command,
         "nodes": NODES,
         "ranks_per_node": RANKS_PER_NODE,
         "link": link,
@@ -344,8 +346,7 @@ def write_reports(out: pathlib.Path, args: argparse.Namespace, rows: list[dict],
         "collectives outside the ledger, e.g. the loss scaler's flag, included). The JSON also has the "
         "veth bytes with headers.",
     ]
-    write_results(out, "cluster", {"meta": meta, "rows": rows}, "\n".join(lines))
-    plot(out / "cluster.png", ran, m)
+    return Report("cluster", {"meta": meta, "rows": rows}, "\n".join(lines), plot=plot, block=BLOCK)
 
 
 def _link_line(link: dict) -> str:
@@ -355,13 +356,15 @@ def _link_line(link: dict) -> str:
     return f"One 4 MB gloo send between the nodes ran at {measured:.1f} Mbit/s (the shaping at work)."
 
 
-def plot(path: pathlib.Path, rows: list[dict], m: float) -> None:
+def plot(result: dict[str, Any], out: pathlib.Path, stem: str) -> list[pathlib.Path]:
     """Two panels: step time and inter-node payload per node (veth) of each variant that ran."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in result["rows"] if r["status"] == "ran"]
+    m = rows[0]["model_bytes_M"] if rows else 1
     names = [r["variant"] for r in rows]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8))
     left.barh(names, [r["step_seconds_median"] * 1e3 for r in rows], color="tab:blue")
@@ -372,30 +375,34 @@ def plot(path: pathlib.Path, rows: list[dict], m: float) -> None:
     right.invert_yaxis()
     right.set_yticklabels([])
     fig.tight_layout()
+    path = out / f"{stem}.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return [path]
 
 
-MARK_BEGIN, MARK_END = "<!-- cluster:begin -->", "<!-- cluster:end -->"
-
-
-def update_docs(docs: pathlib.Path, out: pathlib.Path) -> None:
-    """Copy ``cluster.png`` to ``docs/assets/benchmarks`` and the table of ``cluster.md`` into the page."""
-    assets = docs / "assets" / "benchmarks"
-    assets.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(out / "cluster.png", assets / "cluster.png")
-    text = (out / "cluster.md").read_text().split("\n", 1)[1].strip()  # without the title line
-    replace_section(docs / "benchmarks.md", MARK_BEGIN, MARK_END, "\n\n" + text + "\n\n")
-
-
-def main() -> None:
+def build_parser() -> BenchmarkParser:
     parser = benchmark_parser(
-        __doc__, burst_kib=64, layers=2, width=256, vocab=4096, seq=32, micro=1, warmup=2, steps=5
+        "cluster",
+        __doc__,
+        quick={"width": 64, "vocab": 512, "warmup": 1, "steps": 2},
+        docs=True,
+        burst_kib=64,
+        layers=2,
+        width=256,
+        vocab=4096,
+        seq=32,
+        micro=1,
+        warmup=2,
+        steps=5,
     )
     parser.add_argument("--rate-mbit", type=float, default=20.0, help="inter-node link rate; 0: unshaped")
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
-    parser.add_argument("--docs", type=pathlib.Path, default=None, help="also update DIR/benchmarks.md")
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: Sequence[str]) -> None:
+    args = build_parser().parse_args(argv)
     from zero_testing.netns import LinkShape, SimulatedCluster, cluster_unavailable_reason
 
     why = cluster_unavailable_reason()
@@ -420,11 +427,6 @@ def main() -> None:
             row = run_variant(name, args, cluster)
             rows.append(row)
             print(name, {k: row[k] for k in row if k in ("status", "step_seconds_median")}, flush=True)
-    write_reports(args.out, args, rows, link)
-    if args.docs is not None:
-        update_docs(args.docs, args.out)
-    print((args.out / "cluster.md").read_text())
-
-
-if __name__ == "__main__":
-    main()
+    result = report(args, rows, link, command_line("cluster", argv))
+    result.write(args.out, args.docs)
+    print(result.markdown)

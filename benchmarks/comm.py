@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python benchmarks/comm.py --world 2 --out benchmarks/results
+    python -m benchmarks comm --world 2
 
 Spawns ``--world`` local gloo ranks. For ``--tensors`` tensors of mixed odd sizes
 (about ``--numel`` fp32 elements in total) it times, per variant, the median over
@@ -18,30 +18,24 @@ Spawns ``--world`` local gloo ranks. For ``--tensors`` tensors of mixed odd size
   already-interleaved flat buffer;
 * with several simulated nodes (``--ranks-per-node``): the hierarchical all-gather too.
 
-Writes ``comm.json`` and ``comm.md`` into ``--out``. Not a test: nothing is asserted.
+Writes ``comm.json`` and ``comm.md`` into ``--out`` (default ``benchmarks/results``). Not a test:
+nothing is asserted.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import pathlib
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from _report import (
-    ResultSink,
-    benchmark_parser,
-    environment,
-    markdown_table,
-    spawn_ranks,
-    time_and_count,
-    write_results,
-)
 
 import zero_comm
+from benchmarks.kit.cli import BenchmarkParser, benchmark_parser
+from benchmarks.kit.measure import ResultSink, spawn_ranks, time_and_count
+from benchmarks.kit.report import Report, command_line, environment, markdown_table
 from zero_comm import Topology, all_gather_coalesced, partition_numel, reduce_scatter_coalesced
 
 
@@ -137,8 +131,8 @@ def _rank_main(rank: int, args: argparse.Namespace, store: str, results: ResultS
         results.put({"sizes": sizes, "rows": rows})
 
 
-def write_reports(out: pathlib.Path, args: argparse.Namespace, result: dict) -> str:
-    """``comm.json`` (everything) and ``comm.md`` (a table) in ``out``; returns the table's text."""
+def report(args: argparse.Namespace, result: dict, command: str) -> Report:
+    """``comm.json`` (everything) and ``comm.md`` (a table)."""
     env = environment("zero-comm")
     meta = {
         "date": env["date"],
@@ -181,15 +175,25 @@ def write_reports(out: pathlib.Path, args: argparse.Namespace, result: dict) -> 
             markdown_table(headers, rows, align="llrrrr"),
         ]
     )
-    write_results(out, "comm", {"meta": meta, **result}, text)
-    return text
+    return Report("comm", {"meta": meta, **result}, text, command)
 
 
-def main() -> None:
-    parser = benchmark_parser(__doc__, world=2, ranks_per_node=None, tensors=64, numel=4_000_000, repeats=10)
-    args = parser.parse_args()
-    print(write_reports(args.out, args, spawn_ranks(_rank_main, args.world, args, timeout=600)))
+def build_parser() -> BenchmarkParser:
+    return benchmark_parser(
+        "comm",
+        __doc__,
+        quick={"tensors": 8, "numel": 200_000, "repeats": 2},
+        world=2,
+        ranks_per_node=None,
+        tensors=64,
+        numel=4_000_000,
+        repeats=10,
+    )
 
 
-if __name__ == "__main__":
-    main()
+def main(argv: Sequence[str]) -> None:
+    args = build_parser().parse_args(argv)
+    found = spawn_ranks(_rank_main, args.world, args, timeout=600)
+    result = report(args, found, command_line("comm", argv))
+    result.write(args.out)
+    print(result.markdown)

@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python benchmarks/generate.py --out benchmarks/results
+    python -m benchmarks generate
 
 Spawns ``--world`` local gloo ranks, partitions a GPT-2 (``transformers``, random init) at
 stage 3 and generates ``--new-tokens`` tokens greedily (with the KV cache) in two ways:
@@ -23,15 +23,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import pathlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from _report import ResultSink, benchmark_parser, environment, markdown_table, spawn_ranks, write_results
 
+from benchmarks.kit.cli import BenchmarkParser, benchmark_parser
+from benchmarks.kit.measure import ResultSink, spawn_ranks
+from benchmarks.kit.report import Report, command_line, environment, markdown_table
 from zero_full.cli.train.workloads import GPT2Workload
 
 WAYS = ("per token", "gathered once")
@@ -142,9 +143,12 @@ def _rank_main(rank: int, args: argparse.Namespace, store: str, results: ResultS
         results.put(rows)
 
 
-def write_reports(out: pathlib.Path, args: argparse.Namespace, rows: list[dict]) -> str:
-    """``generate.json`` (everything) and ``generate.md`` (a table) in ``out``; returns the table's text."""
-    meta = {**environment("transformers"), **{k: v for k, v in vars(args).items() if k != "out"}}
+def report(args: argparse.Namespace, rows: list[dict], command: str) -> Report:
+    """``generate.json`` (everything) and ``generate.md`` (a table)."""
+    meta = {
+        **environment("transformers"),
+        **{k: v for k, v in vars(args).items() if k not in ("out", "quick")},
+    }
     summary = summarize(rows)
     table = markdown_table(
         ["way", "ms / generation", "tokens / s", "all-gathers / generation", "gathered MB / generation"],
@@ -172,17 +176,29 @@ def write_reports(out: pathlib.Path, args: argparse.Namespace, rows: list[dict])
         f"Gathering once is {summary['speedup']:.2f}x the per-token way.",
     ]
     text = "\n".join(lines)
-    write_results(out, "generate", {"meta": meta, "rows": rows, "summary": summary}, text)
-    return text
+    return Report("generate", {"meta": meta, "rows": rows, "summary": summary}, text, command)
 
 
-def main() -> None:
-    parser = benchmark_parser(
-        __doc__, world=2, layers=4, width=256, vocab=8192, batch=1, prompt=8, new_tokens=64, repeats=3
+def build_parser() -> BenchmarkParser:
+    return benchmark_parser(
+        "generate",
+        __doc__,
+        quick={"layers": 2, "width": 64, "vocab": 512, "new_tokens": 8, "repeats": 1},
+        world=2,
+        layers=4,
+        width=256,
+        vocab=8192,
+        batch=1,
+        prompt=8,
+        new_tokens=64,
+        repeats=3,
     )
-    args = parser.parse_args()
-    print(write_reports(args.out, args, spawn_ranks(_rank_main, args.world, args, timeout=1800)))
 
 
-if __name__ == "__main__":
-    main()
+def main(argv: Sequence[str]) -> None:
+    args = build_parser().parse_args(argv)
+    result = report(
+        args, spawn_ranks(_rank_main, args.world, args, timeout=1800), command_line("generate", argv)
+    )
+    result.write(args.out)
+    print(result.markdown)

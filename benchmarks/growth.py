@@ -2,23 +2,23 @@
 
 Run from the repository root (``python -m nox -s bench`` does)::
 
-    python benchmarks/growth.py --out benchmarks/results [--sizes 1M 10M 100M] [--worlds 1 2 4]
+    python -m benchmarks growth [--sizes 1M 10M 100M] [--worlds 1 2 4]
 
 For each model size (a stack of bias-free ``Linear`` layers, where parameters dominate: ~1M,
 ~10M, ~100M parameters), world size and implementation (DDP, FSDP2, zero stages 1-3), ``W``
-FRESH gloo ranks are spawned and measured with :func:`memory._measure` (``MALLOC_MMAP_THRESHOLD_``
-set, RSS at rest above the post-import baseline, the step's peak RSS), with each measured step
-also timed (per step the slowest rank, the median). Stage 3 runs with the memory benchmark's
-release policy. Beside each point:
+FRESH gloo ranks are spawned and measured with :func:`benchmarks.kit.step_memory.measure_rank`
+(``MALLOC_MMAP_THRESHOLD_`` set, RSS at rest above the post-import baseline, the step's peak
+RSS), with each measured step also timed (per step the slowest rank, the median). Stage 3 runs
+with the memory benchmark's release policy. Beside each point:
 
 * memory: the fp32 AdamW ZeRO formula (DDP 16P, stage 1 8P + 8P/N, stage 2 4P + 12P/N, stage 3
   and FSDP2 16P/N);
 * time: ``compute + ring-ideal bytes x cost per byte``, where ``compute`` is DDP's step at world 1
   for that size (the per-rank micro-batch is the same at every world size) and the cost per byte
-  is fitted on an all-gather / all-to-all sweep at that world size (``profile_step.comm_sweep``).
+  is fitted on an all-gather / all-to-all sweep at that world size (:func:`benchmarks.kit.wire.comm_sweep`).
 
 Writes ``growth.json``, ``growth.md`` and ``growth.png`` into ``--out``; with ``--docs DIR`` the
-table goes into ``DIR/benchmarks.md`` between its ``growth`` markers. Not a test.
+table and plot go into ``DIR/benchmarks.md``'s ``growth`` block. Not a test.
 """
 
 from __future__ import annotations
@@ -26,14 +26,17 @@ from __future__ import annotations
 import os
 import pathlib
 import statistics
-import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
-from _report import benchmark_parser, environment, markdown_table, replace_section, spawn_ranks, write_results
-from impls import ring_ideal_bytes
-from memory import MEASURED_ENV, Run, count_params, summarize
-from workloads import Workload
+from benchmarks.kit.cli import BenchmarkParser, benchmark_parser
+from benchmarks.kit.docs import DocsBlock
+from benchmarks.kit.impls import ring_ideal_bytes
+from benchmarks.kit.measure import spawn_ranks
+from benchmarks.kit.report import Report, command_line, environment, markdown_table
+from benchmarks.kit.step_memory import MEASURED_ENV, Run, count_params, measure_rank, summarize
+from benchmarks.kit.workloads import Workload
 
 IMPLS = ("ddp", "fsdp2", "zero-1", "zero-2", "zero-3")
 SIZES = {
@@ -41,18 +44,17 @@ SIZES = {
     "10M": Workload("linear", layers=4, hidden=1600, micro_batch=2),  # 10.2M
     "100M": Workload("linear", layers=6, hidden=4096, micro_batch=2),  # 100.7M
 }
-MARK_BEGIN, MARK_END = "<!-- growth:begin -->", "<!-- growth:end -->"
+BLOCK = DocsBlock("benchmarks.md", "growth")
 
 
 # ----------------------------------------------------------------------------- ranks
 
 
 def _rank_main(rank: int, run: Run, store: str, results: Any) -> None:
-    """:func:`memory._measure` on every rank (its steps are timed too); rank 0 reports them all."""
+    """:func:`measure_rank` on every rank (its steps are timed too); rank 0 reports them all."""
     import torch.distributed as dist
-    from memory import _measure
 
-    mine = _measure(run, rank)
+    mine = measure_rank(run, rank)
     gathered: list[Any] = [None] * run.world
     dist.all_gather_object(gathered, mine)
     if rank == 0:
@@ -60,7 +62,7 @@ def _rank_main(rank: int, run: Run, store: str, results: Any) -> None:
 
 
 def _sweep_main(rank: int, args: tuple[int, float], store: str, results: Any) -> None:
-    from profile_step import comm_sweep, fit_cost
+    from benchmarks.kit.wire import comm_sweep, fit_cost
 
     world, _ = args
     rows = comm_sweep(world, repeats=3)
@@ -133,7 +135,7 @@ def markdown(result: dict[str, Any]) -> str:
     )
 
 
-def plot(result: dict[str, Any], path: pathlib.Path) -> pathlib.Path:
+def plot(result: dict[str, Any], out: pathlib.Path, stem: str) -> list[pathlib.Path]:
     """Step time and RSS at rest against P, one line per implementation and world, formula dashed."""
     import matplotlib
 
@@ -170,25 +172,32 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> pathlib.Path:
     t_ax.legend(fontsize=6, ncol=2)
     fig.suptitle(f"Cost growth ({result['meta']['label']})")
     fig.tight_layout()
+    path = out / f"{stem}.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    return path
+    return [path]
 
 
-def update_docs(docs: pathlib.Path, text: str) -> None:
-    """Put the table into ``docs/benchmarks.md`` between the ``growth`` markers."""
-    replace_section(docs / "benchmarks.md", MARK_BEGIN, MARK_END, "\n\n" + text + "\n\n")
-
-
-def main() -> None:
-    parser = benchmark_parser(__doc__, warmup=2, steps=4)
+def build_parser() -> BenchmarkParser:
+    parser = benchmark_parser(
+        "growth",
+        __doc__,
+        quick={"sizes": ["1M"], "worlds": [1, 2], "warmup": 1, "steps": 2},
+        docs=True,
+        warmup=2,
+        steps=4,
+    )
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS))
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--label", default="quiet machine")
-    parser.add_argument("--docs", type=pathlib.Path, default=None)
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: Sequence[str]) -> None:
+    args = build_parser().parse_args(argv)
+    command = command_line("growth", argv)  # as typed: the benchmark sets MEASURED_ENV itself
     os.environ.update(MEASURED_ENV)  # inherited by every spawned rank (glibc reads it at start-up)
     worlds = sorted(set(args.worlds) | ({1} if "ddp" in args.impls else set()))  # world 1 DDP: compute
     costs = {
@@ -197,7 +206,7 @@ def main() -> None:
         if w > 1
     }
     meta = environment("zero-full", "matplotlib")
-    meta.update(label=args.label, command="python " + " ".join(sys.argv), env=MEASURED_ENV)
+    meta.update(label=args.label, command=command, env=MEASURED_ENV)
     rows: list[dict[str, Any]] = []
     for size in args.sizes:
         w = SIZES[size]
@@ -221,11 +230,5 @@ def main() -> None:
     predict(rows, costs)
     result = {"meta": meta, "cost_s_per_byte": {str(k): v for k, v in costs.items()}, "rows": rows}
     text = markdown(result)
-    write_results(args.out, "growth", result, text, echo=True)
-    print(f"wrote {plot(result, args.out / 'growth.png')}")
-    if args.docs is not None:
-        update_docs(args.docs, text)
-
-
-if __name__ == "__main__":
-    main()
+    Report("growth", result, text, plot=plot, block=BLOCK, docs_text=text).write(args.out, args.docs)
+    print(text)

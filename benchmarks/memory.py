@@ -2,14 +2,14 @@
 
 Run from the repository root (``python -m nox -s bench`` does, with every dependency)::
 
-    python benchmarks/memory.py --out benchmarks/results [--quick] [--name memory] [--docs docs]
+    python -m benchmarks memory [--quick] [--name memory] [--docs docs]
 
 For each workload (a stack of bias-free ``Linear`` layers where parameters dominate, and a
 ``transformers`` GPT-2 of comparable size; ``--quick``: small ones), each world size
 (``--worlds``, default 2 and 4) and each implementation (``ddp``, ``fsdp2``, ``deepspeed-1/2/3``,
 ``zero-1/2/3``, ``zero-3+ckpt``, zero stage 3 with activation checkpointing of every block, and
 ``zero-3+leaf``, zero stage 3 gathering each GPT-2 block as one leaf, as the speed benchmarks do; GPT-2 only),
-the launcher spawns ``W`` FRESH gloo ranks (``_report.spawn_ranks``) with
+the launcher spawns ``W`` FRESH gloo ranks (``benchmarks.kit.measure.spawn_ranks``) with
 ``MALLOC_MMAP_THRESHOLD_=1048576`` (glibc returns every freed block of 1 MiB or more to the
 kernel, so the RSS follows the live tensors) and ``OMP_NUM_THREADS=1``. On each rank:
 
@@ -23,7 +23,7 @@ kernel, so the RSS follows the live tensors) and ``OMP_NUM_THREADS=1``. On each 
    forward; RSS (*forward holds*: what forward added and still holds when backward starts);
    backward and optimizer step; peak RSS (``VmHWM``);
 5. one more step, stopped after backward to count model-state bytes from the implementation's
-   storages (``impls.model_state_bytes``: a second figure, not the evidence).
+   storages (``benchmarks.kit.impls.model_state_bytes``: a second figure, not the evidence).
 
 Reported per implementation (largest rank; each figure the largest over the measured steps):
 RSS at rest above the baseline next to the ZeRO formula (fp32 AdamW: DDP 16P; stage 1
@@ -36,75 +36,42 @@ A rank that dies is named with its exit code (``spawn_ranks``), the run is recor
 failed and the next one starts; a run that exceeds ``--timeout`` is killed. Writes
 ``<name>.json``, ``<name>.md`` and ``<name>.png`` into ``--out``; with ``--docs DIR`` also the
 plot to ``DIR/assets/benchmarks/`` and the tables into ``DIR/memory.md`` between its
-``memory-benchmark`` markers. Each row records the command that measured it (``_report.command_line``:
-the arguments and any ``MALLOC_*`` or thread variable set before the script sets its own), and
-the report names it. Not a test: nothing is asserted.
+``memory-benchmark`` markers. Each row records the command that measured it
+(``benchmarks.kit.report.command_line``: the arguments and any ``MALLOC_*`` or thread variable
+set before the benchmark sets its own), and the report names it. Not a test: nothing is asserted.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
-import gc
-import importlib
 import importlib.util
 import json
-import logging
 import os
 import pathlib
-import shutil
 import sys
 import time
-import warnings
+from collections.abc import Sequence
 from typing import Any
 
-from _report import (
-    command_line,
-    environment,
-    markdown_table,
-    peak_rss_bytes,
-    reset_peak_rss,
-    rss_bytes,
-    spawn_ranks,
-    write_results,
+from benchmarks.kit.cli import BenchmarkParser, benchmark_parser
+from benchmarks.kit.docs import DocsBlock
+from benchmarks.kit.measure import spawn_ranks
+from benchmarks.kit.report import Report, command_line, environment, markdown_table
+from benchmarks.kit.step_memory import (
+    IMPLS,
+    MEASURED_ENV,
+    RELEASE,
+    Run,
+    count_params,
+    failed_row,
+    impls_for,
+    rank_main,
+    summarize,
 )
-from impls import ImplOptions, formula_state_bytes, leaf_threshold
-from workloads import ADAMW, Workload
+from benchmarks.kit.workloads import ADAMW, Workload
 
-IMPLS = (
-    "ddp",
-    "fsdp2",
-    "deepspeed-1",
-    "deepspeed-2",
-    "deepspeed-3",
-    "zero-1",
-    "zero-2",
-    "zero-3",
-    "zero-3+ckpt",
-    "zero-3+leaf",
-)
-# What a suffix of an implementation's name changes in RELEASE: activation checkpointing of every
-# block; each GPT-2 block gathered as one leaf (the side-by-side's stage3_module_granularity_threshold).
-VARIANTS = {"+ckpt": {"checkpointing": True}, "+leaf": {"leaf_blocks": True}}
-# Stage 3 (zero and DeepSpeed) really releases: nothing persists, one block prefetched, two live.
-# Every stage (zero and DeepSpeed alike) bounds its transients by the config: reduce / all-gather
-# buckets of one block and an optimizer that steps one block's elements at a time; overlap_comm
-# and zero's reduce_max_inflight at each implementation's default (overlap_comm false at stage 2,
-# true at stage 3; one reduction in flight); stage 3 gathers per module (no granularity threshold).
-RELEASE = ImplOptions(
-    persistence_threshold=0,
-    prefetch_blocks=1.0,
-    live_blocks=2.0,
-    bucket_blocks=1.0,
-    sub_group_blocks=1.0,
-    overlap_comm=None,
-    leaf_blocks=False,
-    reduce_max_inflight=None,
-)
-MEASURED_ENV = {"MALLOC_MMAP_THRESHOLD_": "1048576", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-MARK_BEGIN = "<!-- memory-benchmark:begin -->"
-MARK_END = "<!-- memory-benchmark:end -->"
+BLOCK = DocsBlock("memory.md", "memory-benchmark")
 
 WORKLOADS = {
     # >= 100M parameters, parameters dominate: 6 x 4096^2 = 100.7M, two rows per rank.
@@ -116,229 +83,6 @@ QUICK_WORKLOADS = {
     "linear": Workload("linear", layers=4, hidden=1024, micro_batch=2),
     "gpt2": Workload("gpt2", layers=2, hidden=256, heads=4, vocab=4096, seq=32, micro_batch=1),
 }
-
-
-@dataclasses.dataclass(frozen=True)
-class Run:
-    """One implementation on one workload at one world size (what the ranks receive)."""
-
-    impl: str
-    workload: Workload
-    world: int
-    warmup: int
-    steps: int
-    timeout: float
-
-
-def split_impl(impl: str) -> tuple[str, ImplOptions]:
-    """The :data:`impls.IMPLEMENTATIONS` name and the options of a benchmark implementation name.
-
-    ``zero-3+ckpt`` is ``zero-3`` with activation checkpointing, ``zero-3+leaf`` with each GPT-2
-    block gathered as one leaf (:data:`VARIANTS`); every implementation gets the :data:`RELEASE`
-    policy (only stage 3 reads it).
-    """
-    if impl not in IMPLS:
-        raise ValueError(f"unknown implementation {impl!r}: choose from {', '.join(IMPLS)}")
-    base, plus, suffix = impl.partition("+")
-    return base, dataclasses.replace(RELEASE, **VARIANTS.get(plus + suffix, {}))
-
-
-def impls_for(impls: list[str], w: Workload) -> list[str]:
-    """The implementations of ``impls`` that measure something of their own on ``w``.
-
-    A variant asking for block leaves (``zero-3+leaf``) runs only where :func:`impls.leaf_threshold`
-    sets a threshold (GPT-2: a Linear stack has no blocks); elsewhere it would be a second
-    ``zero-3`` row.
-    """
-    kept = []
-    for impl in impls:
-        options = split_impl(impl)[1]
-        if not options.leaf_blocks or leaf_threshold(w, options) is not None:
-            kept.append(impl)
-    return kept
-
-
-def formula_bytes(impl: str, psi: int, world: int) -> float:
-    """The fp32 AdamW ZeRO formula of ``impl`` (checkpointing changes activations, not model states)."""
-    return formula_state_bytes(split_impl(impl)[0], psi, world)
-
-
-# ----------------------------------------------------------------------------- one rank
-
-
-def _import_libraries(impl: str, w: Workload) -> None:
-    """Everything the implementation imports before it builds the model (part of the baseline).
-
-    ``torch._dynamo`` (about 140 MB of RSS) is imported by every implementation, lazily by DDP's
-    and FSDP2's constructors: imported here, it is part of everyone's baseline.
-    """
-    names = ["torch._dynamo", *(["torch.distributed.fsdp"] if impl == "fsdp2" else [])]
-    if w.kind == "gpt2":
-        names += [
-            "transformers.models.gpt2.modeling_gpt2",
-            "zero_full.cli.train.workloads",
-        ]  # the model's builder
-    if impl.startswith("deepspeed"):
-        names.append("deepspeed")
-    if impl.startswith("zero"):
-        names.append("zero_full")
-    for name in names:
-        importlib.import_module(name)
-
-
-def _settle() -> int:
-    """RSS after a garbage collection (no cycle left holding tensors)."""
-    gc.collect()
-    return rss_bytes()
-
-
-def _measure(run: Run, rank: int) -> dict[str, Any]:
-    """Steps 1-5 of the module docstring on this rank (the process group is up)."""
-    import torch.distributed as dist
-    from impls import IMPLEMENTATIONS, model_state_bytes
-    from workloads import global_batch, rank_slice
-
-    w, world = run.workload, run.world
-    dist.barrier()  # gloo's connections are open: the runtime is complete
-    runtime = _settle()
-    _import_libraries(run.impl, w)
-    baseline = _settle()
-    base, options = split_impl(run.impl)
-    runner = IMPLEMENTATIONS[base](w, world, options)
-    total = run.warmup + run.steps + 1
-    batches = [rank_slice(global_batch(w, s, world), rank, world) for s in range(total)]
-    for s in range(run.warmup):
-        runner.forward_backward(batches[s])
-        runner.optimizer_step()
-    steps = []
-    for s in range(run.warmup, run.warmup + run.steps):
-        dist.barrier()
-        rest = _settle()
-        reset_peak_rss()
-        start = time.perf_counter()
-        loss = runner.forward(batches[s])
-        forward = rss_bytes()
-        forward_peak = peak_rss_bytes()
-        reset_peak_rss()  # VmHWM restarts at the current RSS: each phase's peak, the step's is their max
-        runner.backward(loss)
-        backward_peak = peak_rss_bytes()
-        reset_peak_rss()
-        runner.optimizer_step()
-        step_peak = peak_rss_bytes()
-        seconds = time.perf_counter() - start  # growth.py's step time (the peak readings included)
-        steps.append(
-            {
-                "rest": rest,
-                "forward": forward,
-                "peak": max(forward_peak, backward_peak, step_peak),
-                "backward_peak": backward_peak,
-                "optimizer_peak": step_peak,
-                "loss": loss.item(),
-                "seconds": seconds,
-            }
-        )
-        del loss
-    runner.forward_backward(batches[-1])
-    state = model_state_bytes(runner)
-    runner.optimizer_step()
-    runner.close()
-    return rank_figures(rank, runtime, baseline, steps, state)
-
-
-def rank_figures(
-    rank: int, runtime: int, baseline: int, steps: list[dict[str, Any]], state: int
-) -> dict[str, Any]:
-    """One rank's figures as :func:`summarize` reads them (``steps``: one dict per measured step)."""
-    return {
-        "rank": rank,
-        "runtime": runtime,
-        "baseline": baseline,
-        "steps": steps,
-        "model_state_bytes": state,
-        "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
-    }
-
-
-def _rank_main(rank: int, run: Run, store: str, results: Any) -> None:
-    """Process entry of one rank: measure, gather every rank's figures, rank 0 reports them."""
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(run.world),
-        LOCAL_WORLD_SIZE=str(run.world),
-        MASTER_ADDR="127.0.0.1",
-    )
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore")
-    timeout = datetime.timedelta(seconds=run.timeout)
-    dist.init_process_group(
-        "gloo", init_method=f"file://{store}", rank=rank, world_size=run.world, timeout=timeout
-    )
-    mine = _measure(run, rank)
-    gathered: list[Any] = [None] * run.world
-    dist.all_gather_object(gathered, mine)
-    dist.barrier()
-    dist.destroy_process_group()
-    if rank == 0:
-        results.put(gathered)
-
-
-# ----------------------------------------------------------------------------- aggregation
-
-
-def summarize(impl: str, workload: str, world: int, psi: int, ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    """One table row from every rank's figures: the largest rank's, over the measured steps.
-
-    rest = RSS at rest - baseline; forward = what forward added and held; peak_added = peak
-    RSS of the step - its rest; step_peak = rest + peak_added (the step's peak above the
-    baseline); imports = baseline - runtime.
-    """
-
-    def worst(value: Any) -> int:
-        return max(value(r, s) for r in ranks for s in r["steps"])
-
-    def phase_added(key: str) -> int | None:
-        # backward / optimizer-step peaks: recorded by this script's ranks, not by every caller's
-        if all(key in s for r in ranks for s in r["steps"]):
-            return worst(lambda r, s: s[key] - s["rest"])
-        return None
-
-    rest = worst(lambda r, s: s["rest"] - r["baseline"])
-    return {
-        "impl": impl,
-        "workload": workload,
-        "world": world,
-        "psi": psi,
-        "runtime_bytes": max(r["runtime"] for r in ranks),
-        "imports_bytes": max(r["baseline"] - r["runtime"] for r in ranks),
-        "rest_bytes": rest,
-        "forward_bytes": worst(lambda r, s: s["forward"] - s["rest"]),
-        "peak_added_bytes": worst(lambda r, s: s["peak"] - s["rest"]),
-        "backward_added_bytes": phase_added("backward_peak"),
-        "optimizer_added_bytes": phase_added("optimizer_peak"),
-        "step_peak_bytes": worst(lambda r, s: s["peak"] - r["baseline"]),
-        "formula_bytes": formula_bytes(impl, psi, world),
-        "model_state_bytes": max(r["model_state_bytes"] for r in ranks),
-        "error": None,
-    }
-
-
-def failed_row(impl: str, workload: str, world: int, psi: int, error: str) -> dict[str, Any]:
-    """The row of a run that did not finish (a dead rank, a timeout): its error, no figures."""
-    return {"impl": impl, "workload": workload, "world": world, "psi": psi, "error": error}
-
-
-def count_params(w: Workload) -> int:
-    """P of the workload's model, built on the meta device (no memory, no time)."""
-    import torch
-    from workloads import build_model, num_params
-
-    with torch.device("meta"):
-        return num_params(build_model(w))
 
 
 # ----------------------------------------------------------------------------- reports
@@ -462,7 +206,7 @@ def _single_run_command(rows: list[dict[str, Any]]) -> list[str]:
     return [f"Command: {_command_of(runs[0])}", ""] if len(runs) == 1 else []
 
 
-def plot(result: dict[str, Any], path: pathlib.Path) -> pathlib.Path:
+def plot(result: dict[str, Any], out: pathlib.Path, stem: str) -> list[pathlib.Path]:
     """Per workload and world: at rest and the step's peak above the baseline, the formula marked."""
     import matplotlib
 
@@ -501,25 +245,10 @@ def plot(result: dict[str, Any], path: pathlib.Path) -> pathlib.Path:
                 ax.legend(fontsize=7)
     fig.suptitle("Real memory per rank (RSS, fresh processes, fp32 AdamW)")
     fig.tight_layout()
+    path = out / f"{stem}.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    return path
-
-
-def update_docs(docs: pathlib.Path, text: str, image: pathlib.Path) -> None:
-    """Copy the plot to ``docs/assets/benchmarks`` and the tables into ``docs/memory.md``."""
-    assets = docs / "assets" / "benchmarks"
-    assets.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(image, assets / image.name)
-    page = docs / "memory.md"
-    content = page.read_text()
-    begin, end = content.find(MARK_BEGIN), content.find(MARK_END)
-    if begin < 0 or end < begin:
-        raise RuntimeError(f"{page} has no {MARK_BEGIN} ... {MARK_END} section to hold the tables")
-    plot_link = f"![Real memory per rank](assets/benchmarks/{image.name})\n"
-    page.write_text(
-        content[: begin + len(MARK_BEGIN)] + "\n\n" + plot_link + "\n" + text + "\n" + content[end:]
-    )
+    return [path]
 
 
 # ----------------------------------------------------------------------------- main
@@ -573,7 +302,7 @@ def run_all(
                 run = Run(impl, w, world, args.warmup, args.steps, args.timeout)
                 t0 = time.monotonic()
                 try:
-                    ranks = spawn_ranks(_rank_main, world, run, args.timeout)
+                    ranks = spawn_ranks(rank_main, world, run, args.timeout)
                     row = summarize(impl, name, world, psi, ranks)
                     done = f"rest {_mb(row['rest_bytes'])} MB, step peak {_mb(row['step_peak_bytes'])} MB"
                 except (RuntimeError, TimeoutError) as exc:
@@ -585,9 +314,8 @@ def run_all(
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small models (a smoke run of the script)")
+def build_parser() -> BenchmarkParser:
+    parser = benchmark_parser("memory", __doc__, docs=True)
     parser.add_argument("--workloads", nargs="+", choices=tuple(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
@@ -595,8 +323,6 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds any one run may take")
     parser.add_argument("--name", default="memory", help="result file stem (default memory)")
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
-    parser.add_argument("--docs", type=pathlib.Path, default=None, help="docs dir for the plot and tables")
     parser.add_argument(
         "--render", type=pathlib.Path, default=None, help="only rewrite md/png from this json"
     )
@@ -605,15 +331,20 @@ def main() -> None:
         action="store_true",
         help="keep the rows of an existing <out>/<name>.json that this run does not measure again",
     )
-    args = parser.parse_args()
+    return parser
+
+
+def _report(result: dict[str, Any], name: str) -> Report:
+    text = markdown(result)
+    return Report(name, result, f"# Memory benchmark\n\n{text}", plot=plot, block=BLOCK, docs_text=text)
+
+
+def main(argv: Sequence[str]) -> None:
+    args = build_parser().parse_args(argv)
     if args.render is not None:
         result = json.loads(args.render.read_text())
-        text = markdown(result)
-        write_results(args.out, args.name, result, f"# Memory benchmark\n\n{text}")
-        image = plot(result, args.out / f"{args.name}.png")
-        if args.docs is not None:
-            update_docs(args.docs, text, image)
-        print(text)
+        _report(result, args.name).write(args.out, args.docs)
+        print(markdown(result))
         return
     impls = list(args.impls)
     if importlib.util.find_spec("deepspeed") is None:
@@ -622,7 +353,7 @@ def main() -> None:
         print(f"deepspeed is not installed: skipping {dropped}", file=sys.stderr)
     table_of = QUICK_WORKLOADS if args.quick else WORKLOADS
     workloads = {name: table_of[name] for name in args.workloads}
-    command = command_line("memory.py")  # as typed: the script sets MEASURED_ENV itself
+    command = command_line("memory", argv)  # as typed: the benchmark sets MEASURED_ENV itself
     os.environ.update(MEASURED_ENV)  # inherited by every spawned rank (glibc reads it at start-up)
     env = environment("deepspeed", "transformers", "matplotlib", "zero-full", "zero-optim", "zero-params")
     print(
@@ -654,15 +385,7 @@ def main() -> None:
         }
         if previous is not None:
             result = merge_results(previous, result)
-        text = markdown(result)
-        write_results(args.out, args.name, result, f"# Memory benchmark\n\n{text}")
-        image = plot(result, args.out / f"{args.name}.png")
-        if args.docs is not None:
-            update_docs(args.docs, text, image)
-        return text
+        _report(result, args.name).write(args.out, args.docs)
+        return markdown(result)
 
     print(report(run_all(impls, workloads, args, report)))
-
-
-if __name__ == "__main__":
-    main()

@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python benchmarks/mics.py --out benchmarks/results
+    python -m benchmarks mics
 
 Spawns 4 local gloo ranks (``LOCAL_WORLD_SIZE=2``: two simulated nodes) and trains a small
 GPT-2 (``transformers``; fp32 AdamW, ``gradient_accumulation_steps`` micro-steps per step)
@@ -31,14 +31,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import pathlib
 import statistics
 import time
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from _report import ResultSink, benchmark_parser, environment, markdown_table, spawn_ranks, write_results
 
+from benchmarks.kit.cli import BenchmarkParser, benchmark_parser
+from benchmarks.kit.measure import ResultSink, spawn_ranks
+from benchmarks.kit.report import Report, command_line, environment, markdown_table
 from zero_full.cli.train.workloads import GPT2Workload
 
 WORLD, RANKS_PER_NODE = 4, 2
@@ -148,8 +150,8 @@ def _rank_main(rank: int, args: argparse.Namespace, store: str, results: ResultS
         results.put(rows)
 
 
-def write_reports(out: pathlib.Path, args: argparse.Namespace, rows: list[dict]) -> str:
-    """``mics.json`` (everything) and ``mics.md`` (a table) in ``out``; returns the table's text."""
+def report(args: argparse.Namespace, rows: list[dict], command: str) -> Report:
+    """``mics.json`` (everything) and ``mics.md`` (a table)."""
     meta = {
         **environment("transformers"),
         "world": WORLD,
@@ -204,17 +206,27 @@ def write_reports(out: pathlib.Path, args: argparse.Namespace, rows: list[dict])
         "nodes; they equal the formula exactly.",
     ]
     text = "\n".join(lines)
-    write_results(out, "mics", {"meta": meta, "rows": rows}, text)
-    return text
+    return Report("mics", {"meta": meta, "rows": rows}, text, command)
 
 
-def main() -> None:
-    parser = benchmark_parser(
-        __doc__, layers=2, width=128, vocab=4096, seq=64, micro=2, accum=2, warmup=2, steps=6
+def build_parser() -> BenchmarkParser:
+    return benchmark_parser(
+        "mics",
+        __doc__,
+        quick={"width": 64, "vocab": 512, "seq": 16, "warmup": 1, "steps": 2},
+        layers=2,
+        width=128,
+        vocab=4096,
+        seq=64,
+        micro=2,
+        accum=2,
+        warmup=2,
+        steps=6,
     )
-    args = parser.parse_args()
-    print(write_reports(args.out, args, spawn_ranks(_rank_main, WORLD, args, timeout=1800)))
 
 
-if __name__ == "__main__":
-    main()
+def main(argv: Sequence[str]) -> None:
+    args = build_parser().parse_args(argv)
+    result = report(args, spawn_ranks(_rank_main, WORLD, args, timeout=1800), command_line("mics", argv))
+    result.write(args.out)
+    print(result.markdown)

@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python benchmarks/offload.py --out benchmarks/results
+    python -m benchmarks offload
 
 Measures, on this machine:
 
@@ -27,7 +27,6 @@ Writes ``offload.json`` and ``offload.md`` into ``--out``. Not a test: nothing i
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import importlib.metadata
 import json
@@ -42,12 +41,14 @@ import tempfile
 import textwrap
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
-from _report import median_seconds
 
 import zero_offload
+from benchmarks.kit.cli import BenchmarkParser, benchmark_parser
+from benchmarks.kit.measure import median_seconds
+from benchmarks.kit.report import Report, command_line
 from zero_offload import AdamHyper, AdamKernel, AsyncSwapper, CpuAdam, aligned_empty
 
 ADAM_BYTES_PER_ELEMENT = 28
@@ -369,7 +370,8 @@ def bench_steps(directory: pathlib.Path) -> list[dict]:
     return rows
 
 
-def write_markdown(out: pathlib.Path, data: dict) -> None:
+def markdown(data: dict) -> str:
+    """The tables of ``offload.md``."""
     m = data["machine"]
     lines = [
         "# zero-offload benchmark",
@@ -443,24 +445,30 @@ def write_markdown(out: pathlib.Path, data: dict) -> None:
         "per step; `nvme` adds a read of every shard per gather that misses the 4-shard host cache and "
         "one write per shard and step.",
     ]
-    (out / "offload.md").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+def build_parser() -> BenchmarkParser:
+    parser = benchmark_parser(
+        "offload",
+        __doc__,
+        quick={"sizes": [1_000_000], "swap_mib": 64, "repeats": 1},
+        swap_mib=512,
+        repeats=3,
     )
-    parser.add_argument("--out", type=pathlib.Path, required=True)
     parser.add_argument("--sizes", type=int, nargs="+", default=[10_000_000, 100_000_000])
     parser.add_argument("--swap-dir", type=pathlib.Path, default=None, help="default: a temporary directory")
-    parser.add_argument("--swap-mib", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--only-steps",
         action="store_true",
         help="re-measure the training step times only, keeping the other sections of --out/offload.json",
     )
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: Sequence[str]) -> None:
+    args = build_parser().parse_args(argv)
+    command = command_line("offload", argv)
     if args.only_steps:
         data = json.loads((args.out / "offload.json").read_text(encoding="utf-8"))
         base = pathlib.Path(tempfile.mkdtemp(prefix="zero_offload_bench_"))
@@ -470,9 +478,8 @@ def main() -> None:
             shutil.rmtree(base, ignore_errors=True)
         data["steps_date"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
         data["steps_omp"] = os.environ.get("OMP_NUM_THREADS", "unset")
-        (args.out / "offload.json").write_text(json.dumps(data, indent=1), encoding="utf-8")
-        write_markdown(args.out, data)
-        print(f"wrote {args.out / 'offload.md'}")
+        data["steps_command"] = command
+        Report("offload", data, markdown(data), indent=1).write(args.out)
         return
     args.out.mkdir(parents=True, exist_ok=True)
     base = args.swap_dir or pathlib.Path(tempfile.mkdtemp(prefix="zero_offload_bench_"))
@@ -504,10 +511,4 @@ def main() -> None:
         "swap": swap,
         "steps": steps,
     }
-    (args.out / "offload.json").write_text(json.dumps(data, indent=1), encoding="utf-8")
-    write_markdown(args.out, data)
-    print(f"wrote {args.out / 'offload.md'}")
-
-
-if __name__ == "__main__":
-    main()
+    Report("offload", data, markdown(data), command, indent=1).write(args.out)

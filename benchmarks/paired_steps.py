@@ -2,13 +2,13 @@
 
 Run from the repository root::
 
-    python benchmarks/paired_steps.py --steps 60 --out benchmarks/results
+    python -m benchmarks paired_steps --steps 60
 
-Why: the side-by-side benchmark (``side_by_side.py``) runs every implementation in processes of
-its own, one after another, and compares rounds. On a shared machine whose speed drifts by
+Why: the side-by-side benchmark (``python -m benchmarks side_by_side``) runs every implementation
+in processes of its own, one after another, and compares rounds. On a shared machine whose speed drifts by
 tens of percent within minutes, its per-round ratios to DDP swing from 0.7 to 1.9, and a
 difference of a few percent between implementations cannot be resolved even over 24 rounds.
-Here every rank builds all the ``--impls`` (the side-by-side's builders, ``impls.py``) at once
+Here every rank builds all the ``--impls`` (the side-by-side's builders, ``benchmarks.kit.impls``) at once
 and steps them on the same batch one after another, rotating the order every step so none is
 always first; each step is timed alone (per step the slowest rank counts), and the ratio to
 DDP is taken per step, between steps a second apart. The drift then cancels in each ratio.
@@ -19,19 +19,19 @@ the training thread's CPU time (``time.thread_time``: gloo's threads excluded), 
 training-thread minor page faults per step (pages the allocator took fresh from the kernel:
 each costs a kernel entry and a zeroed page, CPU the step pays). What sharing a
 process costs: the implementations share the allocator and caches, and each one's memory
-stays allocated during the others' steps (memory is ``memory.py``'s business, in fresh
+stays allocated during the others' steps (memory is the memory benchmark's business, in fresh
 processes). The side-by-side stays the reference comparison with FSDP2 and DeepSpeed; this
 is the finer instrument between DDP and zero. Writes ``<--name>.json`` and ``.md`` (default
 ``paired_steps``) into ``--out``. Not a test: nothing is asserted.
 
 ``--prefetch-blocks``, ``--live-blocks`` and ``--reuse-blocks`` set stage 3's
 ``stage3_prefetch_bucket_size``, ``stage3_max_live_parameters`` and ``stage3_max_reuse_distance``
-(in blocks, :func:`impls.block_numel`; defaults: the side-by-side's 0.5, 1.5 and 0) for every
+(in blocks, :func:`benchmarks.kit.impls.block_numel`; defaults: the side-by-side's 0.5, 1.5 and 0) for every
 implementation built here; only zero-3 reads them. The first two trade a larger gathered window,
 and a higher bound on the gathered parameters, for fewer collectives; with a reuse distance of 0
 every parameter is released after use unless the very next module needs it.
 ``--per-module`` leaves out ``stage3_module_granularity_threshold`` (the side-by-side sets it to
-one GPT-2 block's granularity, :func:`impls.block_granularity`, so each block is one leaf);
+one GPT-2 block's granularity, :func:`benchmarks.kit.impls.block_granularity`, so each block is one leaf);
 ``--compare-per-module`` steps zero-3 a second time without it, in the same rotation.
 ``--bucket-blocks`` sets ``reduce_bucket_size`` and ``allgather_bucket_size`` of every zero
 stage (default: the side-by-side's 4 blocks); ``--reduce-max-inflight`` zero's
@@ -56,29 +56,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import pathlib
 import random
 import statistics
-import sys
 from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-
-from _report import (  # noqa: E402
-    StepTiming,
-    command_line,
-    environment,
-    markdown_table,
-    spawn_ranks,
-    timed_across_ranks,
-    write_results,
-)
-from impls import IMPLEMENTATIONS, ImplOptions  # noqa: E402
-from workloads import rank_batches, workload_of, workload_parser  # noqa: E402
+from benchmarks.kit.cli import BenchmarkParser
+from benchmarks.kit.impls import IMPLEMENTATIONS, ImplOptions
+from benchmarks.kit.measure import StepTiming, spawn_ranks, timed_across_ranks
+from benchmarks.kit.report import Report, command_line, environment, markdown_table
+from benchmarks.kit.workloads import QUICK_SHAPE, rank_batches, workload_of, workload_parser
 
 PAIRABLE = ("ddp", "fsdp2", "zero-1", "zero-2", "zero-3")
 """Implementations that can share a process (DeepSpeed's engines keep process-wide state)."""
@@ -350,10 +340,17 @@ _OPTION_FLAGS = (
 """``(flag, type, ImplOptions field, help)`` of the command-line options that set :class:`ImplOptions`."""
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> BenchmarkParser:
     """The command line: the workload's shape, ``--impls``, ``--name``, stage 3's three bounds, the buckets
     and the reductions in flight."""
-    parser = workload_parser(__doc__, world=2, warmup=3, steps=60)
+    parser = workload_parser(
+        "paired_steps",
+        __doc__,
+        quick={**QUICK_SHAPE, "warmup": 1, "steps": 4},
+        world=2,
+        warmup=3,
+        steps=60,
+    )
     parser.add_argument("--impls", nargs="+", choices=PAIRABLE, default=["ddp", "zero-1", "zero-2", "zero-3"])
     parser.add_argument("--timeout", type=float, default=3600.0)
     parser.add_argument("--name", default="paired_steps", help="results file name (without .md / .json)")
@@ -384,8 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The command line (``argv``; default ``sys.argv[1:]``), checked: DDP in ``--impls``, no negative bound.
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """The command line ``argv``, checked: DDP in ``--impls``, no negative bound.
 
     A refused command exits with the parser's usage message (status 2).
     """
@@ -405,12 +402,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: Sequence[str]) -> None:
+    args = parse_args(argv)
     env = environment("zero-full") | {"world": args.world}
     found = spawn_ranks(_rank_main, args.world, args, args.timeout, process_group=True)
     summary = summarize(found["wall"], found["cpu"], found.get("faults"))
-    text = report(summary, found["workload"], env, command_line("paired_steps.py"))
+    text = report(summary, found["workload"], env, command_line("paired_steps", argv))
     if "phases" in found:
         text += "\n\n" + "\n".join(
             [
@@ -427,8 +424,4 @@ def main() -> None:
     print(text)
     settings = vars(args) | {"out": str(args.out)}
     result = {"environment": env, "args": settings, "summary": summary, **found}
-    write_results(args.out, args.name, result, text)
-
-
-if __name__ == "__main__":
-    main()
+    Report(args.name, result, text).write(args.out)

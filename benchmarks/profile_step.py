@@ -2,7 +2,7 @@
 
 Run from the repository root (``python -m nox -s bench`` does)::
 
-    python benchmarks/profile_step.py --out benchmarks/results --docs docs
+    python -m benchmarks profile_step --docs docs
 
 On ``--world`` gloo ranks (one thread each), with the side-by-side's GPT-2 workload:
 
@@ -34,8 +34,8 @@ are DDP's, so their floor is DDP's step).
 
 The floor: ``DDP step + (stage-3 wire bytes - DDP's ring all-reduce bytes) x cost per byte``;
 stage 3's distance to it is reported as a % of its step. Writes ``profile_step.json`` and
-``profile_step.md`` into ``--out``; with ``--docs DIR`` the table goes into
-``DIR/benchmarks.md`` between its ``profile-step`` markers. Not a test: nothing is asserted.
+``profile_step.md`` into ``--out``; with ``--docs DIR`` the tables go into
+``DIR/benchmarks.md``'s ``profile-step`` block. Not a test: nothing is asserted.
 """
 
 from __future__ import annotations
@@ -49,18 +49,30 @@ import statistics
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from _report import command_line, environment, markdown_table, replace_section, spawn_ranks, write_results
-from impls import IMPLEMENTATIONS, ImplOptions, ring_ideal_bytes
-from workloads import Workload, count_params, rank_batches, workload_of, workload_parser
 
-MARK_BEGIN, MARK_END = "<!-- profile-step:begin -->", "<!-- profile-step:end -->"
+from benchmarks.kit.cli import BenchmarkParser
+from benchmarks.kit.docs import DocsBlock
+from benchmarks.kit.impls import IMPLEMENTATIONS, ImplOptions, ring_ideal_bytes
+from benchmarks.kit.measure import spawn_ranks
+from benchmarks.kit.report import Report, command_line, environment, markdown_table
+from benchmarks.kit.wire import comm_sweep, fit_cost, slowest
+from benchmarks.kit.workloads import (
+    QUICK_SHAPE,
+    Workload,
+    count_params,
+    rank_batches,
+    workload_of,
+    workload_parser,
+)
+
+BLOCK = DocsBlock("benchmarks.md", "profile-step")
 RELEASED = ImplOptions(persistence_threshold=0, prefetch_blocks=0.5, live_blocks=1.5)
 """The stage-3 options profiled (``--persistence-threshold`` replaces the threshold)."""
-SWEEP_BYTES = (1 << 16, 1 << 18, 1 << 20, 1 << 22)  # bytes per rank's input
 COPY_OPS = {
     "aten::copy_",
     "aten::cat",
@@ -275,46 +287,6 @@ def _thread_cpu_seconds() -> dict[int, float]:
 # ----------------------------------------------------------------------------- measuring
 
 
-def _slowest(seconds: float) -> float:
-    t = torch.tensor([seconds], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t)
-
-
-def comm_sweep(world: int, repeats: int) -> list[dict[str, Any]]:
-    """Median seconds of all_gather_single / all_to_all_single per size, with the ring-ideal bytes sent."""
-    rows = []
-    for nbytes in SWEEP_BYTES:
-        n = nbytes // 4
-        shard = torch.randn(n)
-        gathered = torch.empty(world * n)
-        send, recv = torch.randn(n * world), torch.empty(n * world)
-        calls = (
-            ("all_gather", dist.all_gather_single, (gathered, shard)),
-            ("all_to_all", dist.all_to_all_single, (recv, send)),
-        )
-        for op, fn, fn_args in calls:
-            wire = (world - 1) * nbytes
-            times = []
-            for _ in range(repeats + 1):
-                dist.barrier()
-                t = time.perf_counter()
-                fn(*fn_args)
-                times.append(_slowest(time.perf_counter() - t))
-            rows.append({"op": op, "wire_bytes": wire, "seconds": statistics.median(times[1:])})
-    return rows
-
-
-def fit_cost(rows: list[dict[str, Any]]) -> tuple[float, float]:
-    """Least squares ``seconds = latency + wire_bytes x cost``; returns ``(latency_s, cost_s_per_byte)``."""
-    xs = [r["wire_bytes"] for r in rows]
-    ys = [r["seconds"] for r in rows]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    cost = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
-    return my - cost * mx, cost
-
-
 def _timed_steps(runners: dict[str, Any], batches: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
     """Each batch stepped by every runner in turn (interleaved: they share the machine's moments).
 
@@ -329,7 +301,7 @@ def _timed_steps(runners: dict[str, Any], batches: list[dict[str, torch.Tensor]]
             t = time.perf_counter()
             runner.forward_backward(batch)
             runner.optimizer_step()
-            times[name].append(_slowest(time.perf_counter() - t))
+            times[name].append(slowest(time.perf_counter() - t))
             engine = getattr(runner, "engine", None)
             if engine is not None:
                 wire[name].append(engine.stats.comm.wire_bytes)
@@ -552,13 +524,18 @@ def markdown(result: dict[str, Any]) -> str:
     )
 
 
-def update_docs(docs: pathlib.Path, text: str) -> None:
-    """Put the tables into ``docs/benchmarks.md`` between the ``profile-step`` markers."""
-    replace_section(docs / "benchmarks.md", MARK_BEGIN, MARK_END, "\n\n" + text + "\n\n")
-
-
-def main() -> None:
-    parser = workload_parser(__doc__, world=2, warmup=3, steps=8, profile_steps=2, sweep_repeats=5)
+def build_parser() -> BenchmarkParser:
+    parser = workload_parser(
+        "profile_step",
+        __doc__,
+        quick={**QUICK_SHAPE, "warmup": 1, "steps": 2, "profile_steps": 1, "sweep_repeats": 1},
+        docs=True,
+        world=2,
+        warmup=3,
+        steps=8,
+        profile_steps=2,
+        sweep_repeats=5,
+    )
     parser.add_argument(
         "--impl",
         choices=("zero-1", "zero-2", "zero-3"),
@@ -577,8 +554,11 @@ def main() -> None:
     parser.add_argument(
         "--trace", type=pathlib.Path, default=pathlib.Path("benchmarks/results/tmp/profile_step_trace.json")
     )
-    parser.add_argument("--docs", type=pathlib.Path, default=None)
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: Sequence[str]) -> None:
+    args = build_parser().parse_args(argv)
     w = _workload(args)
     psi = count_params(w)
     print(f"profile_step: {w.describe()}, P = {psi:,}, world {args.world}", flush=True)
@@ -591,15 +571,12 @@ def main() -> None:
         impl=args.impl,
         persistence_threshold=args.persistence_threshold,
         workload=w.describe(),
-        command=command_line("profile_step.py"),
+        command=command_line("profile_step", argv),
         trace=str(args.trace),
     )
     result = {"meta": meta, "raw": raw, "summary": summarize(args, raw, psi)}
     text = markdown(result)
-    write_results(args.out, "profile_step", result, text, echo=True)
-    if args.docs is not None:
-        update_docs(args.docs, text)
-
-
-if __name__ == "__main__":
-    main()
+    Report("profile_step", result, text, meta["command"], block=BLOCK, docs_text=text).write(
+        args.out, args.docs
+    )
+    print(text)

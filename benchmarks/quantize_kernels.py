@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    python benchmarks/quantize_kernels.py --out benchmarks/results
+    python -m benchmarks quantize_kernels
 
 For a ``--numel`` fp32 tensor (default 10M) of Gaussian data it times, per bit width (group size
 ``--group-size``, default 2048), the median over ``--repeats`` runs of:
@@ -20,16 +20,16 @@ Not a test: nothing is asserted.
 
 from __future__ import annotations
 
-import argparse
 import os
-import pathlib
 import platform
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
-from _report import environment, median_seconds, write_results
 
 import zero_kernels
+from benchmarks.kit.cli import BenchmarkParser, benchmark_parser
+from benchmarks.kit.measure import median_seconds
+from benchmarks.kit.report import Report, command_line, environment
 from zero_kernels import QuantConfig, dequantize, quantize
 
 
@@ -98,18 +98,19 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--numel", type=int, default=10_000_000)
-    parser.add_argument("--group-size", type=int, default=2048)
-    parser.add_argument("--repeats", type=int, default=15)
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path(__file__).parent / "results")
-    args = parser.parse_args()
+def build_parser() -> BenchmarkParser:
+    return benchmark_parser(
+        "quantize_kernels",
+        __doc__,
+        quick={"numel": 1_000_000, "repeats": 3},
+        numel=10_000_000,
+        group_size=2048,
+        repeats=15,
+    )
+
+
+def main(argv: Sequence[str]) -> None:
+    args = build_parser().parse_args(argv)
     result = run(args.numel, args.group_size, args.repeats)
     print(table(result))
-    (path,) = write_results(args.out, "quantize_kernels", result)
-    print(f"wrote {path}")
-
-
-if __name__ == "__main__":
-    main()
+    Report("quantize_kernels", result, command=command_line("quantize_kernels", argv)).write(args.out)

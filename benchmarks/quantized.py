@@ -2,7 +2,7 @@
 
 Run from the repository root::
 
-    OMP_NUM_THREADS=1 python benchmarks/quantized.py --out benchmarks/results
+    OMP_NUM_THREADS=1 python -m benchmarks quantized
 
 Spawns 4 local gloo ranks as 2 simulated nodes x 2 ranks (``--world``, ``--ranks-per-node``).
 
@@ -39,22 +39,15 @@ import os
 import re
 import statistics
 import subprocess
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from _report import (
-    ResultSink,
-    benchmark_parser,
-    environment,
-    markdown_table,
-    median_seconds,
-    spawn_ranks,
-    time_and_count,
-    write_results,
-)
 
 import zero_kernels
+from benchmarks.kit.cli import BenchmarkParser, benchmark_parser
+from benchmarks.kit.measure import ResultSink, median_seconds, spawn_ranks, time_and_count
+from benchmarks.kit.report import Report, command_line, environment, markdown_table
 from zero_comm import (
     CommLedger,
     LinkKind,
@@ -342,11 +335,23 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
-    parser = benchmark_parser(
-        __doc__, world=4, ranks_per_node=2, numel=10_000_000, repeats=5, ss_repeats=3, kernel_repeats=7
+def build_parser() -> BenchmarkParser:
+    return benchmark_parser(
+        "quantized",
+        __doc__,
+        quick={"numel": 400_000, "repeats": 2, "ss_repeats": 1, "kernel_repeats": 2},
+        world=4,
+        ranks_per_node=2,
+        numel=10_000_000,
+        repeats=5,
+        ss_repeats=3,
+        kernel_repeats=7,
     )
-    args = parser.parse_args()
+
+
+def main(argv: Sequence[str]) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.world % args.ranks_per_node or args.numel % (1000 * args.world):
         parser.error("--ranks-per-node must divide --world, and --numel must be a multiple of 1000 * --world")
     kernels = kernel_throughput(args.numel, args.world, args.ranks_per_node, args.kernel_repeats)
@@ -372,9 +377,5 @@ def main() -> None:
     }
     result = {"meta": meta, **dist_result, "ratios": ratios(dist_result["rows"]), "kernels": kernels}
     text = markdown(result)
-    write_results(args.out, "quantized", result, text)
+    Report("quantized", result, text, command_line("quantized", argv)).write(args.out)
     print(text)
-
-
-if __name__ == "__main__":
-    main()

@@ -2,7 +2,7 @@
 
 Run from the repository root (``python -m nox -s bench`` does, with every dependency)::
 
-    python benchmarks/side_by_side.py --out benchmarks/results --docs docs
+    python -m benchmarks side_by_side --docs docs
 
 For each world size (``--worlds``, default 2 and 4) the launcher first trains the single-process
 reference on the whole global batch (in its own process, one thread), then runs every
@@ -28,19 +28,18 @@ rank per step next to the ring ideal; max |loss - reference loss| over every ste
 (the ranks' losses averaged per step).
 
 Real memory (RSS) is not measured here (it needs ``MALLOC_MMAP_THRESHOLD_`` set, which would
-change the step times measured): ``benchmarks/memory.py`` measures it, each implementation in
+change the step times measured): the memory benchmark measures it, each implementation in
 fresh processes. The report records the command it ran as, with the allocator (``MALLOC_*``) and
 thread variables set in its environment: glibc's trimming changes every implementation's page
 faults, and so its step time.
 
 Writes ``side_by_side.json`` and ``side_by_side.md`` and three PNG plots into ``--out``; with
-``--docs DIR`` also copies the plots to ``DIR/assets/benchmarks/`` and the table into
-``DIR/benchmarks.md`` between its ``side-by-side`` markers. Not a test: nothing is asserted.
+``--docs DIR`` also the plots and the table into ``DIR/benchmarks.md``'s ``side-by-side`` block.
+Not a test: nothing is asserted.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import gc
@@ -48,37 +47,34 @@ import importlib.util
 import logging
 import os
 import pathlib
-import shutil
 import statistics
 import sys
 import time
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from _report import (
-    command_line,
-    environment,
-    markdown_table,
-    read_wchar,
-    replace_section,
-    thread_minor_faults,
-    write_results,
-)
-from impls import (
-    IMPLEMENTATIONS,
-    formula_state_bytes,
-    model_state_bytes,
-    ring_ideal_bytes,
-)
-from workloads import ADAMW, Workload, count_params, rank_batches, workload_of, workload_parser
 
+from benchmarks.kit.cli import BenchmarkParser
+from benchmarks.kit.docs import DocsBlock
+from benchmarks.kit.impls import IMPLEMENTATIONS, formula_state_bytes, model_state_bytes, ring_ideal_bytes
+from benchmarks.kit.measure import read_wchar, thread_minor_faults
+from benchmarks.kit.report import Report, command_line, environment, markdown_table
+from benchmarks.kit.workloads import (
+    ADAMW,
+    QUICK_SHAPE,
+    Workload,
+    count_params,
+    rank_batches,
+    workload_of,
+    workload_parser,
+)
 from zero_comm.launch import RankContext, launch
 
 DISTRIBUTED = [name for name in IMPLEMENTATIONS if name != "single"]
-MARK_BEGIN = "<!-- side-by-side:begin -->"
-MARK_END = "<!-- side-by-side:end -->"
+BLOCK = DocsBlock("benchmarks.md", "side-by-side")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,8 +374,9 @@ def markdown(result: dict[str, Any]) -> str:
         "Model states: distinct tensor storages reachable from the module, optimizer and engine after",
         "backward (params, grads, optimizer state, buffers), largest rank.",
         "Formula: fp32 AdamW ZeRO formula (DDP 16P, stage 1 8P+8P/N, stage 2 4P+12P/N, stage 3 and FSDP2",
-        "16P/N). Real memory (RSS) per rank: see the memory benchmark (benchmarks/memory.py), which runs",
-        "each implementation in fresh processes. MB sent: wchar of /proc/self/io per rank per step; ring",
+        "16P/N). Real memory (RSS) per rank: see the memory benchmark (python -m benchmarks memory),",
+        "which runs each implementation in fresh processes. MB sent: wchar of /proc/self/io per rank per",
+        "step; ring",
         "ideal: 2P(N-1)/N x 4 bytes",
         "(3P(N-1)/N at stage 3 and FSDP2). Loss diff: against the single process on the same global batch,",
         "every step. MB = 1e6 bytes.",
@@ -459,30 +456,25 @@ def plots(result: dict[str, Any], out: pathlib.Path, name: str) -> list[pathlib.
     return paths
 
 
-def update_docs(docs: pathlib.Path, text: str, images: list[pathlib.Path]) -> None:
-    """Copy the plots to ``docs/assets/benchmarks`` and the tables into ``docs/benchmarks.md``."""
-    assets = docs / "assets" / "benchmarks"
-    assets.mkdir(parents=True, exist_ok=True)
-    for image in images:
-        shutil.copy2(image, assets / image.name)
-    page = docs / "benchmarks.md"
-    if not page.exists():
-        return
-    replace_section(page, MARK_BEGIN, MARK_END, "\n\n" + text + "\n")
-
-
 # ----------------------------------------------------------------------------- main
 
 
-def parser() -> argparse.ArgumentParser:
+def build_parser() -> BenchmarkParser:
     """The command line of :func:`main` (``--shared`` and ``--fresh`` exclude each other)."""
-    parser = workload_parser(__doc__, rounds=3, warmup=2, steps=6)
+    parser = workload_parser(
+        "side_by_side",
+        __doc__,
+        quick={**QUICK_SHAPE, "worlds": [2], "rounds": 1, "warmup": 1, "steps": 2},
+        docs=True,
+        rounds=3,
+        warmup=2,
+        steps=6,
+    )
     parser.add_argument("--workload", choices=("gpt2", "mlp"), default="gpt2")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--impls", nargs="+", default=DISTRIBUTED, choices=DISTRIBUTED)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds any one run may take")
     parser.add_argument("--name", default="side_by_side", help="result file stem (default side_by_side)")
-    parser.add_argument("--docs", type=pathlib.Path, default=None, help="docs dir to copy plots and table to")
     layout = parser.add_mutually_exclusive_group()
     layout.add_argument(
         "--shared",
@@ -493,14 +485,14 @@ def parser() -> argparse.ArgumentParser:
     layout.add_argument(
         "--fresh",
         action="store_true",
-        help="each run in processes of its own: the default since session 11 (kept so the "
-        "commands quoted in earlier results run unchanged)",
+        help="each run in processes of its own: the default (kept so the commands quoted in "
+        "earlier results run unchanged)",
     )
     return parser
 
 
-def main() -> None:
-    args = parser().parse_args()
+def main(argv: Sequence[str]) -> None:
+    args = build_parser().parse_args(argv)
     impls = list(args.impls)
     if importlib.util.find_spec("deepspeed") is None:
         dropped = [i for i in impls if i.startswith("deepspeed")]
@@ -538,17 +530,13 @@ def main() -> None:
         "psi": psi,
         "adamw": {**ADAMW, "betas": list(ADAMW["betas"])},
         "run_seconds": time.monotonic() - start,
-        "command": command_line("side_by_side.py"),
+        "command": command_line("side_by_side", argv),
         "rows": rows,
         "raw": raw,
     }
     text = markdown(result)
-    write_results(args.out, args.name, result, f"# Side-by-side benchmark\n\n{text}")
-    images = plots(result, args.out, args.name)
-    if args.docs is not None:
-        update_docs(args.docs, text, images)
+    report = Report(
+        args.name, result, f"# Side-by-side benchmark\n\n{text}", plot=plots, block=BLOCK, docs_text=text
+    )
+    report.write(args.out, args.docs)
     print(text)
-
-
-if __name__ == "__main__":
-    main()

@@ -2,10 +2,10 @@
 
 Run from the repository root on a quiet machine::
 
-    python benchmarks/waits.py --impl zero-3 --steps 30 --out benchmarks/results
+    python -m benchmarks waits --impl zero-3 --steps 30
 
 Each rank builds one zero engine (the side-by-side benchmark's ZeRO section and options,
-:class:`impls.ImplOptions`) and, after ``--warmup`` steps, attaches a
+:class:`benchmarks.kit.impls.ImplOptions`) and, after ``--warmup`` steps, attaches a
 :class:`zero_comm.WaitTimings` to its collective watchdog. Every collective waited through the
 watchdog is then recorded with three ``time.perf_counter`` readings: issue, start of the wait,
 end of the wait. The *lead* (issue to wait) is how long the transfer had to itself; the *wait*
@@ -23,19 +23,18 @@ Below, per phase, the median per step of the summed waits. Writes ``--out``/``NA
 from __future__ import annotations
 
 import argparse
-import pathlib
 import statistics
-import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch.distributed as dist
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-
-from _report import command_line, environment, markdown_table, spawn_ranks, write_results  # noqa: E402
-from impls import IMPLEMENTATIONS, ImplOptions  # noqa: E402
-from workloads import rank_batches, workload_of, workload_parser  # noqa: E402
+from benchmarks.kit.cli import BenchmarkParser
+from benchmarks.kit.impls import IMPLEMENTATIONS, ImplOptions
+from benchmarks.kit.measure import spawn_ranks
+from benchmarks.kit.report import Report, command_line, environment, markdown_table
+from benchmarks.kit.workloads import QUICK_SHAPE, rank_batches, workload_of, workload_parser
 
 PHASES = ("forward", "backward", "step")
 
@@ -55,7 +54,9 @@ def _rank_main(rank: int, args: argparse.Namespace, store: str, results: Any) ->
     runner = IMPLEMENTATIONS[args.impl](w, args.world, ImplOptions())
     watchdog = runner.engine.watchdog
     if watchdog is None:
-        raise RuntimeError("waits.py needs the collective watchdog (robustness.watchdog, on by default)")
+        raise RuntimeError(
+            "the waits benchmark needs the collective watchdog (robustness.watchdog, on by default)"
+        )
     batches = rank_batches(w, rank, args.world, 8)
     for s in range(args.warmup):
         runner.forward_backward(batches[s % len(batches)])
@@ -131,7 +132,7 @@ def phase_totals(ranks: list[list[dict[str, Any]]]) -> dict[str, list[float]]:
 
 
 def report(
-    found: dict[str, Any], args: argparse.Namespace, env: dict[str, Any]
+    found: dict[str, Any], args: argparse.Namespace, env: dict[str, Any], command: str
 ) -> tuple[str, dict[str, Any]]:
     """The markdown page and the summary of one run."""
     ranks = found["ranks"]
@@ -159,7 +160,6 @@ def report(
         ["phase", *(f"rank {i}: waits (ms / step)" for i in range(len(ranks)))],
         [[phase, *(f"{v:.2f}" for v in totals[phase])] for phase in PHASES],
     )
-    command = command_line("waits.py")
     text = (
         f"# Collective waits of {args.impl}, world {args.world}\n\n{found['workload']}; "
         f"{args.steps} steps after {args.warmup} warm-up steps; load average {env['load_average_1m']:.1f} "
@@ -172,19 +172,27 @@ def report(
     return text, summary
 
 
-def main() -> None:
-    parser = workload_parser(__doc__.splitlines()[0], world=2, warmup=4, steps=30)
+def build_parser() -> BenchmarkParser:
+    parser = workload_parser(
+        "waits",
+        __doc__,
+        quick={**QUICK_SHAPE, "warmup": 1, "steps": 3},
+        world=2,
+        warmup=4,
+        steps=30,
+    )
     parser.add_argument("--impl", choices=("zero-1", "zero-2", "zero-3"), default="zero-3")
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--name", default="waits", help="results file name (without extension)")
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: Sequence[str]) -> None:
+    args = build_parser().parse_args(argv)
     env = environment("zero-full")
     found = spawn_ranks(_rank_main, args.world, args, args.timeout, process_group=True)
-    text, summary = report(found, args, env)
+    text, summary = report(found, args, env, command_line("waits", argv))
     print(text)
     settings = vars(args) | {"out": str(args.out)}
-    write_results(args.out, args.name, {"environment": env, "args": settings, **summary, "raw": found}, text)
-
-
-if __name__ == "__main__":
-    main()
+    result = {"environment": env, "args": settings, **summary, "raw": found}
+    Report(args.name, result, text).write(args.out)

@@ -2,20 +2,20 @@
 
 Run from the repository root on a quiet machine::
 
-    python benchmarks/watchdog_overhead.py --world 2 --pairs 60 --out benchmarks/results
+    python -m benchmarks watchdog_overhead --world 2 --pairs 60
 
 Each rank builds two zero-3 engines on the same workload (the side-by-side benchmark's ZeRO
-section, :func:`impls.zero_section`): ``on`` with the default ``robustness`` section (watchdog
+section, :func:`benchmarks.kit.impls.zero_section`): ``on`` with the default ``robustness`` section (watchdog
 on, ``check_paths`` off: the trace-departure check is part of it) and ``off`` with
 ``robustness.watchdog = false``. Both live for the whole run, in the same processes and process
 group; after ``--warmup`` steps of each, ``--pairs`` pairs of steps run, the order inside a pair
 alternating (on-off, off-on, ...) so neither always runs first. Each step is timed alone; per
 step the slowest rank counts (the ranks start it together after a barrier; an all-reduce of
-the time after the step, outside the window: :func:`_report.timed_across_ranks`).
+the time after the step, outside the window: :func:`benchmarks.kit.measure.timed_across_ranks`).
 
 Reported: the median step of each, the overhead ``median(on) / median(off) - 1`` (goal <= 2%),
-and the median of the per-pair ratios. With ``--out`` writes ``watchdog_overhead.json`` and
-``.md``. The 1-minute load average is recorded: a figure measured on a loaded machine says so.
+and the median of the per-pair ratios. Writes ``watchdog_overhead.json`` and ``.md``
+into ``--out``. The 1-minute load average is recorded: a figure measured on a loaded machine says so.
 The ``off`` engine shares its process with the ``on`` engine's heartbeat thread (one store write
 per ``heartbeat_interval``, 2 s by default), so the overhead reported is what the watchdog adds
 per collective and per wait. Not a test: nothing is asserted.
@@ -24,19 +24,18 @@ per collective and per wait. Not a test: nothing is asserted.
 from __future__ import annotations
 
 import argparse
-import pathlib
 import statistics
-import sys
+from collections.abc import Sequence
 from functools import partial
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-
-from _report import environment, markdown_table, spawn_ranks, timed_across_ranks, write_results  # noqa: E402
-from impls import zero_section  # noqa: E402
-from workloads import Workload, adamw, build_model, global_batch, loss_of, rank_slice  # noqa: E402
+from benchmarks.kit.cli import BenchmarkParser, benchmark_parser
+from benchmarks.kit.impls import zero_section
+from benchmarks.kit.measure import spawn_ranks, timed_across_ranks
+from benchmarks.kit.report import Report, command_line, environment, markdown_table
+from benchmarks.kit.workloads import Workload, adamw, build_model, global_batch, loss_of, rank_slice
 
 
 def _engine(w: Workload, watchdog: bool) -> Any:
@@ -82,18 +81,25 @@ def summarize(times: dict[str, list[float]]) -> dict[str, float]:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def build_parser() -> BenchmarkParser:
+    parser = benchmark_parser(
+        "watchdog_overhead",
+        __doc__,
+        quick={"layers": 2, "hidden": 64, "warmup": 1, "pairs": 4},
+        layers=4,
+        hidden=256,
+        micro_batch=4,
+        world=2,
+        warmup=3,
+        pairs=60,
+    )
     parser.add_argument("--workload", choices=("gpt2", "mlp", "linear"), default="gpt2")
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--pairs", type=int, default=60)
     parser.add_argument("--timeout", type=float, default=3600.0)
-    parser.add_argument("--out", type=pathlib.Path, default=None)
-    args = parser.parse_args()
+    return parser
+
+
+def main(argv: Sequence[str]) -> None:
+    args = build_parser().parse_args(argv)
     env = environment("zero-full")  # before the ranks run: the load they add is not "other work"
     found = spawn_ranks(_rank_main, args.world, args, args.timeout, process_group=True)
     summary = summarize(found["times"])
@@ -117,12 +123,7 @@ def main() -> None:
         )
     )
     print(text)
-    if args.out is not None:
-        settings = vars(args) | {"out": str(args.out)}
-        result = {"environment": env, "loaded": loaded, "args": settings, **summary}
-        result["times"] = found["times"]
-        write_results(args.out, "watchdog_overhead", result, text)
-
-
-if __name__ == "__main__":
-    main()
+    settings = vars(args) | {"out": str(args.out)}
+    result = {"environment": env, "loaded": loaded, "args": settings, **summary}
+    result["times"] = found["times"]
+    Report("watchdog_overhead", result, text, command_line("watchdog_overhead", argv)).write(args.out)

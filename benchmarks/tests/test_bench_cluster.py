@@ -1,4 +1,4 @@
-"""``benchmarks/cluster.py``: variant availability, configs, the report table and the docs section."""
+"""The cluster benchmark: variant availability, configs, the report table and the docs section."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import argparse
 import json
 
 import pytest
-from cluster import MARK_BEGIN, MARK_END, VARIANTS, unavailable, update_docs, write_reports, zero_config
+
+from benchmarks.cluster import BLOCK, VARIANTS, report, unavailable, zero_config
 
 
 def test_variants_release_parameters_and_detect_what_zero_full_implements():
@@ -44,17 +45,17 @@ def test_report_table_and_docs_section(tmp_path):
         {"variant": "qwZ", "status": "not available in this build (x)"},
     ]
     link = {"rate_mbit": 20.0, "burst_kib": 64, "delay": "none", "description": "20 Mbit/s link"}
-    write_reports(tmp_path, args, rows, link)
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "benchmarks.md").write_text(f"# B\n\n{BLOCK.begin}\nold\n{BLOCK.end}\n\ntail\n")
+    report(args, rows, link, "python -m benchmarks cluster").write(tmp_path, docs)
     md = (tmp_path / "cluster.md").read_text()
     assert "| ZeRO-3 | 2000 | 1.00 | 2.250 | 0.750 | 2.500 | 2.550 | +2.0% |" in md
     assert "| DDP | 1000 | 2.00 | torch DDP (no ledger) |  | 1.500 | 1.510 | +0.7% |" in md
     assert "| qwZ | not available in this build (x) |" in md
     assert json.loads((tmp_path / "cluster.json").read_text())["meta"]["link"]["rate_mbit"] == 20.0
     assert (tmp_path / "cluster.png").stat().st_size > 0
-    docs = tmp_path / "docs"
-    docs.mkdir()
-    (docs / "benchmarks.md").write_text(f"# B\n\n{MARK_BEGIN}\nold\n{MARK_END}\n\ntail\n")
-    update_docs(docs, tmp_path)
     page = (docs / "benchmarks.md").read_text()
-    assert "old" not in page and "| ZeRO-3 | 2000 |" in page and page.endswith(f"{MARK_END}\n\ntail\n")
+    assert "old" not in page and "| ZeRO-3 | 2000 |" in page and page.endswith(f"{BLOCK.end}\n\ntail\n")
+    assert "![cluster](assets/benchmarks/cluster.png)" in page
     assert (docs / "assets" / "benchmarks" / "cluster.png").exists()

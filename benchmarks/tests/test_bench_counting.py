@@ -1,10 +1,17 @@
-"""``benchmarks/impls.py``: the ZeRO formulas and model-state bytes counted from storages."""
+"""``benchmarks.kit.impls``: the ZeRO formulas and model-state bytes counted from storages."""
 
 from __future__ import annotations
 
 import torch
-from impls import formula_state_bytes, reachable_tensors, ring_ideal_bytes, stage_of, storage_bytes
 from torch import nn
+
+from benchmarks.kit.impls import (
+    formula_state_bytes,
+    reachable_tensors,
+    ring_ideal_bytes,
+    stage_of,
+    storage_bytes,
+)
 
 
 def test_formulas_per_stage():

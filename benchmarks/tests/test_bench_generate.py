@@ -1,9 +1,10 @@
-"""Pure helpers of benchmarks/generate.py: token rate, slowest-rank median, summary."""
+"""Pure helpers of the generate benchmark: token rate, slowest-rank median, summary."""
 
 from __future__ import annotations
 
 import pytest
-from generate import WAYS, slowest_median, summarize, tokens_per_second
+
+from benchmarks.generate import WAYS, slowest_median, summarize, tokens_per_second
 
 
 def test_tokens_per_second_counts_every_sequence_of_the_batch():

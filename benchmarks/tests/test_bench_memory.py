@@ -1,4 +1,4 @@
-"""``benchmarks/memory.py``'s pure helpers, and the Linear-stack workload it adds."""
+"""The memory benchmark's pure helpers, and the Linear-stack workload it adds."""
 
 from __future__ import annotations
 
@@ -6,20 +6,26 @@ import dataclasses
 
 import pytest
 import torch
-from impls import block_numel, zero_section
-from memory import (
+
+from benchmarks.kit.impls import block_numel, zero_section
+from benchmarks.kit.step_memory import (
     RELEASE,
     failed_row,
     formula_bytes,
     impls_for,
-    markdown,
-    merge_results,
     rank_figures,
     split_impl,
     summarize,
-    table,
 )
-from workloads import Workload, build_model, enable_checkpointing, global_batch, loss_of, num_params
+from benchmarks.kit.workloads import (
+    Workload,
+    build_model,
+    enable_checkpointing,
+    global_batch,
+    loss_of,
+    num_params,
+)
+from benchmarks.memory import markdown, merge_results, table
 
 MB = 10**6
 

@@ -7,8 +7,10 @@ import time
 
 import pytest
 import torch
-from _report import THREAD_VARIABLES, command_env, command_line, spawn_ranks, thread_minor_faults
-from paired_steps import (
+
+from benchmarks.kit.measure import spawn_ranks, thread_minor_faults
+from benchmarks.kit.report import THREAD_VARIABLES, command_env, command_line
+from benchmarks.paired_steps import (
     _phased_step,
     _whole,
     median_interval,
@@ -58,9 +60,9 @@ def test_unpaired_or_ddp_less_input_is_refused():
 
 
 def test_the_stage3_bounds_on_the_command_line_reach_the_zero_section():
-    from impls import block_numel, zero_section
-    from paired_steps import build_parser, options_of
-    from workloads import workload_of
+    from benchmarks.kit.impls import block_numel, zero_section
+    from benchmarks.kit.workloads import workload_of
+    from benchmarks.paired_steps import build_parser, options_of
 
     args = build_parser().parse_args(["--hidden", "96", "--prefetch-blocks", "2", "--live-blocks", "3.5"])
     w = workload_of(args)
@@ -77,9 +79,9 @@ def test_the_stage3_bounds_on_the_command_line_reach_the_zero_section():
 
 
 def test_reduce_max_inflight_reaches_zero_stages_1_and_2_only():
-    from impls import zero_own_section, zero_section
-    from paired_steps import build_parser, options_of
-    from workloads import workload_of
+    from benchmarks.kit.impls import zero_own_section, zero_section
+    from benchmarks.kit.workloads import workload_of
+    from benchmarks.paired_steps import build_parser, options_of
 
     args = build_parser().parse_args(["--hidden", "96", "--reduce-max-inflight", "2"])
     w, options = workload_of(args), options_of(args)
@@ -109,7 +111,7 @@ def test_reduce_max_inflight_reaches_zero_stages_1_and_2_only():
     ],
 )
 def test_a_comparison_or_setting_that_cannot_run_is_refused(argv, message, capsys):
-    from paired_steps import parse_args
+    from benchmarks.paired_steps import parse_args
 
     with pytest.raises(SystemExit) as exited:
         parse_args(argv)
@@ -118,7 +120,7 @@ def test_a_comparison_or_setting_that_cannot_run_is_refused(argv, message, capsy
 
 
 def test_the_compared_setting_adds_zero_1_and_2_runners_with_it():
-    from paired_steps import parse_args, runner_specs
+    from benchmarks.paired_steps import parse_args, runner_specs
 
     args = parse_args(["--impls", "ddp", "zero-1", "zero-3", "--compare-reduce-max-inflight", "1"])
     specs = runner_specs(args)
@@ -143,7 +145,7 @@ def test_the_compared_setting_adds_zero_1_and_2_runners_with_it():
 
 @pytest.mark.parametrize("flag", ["--prefetch-blocks", "--live-blocks", "--reuse-blocks"])
 def test_a_negative_stage3_bound_is_refused_with_the_flags_named(flag, capsys):
-    from paired_steps import parse_args
+    from benchmarks.paired_steps import parse_args
 
     with pytest.raises(SystemExit) as exited:
         parse_args([flag, "-0.5"])
@@ -163,10 +165,9 @@ def test_a_negative_stage3_bound_is_refused_with_the_flags_named(flag, capsys):
 def test_the_threshold_is_one_blocks_granularity_and_selects_exactly_the_blocks(shape):
     """zero and DeepSpeed read the same section; the blocks are selected, never a parent (the root
     of memory.py's GPT-2, nearly all blocks, sits just above them); --per-module leaves it out."""
-    from impls import ImplOptions, block_granularity, zero_section
-    from paired_steps import build_parser, options_of
-    from workloads import Workload, build_model
-
+    from benchmarks.kit.impls import ImplOptions, block_granularity, zero_section
+    from benchmarks.kit.workloads import Workload, build_model
+    from benchmarks.paired_steps import build_parser, options_of
     from zero_coord import granularity_leaves
 
     w = Workload("gpt2", **shape)
@@ -183,7 +184,7 @@ def test_the_threshold_is_one_blocks_granularity_and_selects_exactly_the_blocks(
 
 
 def test_a_run_without_ddp_is_refused_and_a_world_1_run_is_accepted(capsys):
-    from paired_steps import parse_args
+    from benchmarks.paired_steps import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(["--impls", "zero-2", "zero-3"])
@@ -230,10 +231,10 @@ def test_a_results_command_line_reruns_the_script_with_the_same_settings_and_arg
     for key in [k for k in os.environ if k.startswith("MALLOC_") or k in THREAD_VARIABLES]:
         monkeypatch.delenv(key)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setattr("sys.argv", ["/elsewhere/benchmarks/paired_steps.py", "--steps", "100"])
-    expected = "OMP_NUM_THREADS=1 python benchmarks/paired_steps.py --steps 100"
-    assert command_line("paired_steps.py") == expected
-    assert command_line("waits.py", []) == "OMP_NUM_THREADS=1 python benchmarks/waits.py"
+    monkeypatch.setattr("sys.argv", ["/elsewhere/benchmarks/__main__.py", "paired_steps", "--steps", "100"])
+    expected = "OMP_NUM_THREADS=1 python -m benchmarks paired_steps --steps 100"
+    assert command_line("paired_steps") == expected
+    assert command_line("waits", []) == "OMP_NUM_THREADS=1 python -m benchmarks waits"
 
 
 def test_phase_medians_and_their_differences_from_ddp():

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from growth import predict
-from impls import ring_ideal_bytes, stage_of
-from profile_step import (
+
+from benchmarks.growth import predict
+from benchmarks.kit.impls import ring_ideal_bytes, stage_of
+from benchmarks.profile_step import (
     DDP_TOP,
     ZERO_TOP,
     _category,

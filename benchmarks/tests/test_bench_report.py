@@ -1,4 +1,4 @@
-"""``benchmarks/_report.py``: tables, result files, byte and memory counters."""
+"""``benchmarks.kit``: tables, result files, byte and memory counters, spawned ranks."""
 
 from __future__ import annotations
 
@@ -6,16 +6,9 @@ import json
 import time
 
 import pytest
-from _report import (
-    environment,
-    markdown_table,
-    peak_rss_bytes,
-    read_wchar,
-    reset_peak_rss,
-    rss_bytes,
-    spawn_ranks,
-    write_results,
-)
+
+from benchmarks.kit.measure import peak_rss_bytes, read_wchar, reset_peak_rss, rss_bytes, spawn_ranks
+from benchmarks.kit.report import environment, markdown_table, write_results
 
 
 def test_markdown_table_aligns_columns_and_checks_row_widths():

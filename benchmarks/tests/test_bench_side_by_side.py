@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import side_by_side
-from side_by_side import Plan, run_world
-from workloads import Workload
+
+from benchmarks import side_by_side
+from benchmarks.kit.workloads import Workload
+from benchmarks.side_by_side import Plan, run_world
 
 
 @dataclasses.dataclass
@@ -68,12 +69,12 @@ def test_by_default_every_run_gets_ranks_of_its_own_in_the_rotated_order(launche
     [([], False), (["--fresh"], False), (["--shared"], True), (["--worlds", "2", "--shared"], True)],
 )
 def test_the_command_line_chooses_the_layout(argv, shared):
-    assert side_by_side.parser().parse_args(argv).shared is shared
+    assert side_by_side.build_parser().parse_args(argv).shared is shared
 
 
 def test_shared_and_fresh_exclude_each_other(capsys):
     with pytest.raises(SystemExit) as exit_info:
-        side_by_side.parser().parse_args(["--shared", "--fresh"])
+        side_by_side.build_parser().parse_args(["--shared", "--fresh"])
     assert exit_info.value.code == 2
     assert "not allowed with argument" in capsys.readouterr().err
 
@@ -121,7 +122,7 @@ def test_the_report_names_the_command_with_the_allocator_settings_it_ran_under(m
     for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "4294967296")
-    monkeypatch.setattr("sys.argv", ["side_by_side.py", "--worlds", "2", "--rounds", "3"])
+    argv = ["--worlds", "2", "--rounds", "3"]
     plan = dataclasses.replace(_plan(True), impls=("ddp",), rounds=1)
     ref = _run("single", 0, 0, [1.0], 1.0, 0.0)
     raw = [_run("ddp", 0, rank, [1.0], 1.0, 0.0) for rank in range(2)]
@@ -131,11 +132,11 @@ def test_the_report_names_the_command_with_the_allocator_settings_it_ran_under(m
         "workload_text": "w",
         "psi": 1,
         "run_seconds": 1.0,
-        "command": side_by_side.command_line("side_by_side.py"),
+        "command": side_by_side.command_line("side_by_side", argv),
         "rows": side_by_side.summarize(plan, 2, 1, ref, raw),
     }
     text = side_by_side.markdown(result)
-    expected = "MALLOC_TRIM_THRESHOLD_=4294967296 python benchmarks/side_by_side.py --worlds 2 --rounds 3"
+    expected = "MALLOC_TRIM_THRESHOLD_=4294967296 python -m benchmarks side_by_side --worlds 2 --rounds 3"
     assert f"Command: `{expected}`" in text
     del result["command"]  # a result written before the command was recorded
     assert "(command not recorded)" in side_by_side.markdown(result)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from waits import _phase, phase_totals, positions
+
+from benchmarks.waits import _phase, phase_totals, positions
 
 
 def _wait(phase: str, op: str, lead: float, wait: float) -> dict:

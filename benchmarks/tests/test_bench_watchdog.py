@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from watchdog_overhead import summarize
+
+from benchmarks.watchdog_overhead import summarize
 
 
 def test_overhead_is_the_ratio_of_the_medians_and_pairs_are_matched_in_order():

@@ -1,0 +1,120 @@
+"""Every benchmark by name: what ``python -m benchmarks <name>`` runs and what ``nox -s bench`` runs.
+
+Standard library only: the noxfile reads this file before anything is installed. Each entry names
+the module (``benchmarks.<module>``, with ``build_parser()`` and ``main(argv)``), a line saying what
+it measures, whether it needs DeepSpeed kept on the CPU (``DS_ACCELERATOR=cpu``), and the runs
+``nox -s bench`` makes of it (argument lists; ``--out`` and, where ``docs``, ``--docs`` are added).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from types import ModuleType
+
+__all__ = ["BENCHMARKS", "Benchmark", "NoxRun", "find", "load"]
+
+
+@dataclasses.dataclass(frozen=True)
+class NoxRun:
+    """One run of a benchmark in ``nox -s bench``: its arguments and whether it fills its docs block."""
+
+    args: tuple[str, ...] = ()
+    docs: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Benchmark:
+    """A registered benchmark (see the module docstring)."""
+
+    name: str
+    module: str
+    summary: str
+    deepspeed: bool = False
+    runs: tuple[NoxRun, ...] = (NoxRun(),)
+    session: str = "bench"
+    """The nox session that runs it (``cluster-bench`` needs root)."""
+
+    def env(self) -> dict[str, str]:
+        """The environment its runs get on top of one operator thread per rank."""
+        env = {"OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+        return env | ({"DS_ACCELERATOR": "cpu"} if self.deepspeed else {})
+
+
+_EVERY = ("--impls", "ddp", "fsdp2", "zero-1", "zero-2", "zero-3")
+
+BENCHMARKS: tuple[Benchmark, ...] = (
+    Benchmark(
+        "comm",
+        "comm",
+        "zero-comm's coalesced all-gather / reduce-scatter against torch's",
+        runs=(NoxRun(("--world", "2")),),
+    ),
+    Benchmark("quantize_kernels", "quantize_kernels", "ZeRO++ quantize / dequantize kernel throughput"),
+    Benchmark("quantized", "quantized", "ZeRO++ quantized collectives: time, bytes across nodes, error"),
+    Benchmark("mics", "mics", "MiCS against ZeRO-3: step time and bytes across the shard groups"),
+    Benchmark("generate", "generate", "generation with a sharded model: tokens per second"),
+    Benchmark("watchdog_overhead", "watchdog_overhead", "the collective watchdog's cost per step"),
+    Benchmark("offload", "offload", "CPU Adam, swap-file throughput, offloaded step time", deepspeed=True),
+    Benchmark(
+        "memory",
+        "memory",
+        "real memory per rank (RSS) of DDP, FSDP2, DeepSpeed and zero, fresh processes each",
+        deepspeed=True,
+        runs=(NoxRun(docs=True),),
+    ),
+    Benchmark(
+        "side_by_side",
+        "side_by_side",
+        "step time, memory, bytes and loss of DDP, FSDP2, DeepSpeed and zero, interleaved rounds",
+        deepspeed=True,
+        runs=(
+            NoxRun(docs=True),
+            NoxRun(("--workload", "mlp", "--worlds", "2", "--rounds", "2", "--name", "side_by_side_mlp")),
+        ),
+    ),
+    Benchmark(
+        "paired_steps",
+        "paired_steps",
+        "DDP and zero stages stepped in turn in the same ranks: step time ratios to DDP",
+        runs=(
+            NoxRun(),
+            NoxRun(("--hidden", "128", "--name", "paired_steps_small")),
+            NoxRun(("--world", "1", *_EVERY, "--name", "paired_steps_world1")),
+        ),
+    ),
+    Benchmark(
+        "profile_step",
+        "profile_step",
+        "where one stage-3 step's time goes, against the DDP + wire floor",
+        deepspeed=True,
+        runs=(NoxRun(docs=True),),
+    ),
+    Benchmark("waits", "waits", "a zero step's waits for its collectives, position by position"),
+    Benchmark(
+        "growth",
+        "growth",
+        "step time and memory against model size and world size",
+        runs=(NoxRun(docs=True),),
+    ),
+    Benchmark(
+        "cluster",
+        "cluster",
+        "step time and inter-node bytes on a simulated two-node cluster (needs root)",
+        runs=(NoxRun(docs=True),),
+        session="cluster-bench",
+    ),
+)
+
+
+def find(name: str) -> Benchmark:
+    """The benchmark registered as ``name``; ``KeyError`` naming the registered ones otherwise."""
+    for bench in BENCHMARKS:
+        if bench.name == name:
+            return bench
+    raise KeyError(f"no benchmark {name!r}: choose from {', '.join(b.name for b in BENCHMARKS)}")
+
+
+def load(name: str) -> ModuleType:
+    """The module of benchmark ``name`` (imported now: it may import torch and zero)."""
+    return importlib.import_module(f"benchmarks.{find(name).module}")
