@@ -25,6 +25,9 @@ Topology, process groups and byte accounting for the zero stack:
 * :class:`CommWatchdog`: records what each rank is doing, heartbeats it to the process
   group's store, and turns a stuck collective into :class:`CollectiveTimeoutError` on every
   live rank saying which rank is where (:func:`note` labels the next collectives).
+* :func:`control_device`: where a collective's small control-plane tensors go, the device the
+  process group serves (:func:`served_device_types`: the CPU under gloo, the accelerator alone
+  under NCCL).
 * Real memory of this rank (module :mod:`zero_comm.rank_memory`): :func:`read_process_memory`
   (RSS and its peak, :func:`reset_process_peak` per step) and :func:`read_device_memory`
   (``torch.accelerator`` allocated and peak bytes, :func:`reset_device_peak`).
@@ -47,6 +50,7 @@ from zero_comm.coalesced import (
     reduce_scatter_coalesced,
     reduce_scatter_coalesced_padded,
 )
+from zero_comm.devices import control_device, served_device_types
 from zero_comm.grad_bound import BOUNDED_DTYPES, GradientBound
 from zero_comm.handles import AllGatherHandle, CollectiveHandle, ReduceScatterHandle, TensorHandle
 from zero_comm.hierarchical import hierarchical_all_gather_coalesced
@@ -116,6 +120,7 @@ __all__ = [
     "all_reduce",
     "all_to_all_single",
     "broadcast",
+    "control_device",
     "group_ranks",
     "hierarchical_all_gather_coalesced",
     "note",
@@ -130,6 +135,7 @@ __all__ = [
     "reset_device_peak",
     "reset_process_peak",
     "ring_wire_bytes",
+    "served_device_types",
     "shard_range",
     "BOUNDED_DTYPES",
     "GradientBound",

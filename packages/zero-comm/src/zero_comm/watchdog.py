@@ -41,6 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zero_comm.devices import control_device
 from zero_comm.ledger import active_watchdog
 from zero_comm.wait_timings import WaitTimings
 
@@ -335,10 +336,12 @@ class CommWatchdog:
         if len(ranks) == 1:
             return
         what = _render(self._position[2])
-        sig = torch.tensor([_OPS.index(op) if op in _OPS else -1, call, _digest(what)], dtype=torch.int64)
-        out = torch.empty(len(ranks) * 3, dtype=torch.int64)
+        device = control_device(group)
+        row = [_OPS.index(op) if op in _OPS else -1, call, _digest(what)]
+        sig = torch.tensor(row, dtype=torch.int64, device=device)
+        out = torch.empty(len(ranks) * 3, dtype=torch.int64, device=device)
         self.wait(dist.all_gather_single(out, sig, group=group, async_op=True))
-        rows = out.view(len(ranks), 3)
+        rows = out.cpu().view(len(ranks), 3)
         if bool((rows == rows[0]).all()):
             return
         self.publish()  # every rank of the group sees the mismatch now: publish, then read the others

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+import zero_comm
 from zero_full.checkpoint.io import CheckpointError
 
 __all__ = ["exchange", "raise_if_failed"]
@@ -32,7 +33,7 @@ def exchange(obj: Any, timeout: float) -> list[Any]:
     if world == 1:
         return [obj]
     wait = datetime.timedelta(seconds=timeout)
-    device = _control_device()
+    device = zero_comm.control_device()
     sizes = torch.zeros(world, dtype=torch.int64, device=device)
     try:
         with record_function("zero.checkpoint.exchange"):
@@ -52,13 +53,6 @@ def exchange(obj: Any, timeout: float) -> list[Any]:
         ) from exc
     rows = out.view(world, width)
     return [json.loads(bytes(rows[r, : int(sizes[r])].tolist()).decode("utf-8")) for r in range(world)]
-
-
-def _control_device() -> torch.device:
-    """Where small control tensors go: the current CUDA device under NCCL, else the CPU."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def raise_if_failed(statuses: list[Any], what: str) -> None:
