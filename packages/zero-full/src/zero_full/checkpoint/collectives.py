@@ -7,7 +7,6 @@ Every rank reports its status (an error string or ``None``, file lists) through
 
 from __future__ import annotations
 
-import datetime
 import json
 from typing import Any
 
@@ -32,19 +31,18 @@ def exchange(obj: Any, timeout: float) -> list[Any]:
     world = dist.get_world_size()
     if world == 1:
         return [obj]
-    wait = datetime.timedelta(seconds=timeout)
     device = zero_comm.control_device()
     sizes = torch.zeros(world, dtype=torch.int64, device=device)
     try:
         with record_function("zero.checkpoint.exchange"):
             mine = torch.tensor([len(data)], dtype=torch.int64, device=device)
-            dist.all_gather_single(sizes, mine, async_op=True).wait(wait)
+            _wait(dist.all_gather_single(sizes, mine, async_op=True), timeout)
             sizes = sizes.cpu()
             width = int(sizes.max())
             mine = torch.zeros(width, dtype=torch.uint8)
             mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
             out = torch.empty(world * width, dtype=torch.uint8, device=device)
-            dist.all_gather_single(out, mine.to(device), async_op=True).wait(wait)
+            _wait(dist.all_gather_single(out, mine.to(device), async_op=True), timeout)
             out = out.cpu()
     except RuntimeError as exc:
         raise CheckpointError(
@@ -53,6 +51,12 @@ def exchange(obj: Any, timeout: float) -> list[Any]:
         ) from exc
     rows = out.view(world, width)
     return [json.loads(bytes(rows[r, : int(sizes[r])].tolist()).decode("utf-8")) for r in range(world)]
+
+
+def _wait(work: dist.Work, timeout: float) -> None:
+    """Wait at most ``timeout`` seconds, polling: a timed wait on NCCL would abort the communicator."""
+    if not zero_comm.wait_polled(work, timeout, timeout=timeout):
+        raise RuntimeError(f"no answer within {timeout:g} s")
 
 
 def raise_if_failed(statuses: list[Any], what: str) -> None:
