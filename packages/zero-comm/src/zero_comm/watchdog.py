@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from zero_comm.completion import wait_polled
 from zero_comm.devices import control_device
+from zero_comm.torch_compat import all_gather_single
 from zero_comm.wait_timings import WaitTimings
 
 __all__ = [
@@ -350,7 +351,7 @@ class CommWatchdog:
         row = [_OPS.index(op) if op in _OPS else -1, call, _digest(what)]
         sig = torch.tensor(row, dtype=torch.int64, device=device)
         out = torch.empty(len(ranks) * 3, dtype=torch.int64, device=device)
-        self.wait(dist.all_gather_single(out, sig, group=group, async_op=True))
+        self.wait(all_gather_single(out, sig, group=group, async_op=True))
         rows = out.cpu().view(len(ranks), 3)
         if bool((rows == rows[0]).all()):
             return

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 import zero_comm
+from zero_comm.torch_compat import all_gather_single
 from zero_full.checkpoint.io import CheckpointError
 
 __all__ = ["exchange", "raise_if_failed"]
@@ -36,13 +37,13 @@ def exchange(obj: Any, timeout: float) -> list[Any]:
     try:
         with record_function("zero.checkpoint.exchange"):
             mine = torch.tensor([len(data)], dtype=torch.int64, device=device)
-            _wait(dist.all_gather_single(sizes, mine, async_op=True), timeout)
+            _wait(all_gather_single(sizes, mine, async_op=True), timeout)
             sizes = sizes.cpu()
             width = int(sizes.max())
             mine = torch.zeros(width, dtype=torch.uint8)
             mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
             out = torch.empty(world * width, dtype=torch.uint8, device=device)
-            _wait(dist.all_gather_single(out, mine.to(device), async_op=True), timeout)
+            _wait(all_gather_single(out, mine.to(device), async_op=True), timeout)
             out = out.cpu()
     except RuntimeError as exc:
         raise CheckpointError(
