@@ -19,7 +19,7 @@ __all__ = ["wait_polled"]
 _FIRST_PAUSE = 2e-5
 """Seconds slept after the first poll; doubles up to :data:`_LONGEST_PAUSE`."""
 
-_LONGEST_PAUSE = 2e-3
+_LONGEST_PAUSE = 5e-4
 """Longest sleep between polls: bounds the latency polling adds to a collective."""
 
 
