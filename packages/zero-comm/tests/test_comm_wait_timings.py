@@ -27,6 +27,9 @@ class _DoneAt:
         time.sleep(max(0.0, self.at - time.perf_counter()))
         return True
 
+    def is_completed(self):
+        return time.perf_counter() >= self.at
+
 
 def _collective(after: float, made: list[_DoneAt] | None = None):
     def issue(*args, async_op=False, **kwargs):
@@ -56,7 +59,7 @@ def test_nothing_is_recorded_without_a_recorder(watchdog):
 
 def test_lead_and_wait_of_an_asynchronous_collective(watchdog):
     timings = watchdog.timings = WaitTimings()
-    zero_comm.note(lambda: "gathers `mid`")  # rendered when recorded
+    zero_comm.note_collectives(lambda: "gathers `mid`")  # rendered when recorded
     work = watched_call("all_gather", _collective(0.1), async_op=True)
     time.sleep(0.06)
     watchdog.wait(work)
@@ -72,7 +75,7 @@ def test_lead_and_wait_of_an_asynchronous_collective(watchdog):
 
 def test_a_synchronous_collective_waits_at_once_and_each_wait_is_recorded_once(watchdog):
     timings = watchdog.timings = WaitTimings()
-    zero_comm.note("reduce-scatters the gradients of `out`")
+    zero_comm.note_collectives("reduce-scatters the gradients of `out`")
     made: list[_DoneAt] = []
     assert watched_call("reduce_scatter", _collective(0.2, made), async_op=False) is None
     work = watched_call("all_reduce", _collective(0.0), async_op=True)

@@ -1,8 +1,8 @@
 """CommWatchdog: positions, heartbeats through a store, and the diagnosis of a stuck wait.
 
 The store is a ``torch.distributed.HashStore`` shared by "ranks" that are watchdog objects in
-this process; the collective is a fake work object that never completes (``wait(timeout)``
-raises like gloo's), so every path is exercised without a process group.
+this process; the collective is a fake work object that never completes, or one with NCCL's
+timed-wait semantics, so every path is exercised without a process group.
 """
 
 from __future__ import annotations
@@ -15,24 +15,62 @@ import torch.distributed as dist
 
 import zero_comm
 from zero_comm import CollectiveTimeoutError, CommLedger, CommWatchdog, Topology
-from zero_comm.ledger import active_watchdog
-from zero_comm.watchdog import label, watched_call
+from zero_comm.watchdog import active_watchdog, collective_label, watched_call
 
 
 class _NeverDone:
+    """Never completes; with ``error``, it failed at once (``wait`` raises it)."""
+
     def __init__(self, error: str = "") -> None:
         self.error = error
 
+    def is_completed(self):
+        return bool(self.error)
+
     def wait(self, timeout=None):
-        time.sleep(min(timeout.total_seconds(), 0.05))
-        raise RuntimeError(self.error or "[../gloo/work.cc] Operation timed out!")
+        raise RuntimeError(self.error)
 
 
 class _Done:
     waited = 0
 
+    def is_completed(self):
+        return True
+
     def wait(self, timeout=None):
         _Done.waited += 1
+        return True
+
+
+class _Communicator:
+    aborted = False
+
+
+class _NcclWork:
+    """Completes ``after`` seconds after it was issued; its timed wait behaves as NCCL's.
+
+    ``wait(timeout)`` counts ``timeout`` from the collective's start and, when it expires before
+    the work completes, aborts the communicator and raises (what ``ProcessGroupNCCL`` does).
+    """
+
+    def __init__(self, comm: _Communicator, after: float) -> None:
+        self.comm = comm
+        self.issued = time.monotonic()
+        self.done_at = self.issued + after
+
+    def is_completed(self):
+        if self.comm.aborted:
+            raise RuntimeError("NCCL communicator was aborted")
+        return time.monotonic() >= self.done_at
+
+    def wait(self, timeout=None):
+        if self.comm.aborted:
+            raise RuntimeError("NCCL communicator was aborted")
+        if timeout is not None and self.issued + timeout.total_seconds() < self.done_at:
+            time.sleep(max(0.0, self.issued + timeout.total_seconds() - time.monotonic()))
+            self.comm.aborted = True
+            raise RuntimeError("Watchdog caught collective operation timeout: aborting the NCCL communicator")
+        time.sleep(max(0.0, self.done_at - time.monotonic()))
         return True
 
 
@@ -46,9 +84,9 @@ def _pair(timeout=0.6, interval=0.05, beat_peer=True):
 
 
 def test_label_names_modules_in_order():
-    assert label("gathers", ["mid.weight", "mid.bias", "out.weight"]) == "gathers `mid`, `out`"
-    assert label("gathers", ["a.w", "b.w", "c.w", "d.w"], limit=2) == "gathers `a`, `b` and 2 more"
-    assert label("gathers", ["bias"]) == "gathers `bias`"
+    assert collective_label("gathers", ["mid.weight", "mid.bias", "out.weight"]) == "gathers `mid`, `out`"
+    assert collective_label("gathers", ["a.w", "b.w", "c.w", "d.w"], limit=2) == "gathers `a`, `b` and 2 more"
+    assert collective_label("gathers", ["bias"]) == "gathers `bias`"
 
 
 def test_positions_are_recorded_and_published():
@@ -125,7 +163,7 @@ def test_collectives_run_under_the_watchdog_of_the_active_ledger():
             assert active_watchdog() is me
             with CommLedger(Topology.__new__(Topology)):  # an inner ledger without one inherits it
                 assert active_watchdog() is me
-                zero_comm.note("all-reduces the gradient norm")
+                zero_comm.note_collectives("all-reduces the gradient norm")
                 assert watched_call("all_reduce", fake_collective, 1, async_op=False) is None
                 assert isinstance(watched_call("all_reduce", fake_collective, 1, async_op=True), _Done)
         assert calls == [False, True, True]  # under the watchdog every collective is issued async
@@ -282,3 +320,41 @@ def test_a_departed_ranks_last_record_is_not_overwritten_by_a_stale_heartbeat():
         (position,) = ahead.peers().values()
         lost += not position.broken
     assert lost == 0, f"{lost} of 50 departures lost their last record"
+
+
+# --------------------------------------------------------------------------- NCCL's timed wait
+
+
+def test_a_rank_three_seconds_late_does_not_abort_an_nccl_communicator():
+    # the default heartbeat interval (2 s): a timed wait of one interval would abort at 2 s
+    me, peer = _pair(timeout=60, interval=2.0)
+    comm = _Communicator()
+    try:
+        me.issued("all_gather")
+        work = _NcclWork(comm, after=3.0)  # the peer joins the collective 3 s late
+        me.wait(work)
+        assert not comm.aborted
+        assert work.is_completed() and not me.position().waiting
+    finally:
+        me.close()
+        peer.close()
+
+
+def test_a_late_rank_past_comm_timeout_is_named_and_the_communicator_lives():
+    me, peer = _pair(timeout=1.0, interval=0.1)
+    comm = _Communicator()
+    try:
+        me.note("gathers `out`")
+        me.issued("all_gather")
+        peer.publish()  # late: it has not reached the gather yet
+        start = time.monotonic()
+        with pytest.raises(CollectiveTimeoutError) as info:
+            me.wait(_NcclWork(comm, after=30.0))
+        assert 1.0 <= time.monotonic() - start < 10
+        message = str(info.value)
+        assert "rank 0 gathers `out` (call 1) while rank 1 is outside any collective (call 0)" in message
+        assert "comm_timeout = 1" in message
+        assert not comm.aborted  # zero raised; the communicator is left to the backend
+    finally:
+        me.close()
+        peer.close()

@@ -24,7 +24,11 @@ Topology, process groups and byte accounting for the zero stack:
   wire bytes, by link kind.
 * :class:`CommWatchdog`: records what each rank is doing, heartbeats it to the process
   group's store, and turns a stuck collective into :class:`CollectiveTimeoutError` on every
-  live rank saying which rank is where (:func:`note` labels the next collectives).
+  live rank saying which rank is where (:func:`note_collectives` labels the next collectives).
+* :func:`control_device`: where a collective's small control-plane tensors go, the device the
+  process group serves (:func:`served_device_types`: the CPU under gloo, the accelerator alone
+  under NCCL); :func:`wait_polled`: a wait that polls completion, never a timed wait on the
+  backend (on NCCL one aborts the communicator when it expires).
 * Real memory of this rank (module :mod:`zero_comm.rank_memory`): :func:`read_process_memory`
   (RSS and its peak, :func:`reset_process_peak` per step) and :func:`read_device_memory`
   (``torch.accelerator`` allocated and peak bytes, :func:`reset_device_peak`).
@@ -47,6 +51,8 @@ from zero_comm.coalesced import (
     reduce_scatter_coalesced,
     reduce_scatter_coalesced_padded,
 )
+from zero_comm.completion import wait_polled
+from zero_comm.devices import control_device, served_device_types
 from zero_comm.grad_bound import BOUNDED_DTYPES, GradientBound
 from zero_comm.handles import AllGatherHandle, CollectiveHandle, ReduceScatterHandle, TensorHandle
 from zero_comm.hierarchical import hierarchical_all_gather_coalesced
@@ -75,7 +81,13 @@ from zero_comm.strategies import (
 )
 from zero_comm.topology import HierarchicalGroups, LinkKind, Topology, group_ranks
 from zero_comm.wait_timings import WaitRecord, WaitTimings
-from zero_comm.watchdog import CollectiveTimeoutError, CommWatchdog, RankPosition, RanksDivergedError, note
+from zero_comm.watchdog import (
+    CollectiveTimeoutError,
+    CommWatchdog,
+    RankPosition,
+    RanksDivergedError,
+    note_collectives,
+)
 
 __all__ = [
     "AllGatherHandle",
@@ -116,9 +128,10 @@ __all__ = [
     "all_reduce",
     "all_to_all_single",
     "broadcast",
+    "control_device",
     "group_ranks",
     "hierarchical_all_gather_coalesced",
-    "note",
+    "note_collectives",
     "padded_numel",
     "partition_numel",
     "read_device_memory",
@@ -130,6 +143,8 @@ __all__ = [
     "reset_device_peak",
     "reset_process_peak",
     "ring_wire_bytes",
+    "served_device_types",
+    "wait_polled",
     "shard_range",
     "BOUNDED_DTYPES",
     "GradientBound",

@@ -18,16 +18,13 @@ import contextvars
 import dataclasses
 from collections.abc import Iterable
 from types import TracebackType
-from typing import TYPE_CHECKING
 
 from torch.distributed import ProcessGroup
 
 from zero_comm.topology import LinkKind, Topology, group_ranks
+from zero_comm.watchdog import CommWatchdog, activate, deactivate
 
-if TYPE_CHECKING:
-    from zero_comm.watchdog import CommWatchdog
-
-__all__ = ["CommLedger", "CommRecord", "CommTotals", "active_watchdog", "record", "ring_wire_bytes"]
+__all__ = ["CommLedger", "CommRecord", "CommTotals", "record", "ring_wire_bytes"]
 
 # The one module-level object: it only points at the active ledger of the current context.
 _ACTIVE: contextvars.ContextVar[CommLedger | None] = contextvars.ContextVar("zero_comm_ledger", default=None)
@@ -118,16 +115,6 @@ def record(op: str, group: ProcessGroup | None, *, payload_bytes: int, wire_byte
         ledger = ledger.parent
 
 
-def active_watchdog() -> CommWatchdog | None:
-    """The watchdog of the innermost active ledger that carries one (``None``: none)."""
-    ledger = _ACTIVE.get()
-    while ledger is not None:
-        if ledger.watchdog is not None:
-            return ledger.watchdog
-        ledger = ledger.parent
-    return None
-
-
 class CommLedger:
     """Records every zero-comm collective issued while it is active.
 
@@ -146,7 +133,7 @@ class CommLedger:
             while this ledger is active (see :mod:`zero_comm.watchdog`), or ``None``.
     """
 
-    __slots__ = ("_group_cache", "_step", "_token", "parent", "records", "topology", "watchdog")
+    __slots__ = ("_group_cache", "_step", "_token", "_watching", "parent", "records", "topology", "watchdog")
 
     def __init__(self, topology: Topology, watchdog: CommWatchdog | None = None) -> None:
         self.topology = topology
@@ -155,6 +142,7 @@ class CommLedger:
         self.parent: CommLedger | None = None
         self._step = 0
         self._token: contextvars.Token[CommLedger | None] | None = None
+        self._watching: contextvars.Token[CommWatchdog | None] | None = None
         self._group_cache: dict[ProcessGroup | None, tuple[tuple[int, ...], LinkKind]] = {}
 
     def __enter__(self) -> CommLedger:
@@ -162,14 +150,19 @@ class CommLedger:
             raise RuntimeError("this CommLedger is already active; create a new one to nest")
         self.parent = _ACTIVE.get()
         self._token = _ACTIVE.set(self)
+        if self.watchdog is not None:  # an inner ledger without one leaves the outer one's active
+            self._watching = activate(self.watchdog)
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        if self._watching is not None:
+            deactivate(self._watching)
         if self._token is not None:
             _ACTIVE.reset(self._token)
         self._token = None
+        self._watching = None
         self.parent = None
 
     @property

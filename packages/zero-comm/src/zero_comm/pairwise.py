@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from zero_comm.torch_compat import all_gather_single
 from zero_comm.watchdog import watched_call
 
 __all__ = ["exchange_with_peer", "gather_rows", "gathers_pairwise"]
@@ -56,7 +57,7 @@ def gather_rows(out: torch.Tensor, send: torch.Tensor, group: ProcessGroup | Non
         The ``torch.distributed`` work (``None`` for a synchronous call), as ``watched_call``.
     """
     if not gathers_pairwise(group, send.device):
-        return watched_call("all_gather", dist.all_gather_single, out, send, group=group, async_op=async_op)
+        return watched_call("all_gather", all_gather_single, out, send, group=group, async_op=async_op)
     rank = dist.get_rank(group)
     n = send.numel()
     rows = out.view(2, n)

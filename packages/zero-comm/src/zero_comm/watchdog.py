@@ -3,13 +3,14 @@
 A :class:`CommWatchdog` lives as long as the engine that created it. It
 
 * **records** what this rank is doing: every zero-comm collective it issues (operation and
-  call number) with what it is for (:func:`note`: e.g. "gathers `mid`", set by the layers
+  call number) with what it is for (:func:`note_collectives`: e.g. "gathers `mid`", set by the layers
   above), and since when;
 * **publishes** that position with a heartbeat counter from a daemon thread, every
   ``heartbeat_interval`` seconds, under ``zero/watchdog/<rank>`` in a ``torch.distributed``
   store that every rank reaches (the process group's store);
-* **waits** for collectives in slices (``work.wait(slice)``: no polling on the healthy path)
-  and between slices reads the other ranks' positions. It raises
+* **waits** for collectives by polling their completion (never a timed wait on the backend:
+  on NCCL one aborts the communicator when it expires) and every ``heartbeat_interval`` reads
+  the other ranks' positions. It raises
   :class:`CollectiveTimeoutError` — on every live rank, never an abort — when a peer's
   heartbeat stopped for ``5 * heartbeat_interval`` seconds ("rank 1 sent no heartbeat for
   12 s: it died or is stuck"), when the wait exceeds ``timeout`` ("rank 1 gathers `mid`
@@ -28,8 +29,8 @@ asynchronously under it (a synchronous call waits through the watchdog before re
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
-import datetime
 import hashlib
 import json
 import threading
@@ -41,7 +42,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zero_comm.ledger import active_watchdog
+from zero_comm.completion import wait_polled
+from zero_comm.devices import control_device
+from zero_comm.torch_compat import all_gather_single
 from zero_comm.wait_timings import WaitTimings
 
 __all__ = [
@@ -49,8 +52,11 @@ __all__ = [
     "CommWatchdog",
     "RankPosition",
     "RanksDivergedError",
-    "label",
-    "note",
+    "activate",
+    "active_watchdog",
+    "collective_label",
+    "deactivate",
+    "note_collectives",
     "path_diverged",
     "recording_paths",
     "watched_call",
@@ -58,6 +64,11 @@ __all__ = [
 ]
 
 _KEY = "zero/watchdog/{}"
+
+# The one module-level object: it only points at the watchdog active in the current context.
+_ACTIVE: contextvars.ContextVar[CommWatchdog | None] = contextvars.ContextVar(
+    "zero_comm_watchdog", default=None
+)
 
 _VERBS = {
     "all_gather": "gathers",
@@ -272,40 +283,41 @@ class CommWatchdog:
     def wait(self, work: Any, what: str = "") -> None:
         """Wait for a ``torch.distributed`` work object; raise a diagnosis instead of hanging.
 
+        Polls the work's completion (:func:`~zero_comm.completion.wait_polled`): no timed wait
+        on the backend, which on NCCL would abort the communicator when it expires. Every
+        ``heartbeat_interval`` it reads the other ranks' positions.
+
         Raises:
             CollectiveTimeoutError: the wait exceeded ``timeout``, a peer stopped sending
                 heartbeats, or the communication failed (message: every rank's position).
         """
         if work is None:
             return
-        start = time.monotonic()
         timings, started = self.timings, time.perf_counter()
-        slice_s = datetime.timedelta(seconds=min(self.heartbeat_interval, self.timeout))
         op, call, label, since, _ = self._position
         self._position = (op, call, label, since, True)
         try:
-            while True:
-                try:
-                    work.wait(slice_s)
-                    if timings is not None:
-                        timings.waited(work, started)
-                    return
-                except RuntimeError as exc:
-                    failed = "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower()
-                    if failed:  # a peer that left the path and exited closes its connections
-                        self._raise_if_broken(self.peers(), exc)
-                        raise CollectiveTimeoutError(self._failure(exc)) from exc
-                waited = time.monotonic() - start
-                peers = self.peers()
-                self._raise_if_broken(peers)
-                silent = self._silent_peers(peers)
-                if silent:
-                    raise CollectiveTimeoutError(self._dead_message(silent))
-                if waited >= self.timeout:
-                    raise CollectiveTimeoutError(self._timeout_message(waited))
+            wait_polled(work, min(self.heartbeat_interval, self.timeout), self._check_waiting)
+        except CollectiveTimeoutError:
+            raise
+        except RuntimeError as exc:  # a peer that left the path and exited closes its connections
+            self._raise_if_broken(self.peers(), exc)
+            raise CollectiveTimeoutError(self._failure(exc)) from exc
         finally:
             op, call, label, since, _ = self._position
             self._position = (op, call, label, since, False)
+        if timings is not None:
+            timings.waited(work, started)
+
+    def _check_waiting(self, waited: float) -> None:
+        """Between polls of a wait: raise when a peer broke off, went silent, or ``timeout`` passed."""
+        peers = self.peers()
+        self._raise_if_broken(peers)
+        silent = self._silent_peers(peers)
+        if silent:
+            raise CollectiveTimeoutError(self._dead_message(silent))
+        if waited >= self.timeout:
+            raise CollectiveTimeoutError(self._timeout_message(waited))
 
     @property
     def paths_checked(self) -> bool:
@@ -335,10 +347,12 @@ class CommWatchdog:
         if len(ranks) == 1:
             return
         what = _render(self._position[2])
-        sig = torch.tensor([_OPS.index(op) if op in _OPS else -1, call, _digest(what)], dtype=torch.int64)
-        out = torch.empty(len(ranks) * 3, dtype=torch.int64)
-        self.wait(dist.all_gather_single(out, sig, group=group, async_op=True))
-        rows = out.view(len(ranks), 3)
+        device = control_device(group)
+        row = [_OPS.index(op) if op in _OPS else -1, call, _digest(what)]
+        sig = torch.tensor(row, dtype=torch.int64, device=device)
+        out = torch.empty(len(ranks) * 3, dtype=torch.int64, device=device)
+        self.wait(all_gather_single(out, sig, group=group, async_op=True))
+        rows = out.cpu().view(len(ranks), 3)
         if bool((rows == rows[0]).all()):
             return
         self.publish()  # every rank of the group sees the mismatch now: publish, then read the others
@@ -575,7 +589,7 @@ def _render(what: str | Callable[[], str]) -> str:
     return what
 
 
-def label(verb: str, names: Sequence[str], limit: int = 3) -> str:
+def collective_label(verb: str, names: Sequence[str], limit: int = 3) -> str:
     """``"gathers `mid`"`` from parameter names (their modules, in order, at most ``limit``)."""
     modules = list(dict.fromkeys(n.rpartition(".")[0] or n for n in names))
     shown = ", ".join(f"`{m}`" for m in modules[:limit])
@@ -608,7 +622,26 @@ def _default_store() -> Any | None:
 # ---------------------------------------------------------------------------- hooks for the collectives
 
 
-def note(what: str | Callable[[], str]) -> None:
+def activate(watchdog: CommWatchdog) -> contextvars.Token[CommWatchdog | None]:
+    """Make ``watchdog`` the active one in this context (what an entered ``CommLedger`` carrying it does).
+
+    Returns:
+        The token to pass to :func:`deactivate`, which restores the one active before.
+    """
+    return _ACTIVE.set(watchdog)
+
+
+def deactivate(token: contextvars.Token[CommWatchdog | None]) -> None:
+    """Restore the watchdog active before the :func:`activate` that returned ``token``."""
+    _ACTIVE.reset(token)
+
+
+def active_watchdog() -> CommWatchdog | None:
+    """The active watchdog: the one carried by the innermost entered ledger that has one (``None``: none)."""
+    return _ACTIVE.get()
+
+
+def note_collectives(what: str | Callable[[], str]) -> None:
     """Tell the active watchdog (if any) what the next collectives are for, e.g. ``"gathers `mid`"``."""
     wd = active_watchdog()
     if wd is not None:

@@ -17,8 +17,7 @@ from typing import Any
 from torch import nn
 
 import zero_params
-from zero_comm.watchdog import label
-from zero_comm.watchdog import note as watchdog_note
+from zero_comm.watchdog import collective_label, note_collectives
 from zero_coord.stats import StatsAccumulator
 
 __all__ = ["MAX_PLANS", "GatherBatch", "LiveSlots", "ParamSlot", "SlotTable"]
@@ -223,7 +222,7 @@ class LiveSlots:
         over their secondary (e.g. intra-node) group; the others over their own group.
         ``numel``: their elements, when the caller knows them (from the trace plan).
         """
-        watchdog_note(lambda: label("gathers", [s.name for s in slots]))
+        note_collectives(lambda: collective_label("gathers", [s.name for s in slots]))
         key = (*slots, secondary)
         plan = self.plans.get(key)
         if plan is None:

@@ -48,6 +48,7 @@ from zero_full.memory.report import MemoryReport, build_memory_report, reset_pea
 from zero_full.wiring.comm_dtype import comm_strategies
 from zero_full.wiring.compiled import check_not_precompiled, compile_model, explain_graph_break
 from zero_full.wiring.mics import MicsGroups, build_mics_groups
+from zero_full.wiring.placement import place_model
 from zero_full.wiring.stages import StepPipeline, build_stage, working_dtype
 from zero_full.wiring.zeropp import build_zeropp, check_zeropp_layout, env_ranks_per_node
 from zero_optim import LossScaler, OptimizerSpec, PartitionedOptimizer, check_replicas_consistent
@@ -57,6 +58,7 @@ __all__ = ["Engine", "EngineStats", "Init", "initialize"]
 logger = logging.getLogger("zero.engine")
 
 ConfigLike = ZeroConfig | Mapping[str, Any] | str | os.PathLike[str] | None
+DeviceLike = torch.device | str | None
 
 _BROADCAST_CHUNK = 1 << 24  # elements per broadcast when syncing a model that was built whole
 
@@ -174,11 +176,14 @@ class Engine:
         coordinator: The parameter coordinator (traces, statistics); ``None`` below stage 3.
         watchdog: The collective watchdog (``robustness`` section; ``None`` when disabled):
             a stuck collective raises ``zero_comm.CollectiveTimeoutError`` on every live rank.
+        device: The device the model trains on and its shards live on (``initialize(device=...)``).
         counters: The step counters (``gradient_accumulation_steps``, ``micro_steps``,
             ``global_steps``, also readable as properties of the engine).
     """
 
-    def __init__(self, model: nn.Module, config: ZeroConfig, optimizer: OptimizerSpec) -> None:
+    def __init__(
+        self, model: nn.Module, config: ZeroConfig, optimizer: OptimizerSpec, device: DeviceLike = None
+    ) -> None:
         _check_supported(config)
         if not isinstance(model, nn.Module):
             raise TypeError(f"initialize(model=...) needs an nn.Module, got {type(model).__name__}")
@@ -191,6 +196,7 @@ class Engine:
         world = dist.get_world_size()  # ZeRO++ layout errors name the keys, before Topology's own checks
         check_zeropp_layout(config.zero_optimization, world, env_ranks_per_node(world))
         self.config = config
+        self.device = place_model(model, device)  # before any collective: errors on every rank
         self.module = model
         self.counters = StepCounters(_accumulation_steps(config, dist.get_world_size()))
         self._backward_since_step = False  # step() without a backward before it is refused
@@ -523,7 +529,9 @@ class Engine:
         return sum(storages.values())
 
 
-def initialize(model: nn.Module, config: ConfigLike = None, optimizer: OptimizerSpec = None) -> Engine:
+def initialize(
+    model: nn.Module, config: ConfigLike = None, optimizer: OptimizerSpec = None, *, device: DeviceLike = None
+) -> Engine:
     """Wrap ``model`` for ZeRO training over the default process group.
 
     Args:
@@ -534,6 +542,9 @@ def initialize(model: nn.Module, config: ConfigLike = None, optimizer: Optimizer
             ``lambda params: torch.optim.AdamW(params, lr=1e-3)``; per-group options are
             kept), a torch optimizer without state built over ``model.parameters()``, or
             ``None`` to use the config's ``optimizer`` section (else ``torch.optim.AdamW``).
+        device: Where the model trains and its shards live (``None``: the current accelerator
+            when the process group serves it, e.g. ``cuda:<current>`` under NCCL, else the
+            CPU). Parameters and buffers not partitioned yet are moved there.
 
     Returns:
         The :class:`Engine`.
@@ -544,8 +555,10 @@ def initialize(model: nn.Module, config: ConfigLike = None, optimizer: Optimizer
         ValueError: both ``optimizer`` and a config ``optimizer`` section; inconsistent batch sizes.
         RuntimeError: ``torch.distributed`` is not initialised.
         TypeError: ``model`` was wrapped by ``torch.compile`` (compile after: ``engine.compile()``).
+        ValueError: ``device`` is not served by the process group, or the model is on several
+            devices, on ``meta``, or partitioned on another device (names the parameter).
     """
-    return Engine(model, ZeroConfig.coerce(config), optimizer)
+    return Engine(model, ZeroConfig.coerce(config), optimizer, device)
 
 
 # ---------------------------------------------------------------------------- helpers

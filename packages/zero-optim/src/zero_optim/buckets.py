@@ -36,8 +36,7 @@ from typing import Protocol
 from torch import nn
 
 from zero_comm.profiling import profile_range
-from zero_comm.watchdog import label
-from zero_comm.watchdog import note as watchdog_note
+from zero_comm.watchdog import collective_label, note_collectives
 
 __all__ = ["BucketPlan", "BucketedReducer", "ReduceConfig", "ReduceHandle", "StagedBucket"]
 
@@ -243,7 +242,9 @@ class BucketedReducer:
 
     def _issue(self, b: int) -> None:
         params, names = self._plan.buckets[b], self._plan.names
-        watchdog_note(lambda: label("reduces the gradients of", [names.get(id(p), "?") for p in params]))
+        note_collectives(
+            lambda: collective_label("reduces the gradients of", [names.get(id(p), "?") for p in params])
+        )
         with profile_range("zero.optim.reduce_bucket"):
             if self._config.overlap_comm:
                 while len(self._inflight) >= self._config.max_inflight:

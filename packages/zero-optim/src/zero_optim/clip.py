@@ -44,7 +44,7 @@ def global_grad_norm(
         The norm (``inf`` / ``nan`` if a gradient is).
     """
     with record_function("zero.optim.grad_norm"):
-        device = groups[0].grad.device if groups else torch.device("cpu")
+        device = groups[0].grad.device if groups else zero_comm.control_device(group)
         sq = torch.zeros(1, dtype=torch.float64, device=device)
         for g in groups:
             for grad in g.grads():

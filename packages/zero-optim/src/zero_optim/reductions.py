@@ -22,8 +22,7 @@ from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
 from zero_comm.profiling import profile_range
-from zero_comm.watchdog import label
-from zero_comm.watchdog import note as watchdog_note
+from zero_comm.watchdog import collective_label, note_collectives
 from zero_optim.buckets import BucketedReducer, BucketPlan, ReduceHandle
 
 __all__ = ["BackwardReduction", "BoundaryReduction", "GradientReduction", "HookedReduction"]
@@ -230,7 +229,9 @@ class BackwardReduction(_BackwardHooked):
 
     def _issue(self, b: int) -> None:
         params, names = list(self.plan.buckets[b]), self.plan.names
-        watchdog_note(lambda: label("reduces the gradients of", [names.get(id(p), "?") for p in params]))
+        note_collectives(
+            lambda: collective_label("reduces the gradients of", [names.get(id(p), "?") for p in params])
+        )
         if self._scaled is not None:  # parameters without a gradient since the last reduction
             for p in params:
                 if id(p) not in self._scaled:

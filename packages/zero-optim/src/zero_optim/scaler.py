@@ -141,7 +141,7 @@ def found_overflow(groups: Sequence[FlatGroup], group: ProcessGroup | None = Non
     """
     with profile_range("zero.optim.overflow_check"):
         extremes = [e for g in groups for grad in g.grads() for e in torch.aminmax(grad)]
-        device = groups[0].grad.device if groups else torch.device("cpu")
+        device = groups[0].grad.device if groups else zero_comm.control_device(group)
         if extremes:  # aminmax propagates nan, and an inf is the minimum or the maximum
             flag = torch.isfinite(torch.stack(extremes)).all().logical_not().to(torch.float32).reshape(1)
         else:

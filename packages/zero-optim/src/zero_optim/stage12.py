@@ -47,7 +47,7 @@ from zero_comm.grad_bound import BOUNDED_DTYPES, GradientBound
 from zero_comm.profiling import profile_range
 from zero_comm.runs import add_in_runs as _add_in_runs
 from zero_comm.runs import in_fewer_runs as _in_fewer_runs
-from zero_comm.watchdog import note as watchdog_note
+from zero_comm.watchdog import note_collectives
 from zero_offload import OptimizerOffloadConfig
 from zero_optim.buckets import BucketedReducer, BucketPlan, ReduceConfig, ReduceHandle
 from zero_optim.core import PartitionedOptimizer
@@ -283,7 +283,7 @@ class ReplicaPartitioning:
                 where,
                 GatherIntoPlan([s for _, s in bucket.items], dests, self.group),
             )
-        watchdog_note(lambda: f"gathers the updated parameters ({len(bucket.items)} from the step)")
+        note_collectives(lambda: f"gathers the updated parameters ({len(bucket.items)} from the step)")
         return found[1].issue(async_op=True)
 
     def _gather(self, bucket: GatherBucket) -> None:

@@ -40,8 +40,7 @@ import zero_coord
 import zero_params
 from zero_comm import BOUNDED_DTYPES, AllToAllReduceScatter, GradientBound
 from zero_comm.profiling import profile_range
-from zero_comm.watchdog import label
-from zero_comm.watchdog import note as watchdog_note
+from zero_comm.watchdog import collective_label, note_collectives
 from zero_offload import OptimizerOffloadConfig, ParamOffloadConfig
 from zero_optim.buckets import BucketedReducer, BucketPlan, ReduceConfig
 from zero_optim.core import PartitionedOptimizer
@@ -232,7 +231,7 @@ class PersistentRefresh:
     def _issue(self, group: int) -> None:
         self._issued[group] = True
         names = self.plan.names[group]
-        watchdog_note(lambda: label("refreshes the persistent", names))
+        note_collectives(lambda: collective_label("refreshes the persistent", names))
         self._handles.append(zero_params.commit_shards(self.plan.persistent[group], async_op=True))
 
     def finish(self) -> None:
@@ -244,7 +243,7 @@ class PersistentRefresh:
         for gi, issued in enumerate(self._issued):
             if not issued:
                 self._issue(gi)
-        watchdog_note("refreshes the gathered parameters after the step")
+        note_collectives("refreshes the gathered parameters after the step")
         zero_params.commit_shards(self.plan.rest)
         self._wait_issued()
 

@@ -7,7 +7,6 @@ Every rank reports its status (an error string or ``None``, file lists) through
 
 from __future__ import annotations
 
-import datetime
 import json
 from typing import Any
 
@@ -15,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+import zero_comm
+from zero_comm.torch_compat import all_gather_single
 from zero_full.checkpoint.io import CheckpointError
 
 __all__ = ["exchange", "raise_if_failed"]
@@ -31,19 +32,18 @@ def exchange(obj: Any, timeout: float) -> list[Any]:
     world = dist.get_world_size()
     if world == 1:
         return [obj]
-    wait = datetime.timedelta(seconds=timeout)
-    device = _control_device()
+    device = zero_comm.control_device()
     sizes = torch.zeros(world, dtype=torch.int64, device=device)
     try:
         with record_function("zero.checkpoint.exchange"):
             mine = torch.tensor([len(data)], dtype=torch.int64, device=device)
-            dist.all_gather_single(sizes, mine, async_op=True).wait(wait)
+            _wait(all_gather_single(sizes, mine, async_op=True), timeout)
             sizes = sizes.cpu()
             width = int(sizes.max())
             mine = torch.zeros(width, dtype=torch.uint8)
             mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
             out = torch.empty(world * width, dtype=torch.uint8, device=device)
-            dist.all_gather_single(out, mine.to(device), async_op=True).wait(wait)
+            _wait(all_gather_single(out, mine.to(device), async_op=True), timeout)
             out = out.cpu()
     except RuntimeError as exc:
         raise CheckpointError(
@@ -54,11 +54,10 @@ def exchange(obj: Any, timeout: float) -> list[Any]:
     return [json.loads(bytes(rows[r, : int(sizes[r])].tolist()).decode("utf-8")) for r in range(world)]
 
 
-def _control_device() -> torch.device:
-    """Where small control tensors go: the current CUDA device under NCCL, else the CPU."""
-    if dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def _wait(work: dist.Work, timeout: float) -> None:
+    """Wait at most ``timeout`` seconds, polling: a timed wait on NCCL would abort the communicator."""
+    if not zero_comm.wait_polled(work, timeout, timeout=timeout):
+        raise RuntimeError(f"no answer within {timeout:g} s")
 
 
 def raise_if_failed(statuses: list[Any], what: str) -> None:

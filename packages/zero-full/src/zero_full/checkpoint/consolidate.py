@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
+from zero_comm.torch_compat import all_gather_single
 from zero_full.checkpoint.layout import LocalPiece, local_pieces
 from zero_full.checkpoint.manifest import StateDictKey
 from zero_full.checkpoint.state import TrainState
@@ -56,7 +57,7 @@ def gather_full(piece: LocalPiece) -> torch.Tensor:
         out = torch.empty(
             piece.world * piece.partition_numel, dtype=piece.padded.dtype, device=piece.padded.device
         )
-        dist.all_gather_single(out, piece.padded.contiguous(), group=piece.group)
+        all_gather_single(out, piece.padded.contiguous(), group=piece.group)
         full = out.narrow(0, 0, piece.numel)
     if full.is_floating_point():
         full = full.float()

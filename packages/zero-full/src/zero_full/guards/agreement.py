@@ -80,14 +80,16 @@ def exchange_json(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]
     if world == 1:
         return [obj]
     data = json.dumps(obj).encode("utf-8")
-    size = torch.tensor([len(data)], dtype=torch.int64)
+    device = zero_comm.control_device(group)
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
     (sizes,) = zero_comm.all_gather_coalesced([size], group)
+    sizes = sizes.cpu()
     width = max(int(sizes.max()), 1)
     mine = torch.zeros(width, dtype=torch.uint8)
     if data:
         mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    (out,) = zero_comm.all_gather_coalesced([mine], group)
-    rows = out.view(world, width)
+    (out,) = zero_comm.all_gather_coalesced([mine.to(device)], group)
+    rows = out.cpu().view(world, width)
     return [json.loads(bytes(rows[r, : int(sizes[r])].tolist()).decode("utf-8")) for r in range(world)]
 
 
@@ -111,9 +113,9 @@ def check_agreement(model: nn.Module, config: ZeroConfig) -> None:
         params, cfg = agreement_items(model, config)
         n_params, d_params = _summary(params)
         _, d_cfg = _summary(cfg)
-        mine = torch.tensor([n_params, d_params, d_cfg], dtype=torch.int64)
+        mine = torch.tensor([n_params, d_params, d_cfg], dtype=torch.int64, device=zero_comm.control_device())
         (flat,) = zero_comm.all_gather_coalesced([mine], None)
-        rows = flat.view(dist.get_world_size(), 3)
+        rows = flat.cpu().view(dist.get_world_size(), 3)
         if bool((rows == rows[0]).all()):
             return
         details = exchange_json({"params": params, "config": cfg})

@@ -91,7 +91,7 @@ def train_rank(ctx: RankContext, opts: TrainOptions, config: dict[str, Any]) -> 
         if rank == opts.crash_rank and step == 1:
             os._exit(CRASH_EXIT_CODE)  # the failure-path check: die without a word
         engine.reset_peak_memory()  # this step's peak RSS
-        t0, total = time.perf_counter(), torch.zeros(())
+        t0, total = time.perf_counter(), torch.zeros((), device=engine.device)
         for m in range(accumulation):
             batch = workload.markov_batch(step * accumulation + m, micro * world)
             ids = batch[rank * micro : (rank + 1) * micro]

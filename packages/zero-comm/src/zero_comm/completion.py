@@ -1,0 +1,58 @@
+"""Waiting for a collective without a timed wait on the backend.
+
+On NCCL, ``work.wait(timeout)`` counts the timeout from the collective's start and, when it
+expires, aborts the communicator and rethrows: a wait meant as "check back in two seconds"
+kills the job. Gloo throws and carries on. :func:`wait_polled` never passes a timeout to the
+backend: it polls ``work.is_completed()`` (non-blocking on every backend), sleeping a little
+longer each time, and calls the plain ``work.wait()`` only once the work completed, which then
+returns at once or raises the failure the work recorded.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["wait_polled"]
+
+_FIRST_PAUSE = 2e-5
+"""Seconds slept after the first poll; doubles up to :data:`_LONGEST_PAUSE`."""
+
+_LONGEST_PAUSE = 5e-4
+"""Longest sleep between polls: bounds the latency polling adds to a collective."""
+
+
+def wait_polled(
+    work: Any, every: float, check: Callable[[float], bool] | None = None, *, timeout: float | None = None
+) -> bool:
+    """Wait until ``work`` completed, calling ``check(waited)`` every ``every`` seconds meanwhile.
+
+    Args:
+        work: A ``torch.distributed`` work object (anything with ``is_completed()`` and ``wait()``).
+        every: Seconds between calls of ``check``.
+        check: Called with the seconds waited so far; it may raise to end the wait (the work
+            stays as it is: no abort). ``None``: nothing is checked.
+        timeout: Give up after this many seconds and return ``False`` (``None``: never).
+
+    Returns:
+        ``True`` once ``work`` completed and its plain ``wait()`` returned; ``False`` when
+        ``timeout`` passed first.
+
+    Raises:
+        RuntimeError: whatever the completed work's ``wait()`` raises (the collective failed).
+    """
+    start = time.monotonic()
+    next_check = start + every
+    pause = _FIRST_PAUSE
+    while not work.is_completed():
+        time.sleep(pause)
+        pause = min(2 * pause, _LONGEST_PAUSE)
+        now = time.monotonic()
+        if timeout is not None and now - start >= timeout:
+            return False
+        if check is not None and now >= next_check:
+            next_check = now + every
+            check(now - start)
+    work.wait()
+    return True
