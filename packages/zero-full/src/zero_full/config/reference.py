@@ -33,8 +33,7 @@ from pydantic import BeforeValidator
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from zero_full.config.base import Section, declared_key
-from zero_full.config.sections import AdamParams, OptimizerConfig, SGDParams
+from zero_full.config.base import Section, TypedSection, declared_key
 from zero_full.config.types import (
     Ignored,
     Implemented,
@@ -294,14 +293,15 @@ def config_sections() -> list[SectionDoc]:
         for key in keys:
             info = cls.model_fields[key.field]
             children = _sections_in(info.annotation)
-            if cls is OptimizerConfig and key.field == "params":
-                children = [AdamParams, SGDParams]
+            kinds: dict[type[Section], list[str]] = {}
+            if issubclass(cls, TypedSection) and key.field == "params":
+                kinds = cls.params_sections()
+                children = list(kinds)
             for child in children:
                 child_path = (*path, key.name)
                 label = ".".join(child_path)
-                if cls is OptimizerConfig:
-                    kinds = "Adam / AdamW" if child is AdamParams else "SGD"
-                    label = f"{label} ({kinds})"
+                if child in kinds:
+                    label = f"{label} ({' / '.join(kinds[child])})"
                 visit(child, child_path, label, key.stages)
 
     visit(ZeroConfig, (), "Top level", ALL_STAGES)

@@ -1,6 +1,6 @@
 """Value types of the config sections and the declaration each key carries.
 
-Two things every field of a section in :mod:`zero_full.config.sections` uses:
+Two things every field of a section in :mod:`zero_full.config` section module uses:
 
 * **Value types** (``Int(1)``, ``Real(0, lo_open=True)``, :data:`Flag`, :data:`OptionalPath`,
   ``Choice(OffloadDevice)``, :data:`Betas`): ``Annotated`` types whose validator accepts what

@@ -37,20 +37,16 @@ from pydantic import Field, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from zero_full.config.base import KeyReport, Section, key_report
-from zero_full.config.sections import (
-    AdamParams,
-    BF16Config,
-    FP16Config,
+from zero_full.config.optimizer import AdamParams, OptimizerConfig, OptimizerType, SGDParams
+from zero_full.config.precision import BF16Config, FP16Config
+from zero_full.config.robustness import RobustnessConfig
+from zero_full.config.types import IMPLEMENTED, Choice, Flag, Ignored, Int, Key, Real, Rejected
+from zero_full.config.zero_optimization import (
     OffloadDevice,
     OffloadOptimizerConfig,
     OffloadParamConfig,
-    OptimizerConfig,
-    OptimizerType,
-    RobustnessConfig,
-    SGDParams,
     ZeroOptimizationConfig,
 )
-from zero_full.config.types import IMPLEMENTED, Choice, Flag, Ignored, Int, Key, Real, Rejected
 
 __all__ = [
     "AdamParams",
