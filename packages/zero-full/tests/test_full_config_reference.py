@@ -69,11 +69,21 @@ def _minimal(key: ConfigKey) -> dict[str, Any]:
             key.section == ("optimizer", "params") and key in SGD_KEYS
         )
         return {"optimizer": {"type": "SGD" if sgd else "Adam"}}
+    if key.section == ("scheduler", "params"):
+        return {"scheduler": _schedule_with(key)}
     if key.section == ("zero_optimization", "offload_optimizer"):
         return {"zero_optimization": {"stage": 3}}
     if key.section == ("zero_optimization", "zeropp_loco_param"):
         return {"zero_optimization": {"stage": 3, "zero_quantized_gradients": True}}
     return {}
+
+
+def _schedule_with(key: ConfigKey) -> dict[str, Any]:
+    """A schedule of the first type whose params hold ``key``, its required params set to 10."""
+    section = next(s for s in config_sections() if s.title.startswith("scheduler.params (") and key in s.keys)
+    kind = section.title.split("(")[1].split(" / ")[0].rstrip(")")
+    required = {k.name: 10 for k in section.keys if k.default_text == "required"}
+    return {"type": kind, "params": required}
 
 
 def _config_with(key: ConfigKey, spelling: str, value: Any) -> dict[str, Any]:

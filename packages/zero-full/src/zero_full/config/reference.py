@@ -42,6 +42,7 @@ from zero_full.config.types import (
     check_flag,
     check_int,
     check_path,
+    check_per_group,
     check_real,
     parse_choice,
 )
@@ -147,7 +148,9 @@ def _first_paragraph(cls: type) -> str:
 
 def _description(cls: type[Section], field: str) -> str:
     """The field's docstring (first paragraph), then when it is used and its status."""
-    text = _field_docstrings(cls).get(field, "")
+    # a field inherited from a parent section keeps the parent's docstring
+    owners = [c for c in cls.__mro__ if isinstance(c, type) and issubclass(c, Section) and c is not Section]
+    text = next((d[field] for d in map(_field_docstrings, owners) if field in d), "")
     parts = [_rst_to_md(text.split("\n\n")[0])] if text else []
     key = declared_key(cls, field)
     if key.when is not None:
@@ -213,6 +216,9 @@ def _type_text(info: FieldInfo) -> str:
         return "bool"
     if base is check_path:
         return "path or null"
+    if base is check_per_group:
+        text = "number >= 0, or a list of them (one per parameter group)"
+        return text + (" or null" if kw.get("none_ok") else "")
     if base is check_betas:
         return "[number, number] in [0, 1)"
     if base is parse_choice and check.args:
