@@ -10,6 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from zero_full.config.base import Section, TypedSection
+from zero_full.config.optimizer import OptimizerConfig
 from zero_full.config.reference import ALL_STAGES, ConfigKey, config_keys, config_sections, render_markdown
 from zero_full.config.types import Ignored, Refused
 from zero_full.config.zero_config import ZeroConfig
@@ -64,13 +65,10 @@ def test_every_key_has_a_description():
 
 def _minimal(key: ConfigKey) -> dict[str, Any]:
     """The smallest config in which ``key`` may be given (an optimizer type, stage 3 for ``ratio``)."""
-    if key.section[:1] == ("optimizer",):
-        sgd = key.field in ("momentum", "dampening", "nesterov") or (
-            key.section == ("optimizer", "params") and key in SGD_KEYS
-        )
-        return {"optimizer": {"type": "SGD" if sgd else "Adam"}}
-    if key.section == ("scheduler", "params"):
-        return {"scheduler": _schedule_with(key)}
+    if key.section == ("optimizer",):
+        return {"optimizer": {"type": "Adam"}}
+    if key.section in (("optimizer", "params"), ("scheduler", "params")):
+        return {key.section[0]: _typed_with(key)}
     if key.section == ("zero_optimization", "offload_optimizer"):
         return {"zero_optimization": {"stage": 3}}
     if key.section == ("zero_optimization", "zeropp_loco_param"):
@@ -78,9 +76,10 @@ def _minimal(key: ConfigKey) -> dict[str, Any]:
     return {}
 
 
-def _schedule_with(key: ConfigKey) -> dict[str, Any]:
-    """A schedule of the first type whose params hold ``key``, its required params set to 10."""
-    section = next(s for s in config_sections() if s.title.startswith("scheduler.params (") and key in s.keys)
+def _typed_with(key: ConfigKey) -> dict[str, Any]:
+    """``{type, params}`` of the first type whose params hold ``key``, its required params set to 10."""
+    title = f"{key.section[0]}.params ("
+    section = next(s for s in config_sections() if s.title.startswith(title) and key in s.keys)
     kind = section.title.split("(")[1].split(" / ")[0].rstrip(")")
     required = {k.name: 10 for k in section.keys if k.default_text == "required"}
     return {"type": kind, "params": required}
@@ -177,9 +176,16 @@ def test_stages_column_matches_ignored_keys(key):
 def test_refused_keys_raise_with_the_reason_the_page_gives():
     page = render_markdown()
     rows = re.findall(
-        r"^\| `([^`]+)` \| (.+) \|$", page.split("## Keys that are not accepted")[1], re.MULTILINE
+        r"^\| `([^`]+)` \| (.+) \|$",
+        page.split("## Keys that are not accepted")[1].split("## Types")[0],
+        re.MULTILINE,
     )
     assert len(rows) >= 10
+    types = re.findall(r"^\| `(\w+)\.type` \| `(\w+)` \| (.+) \|$", page.split("## Types")[1], re.MULTILINE)
+    assert len(types) >= 3
+    for section, kind, why in types:
+        with pytest.raises(ValidationError, match=re.escape(why[:40])):
+            ZeroConfig.model_validate({section: {"type": kind}})
     for path, why in rows:
         *section, key = path.split(".")
         cfg: dict[str, Any] = {}
@@ -187,8 +193,9 @@ def test_refused_keys_raise_with_the_reason_the_page_gives():
         for part in section:
             node = node.setdefault(part, {})
         node[key] = 1
-        if section[:1] == ["optimizer"]:
-            cfg["optimizer"]["type"] = "Adam"
+        if section[:1] == ["optimizer"]:  # the first type whose params refuse the key
+            kinds = OptimizerConfig.params_sections().items()
+            cfg["optimizer"]["type"] = next(t[0] for c, t in kinds if key in c.rejected_keys())
         with pytest.raises(ValidationError) as info:
             ZeroConfig.model_validate(cfg)
         message = " ".join(str(info.value).split())

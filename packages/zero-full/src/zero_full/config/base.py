@@ -198,6 +198,13 @@ class TypedSection(Section):
 
     _TYPES: ClassVar[type[enum.Enum]]
     _PARAMS_BY_TYPE: ClassVar[Mapping[Any, type[Section]]] = {}
+    _REFUSED_TYPES: ClassVar[Mapping[str, str]] = {}
+    """DeepSpeed types zero does not have: name -> why, and what to use instead."""
+
+    @classmethod
+    def refused_types(cls) -> dict[str, str]:
+        """DeepSpeed types this section refuses by name, with the reason the error gives."""
+        return dict(cls._REFUSED_TYPES)
 
     @classmethod
     def params_sections(cls) -> dict[type[Section], list[str]]:
@@ -221,6 +228,17 @@ class TypedSection(Section):
         if data.get("params") is None:
             data["params"] = {}  # every default of the type
         return data
+
+    @field_validator("type", mode="before", check_fields=False)
+    @classmethod
+    def _refuse_type(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            for name, reason in cls._REFUSED_TYPES.items():
+                if value.lower() == name.lower():
+                    raise PydanticCustomError(
+                        "refused_type", f"{'.'.join(cls._PATH)}.type = {value!r}: {reason}"
+                    )
+        return value
 
     @field_validator("params", mode="wrap", check_fields=False)
     @classmethod

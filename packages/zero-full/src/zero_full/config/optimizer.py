@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, ClassVar
 
 from pydantic import model_validator
 
@@ -22,7 +21,15 @@ from zero_full.config.types import (
     UsedWhen,
 )
 
-__all__ = ["AdamParams", "OptimizerConfig", "OptimizerType", "SGDParams"]
+__all__ = [
+    "AdagradParams",
+    "AdamParams",
+    "LambParams",
+    "LionParams",
+    "OptimizerConfig",
+    "OptimizerType",
+    "SGDParams",
+]
 
 _USED = Key(IMPLEMENTED)
 
@@ -33,6 +40,28 @@ class OptimizerType(str, enum.Enum):
     ADAM = "Adam"
     ADAMW = "AdamW"
     SGD = "SGD"
+    ADAGRAD = "Adagrad"
+    LAMB = "Lamb"
+    LION = "Lion"
+
+
+_ONE_BIT = (
+    "DeepSpeed's 1-bit optimizers compress the gradient all-reduce to 1 bit with error "
+    "compensation, a communication scheme zero does not have; use {plain} (the same optimizer "
+    "without compression) and, to cut gradient traffic, communication_data_type or ZeRO++'s "
+    "zero_quantized_gradients"
+)
+_MUP = "the muP optimizers (mup package) are not built from the config; pass one to initialize(optimizer=...)"
+_REFUSED_TYPES = {
+    "OneBitAdam": _ONE_BIT.format(plain='"Adam"'),
+    "ZeroOneAdam": _ONE_BIT.format(plain='"Adam"'),
+    "OneBitLamb": _ONE_BIT.format(plain='"Lamb"'),
+    "MuAdam": _MUP,
+    "MuAdamW": _MUP,
+    "MuSGD": _MUP,
+    "Muon": "zero has no Muon: its orthogonalised update needs whole matrices, not flat partitions; "
+    "pass a torch optimizer to initialize(optimizer=...)",
+}
 
 
 _NO_MAX_GRAD_NORM = Rejected("gradient clipping is the top-level 'gradient_clipping' key (as in DeepSpeed)")
@@ -100,28 +129,105 @@ class SGDParams(Section):
         return self
 
 
+class AdagradParams(Section):
+    """``optimizer.params`` of ``Adagrad`` (torch's ``Adagrad``, as DeepSpeed builds it)."""
+
+    _PATH = ("optimizer", "params")
+    _REJECTED: ClassVar[dict[str, Rejected]] = {"max_grad_norm": _NO_MAX_GRAD_NORM}
+
+    lr: Annotated[Real(0), _USED] = 0.01
+    """Learning rate."""
+    lr_decay: Annotated[Real(0), _USED] = 0.0
+    """Learning-rate decay per step: ``lr / (1 + (step - 1) * lr_decay)``."""
+    weight_decay: Annotated[Real(0), _USED] = 0.0
+    """L2 penalty."""
+    initial_accumulator_value: Annotated[Real(0), _USED] = 0.0
+    """Start value of the sum of squared gradients."""
+    eps: Annotated[Real(0), _USED] = 1e-10
+    """Term added to the denominator."""
+
+
+class LambParams(Section):
+    """``optimizer.params`` of ``Lamb`` (DeepSpeed's ``FusedLamb``: names, defaults and update).
+
+    Adam's moments without bias correction in the update, ``u = m / (sqrt(v) + eps) + weight_decay
+    * p``, scaled by the trust ratio ``||p|| / ||u||`` clipped to ``[min_coeff, max_coeff]`` (1
+    when either norm is 0), with step size ``lr * sqrt(1 - beta2^t) / (1 - beta1^t)``. The norms
+    are those of the tensor the optimizer steps: at stages 1-3 each rank's flat partition of a
+    parameter group (as DeepSpeed's ZeRO steps its Lamb), at stage 0 each parameter.
+    """
+
+    _PATH = ("optimizer", "params")
+    _REJECTED: ClassVar[dict[str, Rejected]] = {
+        "max_grad_norm": _NO_MAX_GRAD_NORM,
+        "amsgrad": Rejected("Lamb has no AMSGrad variant (DeepSpeed's FusedLamb refuses it too)"),
+    }
+
+    lr: Annotated[Real(0), _USED] = 1e-3
+    """Learning rate."""
+    bias_correction: Annotated[Flag, _USED] = True
+    """Fold Adam's bias correction into the step size."""
+    betas: Annotated[Betas, _USED] = (0.9, 0.999)
+    """Coefficients of the running averages of the gradient and its square."""
+    eps: Annotated[Real(0), _USED] = 1e-8
+    """Term added to the denominator."""
+    eps_inside_sqrt: Annotated[Flag, _USED] = False
+    """Add ``eps`` under the square root (``sqrt(v + eps)``) instead of after it."""
+    weight_decay: Annotated[Real(0), _USED] = 0.0
+    """Weight decay, added to the update before the trust ratio."""
+    max_coeff: Annotated[Real(0), _USED] = 10.0
+    """Upper bound of the trust ratio."""
+    min_coeff: Annotated[Real(0), _USED] = 0.01
+    """Lower bound of the trust ratio."""
+
+
+class LionParams(Section):
+    """``optimizer.params`` of ``Lion`` (DeepSpeed's names and defaults).
+
+    ``p = p * (1 - lr * weight_decay) - lr * sign(beta1 * m + (1 - beta1) * g)``, then
+    ``m = beta2 * m + (1 - beta2) * g`` (Chen et al. 2023). ``sign(0)`` is 0, as in the paper.
+    """
+
+    _PATH = ("optimizer", "params")
+    _REJECTED: ClassVar[dict[str, Rejected]] = {"max_grad_norm": _NO_MAX_GRAD_NORM}
+
+    lr: Annotated[Real(0), _USED] = 1e-3
+    """Learning rate."""
+    betas: Annotated[Betas, _USED] = (0.9, 0.999)
+    """Interpolation factor of the update (``beta1``) and of the momentum (``beta2``); DeepSpeed's
+    default ``[0.9, 0.999]``."""
+    weight_decay: Annotated[Real(0), _USED] = 0.0
+    """Decoupled weight decay."""
+
+
 _PARAMS_BY_TYPE: dict[OptimizerType, type[Section]] = {
     OptimizerType.ADAM: AdamParams,
     OptimizerType.ADAMW: AdamParams,
     OptimizerType.SGD: SGDParams,
+    OptimizerType.ADAGRAD: AdagradParams,
+    OptimizerType.LAMB: LambParams,
+    OptimizerType.LION: LionParams,
 }
 
 
 class OptimizerConfig(TypedSection):
     """``optimizer``: ``{"type": "AdamW", "params": {...}}``; ``params`` is checked per type.
 
-    ``type`` is case-insensitive (``adamw`` = ``AdamW``). :meth:`build` creates the torch
-    optimizer the section describes.
+    ``type`` is case-insensitive (``adamw`` = ``AdamW``).
+    :func:`zero_full.wiring.optimizers.build_optimizer` creates the torch optimizer it describes.
     """
 
     _PATH = ("optimizer",)
     _TYPES = OptimizerType
     _PARAMS_BY_TYPE: ClassVar[dict[OptimizerType, type[Section]]] = _PARAMS_BY_TYPE
+    _REFUSED_TYPES: ClassVar[dict[str, str]] = _REFUSED_TYPES
 
     type: Annotated[Choice(OptimizerType), _USED]
-    """``Adam``, ``AdamW`` or ``SGD``, any case. ``Adam`` with ``adam_w_mode`` (the default) builds
-    ``torch.optim.AdamW``, as DeepSpeed does."""
-    params: Annotated[AdamParams | SGDParams, _USED]
+    """``Adam``, ``AdamW``, ``SGD``, ``Adagrad``, ``Lamb`` or ``Lion``, any case. ``Adam`` with
+    ``adam_w_mode`` (the default) builds ``torch.optim.AdamW``, as DeepSpeed does. DeepSpeed's 1-bit
+    optimizers (``OneBitAdam``, ``ZeroOneAdam``, ``OneBitLamb``), the muP ones and ``Muon`` are
+    refused by name, with the reason."""
+    params: Annotated[AdamParams | SGDParams | AdagradParams | LambParams | LionParams, _USED]
     """The optimizer's keyword arguments, checked for its ``type`` (tables below). Omitted: every
     default."""
 
@@ -135,50 +241,3 @@ class OptimizerConfig(TypedSection):
             and isinstance(self.params, AdamParams)
             and self.params.adam_w_mode
         )
-
-    def torch_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of the torch optimizer :meth:`build` creates (``params`` excluded)."""
-        p = self.params
-        if isinstance(p, SGDParams):
-            return {
-                "lr": p.lr,
-                "momentum": p.momentum,
-                "dampening": p.dampening,
-                "weight_decay": p.weight_decay,
-                "nesterov": p.nesterov,
-            }
-        if not isinstance(p, AdamParams):
-            raise TypeError(f"optimizer.params of type {self.type.value} is a {type(p).__name__}")
-        return {
-            "lr": p.lr,
-            "betas": p.betas,
-            "eps": p.eps,
-            "weight_decay": p.weight_decay,
-            "amsgrad": p.amsgrad,
-        }
-
-    def build(self, params: Iterable[Any]) -> Any:
-        """Create the torch optimizer: ``torch.optim.AdamW``, ``Adam`` or ``SGD``.
-
-        Args:
-            params: Parameters or parameter groups, as for any torch optimizer.
-
-        Returns:
-            A ``torch.optim.Optimizer``. ``Adam`` with ``adam_w_mode`` (DeepSpeed's default)
-            becomes ``torch.optim.AdamW``, as in DeepSpeed.
-
-        Raises:
-            ValueError: ``bias_correction = false``, which torch's Adam cannot do.
-        """
-        import torch  # lazily: the config itself needs only pydantic
-
-        if isinstance(self.params, AdamParams) and not self.params.bias_correction:
-            raise ValueError(
-                "optimizer.params.bias_correction = false is not supported (torch's Adam always "
-                "applies bias correction); remove the key"
-            )
-        if self.type is OptimizerType.SGD:
-            cls = torch.optim.SGD
-        else:
-            cls = torch.optim.AdamW if self.decoupled_weight_decay else torch.optim.Adam
-        return cls(params, **self.torch_kwargs())

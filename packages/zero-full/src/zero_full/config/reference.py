@@ -365,7 +365,8 @@ def render_markdown(heading_level: int = 2) -> str:
     hashes = "#" * heading_level
     out: list[str] = []
     refused: dict[str, str] = {}
-    for section in config_sections():
+    sections = config_sections()
+    for section in sections:
         out += [f"{hashes} {'`' + section.title + '`' if section.path else section.title}", ""]
         if section.intro:
             out += [section.intro, ""]
@@ -390,5 +391,12 @@ def render_markdown(heading_level: int = 2) -> str:
         "| --- | --- |",
     ]
     out += [f"| `{key}` | {_cell(why)} |" for key, why in sorted(refused.items())]
+    out += ["", f"{hashes} Types that are not accepted", "", "| key | type | why, and what to do |"]
+    out.append("| --- | --- | --- |")
+    for section in sections:
+        if issubclass(section.cls, TypedSection):
+            path = ".".join((*section.path, "type"))
+            refused_types = section.cls.refused_types().items()
+            out += [f"| `{path}` | `{kind}` | {_cell(why)} |" for kind, why in refused_types]
     out.append("")
     return "\n".join(out)
