@@ -42,6 +42,8 @@ from zero_comm.profiling import profile_range
 from zero_coord import Coordinator, StepStats
 from zero_full import checkpoint as _checkpoint
 from zero_full.checkpoint import StepCounters, TrainState
+from zero_full.config.compat import ConfigReport
+from zero_full.config.prepare import key_findings, log_config_report, prepare_config, validate_deepspeed
 from zero_full.config.zero_config import Precision, ZeroConfig
 from zero_full.guards.agreement import check_agreement
 from zero_full.memory.report import MemoryReport, build_memory_report, reset_peak_memory
@@ -85,7 +87,7 @@ class Init(zero_params.Init):
 
     def __init__(self, config: ConfigLike = None, **kwargs: Any) -> None:
         if config is not None:
-            cfg = ZeroConfig.coerce(config)
+            cfg, _ = validate_deepspeed(config)  # as initialize takes it ("auto" left at defaults)
             z = cfg.zero_optimization
             kwargs.setdefault("param_persistence_threshold", z.param_persistence_threshold)
             kwargs.setdefault("enabled", cfg.stage == 3)
@@ -179,7 +181,13 @@ class Engine:
             ``global_steps``, also readable as properties of the engine).
     """
 
-    def __init__(self, model: nn.Module, config: ZeroConfig, optimizer: OptimizerSpec) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: ZeroConfig,
+        optimizer: OptimizerSpec,
+        config_report: ConfigReport | None = None,
+    ) -> None:
         _check_supported(config)
         if not isinstance(model, nn.Module):
             raise TypeError(f"initialize(model=...) needs an nn.Module, got {type(model).__name__}")
@@ -207,12 +215,8 @@ class Engine:
             self._pipeline = StepPipeline(pieces, config)
         self._comm = CommTotals()
         self._ledger.records.clear()
-        ignored = config.key_report().ignored
-        if ignored and dist.get_rank() == 0:
-            logger.info(
-                "zero: these config keys have no effect with this configuration: %s",
-                "; ".join(f"{f.path} ({f.reason})" for f in ignored),
-            )
+        if dist.get_rank() == 0:
+            log_config_report(config_report if config_report is not None else key_findings(config), logger)
 
     def __repr__(self) -> str:
         return (
@@ -524,17 +528,27 @@ class Engine:
         return sum(storages.values())
 
 
-def initialize(model: nn.Module, config: ConfigLike = None, optimizer: OptimizerSpec = None) -> Engine:
+def initialize(
+    model: nn.Module,
+    config: ConfigLike = None,
+    optimizer: OptimizerSpec = None,
+    *,
+    strict_config: bool = False,
+) -> Engine:
     """Wrap ``model`` for ZeRO training over the default process group.
 
     Args:
         model: The model, built whole on every rank (same values: rank 0's are broadcast) or
             under :class:`Init`.
-        config: A :class:`ZeroConfig`, a DeepSpeed-style dict or a path to a JSON file.
+        config: A :class:`ZeroConfig`, a DeepSpeed-style dict or a path to a JSON file. A
+            DeepSpeed config is taken as DeepSpeed takes it (``zero_full.config.prepare``):
+            ``"auto"`` values are filled in from the model and batch settings, DeepSpeed keys
+            without effect and unknown keys are reported once (rank 0, WARNING, one table).
         optimizer: A callable ``params -> torch optimizer`` (e.g.
             ``lambda params: torch.optim.AdamW(params, lr=1e-3)``; per-group options are
             kept), a torch optimizer without state built over ``model.parameters()``, or
             ``None`` to use the config's ``optimizer`` section (else ``torch.optim.AdamW``).
+        strict_config: Keys neither zero nor DeepSpeed knows are an error instead of reported.
 
     Returns:
         The :class:`Engine`.
@@ -542,11 +556,14 @@ def initialize(model: nn.Module, config: ConfigLike = None, optimizer: Optimizer
     Raises:
         NotImplementedError: any feature listed by ``ZeroConfig.unsupported_features()``
             (all named at once).
-        ValueError: both ``optimizer`` and a config ``optimizer`` section; inconsistent batch sizes.
+        ValueError: both ``optimizer`` and a config ``optimizer`` section; inconsistent batch sizes;
+            ``zero_full.config.compat.ConfigError``: config values zero cannot honour.
         RuntimeError: ``torch.distributed`` is not initialised.
         TypeError: ``model`` was wrapped by ``torch.compile`` (compile after: ``engine.compile()``).
     """
-    return Engine(model, ZeroConfig.coerce(config), optimizer)
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    zero_config, report = prepare_config(config, model, world_size, strict=strict_config)
+    return Engine(model, zero_config, optimizer, report)
 
 
 # ---------------------------------------------------------------------------- helpers

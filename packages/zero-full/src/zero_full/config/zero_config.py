@@ -197,6 +197,16 @@ class ZeroConfig(Section):
             pydantic.ValidationError: invalid content; the title names the file.
         """
         path = pathlib.Path(path)
+        data = cls.read_json(path)
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise _retitled(exc, f"ZeroConfig from {path}") from None
+
+    @staticmethod
+    def read_json(path: str | os.PathLike[str]) -> dict[str, Any]:
+        """The JSON object of a config file, not validated (errors as :meth:`from_json` says)."""
+        path = pathlib.Path(path)
         try:
             text = path.read_text(encoding="utf-8")
         except FileNotFoundError:
@@ -213,10 +223,7 @@ class ZeroConfig(Section):
             raise ConfigFileError(f"{path}: key {exc.args[0]!r} appears twice in one JSON object") from None
         if not isinstance(data, dict):
             raise ConfigFileError(f"{path}: the top level must be a JSON object, got {type(data).__name__}")
-        try:
-            return cls.model_validate(data)
-        except ValidationError as exc:
-            raise _retitled(exc, f"ZeroConfig from {path}") from None
+        return data
 
     @classmethod
     def coerce(cls, config: ZeroConfig | Mapping[str, Any] | str | os.PathLike[str] | None) -> ZeroConfig:
