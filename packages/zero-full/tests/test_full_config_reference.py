@@ -177,7 +177,7 @@ def test_refused_keys_raise_with_the_reason_the_page_gives():
     page = render_markdown()
     rows = re.findall(
         r"^\| `([^`]+)` \| (.+) \|$",
-        page.split("## Keys that are not accepted")[1].split("## Types")[0],
+        page.split("## Keys that are not accepted")[1].split("## DeepSpeed keys")[0],
         re.MULTILINE,
     )
     assert len(rows) >= 10

@@ -34,6 +34,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from zero_full.config.base import Section, TypedSection, declared_key
+from zero_full.config.deepspeed_keys import DEEPSPEED_KEYS, Known
 from zero_full.config.types import (
     Ignored,
     Implemented,
@@ -165,6 +166,14 @@ def _description(cls: type[Section], field: str) -> str:
             f"`{_json(status.supported)}`."
         )
     return " ".join(parts)
+
+
+def _known_outcome(known: Known) -> str:
+    if known.refuses(True) or known.refuses({"enabled": True}) or known.refuses(2):
+        return 'refused unless off (`false`, `"enabled": false`, the default)'
+    if known.rewrite is not None:
+        return "rewritten to the zero form, reported"
+    return "reported unless its value changes nothing"
 
 
 def _json(value: Any) -> str:
@@ -391,6 +400,18 @@ def render_markdown(heading_level: int = 2) -> str:
         "| --- | --- |",
     ]
     out += [f"| `{key}` | {_cell(why)} |" for key, why in sorted(refused.items())]
+    out += ["", f"{hashes} DeepSpeed keys without a zero field", ""]
+    out += [
+        "Accepted by `initialize`: silent when the value changes nothing, otherwise reported once "
+        "(rank 0, WARNING), or refused when zero cannot honour the value:",
+        "",
+        "| key | when given | what zero does |",
+        "| --- | --- | --- |",
+    ]
+    out += [
+        f"| `{'.'.join(path)}` | {_known_outcome(known)} | {_cell(known.why)} |"
+        for path, known in DEEPSPEED_KEYS.items()
+    ]
     out += ["", f"{hashes} Types that are not accepted", "", "| key | type | why, and what to do |"]
     out.append("| --- | --- | --- |")
     for section in sections:
