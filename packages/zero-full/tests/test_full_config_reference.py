@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from zero_full.config.base import Section
+from zero_full.config.base import Section, TypedSection
+from zero_full.config.optimizer import OptimizerConfig
 from zero_full.config.reference import ALL_STAGES, ConfigKey, config_keys, config_sections, render_markdown
-from zero_full.config.sections import _PARAMS_BY_TYPE, OptimizerConfig
 from zero_full.config.types import Ignored, Refused
 from zero_full.config.zero_config import ZeroConfig
 
@@ -23,8 +23,8 @@ def _accepted(cls: type[Section], path: tuple[str, ...]) -> list[tuple[tuple[str
     """(section path, spelling) of every key accepted below ``cls``, found without config_reference."""
     found = [(path, key) for key in cls.accepted_keys()]
     for name, info in cls.model_fields.items():
-        if cls is OptimizerConfig and name == "params":
-            children = list(dict.fromkeys(_PARAMS_BY_TYPE.values()))
+        if issubclass(cls, TypedSection) and name == "params":
+            children = list(cls.params_sections())
         else:
             args = (info.annotation, *typing.get_args(info.annotation))
             children = [a for a in args if isinstance(a, type) and issubclass(a, Section)]
@@ -59,22 +59,30 @@ def test_every_key_has_a_description():
     bare = [k.path for k in KEYS if not k.description.strip()]
     assert not bare, (
         f"config keys without a description: {bare}; add a docstring under the field in "
-        "zero_full/config/sections.py"
+        "zero_full/config/ (its section's module)"
     )
 
 
 def _minimal(key: ConfigKey) -> dict[str, Any]:
     """The smallest config in which ``key`` may be given (an optimizer type, stage 3 for ``ratio``)."""
-    if key.section[:1] == ("optimizer",):
-        sgd = key.field in ("momentum", "dampening", "nesterov") or (
-            key.section == ("optimizer", "params") and key in SGD_KEYS
-        )
-        return {"optimizer": {"type": "SGD" if sgd else "Adam"}}
+    if key.section == ("optimizer",):
+        return {"optimizer": {"type": "Adam"}}
+    if key.section in (("optimizer", "params"), ("scheduler", "params")):
+        return {key.section[0]: _typed_with(key)}
     if key.section == ("zero_optimization", "offload_optimizer"):
         return {"zero_optimization": {"stage": 3}}
     if key.section == ("zero_optimization", "zeropp_loco_param"):
         return {"zero_optimization": {"stage": 3, "zero_quantized_gradients": True}}
     return {}
+
+
+def _typed_with(key: ConfigKey) -> dict[str, Any]:
+    """``{type, params}`` of the first type whose params hold ``key``, its required params set to 10."""
+    title = f"{key.section[0]}.params ("
+    section = next(s for s in config_sections() if s.title.startswith(title) and key in s.keys)
+    kind = section.title.split("(")[1].split(" / ")[0].rstrip(")")
+    required = {k.name: 10 for k in section.keys if k.default_text == "required"}
+    return {"type": kind, "params": required}
 
 
 def _config_with(key: ConfigKey, spelling: str, value: Any) -> dict[str, Any]:
@@ -168,9 +176,16 @@ def test_stages_column_matches_ignored_keys(key):
 def test_refused_keys_raise_with_the_reason_the_page_gives():
     page = render_markdown()
     rows = re.findall(
-        r"^\| `([^`]+)` \| (.+) \|$", page.split("## Keys that are not accepted")[1], re.MULTILINE
+        r"^\| `([^`]+)` \| (.+) \|$",
+        page.split("## Keys that are not accepted")[1].split("## DeepSpeed keys")[0],
+        re.MULTILINE,
     )
     assert len(rows) >= 10
+    types = re.findall(r"^\| `(\w+)\.type` \| `(\w+)` \| (.+) \|$", page.split("## Types")[1], re.MULTILINE)
+    assert len(types) >= 3
+    for section, kind, why in types:
+        with pytest.raises(ValidationError, match=re.escape(why[:40])):
+            ZeroConfig.model_validate({section: {"type": kind}})
     for path, why in rows:
         *section, key = path.split(".")
         cfg: dict[str, Any] = {}
@@ -178,8 +193,9 @@ def test_refused_keys_raise_with_the_reason_the_page_gives():
         for part in section:
             node = node.setdefault(part, {})
         node[key] = 1
-        if section[:1] == ["optimizer"]:
-            cfg["optimizer"]["type"] = "Adam"
+        if section[:1] == ["optimizer"]:  # the first type whose params refuse the key
+            kinds = OptimizerConfig.params_sections().items()
+            cfg["optimizer"]["type"] = next(t[0] for c, t in kinds if key in c.rejected_keys())
         with pytest.raises(ValidationError) as info:
             ZeroConfig.model_validate(cfg)
         message = " ".join(str(info.value).split())

@@ -42,6 +42,8 @@ from zero_comm.profiling import profile_range
 from zero_coord import Coordinator, StepStats
 from zero_full import checkpoint as _checkpoint
 from zero_full.checkpoint import StepCounters, TrainState
+from zero_full.config.compat import ConfigReport
+from zero_full.config.prepare import key_findings, log_config_report, prepare_config, validate_deepspeed
 from zero_full.config.zero_config import Precision, ZeroConfig
 from zero_full.guards.agreement import check_agreement
 from zero_full.memory.report import MemoryReport, build_memory_report, reset_peak_memory
@@ -49,6 +51,7 @@ from zero_full.wiring.comm_dtype import comm_strategies
 from zero_full.wiring.compiled import check_not_precompiled, compile_model, explain_graph_break
 from zero_full.wiring.mics import MicsGroups, build_mics_groups
 from zero_full.wiring.placement import place_model
+from zero_full.wiring.optimizers import optimizer_factory
 from zero_full.wiring.stages import StepPipeline, build_stage, working_dtype
 from zero_full.wiring.zeropp import build_zeropp, check_zeropp_layout, env_ranks_per_node
 from zero_optim import LossScaler, OptimizerSpec, PartitionedOptimizer, check_replicas_consistent
@@ -86,7 +89,7 @@ class Init(zero_params.Init):
 
     def __init__(self, config: ConfigLike = None, **kwargs: Any) -> None:
         if config is not None:
-            cfg = ZeroConfig.coerce(config)
+            cfg, _ = validate_deepspeed(config)  # as initialize takes it ("auto" left at defaults)
             z = cfg.zero_optimization
             kwargs.setdefault("param_persistence_threshold", z.param_persistence_threshold)
             kwargs.setdefault("enabled", cfg.stage == 3)
@@ -182,7 +185,12 @@ class Engine:
     """
 
     def __init__(
-        self, model: nn.Module, config: ZeroConfig, optimizer: OptimizerSpec, device: DeviceLike = None
+        self,
+        model: nn.Module,
+        config: ZeroConfig,
+        optimizer: OptimizerSpec,
+        device: DeviceLike = None,
+        config_report: ConfigReport | None = None,
     ) -> None:
         _check_supported(config)
         if not isinstance(model, nn.Module):
@@ -212,12 +220,8 @@ class Engine:
             self._pipeline = StepPipeline(pieces, config)
         self._comm = CommTotals()
         self._ledger.records.clear()
-        ignored = config.key_report().ignored
-        if ignored and dist.get_rank() == 0:
-            logger.info(
-                "zero: these config keys have no effect with this configuration: %s",
-                "; ".join(f"{f.path} ({f.reason})" for f in ignored),
-            )
+        if dist.get_rank() == 0:
+            log_config_report(config_report if config_report is not None else key_findings(config), logger)
 
     def __repr__(self) -> str:
         return (
@@ -530,14 +534,22 @@ class Engine:
 
 
 def initialize(
-    model: nn.Module, config: ConfigLike = None, optimizer: OptimizerSpec = None, *, device: DeviceLike = None
+    model: nn.Module,
+    config: ConfigLike = None,
+    optimizer: OptimizerSpec = None,
+    *,
+    device: DeviceLike = None,
+    strict_config: bool = False,
 ) -> Engine:
     """Wrap ``model`` for ZeRO training over the default process group.
 
     Args:
         model: The model, built whole on every rank (same values: rank 0's are broadcast) or
             under :class:`Init`.
-        config: A :class:`ZeroConfig`, a DeepSpeed-style dict or a path to a JSON file.
+        config: A :class:`ZeroConfig`, a DeepSpeed-style dict or a path to a JSON file. A
+            DeepSpeed config is taken as DeepSpeed takes it (``zero_full.config.prepare``):
+            ``"auto"`` values are filled in from the model and batch settings, DeepSpeed keys
+            without effect and unknown keys are reported once (rank 0, WARNING, one table).
         optimizer: A callable ``params -> torch optimizer`` (e.g.
             ``lambda params: torch.optim.AdamW(params, lr=1e-3)``; per-group options are
             kept), a torch optimizer without state built over ``model.parameters()``, or
@@ -545,6 +557,7 @@ def initialize(
         device: Where the model trains and its shards live (``None``: the current accelerator
             when the process group serves it, e.g. ``cuda:<current>`` under NCCL, else the
             CPU). Parameters and buffers not partitioned yet are moved there.
+        strict_config: Keys neither zero nor DeepSpeed knows are an error instead of reported.
 
     Returns:
         The :class:`Engine`.
@@ -552,13 +565,16 @@ def initialize(
     Raises:
         NotImplementedError: any feature listed by ``ZeroConfig.unsupported_features()``
             (all named at once).
-        ValueError: both ``optimizer`` and a config ``optimizer`` section; inconsistent batch sizes.
+        ValueError: both ``optimizer`` and a config ``optimizer`` section; inconsistent batch sizes;
+            ``zero_full.config.compat.ConfigError``: config values zero cannot honour.
         RuntimeError: ``torch.distributed`` is not initialised.
         TypeError: ``model`` was wrapped by ``torch.compile`` (compile after: ``engine.compile()``).
         ValueError: ``device`` is not served by the process group, or the model is on several
             devices, on ``meta``, or partitioned on another device (names the parameter).
     """
-    return Engine(model, ZeroConfig.coerce(config), optimizer, device)
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    zero_config, report = prepare_config(config, model, world_size, strict=strict_config)
+    return Engine(model, zero_config, optimizer, device, report)
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -614,7 +630,7 @@ def _optimizer_spec(config: ZeroConfig, optimizer: OptimizerSpec) -> OptimizerSp
             "an optimizer was passed to initialize() and the config has an 'optimizer' section: "
             "keep one of them"
         )
-    return config.optimizer.build
+    return optimizer_factory(config.optimizer)
 
 
 def _sync_whole_tensors(model: nn.Module) -> None:

@@ -33,8 +33,8 @@ from pydantic import BeforeValidator
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from zero_full.config.base import Section, declared_key
-from zero_full.config.sections import AdamParams, OptimizerConfig, SGDParams
+from zero_full.config.base import Section, TypedSection, declared_key
+from zero_full.config.deepspeed_keys import DEEPSPEED_KEYS, Known
 from zero_full.config.types import (
     Ignored,
     Implemented,
@@ -43,6 +43,7 @@ from zero_full.config.types import (
     check_flag,
     check_int,
     check_path,
+    check_per_group,
     check_real,
     parse_choice,
 )
@@ -148,7 +149,9 @@ def _first_paragraph(cls: type) -> str:
 
 def _description(cls: type[Section], field: str) -> str:
     """The field's docstring (first paragraph), then when it is used and its status."""
-    text = _field_docstrings(cls).get(field, "")
+    # a field inherited from a parent section keeps the parent's docstring
+    owners = [c for c in cls.__mro__ if isinstance(c, type) and issubclass(c, Section) and c is not Section]
+    text = next((d[field] for d in map(_field_docstrings, owners) if field in d), "")
     parts = [_rst_to_md(text.split("\n\n")[0])] if text else []
     key = declared_key(cls, field)
     if key.when is not None:
@@ -163,6 +166,14 @@ def _description(cls: type[Section], field: str) -> str:
             f"`{_json(status.supported)}`."
         )
     return " ".join(parts)
+
+
+def _known_outcome(known: Known) -> str:
+    if known.refuses(True) or known.refuses({"enabled": True}) or known.refuses(2):
+        return 'refused unless off (`false`, `"enabled": false`, the default)'
+    if known.rewrite is not None:
+        return "rewritten to the zero form, reported"
+    return "reported unless its value changes nothing"
 
 
 def _json(value: Any) -> str:
@@ -214,6 +225,9 @@ def _type_text(info: FieldInfo) -> str:
         return "bool"
     if base is check_path:
         return "path or null"
+    if base is check_per_group:
+        text = "number >= 0, or a list of them (one per parameter group)"
+        return text + (" or null" if kw.get("none_ok") else "")
     if base is check_betas:
         return "[number, number] in [0, 1)"
     if base is parse_choice and check.args:
@@ -294,14 +308,15 @@ def config_sections() -> list[SectionDoc]:
         for key in keys:
             info = cls.model_fields[key.field]
             children = _sections_in(info.annotation)
-            if cls is OptimizerConfig and key.field == "params":
-                children = [AdamParams, SGDParams]
+            kinds: dict[type[Section], list[str]] = {}
+            if issubclass(cls, TypedSection) and key.field == "params":
+                kinds = cls.params_sections()
+                children = list(kinds)
             for child in children:
                 child_path = (*path, key.name)
                 label = ".".join(child_path)
-                if cls is OptimizerConfig:
-                    kinds = "Adam / AdamW" if child is AdamParams else "SGD"
-                    label = f"{label} ({kinds})"
+                if child in kinds:
+                    label = f"{label} ({' / '.join(kinds[child])})"
                 visit(child, child_path, label, key.stages)
 
     visit(ZeroConfig, (), "Top level", ALL_STAGES)
@@ -359,7 +374,8 @@ def render_markdown(heading_level: int = 2) -> str:
     hashes = "#" * heading_level
     out: list[str] = []
     refused: dict[str, str] = {}
-    for section in config_sections():
+    sections = config_sections()
+    for section in sections:
         out += [f"{hashes} {'`' + section.title + '`' if section.path else section.title}", ""]
         if section.intro:
             out += [section.intro, ""]
@@ -384,5 +400,24 @@ def render_markdown(heading_level: int = 2) -> str:
         "| --- | --- |",
     ]
     out += [f"| `{key}` | {_cell(why)} |" for key, why in sorted(refused.items())]
+    out += ["", f"{hashes} DeepSpeed keys without a zero field", ""]
+    out += [
+        "Accepted by `initialize`: silent when the value changes nothing, otherwise reported once "
+        "(rank 0, WARNING), or refused when zero cannot honour the value:",
+        "",
+        "| key | when given | what zero does |",
+        "| --- | --- | --- |",
+    ]
+    out += [
+        f"| `{'.'.join(path)}` | {_known_outcome(known)} | {_cell(known.why)} |"
+        for path, known in DEEPSPEED_KEYS.items()
+    ]
+    out += ["", f"{hashes} Types that are not accepted", "", "| key | type | why, and what to do |"]
+    out.append("| --- | --- | --- |")
+    for section in sections:
+        if issubclass(section.cls, TypedSection):
+            path = ".".join((*section.path, "type"))
+            refused_types = section.cls.refused_types().items()
+            out += [f"| `{path}` | `{kind}` | {_cell(why)} |" for kind, why in refused_types]
     out.append("")
     return "\n".join(out)

@@ -37,20 +37,17 @@ from pydantic import Field, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from zero_full.config.base import KeyReport, Section, key_report
-from zero_full.config.sections import (
-    AdamParams,
-    BF16Config,
-    FP16Config,
+from zero_full.config.optimizer import AdamParams, OptimizerConfig, OptimizerType, SGDParams
+from zero_full.config.precision import BF16Config, FP16Config
+from zero_full.config.robustness import RobustnessConfig
+from zero_full.config.scheduler import SchedulerConfig
+from zero_full.config.types import IMPLEMENTED, Choice, Flag, Ignored, Int, Key, Real, Rejected
+from zero_full.config.zero_optimization import (
     OffloadDevice,
     OffloadOptimizerConfig,
     OffloadParamConfig,
-    OptimizerConfig,
-    OptimizerType,
-    RobustnessConfig,
-    SGDParams,
     ZeroOptimizationConfig,
 )
-from zero_full.config.types import IMPLEMENTED, Choice, Flag, Ignored, Int, Key, Real, Rejected
 
 __all__ = [
     "AdamParams",
@@ -102,10 +99,6 @@ _MONITORING = Rejected(
 _AVERAGED = Rejected("not supported: gradients are averaged over the data-parallel ranks")
 
 _TOP_REJECTED: dict[str, Rejected] = {
-    "scheduler": Rejected(
-        "zero does not build learning-rate schedulers; create a torch.optim.lr_scheduler "
-        "over engine.optimizer.torch_optimizer and step it yourself"
-    ),
     "amp": Rejected('Apex AMP is not supported; use "fp16" or "bf16"'),
     "activation_checkpointing": Rejected(
         "not configured through zero; use torch.utils.checkpoint in the model"
@@ -163,6 +156,8 @@ class ZeroConfig(Section):
     """bfloat16 precision (section below; also spelled ``bfloat16``, DeepSpeed's older name)."""
     optimizer: Annotated[OptimizerConfig | None, _USED] = None
     """The optimizer to build (section below), or ``null`` when ``initialize`` receives one."""
+    scheduler: Annotated[SchedulerConfig | None, _USED] = None
+    """The learning-rate schedule to build over the optimizer (section below), or ``null``."""
     zero_optimization: Annotated[ZeroOptimizationConfig, _USED] = Field(
         default_factory=ZeroOptimizationConfig
     )
@@ -202,6 +197,16 @@ class ZeroConfig(Section):
             pydantic.ValidationError: invalid content; the title names the file.
         """
         path = pathlib.Path(path)
+        data = cls.read_json(path)
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise _retitled(exc, f"ZeroConfig from {path}") from None
+
+    @staticmethod
+    def read_json(path: str | os.PathLike[str]) -> dict[str, Any]:
+        """The JSON object of a config file, not validated (errors as :meth:`from_json` says)."""
+        path = pathlib.Path(path)
         try:
             text = path.read_text(encoding="utf-8")
         except FileNotFoundError:
@@ -218,10 +223,7 @@ class ZeroConfig(Section):
             raise ConfigFileError(f"{path}: key {exc.args[0]!r} appears twice in one JSON object") from None
         if not isinstance(data, dict):
             raise ConfigFileError(f"{path}: the top level must be a JSON object, got {type(data).__name__}")
-        try:
-            return cls.model_validate(data)
-        except ValidationError as exc:
-            raise _retitled(exc, f"ZeroConfig from {path}") from None
+        return data
 
     @classmethod
     def coerce(cls, config: ZeroConfig | Mapping[str, Any] | str | os.PathLike[str] | None) -> ZeroConfig:

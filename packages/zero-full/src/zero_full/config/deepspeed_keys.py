@@ -1,0 +1,283 @@
+"""DeepSpeed keys that no zero section declares, each declared once here with what zero does with it.
+
+Every key of DeepSpeed's configuration documentation is either a field of a zero section (see
+the section modules) or listed here as a :class:`Known`: a value that changes nothing is
+accepted silently, another value is reported (key, value, why) or, when it would change training
+in a way zero cannot honour, refused with what to do instead. Whole sections of features zero
+does not have (pipeline, MoE, compression, ...) are refused unless they say ``"enabled": false``.
+:func:`zero_full.config.compat.accept_deepspeed` applies this table; the configuration page
+renders it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+__all__ = ["DEEPSPEED_KEYS", "Known", "known_key"]
+
+
+def _never(_: Any) -> bool:
+    return False
+
+
+def _disabled(value: Any) -> bool:
+    """A section that turns itself off (``{"enabled": false}``), or an empty one / ``false`` / ``null``."""
+    if isinstance(value, Mapping):
+        return not value or value.get("enabled") is False
+    return value is None or value is False
+
+
+@dataclasses.dataclass(frozen=True)
+class Known:
+    """A DeepSpeed key without a zero field.
+
+    Attributes:
+        why: What zero does instead (the report and the page say it).
+        silent: ``silent(value)``: the value changes nothing; accepted without a report.
+        refuses: ``refuses(value)``: the value would change training in a way zero cannot honour.
+        rewrite: For deprecated spellings: ``rewrite(section, value)`` writes the zero form into
+            the (cleaned) section holding the key.
+    """
+
+    why: str
+    silent: Callable[[Any], bool] = _never
+    refuses: Callable[[Any], bool] = _never
+    rewrite: Callable[[dict[str, Any], Any], None] | None = None
+
+
+def _equals(*values: Any) -> Callable[[Any], bool]:
+    return lambda v: any(v == x and isinstance(v, bool) == isinstance(x, bool) for x in values)
+
+
+def _is_true(value: Any) -> bool:
+    return value is True
+
+
+def _not_disabled(value: Any) -> bool:
+    return not _disabled(value)
+
+
+def _offload(target: str) -> Callable[[dict[str, Any], Any], None]:
+    def rewrite(section: dict[str, Any], value: Any) -> None:
+        if value is True:
+            section.setdefault(target, {"device": "cpu"})
+
+    return rewrite
+
+
+def _pin_memory(section: dict[str, Any], value: Any) -> None:
+    if value is True:
+        for target in ("offload_optimizer", "offload_param"):
+            if isinstance(section.get(target), dict):
+                section[target].setdefault("pin_memory", True)
+
+
+_MONITOR = (
+    "zero writes no monitoring files from the config; the engine's step results and "
+    "torch.profiler (phases marked zero.<phase>) give the same numbers"
+)
+_NO_FEATURE = 'zero has no {what}; remove the section (or set "enabled": false) to train with zero'
+_LOSS_SCALE_BF16 = "bf16 uses no loss scaling (as in DeepSpeed, where these keys have no effect under bf16)"
+
+
+def _feature(what: str) -> Known:
+    return Known(_NO_FEATURE.format(what=what), silent=_disabled, refuses=_not_disabled)
+
+
+def _monitor() -> Known:
+    return Known(_MONITOR, silent=_disabled)
+
+
+DEEPSPEED_KEYS: dict[tuple[str, ...], Known] = {
+    # ---------------------------------------------------------------- top level
+    ("prescale_gradients",): Known(
+        "zero sums gradients, then divides by the world size (prescaling changes only rounding)",
+        silent=_equals(False),
+    ),
+    ("gradient_predivide_factor",): Known(
+        "zero sums gradients, then divides by the world size (a predivide factor changes only rounding)",
+        silent=_equals(1, 1.0),
+    ),
+    ("sparse_gradients",): Known("zero reduces gradients dense", silent=_equals(False)),
+    ("zero_allow_untested_optimizer",): Known("zero runs any torch optimizer", silent=lambda _: True),
+    ("zero_force_ds_cpu_optimizer",): Known(
+        "zero steps offloaded optimizers with its own CPU optimizer", silent=_equals(False)
+    ),
+    ("fp16_master_weights_and_grads",): Known(
+        "zero keeps fp32 master weights and gradients", silent=_equals(False), refuses=_is_true
+    ),
+    ("bf16_master_weights_and_grads",): Known(
+        "zero keeps fp32 master weights and gradients", silent=_equals(False), refuses=_is_true
+    ),
+    ("bf16_optimizer_states",): Known(
+        "zero keeps optimizer states in fp32", silent=_equals(False), refuses=_is_true
+    ),
+    ("amp",): Known(
+        'Apex AMP is not supported; use "fp16" or "bf16"', silent=_disabled, refuses=_not_disabled
+    ),
+    ("torch_autocast",): Known(
+        "torch autocast from the config is not supported; use torch.autocast in the model, or bf16",
+        silent=_disabled,
+        refuses=_not_disabled,
+    ),
+    ("data_types",): Known(
+        "gradients are accumulated in the working precision (fp32 masters)",
+        silent=lambda v: isinstance(v, Mapping) and v.get("grad_accum_dtype") in (None, "fp32"),
+    ),
+    ("activation_checkpointing",): Known(
+        "activation checkpointing is the model's: use torch.utils.checkpoint "
+        "(or deepspeed.checkpointing.checkpoint through zero_full.deepspeed)"
+    ),
+    ("flops_profiler",): _monitor(),
+    ("tensorboard",): _monitor(),
+    ("wandb",): _monitor(),
+    ("csv_monitor",): _monitor(),
+    ("comms_logger",): _monitor(),
+    ("memory_breakdown",): Known("use engine.memory_report()", silent=_equals(False)),
+    ("dump_state",): Known("zero prints no state dump", silent=_equals(False)),
+    ("disable_allgather",): Known("zero always all-gathers partitions", silent=_equals(False)),
+    ("disable_python_gc",): Known("zero leaves Python's garbage collector alone", silent=_equals(False)),
+    ("dataloader_drop_last",): Known("zero builds no data loader from the config", silent=_equals(False)),
+    ("gradient_allreduce_op",): Known("zero averages gradients", silent=_equals("mean")),
+    ("checkpoint",): Known(
+        "zero's checkpoints are written and checked their own way (tag validation, node-local "
+        "storage, parallel writes and universal loading do not apply)",
+        silent=_disabled,
+    ),
+    ("aio",): Known("zero's NVMe offload chooses its own I/O settings", silent=_disabled),
+    ("autotuning",): Known(
+        "autotuning is a DeepSpeed launcher feature; the run trains with the config as given",
+        silent=_disabled,
+    ),
+    ("compile",): Known("use engine.compile()", silent=_disabled),
+    ("nebula",): Known("zero has no Nebula checkpoint service", silent=_disabled),
+    ("timers",): Known("zero marks its phases with torch.profiler", silent=_disabled),
+    ("graph_harvesting",): Known("zero does not capture CUDA graphs", silent=_equals(False)),
+    ("use_data_before_expert_parallelism",): Known("zero has no expert parallelism", silent=_equals(False)),
+    ("seq_parallel_communication_data_type",): Known(
+        "zero has no sequence parallelism", silent=lambda _: True
+    ),
+    ("vocabulary_size",): Known("used by DeepSpeed's pipeline engine only", silent=lambda _: True),
+    ("elasticity",): _feature("elastic training"),
+    ("pipeline",): _feature("pipeline parallelism"),
+    ("moe",): _feature("mixture-of-experts parallelism"),
+    ("compression_training",): _feature("compression training"),
+    ("sparse_attention",): _feature("sparse attention kernels"),
+    ("curriculum_learning",): _feature("curriculum learning"),
+    ("data_efficiency",): _feature("data-efficiency pipeline (curriculum, random-LTD)"),
+    ("progressive_layer_drop",): _feature("progressive layer drop"),
+    ("eigenvalue",): _feature("eigenvalue computation"),
+    ("quantize_training",): _feature("quantization-aware training"),
+    ("weight_quantization",): _feature("weight quantization"),
+    ("hybrid_engine",): _feature("hybrid (RLHF) engine"),
+    ("tensor_parallel",): _feature("tensor parallelism"),
+    ("sequence_parallel_size",): Known(
+        "zero has no sequence parallelism", silent=_equals(1), refuses=lambda v: v != 1
+    ),
+    # ---------------------------------------------------------------- precision sections
+    ("fp16", "fp16_master_weights_and_grads"): Known(
+        "zero keeps fp32 master weights and gradients", silent=_equals(False), refuses=_is_true
+    ),
+    ("fp16", "bf16_master_weights_and_grads"): Known("bf16 key, no effect under fp16", silent=_equals(False)),
+    ("bf16", "loss_scale"): Known(_LOSS_SCALE_BF16, silent=_equals(0, 0.0)),
+    ("bf16", "initial_scale_power"): Known(_LOSS_SCALE_BF16),
+    ("bf16", "loss_scale_window"): Known(_LOSS_SCALE_BF16),
+    ("bf16", "hysteresis"): Known(_LOSS_SCALE_BF16),
+    ("bf16", "consecutive_hysteresis"): Known(_LOSS_SCALE_BF16),
+    ("bf16", "min_loss_scale"): Known(_LOSS_SCALE_BF16),
+    ("bf16", "auto_cast"): Known("bf16: inputs are not cast", silent=_equals(False), refuses=_is_true),
+    ("bf16", "immediate_grad_update"): Known(
+        "zero accumulates gradients into its flat partitions as they are reduced", silent=lambda _: True
+    ),
+    ("bf16", "check_overflow"): Known(
+        "robustness.nonfinite_gradients governs non-finite gradients under bf16", silent=_equals(False)
+    ),
+    ("bf16", "check_grad_overflow"): Known(
+        "robustness.nonfinite_gradients governs non-finite gradients under bf16", silent=_equals(False)
+    ),
+    ("bf16", "bf16_master_weights_and_grads"): Known(
+        "zero keeps fp32 master weights and gradients", silent=_equals(False), refuses=_is_true
+    ),
+    ("bf16", "bf16_optimizer_states"): Known(
+        "zero keeps optimizer states in fp32", silent=_equals(False), refuses=_is_true
+    ),
+    # ---------------------------------------------------------------- zero_optimization
+    ("zero_optimization", "cpu_offload"): Known(
+        'a deprecated DeepSpeed key: true means "offload_optimizer": {"device": "cpu"}',
+        silent=_equals(False),
+        rewrite=_offload("offload_optimizer"),
+    ),
+    ("zero_optimization", "cpu_offload_param"): Known(
+        'a deprecated DeepSpeed key: true means "offload_param": {"device": "cpu"}',
+        silent=_equals(False),
+        rewrite=_offload("offload_param"),
+    ),
+    ("zero_optimization", "cpu_offload_use_pin_memory"): Known(
+        "a deprecated DeepSpeed key: true means pin_memory in the offload sections",
+        silent=_equals(False),
+        rewrite=_pin_memory,
+    ),
+    ("zero_optimization", "elastic_checkpoint"): Known(
+        "zero's checkpoints load at any world size", silent=lambda _: True
+    ),
+    ("zero_optimization", "legacy_stage1"): Known("zero has one stage 1", silent=_equals(False)),
+    ("zero_optimization", "allgather_sequential"): Known(
+        "zero all-gathers in buckets", silent=_equals(False)
+    ),
+    ("zero_optimization", "compute_grad_norm"): Known(
+        "zero computes the gradient norm when clipping", silent=lambda _: True
+    ),
+    ("zero_optimization", "enable_sanity_checks"): Known(
+        "robustness.check_rank_agreement checks the ranks", silent=_equals(False)
+    ),
+    ("zero_optimization", "memory_efficient_linear"): Known(
+        "zero gathers parameters for torch's own Linear", silent=lambda _: True
+    ),
+    ("zero_optimization", "use_multi_rank_bucket_allreduce"): Known(
+        "zero reduces each bucket in one collective", silent=lambda _: True
+    ),
+    ("zero_optimization", "use_all_reduce_for_fetch_params"): Known(
+        "zero gathers parameters with all-gather", silent=_equals(False)
+    ),
+    ("zero_optimization", "stage3_use_all_reduce_for_fetch_params"): Known(
+        "zero gathers parameters with all-gather", silent=_equals(False)
+    ),
+    ("zero_optimization", "pipeline_loading_checkpoint"): Known(
+        "zero has no pipeline parallelism", silent=_equals(False)
+    ),
+    ("zero_optimization", "override_module_apply"): Known(
+        "zero_full.Init does not wrap Module.apply", silent=lambda _: True
+    ),
+    ("zero_optimization", "log_trace_cache_warnings"): Known(
+        "zero logs trace changes itself", silent=_equals(False)
+    ),
+    ("zero_optimization", "parameter_alignment"): Known(
+        "zero aligns its flat buffers itself", silent=lambda _: True
+    ),
+    ("zero_optimization", "leaf_module"): Known(
+        "use stage3_module_granularity_threshold to gather blocks as one leaf"
+    ),
+    ("zero_optimization", "zenflow"): _feature("ZenFlow offload"),
+    ("zero_optimization", "save_muon_momentum_buffer_in_memory"): Known(
+        "zero has no Muon", silent=_equals(False)
+    ),
+    ("zero_optimization", "offload_optimizer", "super_offload"): Known(
+        "zero has no SuperOffload", silent=_equals(False), refuses=_is_true
+    ),
+    ("zero_optimization", "offload_optimizer", "cpuadam_cores_perc"): Known(
+        "zero's CPU optimizer uses torch's threads", silent=lambda _: True
+    ),
+    ("zero_optimization", "offload_param", "pipeline_read"): Known(
+        "zero swaps parameters with its own pipelining", silent=lambda _: True
+    ),
+    ("zero_optimization", "offload_param", "pipeline_write"): Known(
+        "zero swaps parameters with its own pipelining", silent=lambda _: True
+    ),
+}
+
+
+def known_key(path: tuple[str, ...]) -> Known | None:
+    """The declaration of the DeepSpeed key at ``path`` (e.g. ``("bf16", "loss_scale")``), if any."""
+    return DEEPSPEED_KEYS.get(path)
