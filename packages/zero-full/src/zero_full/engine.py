@@ -50,8 +50,8 @@ from zero_full.memory.report import MemoryReport, build_memory_report, reset_pea
 from zero_full.wiring.comm_dtype import comm_strategies
 from zero_full.wiring.compiled import check_not_precompiled, compile_model, explain_graph_break
 from zero_full.wiring.mics import MicsGroups, build_mics_groups
-from zero_full.wiring.placement import place_model
 from zero_full.wiring.optimizers import optimizer_factory
+from zero_full.wiring.placement import place_model
 from zero_full.wiring.stages import StepPipeline, build_stage, working_dtype
 from zero_full.wiring.zeropp import build_zeropp, check_zeropp_layout, env_ranks_per_node
 from zero_optim import LossScaler, OptimizerSpec, PartitionedOptimizer, check_replicas_consistent
