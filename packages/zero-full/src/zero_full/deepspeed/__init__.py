@@ -18,7 +18,7 @@ engine.save_checkpoint("ckpt", client_state={"epoch": 1})
 path, client_state = engine.load_checkpoint("ckpt")
 ```
 
-Modules: :mod:`~zero_full.deepspeed.initialize` (``initialize``),
+Modules: :mod:`~zero_full.deepspeed.initialization` (``initialize``),
 :mod:`~zero_full.deepspeed.engine` (``DeepSpeedEngine``), :mod:`~zero_full.deepspeed.launch`
 (``init_distributed``, ``add_config_arguments``), :mod:`~zero_full.deepspeed.zero`
 (``zero.Init``, ``zero.GatheredParameters``, ``zero.register_external_parameter``),
@@ -30,7 +30,7 @@ Modules: :mod:`~zero_full.deepspeed.initialize` (``initialize``),
 from zero_full.deepspeed import accelerator, checkpointing, comm, zero
 from zero_full.deepspeed.accelerator import get_accelerator
 from zero_full.deepspeed.engine import DeepSpeedEngine
-from zero_full.deepspeed.initialize import initialize
+from zero_full.deepspeed.initialization import initialize
 from zero_full.deepspeed.launch import add_config_arguments, init_distributed
 
 __all__ = [
