@@ -75,6 +75,7 @@ def _train(engine, steps: int) -> list[float]:
 
 
 def _weights(engine) -> dict[str, torch.Tensor]:
+    """The full weights on rank 0 (``{}`` elsewhere)."""
     return {k: v.clone() for k, v in engine.zero_engine.consolidated_state_dict().items()}
 
 
@@ -123,7 +124,7 @@ def _members_and_checkpoints(rank, root, stage):
     out["listing"] = sorted(p.name for p in root.iterdir())
     out["manifest_steps"] = json.loads((root / "t" / ckpt_io.MANIFEST).read_text())["global_steps"]
     continued = _train(engine, 2)
-    out["no_first"] = not torch.equal(first["a.weight"], third["a.weight"])
+    out["no_first"] = not first or not torch.equal(first["a.weight"], third["a.weight"])  # rank 0 holds them
 
     resumed, *_ = _build(stage)
     path, client = resumed.load_checkpoint(root)
