@@ -209,10 +209,9 @@ def test_configuration_page_as_built_lists_every_accepted_key():
 
 
 def _sections(cls, name, annotation):
-    from zero_full.config.base import Section
-    from zero_full.config.sections import _PARAMS_BY_TYPE, OptimizerConfig
+    from zero_full.config.base import Section, TypedSection
 
-    if cls is OptimizerConfig and name == "params":
-        return list(dict.fromkeys(_PARAMS_BY_TYPE.values()))
+    if issubclass(cls, TypedSection) and name == "params":
+        return list(cls.params_sections())
     args = (annotation, *getattr(annotation, "__args__", ()))
     return [a for a in args if isinstance(a, type) and issubclass(a, Section)]

@@ -374,7 +374,7 @@ def test_every_unknown_key_is_reported_at_once() -> None:
 
 @pytest.mark.parametrize(
     ("key", "hint"),
-    [("scheduler", "lr_scheduler"), ("amp", "fp16"), ("tensorboard", "torch.profiler")],
+    [("amp", "fp16"), ("tensorboard", "torch.profiler")],
 )
 def test_known_deepspeed_keys_get_a_specific_message(key: str, hint: str) -> None:
     msg = errors_of({key: {}})[0]["msg"]

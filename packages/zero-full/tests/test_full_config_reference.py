@@ -9,9 +9,8 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from zero_full.config.base import Section
+from zero_full.config.base import Section, TypedSection
 from zero_full.config.reference import ALL_STAGES, ConfigKey, config_keys, config_sections, render_markdown
-from zero_full.config.sections import _PARAMS_BY_TYPE, OptimizerConfig
 from zero_full.config.types import Ignored, Refused
 from zero_full.config.zero_config import ZeroConfig
 
@@ -23,8 +22,8 @@ def _accepted(cls: type[Section], path: tuple[str, ...]) -> list[tuple[tuple[str
     """(section path, spelling) of every key accepted below ``cls``, found without config_reference."""
     found = [(path, key) for key in cls.accepted_keys()]
     for name, info in cls.model_fields.items():
-        if cls is OptimizerConfig and name == "params":
-            children = list(dict.fromkeys(_PARAMS_BY_TYPE.values()))
+        if issubclass(cls, TypedSection) and name == "params":
+            children = list(cls.params_sections())
         else:
             args = (info.annotation, *typing.get_args(info.annotation))
             children = [a for a in args if isinstance(a, type) and issubclass(a, Section)]
@@ -59,7 +58,7 @@ def test_every_key_has_a_description():
     bare = [k.path for k in KEYS if not k.description.strip()]
     assert not bare, (
         f"config keys without a description: {bare}; add a docstring under the field in "
-        "zero_full/config/sections.py"
+        "zero_full/config/ (its section's module)"
     )
 
 
@@ -70,11 +69,21 @@ def _minimal(key: ConfigKey) -> dict[str, Any]:
             key.section == ("optimizer", "params") and key in SGD_KEYS
         )
         return {"optimizer": {"type": "SGD" if sgd else "Adam"}}
+    if key.section == ("scheduler", "params"):
+        return {"scheduler": _schedule_with(key)}
     if key.section == ("zero_optimization", "offload_optimizer"):
         return {"zero_optimization": {"stage": 3}}
     if key.section == ("zero_optimization", "zeropp_loco_param"):
         return {"zero_optimization": {"stage": 3, "zero_quantized_gradients": True}}
     return {}
+
+
+def _schedule_with(key: ConfigKey) -> dict[str, Any]:
+    """A schedule of the first type whose params hold ``key``, its required params set to 10."""
+    section = next(s for s in config_sections() if s.title.startswith("scheduler.params (") and key in s.keys)
+    kind = section.title.split("(")[1].split(" / ")[0].rstrip(")")
+    required = {k.name: 10 for k in section.keys if k.default_text == "required"}
+    return {"type": kind, "params": required}
 
 
 def _config_with(key: ConfigKey, spelling: str, value: Any) -> dict[str, Any]:

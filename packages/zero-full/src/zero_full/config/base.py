@@ -16,17 +16,18 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import enum
 import json
 import typing
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
-from zero_full.config.types import Ignored, Key, Refused, Rejected
+from zero_full.config.types import Ignored, Key, Refused, Rejected, parse_choice
 
-__all__ = ["KeyFinding", "KeyReport", "Section", "declared_key", "key_report", "section_in"]
+__all__ = ["KeyFinding", "KeyReport", "Section", "TypedSection", "declared_key", "key_report", "section_in"]
 
 
 def section_in(annotation: Any) -> type[Section] | None:
@@ -185,6 +186,58 @@ class Section(BaseModel):
     def given_keys(self) -> list[str]:
         """Documented names of the fields set explicitly in the input (aliases resolved)."""
         return [self.documented_key(f) for f in type(self).model_fields if f in self.model_fields_set]
+
+
+class TypedSection(Section):
+    """A section ``{"type": ..., "params": {...}}`` whose ``params`` are checked per ``type``.
+
+    Subclasses declare the two fields ``type`` (a :func:`~zero_full.config.types.Choice` of
+    ``_TYPES``) and ``params``, and map each type to its parameter section in ``_PARAMS_BY_TYPE``.
+    ``params`` omitted or ``null`` means every default of the type.
+    """
+
+    _TYPES: ClassVar[type[enum.Enum]]
+    _PARAMS_BY_TYPE: ClassVar[Mapping[Any, type[Section]]] = {}
+
+    @classmethod
+    def params_sections(cls) -> dict[type[Section], list[str]]:
+        """Each parameter section, with the types it serves (for the reference page)."""
+        found: dict[type[Section], list[str]] = {}
+        for kind, params_cls in cls._PARAMS_BY_TYPE.items():
+            found.setdefault(params_cls, []).append(kind.value)
+        return found
+
+    @classmethod
+    def _child_section(cls, key: str, data: Mapping[str, Any]) -> type[Section] | None:
+        if key != "params":
+            return super()._child_section(key, data)
+        try:
+            return cls._PARAMS_BY_TYPE.get(parse_choice(cls._TYPES, data.get("type")))
+        except PydanticCustomError:
+            return None  # the bad type is reported by field validation
+
+    @classmethod
+    def _prepare(cls, data: dict[str, Any]) -> dict[str, Any]:
+        if data.get("params") is None:
+            data["params"] = {}  # every default of the type
+        return data
+
+    @field_validator("params", mode="wrap", check_fields=False)
+    @classmethod
+    def _params_of_type(cls, value: Any, handler: Any, info: ValidationInfo) -> Any:
+        kind = info.data.get("type")
+        if kind is None:
+            return None  # ``type`` itself is invalid and reported; its params cannot be checked
+        params_cls = cls._PARAMS_BY_TYPE[kind]
+        if isinstance(value, params_cls):
+            return value
+        if isinstance(value, Section):
+            raise PydanticCustomError(
+                "params_type",
+                f"{'.'.join(cls._PATH)} type {kind.value} takes {params_cls.__name__}, "
+                f"got {type(value).__name__}",
+            )
+        return params_cls.model_validate(value)
 
 
 # --------------------------------------------------------------------------- what the keys amount to

@@ -33,8 +33,7 @@ from pydantic import BeforeValidator
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from zero_full.config.base import Section, declared_key
-from zero_full.config.sections import AdamParams, OptimizerConfig, SGDParams
+from zero_full.config.base import Section, TypedSection, declared_key
 from zero_full.config.types import (
     Ignored,
     Implemented,
@@ -43,6 +42,7 @@ from zero_full.config.types import (
     check_flag,
     check_int,
     check_path,
+    check_per_group,
     check_real,
     parse_choice,
 )
@@ -148,7 +148,9 @@ def _first_paragraph(cls: type) -> str:
 
 def _description(cls: type[Section], field: str) -> str:
     """The field's docstring (first paragraph), then when it is used and its status."""
-    text = _field_docstrings(cls).get(field, "")
+    # a field inherited from a parent section keeps the parent's docstring
+    owners = [c for c in cls.__mro__ if isinstance(c, type) and issubclass(c, Section) and c is not Section]
+    text = next((d[field] for d in map(_field_docstrings, owners) if field in d), "")
     parts = [_rst_to_md(text.split("\n\n")[0])] if text else []
     key = declared_key(cls, field)
     if key.when is not None:
@@ -214,6 +216,9 @@ def _type_text(info: FieldInfo) -> str:
         return "bool"
     if base is check_path:
         return "path or null"
+    if base is check_per_group:
+        text = "number >= 0, or a list of them (one per parameter group)"
+        return text + (" or null" if kw.get("none_ok") else "")
     if base is check_betas:
         return "[number, number] in [0, 1)"
     if base is parse_choice and check.args:
@@ -294,14 +299,15 @@ def config_sections() -> list[SectionDoc]:
         for key in keys:
             info = cls.model_fields[key.field]
             children = _sections_in(info.annotation)
-            if cls is OptimizerConfig and key.field == "params":
-                children = [AdamParams, SGDParams]
+            kinds: dict[type[Section], list[str]] = {}
+            if issubclass(cls, TypedSection) and key.field == "params":
+                kinds = cls.params_sections()
+                children = list(kinds)
             for child in children:
                 child_path = (*path, key.name)
                 label = ".".join(child_path)
-                if cls is OptimizerConfig:
-                    kinds = "Adam / AdamW" if child is AdamParams else "SGD"
-                    label = f"{label} ({kinds})"
+                if child in kinds:
+                    label = f"{label} ({' / '.join(kinds[child])})"
                 visit(child, child_path, label, key.stages)
 
     visit(ZeroConfig, (), "Top level", ALL_STAGES)

@@ -1,6 +1,6 @@
 """Value types of the config sections and the declaration each key carries.
 
-Two things every field of a section in :mod:`zero_full.config.sections` uses:
+Two things every field of a section in :mod:`zero_full.config` section module uses:
 
 * **Value types** (``Int(1)``, ``Real(0, lo_open=True)``, :data:`Flag`, :data:`OptionalPath`,
   ``Choice(OffloadDevice)``, :data:`Betas`): ``Annotated`` types whose validator accepts what
@@ -42,6 +42,8 @@ __all__ = [
     "Int",
     "Key",
     "OptionalPath",
+    "OptionalPerGroup",
+    "PerGroup",
     "Real",
     "Refused",
     "Rejected",
@@ -50,6 +52,7 @@ __all__ = [
     "check_flag",
     "check_int",
     "check_path",
+    "check_per_group",
     "check_real",
     "describe_range",
     "parse_choice",
@@ -125,6 +128,17 @@ def check_betas(value: Any) -> tuple[float, float]:
     return tuple(check_real(v, 0.0, 1.0, False, True) for v in value)  # type: ignore[return-value]
 
 
+def check_per_group(value: Any, none_ok: bool = False) -> float | tuple[float, ...] | None:
+    """One number >= 0 for every parameter group, or a list with one per group (DeepSpeed's schedules)."""
+    if value is None and none_ok:
+        return None
+    if isinstance(value, list | tuple):
+        if not value:
+            raise PydanticCustomError("per_group", "expected a number or a non-empty list of numbers, got []")
+        return tuple(check_real(v, 0.0, None, False, False) for v in value)
+    return check_real(value, 0.0, None, False, False)
+
+
 def parse_choice(enum_cls: type[enum.Enum], value: Any) -> enum.Enum:
     """Parse an enum member from its value, case-insensitively, naming the accepted values."""
     if isinstance(value, enum_cls):
@@ -163,6 +177,12 @@ Flag = Annotated[bool, BeforeValidator(check_flag)]
 """``bool`` type accepting only ``true`` / ``false``."""
 OptionalPath = Annotated[pathlib.Path | None, BeforeValidator(check_path)]
 """A filesystem path or ``None``."""
+PerGroup = Annotated[float | tuple[float, ...], BeforeValidator(check_per_group)]
+"""A number >= 0 for every parameter group, or a list with one per group."""
+OptionalPerGroup = Annotated[
+    float | tuple[float, ...] | None, BeforeValidator(functools.partial(check_per_group, none_ok=True))
+]
+""":data:`PerGroup` or ``None``."""
 Betas = Annotated[tuple[float, float], BeforeValidator(check_betas)]
 """Adam's ``[beta1, beta2]``."""
 

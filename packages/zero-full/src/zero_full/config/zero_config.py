@@ -37,20 +37,17 @@ from pydantic import Field, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from zero_full.config.base import KeyReport, Section, key_report
-from zero_full.config.sections import (
-    AdamParams,
-    BF16Config,
-    FP16Config,
+from zero_full.config.optimizer import AdamParams, OptimizerConfig, OptimizerType, SGDParams
+from zero_full.config.precision import BF16Config, FP16Config
+from zero_full.config.robustness import RobustnessConfig
+from zero_full.config.scheduler import SchedulerConfig
+from zero_full.config.types import IMPLEMENTED, Choice, Flag, Ignored, Int, Key, Real, Rejected
+from zero_full.config.zero_optimization import (
     OffloadDevice,
     OffloadOptimizerConfig,
     OffloadParamConfig,
-    OptimizerConfig,
-    OptimizerType,
-    RobustnessConfig,
-    SGDParams,
     ZeroOptimizationConfig,
 )
-from zero_full.config.types import IMPLEMENTED, Choice, Flag, Ignored, Int, Key, Real, Rejected
 
 __all__ = [
     "AdamParams",
@@ -102,10 +99,6 @@ _MONITORING = Rejected(
 _AVERAGED = Rejected("not supported: gradients are averaged over the data-parallel ranks")
 
 _TOP_REJECTED: dict[str, Rejected] = {
-    "scheduler": Rejected(
-        "zero does not build learning-rate schedulers; create a torch.optim.lr_scheduler "
-        "over engine.optimizer.torch_optimizer and step it yourself"
-    ),
     "amp": Rejected('Apex AMP is not supported; use "fp16" or "bf16"'),
     "activation_checkpointing": Rejected(
         "not configured through zero; use torch.utils.checkpoint in the model"
@@ -163,6 +156,8 @@ class ZeroConfig(Section):
     """bfloat16 precision (section below; also spelled ``bfloat16``, DeepSpeed's older name)."""
     optimizer: Annotated[OptimizerConfig | None, _USED] = None
     """The optimizer to build (section below), or ``null`` when ``initialize`` receives one."""
+    scheduler: Annotated[SchedulerConfig | None, _USED] = None
+    """The learning-rate schedule to build over the optimizer (section below), or ``null``."""
     zero_optimization: Annotated[ZeroOptimizationConfig, _USED] = Field(
         default_factory=ZeroOptimizationConfig
     )

@@ -27,7 +27,7 @@ from torch.distributed import ProcessGroup
 from torch.profiler import record_function
 
 from zero_comm import GradientBound
-from zero_full.config.sections import NonFinitePolicy
+from zero_full.config.robustness import NonFinitePolicy
 from zero_full.guards.agreement import exchange_json
 from zero_optim import PartitionedOptimizer, found_overflow
 

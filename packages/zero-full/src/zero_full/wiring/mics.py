@@ -30,7 +30,7 @@ from zero_comm import (
     broadcast,
     group_ranks,
 )
-from zero_full.config.sections import ZeroOptimizationConfig
+from zero_full.config.zero_optimization import ZeroOptimizationConfig
 
 __all__ = ["MicsGroups", "build_mics_groups", "check_mics_layout", "sync_replicas"]
 

@@ -28,7 +28,7 @@ from torch.distributed import ProcessGroup
 
 import zero_params
 from zero_comm import AllGatherStrategy, FlatAllGather, ReduceScatterStrategy, Topology
-from zero_full.config.sections import ZeroOptimizationConfig
+from zero_full.config.zero_optimization import ZeroOptimizationConfig
 
 __all__ = ["ZeroppStrategies", "build_zeropp", "check_zeropp_layout", "feedback_strategies"]
 

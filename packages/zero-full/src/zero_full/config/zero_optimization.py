@@ -1,13 +1,6 @@
-"""Sections of the zero configuration (``fp16``, ``bf16``, ``optimizer``, ``zero_optimization``).
+"""``zero_optimization``: the ZeRO stage and its knobs, with the offload and ZeRO++ sub-sections.
 
-Every section is a frozen pydantic model with ``extra="forbid"`` (:class:`zero_full.config.base.Section`:
-unknown keys, ``"auto"`` values and alias conflicts are reported with their DeepSpeed path).
-Every key is declared once, here: its type (:mod:`zero_full.config.types`, whose messages name
-the accepted range), its :class:`~zero_full.config.types.Key` (the stages that use it, and
-whether it is implemented, ignored or refused) and its description (the docstring under it).
-
-:class:`zero_full.config.ZeroConfig` assembles these sections; use it rather than the
-sections on their own.
+DeepSpeed's names and defaults; every key is declared once here (see :mod:`zero_full.config.types`).
 """
 
 from __future__ import annotations
@@ -16,16 +9,13 @@ import enum
 import pathlib
 import sys
 import typing
-from collections.abc import Iterable, Mapping
 from typing import Annotated, Any, ClassVar
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
-from pydantic_core import PydanticCustomError
+from pydantic import Field, model_validator
 
 from zero_full.config.base import Section, key_report
 from zero_full.config.types import (
     IMPLEMENTED,
-    Betas,
     Choice,
     Flag,
     Ignored,
@@ -36,7 +26,6 @@ from zero_full.config.types import (
     Refused,
     Rejected,
     UsedWhen,
-    parse_choice,
 )
 
 if typing.TYPE_CHECKING:  # the lower packages are imported only when a mapping is asked for
@@ -45,19 +34,13 @@ if typing.TYPE_CHECKING:  # the lower packages are imported only when a mapping 
     from zero_offload import OptimizerOffloadConfig, ParamOffloadConfig
     from zero_optim.buckets import ReduceConfig
 
+
 __all__ = [
-    "AdamParams",
-    "BF16Config",
-    "FP16Config",
     "OffloadDevice",
     "OffloadOptimizerConfig",
     "OffloadParamConfig",
-    "OptimizerConfig",
-    "NonFinitePolicy",
-    "OptimizerType",
-    "RobustnessConfig",
-    "SGDParams",
     "ZeroOptimizationConfig",
+    "ZeroppLocoConfig",
 ]
 
 
@@ -69,14 +52,6 @@ class OffloadDevice(str, enum.Enum):
     NVME = "nvme"
 
 
-class OptimizerType(str, enum.Enum):
-    """Optimizers the ``optimizer`` section can describe (``type`` is case-insensitive)."""
-
-    ADAM = "Adam"
-    ADAMW = "AdamW"
-    SGD = "SGD"
-
-
 Device = Choice(OffloadDevice)
 _USED = Key(IMPLEMENTED)  # implemented, at every stage the section is used
 _STAGE3 = frozenset({3})
@@ -85,309 +60,6 @@ _REDUCES_ASYNC = UsedWhen(
     "stage 0 or 1, or `overlap_comm` is true", lambda zero, _: zero.stage <= 1 or zero.overlap_comm
 )
 
-
-# --------------------------------------------------------------------------- precision
-
-_FP16_ON = UsedWhen("fp16 is enabled", lambda fp16, _: fp16.enabled)
-_DYNAMIC = UsedWhen(
-    "fp16 is enabled with dynamic loss scaling (`loss_scale` 0)",
-    lambda fp16, _: fp16.enabled and fp16.dynamic_loss_scale,
-)
-
-
-class FP16Config(Section):
-    """``fp16``: half precision with loss scaling (DeepSpeed's names and defaults).
-
-    ``loss_scale`` 0 means dynamic loss scaling (DeepSpeed's rule): start at
-    ``2**initial_scale_power``; a step whose gradients overflow is skipped, and once
-    ``hysteresis`` overflows have been absorbed the scale halves (never below
-    ``min_loss_scale``); every ``loss_scale_window`` overflow-free steps the scale doubles
-    and the hysteresis budget refills (with ``consecutive_hysteresis``, every overflow-free
-    step refills it). A positive ``loss_scale`` is a static scale.
-    """
-
-    _PATH = ("fp16",)
-
-    enabled: Annotated[Flag, _USED] = False
-    """Train in fp16 with loss scaling (working copies of parameters and gradients in fp16, fp32
-    master weights and optimizer state)."""
-    auto_cast: Annotated[Flag, Key(Refused("casting inputs to fp16", supported=False), when=_FP16_ON)] = False
-    """DeepSpeed's cast of floating-point inputs to fp16."""
-    loss_scale: Annotated[Real(0), Key(IMPLEMENTED, when=_FP16_ON)] = 0.0
-    """0: dynamic loss scaling; a positive value: this static scale."""
-    initial_scale_power: Annotated[Int(0, 127), Key(IMPLEMENTED, when=_DYNAMIC)] = 16
-    """Dynamic scaling starts at ``2**initial_scale_power``."""
-    loss_scale_window: Annotated[Int(1), Key(IMPLEMENTED, when=_DYNAMIC)] = 1000
-    """Overflow-free steps after which the dynamic scale doubles."""
-    hysteresis: Annotated[Int(1), Key(IMPLEMENTED, when=_DYNAMIC)] = 2
-    """Overflows absorbed before the dynamic scale halves."""
-    consecutive_hysteresis: Annotated[Flag, Key(IMPLEMENTED, when=_DYNAMIC)] = False
-    """Refill the hysteresis budget after every overflow-free step (not only after
-    ``loss_scale_window`` of them)."""
-    min_loss_scale: Annotated[Real(0, lo_open=True), Key(IMPLEMENTED, when=_DYNAMIC)] = 1.0
-    """The dynamic scale never halves below this."""
-
-    @property
-    def dynamic_loss_scale(self) -> bool:
-        """Whether the loss scale is dynamic (``loss_scale`` == 0)."""
-        return self.loss_scale == 0
-
-    @property
-    def initial_scale(self) -> float:
-        """The first loss scale: ``2**initial_scale_power`` if dynamic, else ``loss_scale``."""
-        return float(2**self.initial_scale_power) if self.dynamic_loss_scale else self.loss_scale
-
-
-class BF16Config(Section):
-    """``bf16`` (older DeepSpeed spelling: ``bfloat16``): bfloat16 training, no loss scaling."""
-
-    _PATH = ("bf16",)
-
-    enabled: Annotated[Flag, _USED] = False
-    """Train in bfloat16 (working copies of parameters and gradients in bf16, fp32 master weights
-    and optimizer state); no loss scaling."""
-
-
-# --------------------------------------------------------------------------- robustness
-
-
-class NonFinitePolicy(str, enum.Enum):
-    """What an fp32 / bf16 step does when some rank's gradients hold an inf or nan."""
-
-    SKIP = "skip"
-    RAISE = "raise"
-
-
-class RobustnessConfig(Section):
-    """``robustness``: what zero checks so that failures are named instead of hanging or corrupting.
-
-    Not a DeepSpeed section. See the "When things go wrong" page of the docs for every failure
-    these keys govern and what zero says about it.
-    """
-
-    _PATH = ("robustness",)
-
-    comm_timeout: Annotated[Real(0, lo_open=True), _USED] = 300.0
-    """Seconds a rank waits for one collective of the engine (forward, backward, step; each exchange of a
-    checkpoint save / load, which then raises ``zero_full.CheckpointError``) before every live
-    rank raises ``zero_comm.CollectiveTimeoutError`` saying which rank is where (which operation,
-    call number, module or parameter), or which rank stopped sending heartbeats. Default 300 s:
-    well under the process group's own 30 minutes, well above any healthy collective. Raise it for
-    very slow links or very large first gathers."""
-    heartbeat_interval: Annotated[Real(0, lo_open=True), _USED] = 2.0
-    """Seconds between two heartbeats (and position reports) each rank's watchdog thread writes to
-    the process group's store; a rank silent for ``5 * heartbeat_interval`` seconds while the
-    others wait is reported as dead or stuck."""
-    watchdog: Annotated[Flag, _USED] = True
-    """Run the collective watchdog (``false``: collectives block until the process group's own
-    timeout, with torch's message)."""
-    nonfinite_gradients: Annotated[Choice(NonFinitePolicy), _USED] = NonFinitePolicy.SKIP
-    """fp32 / bf16: what a step does when some rank's gradients hold an inf or nan (found by the
-    gradient-clipping norm, or by one all-reduce of a flag without clipping). ``skip`` (default):
-    the step is skipped on every rank (the optimizer state does not move), with one warning naming
-    the first non-finite parameter and the rank holding it; ``raise``: every rank raises
-    ``zero_full.NonFiniteGradientError`` naming it. fp16 keeps its loss-scaler rule (skip and
-    lower the scale)."""
-    check_paths: Annotated[Flag, _USED] = False
-    """Before every collective of every step, all-gather a small signature (operation, call
-    number, what it is for) and raise ``zero_comm.RanksDivergedError`` on every rank at the first
-    difference, naming each rank's position. Off by default: it adds one small collective per
-    collective. Without it, stage 3 checks this way only while a step records its module order
-    (the first step), and afterwards catches a rank that leaves the recorded order before its
-    gather (through the store, no collective). Turn it on for collectives outside the model's
-    modules; with gloo mismatched sizes otherwise abort the process in C++ ("Received data size
-    doesn't match expected size"), before any timeout could fire."""
-    check_rank_agreement: Annotated[Flag, _USED] = True
-    """At ``initialize``, compare every rank's parameter names, shapes, dtypes, ``requires_grad``
-    flags and effective config values (one all-gather of digests) and raise on every rank naming
-    the first difference, instead of aborting in the communication library later."""
-
-
-# --------------------------------------------------------------------------- optimizer
-
-_NO_MAX_GRAD_NORM = Rejected("gradient clipping is the top-level 'gradient_clipping' key (as in DeepSpeed)")
-_ADAM_ONLY = UsedWhen("the optimizer type is `Adam`", lambda _, opt: opt.type is OptimizerType.ADAM)
-
-
-class AdamParams(Section):
-    """``optimizer.params`` of ``Adam`` / ``AdamW`` with DeepSpeed's defaults.
-
-    DeepSpeed builds its Adam(W) with ``weight_decay=0.0`` unless told otherwise (torch's
-    ``AdamW`` defaults to 0.01): this config follows DeepSpeed, since its users bring
-    DeepSpeed configs. Likewise DeepSpeed's ``Adam`` applies *decoupled* weight decay
-    (AdamW) unless ``adam_w_mode`` is ``false``; ``AdamW`` always does.
-    """
-
-    _PATH = ("optimizer", "params")
-    _REJECTED: ClassVar[dict[str, Rejected]] = {"max_grad_norm": _NO_MAX_GRAD_NORM}
-
-    lr: Annotated[Real(0), _USED] = 1e-3
-    """Learning rate."""
-    betas: Annotated[Betas, _USED] = (0.9, 0.999)
-    """Coefficients of the running averages of the gradient and its square."""
-    eps: Annotated[Real(0), _USED] = 1e-8
-    """Term added to the denominator."""
-    weight_decay: Annotated[Real(0), _USED] = 0.0
-    """Weight decay; DeepSpeed's default 0.0 (torch's ``AdamW`` defaults to 0.01)."""
-    amsgrad: Annotated[Flag, _USED] = False
-    """The AMSGrad variant."""
-    adam_w_mode: Annotated[Flag, Key(IMPLEMENTED, when=_ADAM_ONLY)] = True
-    """Decoupled weight decay for type ``Adam`` (DeepSpeed's default: true). No effect on ``AdamW``."""
-    bias_correction: Annotated[Flag, Key(Refused("Adam without bias correction", supported=True))] = True
-    """Adam's bias correction of the running averages (torch's Adam always applies it)."""
-    torch_adam: Annotated[Flag, Key(Ignored("zero always uses torch's Adam update"))] = False
-    """DeepSpeed's choice between torch's and its fused kernel.
-
-    (DeepSpeed with ``torch_adam: true`` hands ``params`` to torch unchanged, so there a
-    missing ``weight_decay`` means torch's 0.01; zero keeps 0.0: give it explicitly.)
-    """
-
-
-class SGDParams(Section):
-    """``optimizer.params`` of ``SGD`` (torch's names and defaults)."""
-
-    _PATH = ("optimizer", "params")
-    _REJECTED: ClassVar[dict[str, Rejected]] = {"max_grad_norm": _NO_MAX_GRAD_NORM}
-
-    lr: Annotated[Real(0), _USED] = 1e-3
-    """Learning rate."""
-    momentum: Annotated[Real(0), _USED] = 0.0
-    """Momentum factor."""
-    dampening: Annotated[Real(0), _USED] = 0.0
-    """Dampening of the momentum."""
-    weight_decay: Annotated[Real(0), _USED] = 0.0
-    """L2 penalty."""
-    nesterov: Annotated[Flag, _USED] = False
-    """Nesterov momentum (needs ``momentum`` > 0 and ``dampening`` 0)."""
-
-    @model_validator(mode="after")
-    def _nesterov_needs_momentum(self) -> SGDParams:
-        if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
-            raise ValueError(
-                "optimizer.params.nesterov = true needs momentum > 0 and dampening = 0, got "
-                f"momentum={self.momentum:g}, dampening={self.dampening:g}"
-            )
-        return self
-
-
-_PARAMS_BY_TYPE: dict[OptimizerType, type[Section]] = {
-    OptimizerType.ADAM: AdamParams,
-    OptimizerType.ADAMW: AdamParams,
-    OptimizerType.SGD: SGDParams,
-}
-
-
-def _optimizer_type(value: Any) -> OptimizerType:
-    return parse_choice(OptimizerType, value)  # type: ignore[return-value]
-
-
-class OptimizerConfig(Section):
-    """``optimizer``: ``{"type": "AdamW", "params": {...}}``; ``params`` is checked per type.
-
-    ``type`` is case-insensitive (``adamw`` = ``AdamW``). :meth:`build` creates the torch
-    optimizer the section describes.
-    """
-
-    _PATH = ("optimizer",)
-
-    type: Annotated[Choice(OptimizerType), _USED]
-    """``Adam``, ``AdamW`` or ``SGD``, any case. ``Adam`` with ``adam_w_mode`` (the default) builds
-    ``torch.optim.AdamW``, as DeepSpeed does."""
-    params: Annotated[AdamParams | SGDParams, _USED]
-    """The optimizer's keyword arguments, checked for its ``type`` (tables below). Omitted: every
-    default."""
-
-    @classmethod
-    def _child_section(cls, key: str, data: Mapping[str, Any]) -> type[Section] | None:
-        if key != "params":
-            return super()._child_section(key, data)
-        try:
-            return _PARAMS_BY_TYPE[_optimizer_type(data.get("type"))]
-        except PydanticCustomError:
-            return None  # the bad type is reported by field validation
-
-    @classmethod
-    def _prepare(cls, data: dict[str, Any]) -> dict[str, Any]:
-        if data.get("params") is None:
-            data["params"] = {}  # every default of the type
-        return data
-
-    @field_validator("params", mode="wrap")
-    @classmethod
-    def _params_of_type(cls, value: Any, handler: Any, info: ValidationInfo) -> Any:
-        kind = info.data.get("type")
-        if kind is None:
-            return None  # ``type`` itself is invalid and reported; its params cannot be checked
-        params_cls = _PARAMS_BY_TYPE[kind]
-        if isinstance(value, params_cls):
-            return value
-        if isinstance(value, Section):
-            raise PydanticCustomError(
-                "params_type",
-                f"optimizer type {kind.value} takes {params_cls.__name__}, got {type(value).__name__}",
-            )
-        return params_cls.model_validate(value)
-
-    @property
-    def decoupled_weight_decay(self) -> bool:
-        """Whether weight decay is decoupled (AdamW); DeepSpeed's rule for ``Adam`` is ``adam_w_mode``."""
-        if self.type is OptimizerType.ADAMW:
-            return True
-        return (
-            self.type is OptimizerType.ADAM
-            and isinstance(self.params, AdamParams)
-            and self.params.adam_w_mode
-        )
-
-    def torch_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments of the torch optimizer :meth:`build` creates (``params`` excluded)."""
-        p = self.params
-        if isinstance(p, SGDParams):
-            return {
-                "lr": p.lr,
-                "momentum": p.momentum,
-                "dampening": p.dampening,
-                "weight_decay": p.weight_decay,
-                "nesterov": p.nesterov,
-            }
-        if not isinstance(p, AdamParams):
-            raise TypeError(f"optimizer.params of type {self.type.value} is a {type(p).__name__}")
-        return {
-            "lr": p.lr,
-            "betas": p.betas,
-            "eps": p.eps,
-            "weight_decay": p.weight_decay,
-            "amsgrad": p.amsgrad,
-        }
-
-    def build(self, params: Iterable[Any]) -> Any:
-        """Create the torch optimizer: ``torch.optim.AdamW``, ``Adam`` or ``SGD``.
-
-        Args:
-            params: Parameters or parameter groups, as for any torch optimizer.
-
-        Returns:
-            A ``torch.optim.Optimizer``. ``Adam`` with ``adam_w_mode`` (DeepSpeed's default)
-            becomes ``torch.optim.AdamW``, as in DeepSpeed.
-
-        Raises:
-            ValueError: ``bias_correction = false``, which torch's Adam cannot do.
-        """
-        import torch  # lazily: the config itself needs only pydantic
-
-        if isinstance(self.params, AdamParams) and not self.params.bias_correction:
-            raise ValueError(
-                "optimizer.params.bias_correction = false is not supported (torch's Adam always "
-                "applies bias correction); remove the key"
-            )
-        if self.type is OptimizerType.SGD:
-            cls = torch.optim.SGD
-        else:
-            cls = torch.optim.AdamW if self.decoupled_weight_decay else torch.optim.Adam
-        return cls(params, **self.torch_kwargs())
-
-
-# --------------------------------------------------------------------------- zero_optimization
 
 _NVME = UsedWhen("`device` is `nvme`", lambda section, _: section.device is OffloadDevice.NVME)
 

@@ -1,0 +1,65 @@
+"""``robustness``: watchdog, non-finite gradient policy and rank agreement (not a DeepSpeed section)."""
+
+from __future__ import annotations
+
+import enum
+from typing import Annotated
+
+from zero_full.config.base import Section
+from zero_full.config.types import IMPLEMENTED, Choice, Flag, Key, Real
+
+__all__ = ["NonFinitePolicy", "RobustnessConfig"]
+
+_USED = Key(IMPLEMENTED)
+
+
+class NonFinitePolicy(str, enum.Enum):
+    """What an fp32 / bf16 step does when some rank's gradients hold an inf or nan."""
+
+    SKIP = "skip"
+    RAISE = "raise"
+
+
+class RobustnessConfig(Section):
+    """``robustness``: what zero checks so that failures are named instead of hanging or corrupting.
+
+    Not a DeepSpeed section. See the "When things go wrong" page of the docs for every failure
+    these keys govern and what zero says about it.
+    """
+
+    _PATH = ("robustness",)
+
+    comm_timeout: Annotated[Real(0, lo_open=True), _USED] = 300.0
+    """Seconds a rank waits for one collective of the engine (forward, backward, step; each exchange of a
+    checkpoint save / load, which then raises ``zero_full.CheckpointError``) before every live
+    rank raises ``zero_comm.CollectiveTimeoutError`` saying which rank is where (which operation,
+    call number, module or parameter), or which rank stopped sending heartbeats. Default 300 s:
+    well under the process group's own 30 minutes, well above any healthy collective. Raise it for
+    very slow links or very large first gathers."""
+    heartbeat_interval: Annotated[Real(0, lo_open=True), _USED] = 2.0
+    """Seconds between two heartbeats (and position reports) each rank's watchdog thread writes to
+    the process group's store; a rank silent for ``5 * heartbeat_interval`` seconds while the
+    others wait is reported as dead or stuck."""
+    watchdog: Annotated[Flag, _USED] = True
+    """Run the collective watchdog (``false``: collectives block until the process group's own
+    timeout, with torch's message)."""
+    nonfinite_gradients: Annotated[Choice(NonFinitePolicy), _USED] = NonFinitePolicy.SKIP
+    """fp32 / bf16: what a step does when some rank's gradients hold an inf or nan (found by the
+    gradient-clipping norm, or by one all-reduce of a flag without clipping). ``skip`` (default):
+    the step is skipped on every rank (the optimizer state does not move), with one warning naming
+    the first non-finite parameter and the rank holding it; ``raise``: every rank raises
+    ``zero_full.NonFiniteGradientError`` naming it. fp16 keeps its loss-scaler rule (skip and
+    lower the scale)."""
+    check_paths: Annotated[Flag, _USED] = False
+    """Before every collective of every step, all-gather a small signature (operation, call
+    number, what it is for) and raise ``zero_comm.RanksDivergedError`` on every rank at the first
+    difference, naming each rank's position. Off by default: it adds one small collective per
+    collective. Without it, stage 3 checks this way only while a step records its module order
+    (the first step), and afterwards catches a rank that leaves the recorded order before its
+    gather (through the store, no collective). Turn it on for collectives outside the model's
+    modules; with gloo mismatched sizes otherwise abort the process in C++ ("Received data size
+    doesn't match expected size"), before any timeout could fire."""
+    check_rank_agreement: Annotated[Flag, _USED] = True
+    """At ``initialize``, compare every rank's parameter names, shapes, dtypes, ``requires_grad``
+    flags and effective config values (one all-gather of digests) and raise on every rank naming
+    the first difference, instead of aborting in the communication library later."""
