@@ -2,7 +2,11 @@
 
 The same DeepSpeed calls in the same order as ``cifar10_deepspeed.py``: ``init_distributed``,
 ``add_config_arguments``, ``initialize(args=, model=, model_parameters=, training_data=)``
-with the config from ``--deepspeed_config`` (its ``ds_config.json``, WarmupLR included),
+with the config from ``--deepspeed_config`` (``cifar_ds_config.json``: the example's
+``ds_config.json`` with WarmupLR over 8 steps, ``steps_per_print`` 5, fp32 (``bf16`` off, so the
+comparison is exact), ``torch_adam`` (DeepSpeed compiles no Adam kernel), and without the keys
+that change nothing but this zero version's config does not accept yet: ``prescale_gradients``,
+``cpu_offload``, the loss-scale keys in ``bf16``, ``fp16_master_weights_and_grads``),
 ``get_accelerator().device_name(engine.local_rank)``, ``bfloat16_enabled()``, then
 forward / ``backward`` / ``step`` over the returned loader. Added for the test: a
 ``save_checkpoint`` half way, and a second engine that ``load_checkpoint``s it and trains

@@ -48,6 +48,7 @@ from zero_full.memory.report import MemoryReport, build_memory_report, reset_pea
 from zero_full.wiring.comm_dtype import comm_strategies
 from zero_full.wiring.compiled import check_not_precompiled, compile_model, explain_graph_break
 from zero_full.wiring.mics import MicsGroups, build_mics_groups
+from zero_full.wiring.schedulers import build_scheduler
 from zero_full.wiring.stages import StepPipeline, build_stage, working_dtype
 from zero_full.wiring.zeropp import build_zeropp, check_zeropp_layout, env_ranks_per_node
 from zero_optim import LossScaler, OptimizerSpec, PartitionedOptimizer, check_replicas_consistent
@@ -176,9 +177,9 @@ class Engine:
             a stuck collective raises ``zero_comm.CollectiveTimeoutError`` on every live rank.
         counters: The step counters (``gradient_accumulation_steps``, ``micro_steps``,
             ``global_steps``, also readable as properties of the engine).
-        lr_scheduler: An LR scheduler over ``optimizer.torch_optimizer`` (``None`` by default):
-            when set, ``step()`` steps it after each applied optimizer step, and checkpoints
-            save and restore its state.
+        lr_scheduler: An LR scheduler over ``optimizer.torch_optimizer``: the config's
+            ``scheduler`` section, else ``None``; assign another to replace it. ``step()`` steps
+            it after each applied optimizer step; checkpoints save and restore its state.
         last_step_applied: Whether the last optimizer step was applied (``False`` when it was
             skipped for inf / nan gradients, or before the first one).
     """
@@ -199,7 +200,7 @@ class Engine:
         self.module = model
         self.counters = StepCounters(_accumulation_steps(config, dist.get_world_size()))
         self._backward_since_step = False  # step() without a backward before it is refused
-        self.lr_scheduler: LRSchedulerLike | None = None
+        self.lr_scheduler: LRSchedulerLike | None = None  # the config's, once the optimizer exists
         self.last_step_applied = False
         self.watchdog: CommWatchdog | None = _watchdog(config)  # every collective below runs under it
         self._ledger = CommLedger(Topology(), watchdog=self.watchdog)
@@ -211,6 +212,7 @@ class Engine:
             self.optimizer: PartitionedOptimizer = pieces.optimizer
             self.coordinator: Coordinator | None = pieces.coordinator
             self._pipeline = StepPipeline(pieces, config)
+            self.lr_scheduler = build_scheduler(config, self.optimizer.torch_optimizer)
         self._comm = CommTotals()
         self._ledger.records.clear()
         ignored = config.key_report().ignored

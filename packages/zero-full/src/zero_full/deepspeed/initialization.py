@@ -91,8 +91,11 @@ def initialize(
             "deepspeed.initialize(dist_init_required=False) needs an initialised process group"
         )
     cfg, spec = _optimizer(cfg, optimizer, model_parameters)
-    engine = zero_initialize(model, cfg, spec)
-    engine.lr_scheduler = _scheduler(cfg, lr_scheduler, engine.optimizer.torch_optimizer)
+    if lr_scheduler is not None and cfg.scheduler is not None:  # DeepSpeed never builds the config's then
+        cfg = cfg.model_copy(update={"scheduler": None})
+    engine = zero_initialize(model, cfg, spec)  # builds the config's scheduler section, if any
+    if lr_scheduler is not None:
+        engine.lr_scheduler = _client_scheduler(lr_scheduler, engine.optimizer.torch_optimizer)
     loader = _loader(training_data, cfg, collate_fn) if training_data is not None else None
     ds_engine = DeepSpeedEngine(engine, loader)
     return ds_engine, engine.optimizer, loader, engine.lr_scheduler
@@ -138,17 +141,10 @@ def _optimizer(
     return cfg, lambda _params: optimizer(groups)
 
 
-def _scheduler(cfg: ZeroConfig, lr_scheduler: Any, torch_optimizer: torch.optim.Optimizer) -> Any:
-    """The scheduler given (built by calling it when it is a callable), else the config's section."""
-    if lr_scheduler is not None:
-        is_scheduler = hasattr(lr_scheduler, "step") and hasattr(lr_scheduler, "state_dict")
-        return lr_scheduler if is_scheduler else lr_scheduler(torch_optimizer)
-    section = getattr(cfg, "scheduler", None)
-    if section is None:
-        return None
-    from zero_full.wiring.schedulers import build_scheduler
-
-    return build_scheduler(cfg, torch_optimizer)
+def _client_scheduler(lr_scheduler: Any, torch_optimizer: torch.optim.Optimizer) -> Any:
+    """The scheduler given, or the one a callable builds over the torch optimizer."""
+    is_scheduler = hasattr(lr_scheduler, "step") and hasattr(lr_scheduler, "state_dict")
+    return lr_scheduler if is_scheduler else lr_scheduler(torch_optimizer)
 
 
 def _loader(data: Any, cfg: ZeroConfig, collate_fn: Callable[..., Any] | None) -> DataLoader[Any]:
