@@ -109,7 +109,7 @@ def main() -> None:
         "micro": model_engine.train_micro_batch_size_per_gpu(),
         "accumulation": model_engine.gradient_accumulation_steps(),
         "world_size": model_engine.world_size,
-        "grad_norm": float(model_engine.get_global_grad_norm()),
+        "grad_norm": model_engine.get_global_grad_norm(),
         "applied": model_engine.was_step_applied(),
         "skipped": model_engine.skipped_steps,
     }

@@ -121,7 +121,11 @@ def _members_and_checkpoints(rank, root, stage):
     out["refused"] = raised_message(
         zero_full.CheckpointError, engine.zero_engine.save_checkpoint, root, tag="t"
     )
+    engine.save_checkpoint(root, tag="side", save_latest=False, exclude_frozen_parameters=True)
     out["listing"] = sorted(p.name for p in root.iterdir())
+    out["latest"] = (root / "latest").read_text()
+    side = json.loads((root / "side" / ckpt_io.MANIFEST).read_text())
+    out["side_params"] = sorted(p["name"] for p in side["params"])
     out["manifest_steps"] = json.loads((root / "t" / ckpt_io.MANIFEST).read_text())["global_steps"]
     continued = _train(engine, 2)
     out["no_first"] = not first or not torch.equal(first["a.weight"], third["a.weight"])  # rank 0 holds them
@@ -145,6 +149,8 @@ def _members_and_checkpoints(rank, root, stage):
         module_only.lr_scheduler.last_epoch,
         all(torch.equal(v, third[k]) for k, v in _weights(module_only).items()),
     ]
+
+    out["side_loaded"] = Path(module_only.load_checkpoint(root, tag="side")[0]).name  # frozen: kept
 
     other, *_ = _build(stage, extra=True)
     before = _weights(other)
@@ -170,13 +176,15 @@ def test_engine_members_and_checkpoints_have_deepspeeds_meanings(dist, tmp_path,
         # 2 optimizer steps, StepLR halves the lr after each applied one
         assert out["after2"] == [2, 2 * 16, [1e-2 / 4], True, 0, True]
         assert "exists already" in out["refused"] and "overwrite=True" in out["refused"]
-        assert out["listing"] == ["latest", "t"]  # replaced in place, no temporary left
+        assert out["listing"] == ["latest", "side", "t"]  # replaced in place, no temporary left
+        assert out["latest"] == "t"  # save_latest=False
+        assert out["side_params"] == ["a.bias", "a.weight", "b.bias", "b.weight"]  # frozen left out
         assert out["manifest_steps"] == 3 and out["no_first"]
         assert out["loaded"] == ["t", {"epoch": 3}, 3, True, 3]
         assert out["same_weights"] and out["continued"]
         assert out["module_only"] == [0, 0, True]
         assert "parameter 'c.weight'" in out["mismatch"] and "Nothing was loaded" in out["mismatch"]
-        assert out["untouched"]
+        assert out["untouched"] and out["side_loaded"] == "side"
         assert out["lenient"] == {"epoch": 3}
         assert out["nothing"] == (None, None)
         assert "save_pretrained" in out["zero_way"]

@@ -4,6 +4,7 @@ What DeepSpeed does at ``initialize``, done with zero's pieces:
 
 * the config comes from ``config`` / ``config_params`` (dict or JSON path) or from
   ``args.deepspeed_config``;
+* DeepSpeed's defaults apply where zero's differ (``gradient_clipping`` 1.0 when not given);
 * the process group is created from the launcher's environment when it does not exist
   (:func:`zero_full.deepspeed.init_distributed`);
 * the optimizer is the config's ``optimizer`` section (built over ``model_parameters`` when
@@ -32,7 +33,10 @@ from zero_full.deepspeed.engine import DeepSpeedEngine
 from zero_full.deepspeed.launch import init_distributed
 from zero_full.engine import initialize as zero_initialize
 
-__all__ = ["initialize"]
+__all__ = ["DEEPSPEED_GRADIENT_CLIPPING", "initialize"]
+
+DEEPSPEED_GRADIENT_CLIPPING = 1.0
+"""DeepSpeed's ``gradient_clipping`` when the config does not set it (zero's own default is 0: none)."""
 
 
 def initialize(
@@ -84,7 +88,7 @@ def initialize(
             "deepspeed.initialize: mpu / mesh_param (model parallelism) are not supported by zero, "
             "which partitions over data-parallel ranks only; drop them"
         )
-    cfg = ZeroConfig.coerce(_config_source(args, config, config_params))
+    cfg = _deepspeed_defaults(ZeroConfig.coerce(_config_source(args, config, config_params)))
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required, verbose=False)
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
@@ -116,6 +120,13 @@ def _config_source(args: Any, config: Any, config_params: Any) -> Any:
             "args.deepspeed_config); keep one"
         )
     return given[0]
+
+
+def _deepspeed_defaults(cfg: ZeroConfig) -> ZeroConfig:
+    """DeepSpeed 0.19.8's defaults where zero's differ: ``gradient_clipping`` 1.0 when not given."""
+    if "gradient_clipping" in cfg.model_fields_set:
+        return cfg
+    return cfg.model_copy(update={"gradient_clipping": DEEPSPEED_GRADIENT_CLIPPING})
 
 
 def _optimizer(
