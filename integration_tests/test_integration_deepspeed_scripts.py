@@ -85,7 +85,8 @@ def test_hello_deepspeed_bert_script_matches_deepspeed_and_resumes(tmp_path):
         d, z = ds[r], zero[r]
         assert len(z["losses"]) == 21 and _close(z["losses"], d["losses"]), (z["losses"], d["losses"])
         assert z["resumed"] == z["losses"][8:]
-        assert z["client_state"] == d["client_state"] == {"checkpoint_step": 8}
+        assert z["client_state"] == {"checkpoint_step": 8}  # DeepSpeed's also holds its own entries
+        assert d["client_state"]["checkpoint_step"] == 8
         assert z["latest"] == d["latest"] == "global_step21" and z["global_steps"] == 21
 
 

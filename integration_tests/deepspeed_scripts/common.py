@@ -26,7 +26,14 @@ def write_result(out: str | os.PathLike[str], rank: int, result: dict[str, Any])
     """The rank's result as JSON (losses, learning rates, ...)."""
     impl = os.environ.get("DS_IMPL", "zero")
     path = Path(out) / f"{impl}-rank{rank}.json"
-    path.write_text(json.dumps(result))
+    path.write_text(json.dumps(result, default=_plain))
+
+
+def _plain(value: Any) -> Any:
+    """Tensors (DeepSpeed returns some numbers as 0-d tensors) as numbers / lists."""
+    if isinstance(value, torch.Tensor):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} in a script result")
 
 
 def images(n: int, seed: int = 0) -> torch.utils.data.TensorDataset:
