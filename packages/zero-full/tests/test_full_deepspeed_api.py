@@ -212,3 +212,16 @@ def test_initialize_refuses_what_zero_does_not_have():
     both = argparse.Namespace(deepspeed_config="a.json")
     message = raised_message(ValueError, deepspeed.initialize, args=both, model=Small(), config={})
     assert "more than once" in message
+
+
+def test_activation_checkpointing_recomputes_with_torch_and_refuses_partitioning():
+    layer = nn.Linear(5, 5)
+    x = torch.randn(3, 5, requires_grad=True)
+    deepspeed.checkpointing.configure(None, partition_activations=False)
+    deepspeed.checkpointing.checkpoint(lambda t: torch.tanh(layer(t)), x).sum().backward()
+    recomputed = (x.grad.clone(), layer.weight.grad.clone())
+    x.grad, layer.weight.grad = None, None
+    torch.tanh(layer(x)).sum().backward()
+    assert torch.equal(recomputed[0], x.grad) and torch.equal(recomputed[1], layer.weight.grad)
+    message = raised_message(ValueError, deepspeed.checkpointing.configure, None, partition_activations=True)
+    assert "partition_activations" in message and "torch.utils.checkpoint" in message
