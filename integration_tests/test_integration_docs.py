@@ -3,10 +3,10 @@
 Conventions (also in CONTRIBUTING.md, "Docs"):
 
 * a ```` ```python ```` block in ``docs/**/*.md`` or ``README.md`` is a complete program. If it
-  calls ``init_process_group`` it is run with ``python -m torch.distributed.run
-  --nproc-per-node 2 --standalone`` (gloo on CPU), otherwise with plain ``python``; each in
-  a fresh temporary directory, with a timeout (identical blocks run once: the README repeats
-  the getting-started script);
+  calls ``init_process_group`` (or ``deepspeed.init_distributed()``) it is run with
+  ``python -m torch.distributed.run --nproc-per-node 2 --standalone`` (gloo on CPU), otherwise
+  with plain ``python``; each in a fresh temporary directory, with a timeout (identical blocks
+  run once: the README repeats the getting-started script);
 * the only python block that is not run is code of another library shown for comparison:
   its first line is exactly :data:`NOT_RUN_MARKER` and it imports deepspeed;
 * other spellings of python (``py``, ``python3``, ``pycon``) are refused, so nothing slips
@@ -115,7 +115,7 @@ def test_the_docs_have_samples_and_follow_the_fence_conventions():
 
 
 def _command(block: Block, script: Path) -> list[str]:
-    if "init_process_group" in block.code:
+    if "init_process_group" in block.code or "init_distributed()" in block.code:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone"]
         return [*launcher, str(script)]
     return [sys.executable, str(script)]

@@ -122,7 +122,7 @@ def test_manifest_describes_the_checkpoint_and_files_hold_their_ranges(dist, tmp
     assert opt["groups"][0]["elementwise_state"] == {"exp_avg": "float32", "exp_avg_sq": "float32"}
     assert m["buffers"] == [{"name": "offset", "shape": [5], "dtype": "float32"}]
     files = {f["name"]: f for f in m["files"]}
-    assert set(files) == {"rank00000.pt", "rank00001.pt", "buffers.pt"}
+    assert set(files) == {"rank00000.pt", "rank00001.pt", "buffers.pt", "extras.pt"}
     for name, f in files.items():
         assert ckpt_io.file_digest(path / name) == (f["size"], f["sha256"])
     full = res[0]["sd"]

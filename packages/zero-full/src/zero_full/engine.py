@@ -41,7 +41,7 @@ from zero_comm import CommLedger, CommTotals, CommWatchdog, Topology, broadcast
 from zero_comm.profiling import profile_range
 from zero_coord import Coordinator, StepStats
 from zero_full import checkpoint as _checkpoint
-from zero_full.checkpoint import StepCounters, TrainState
+from zero_full.checkpoint import LoadOptions, LRSchedulerLike, SaveOptions, StepCounters, TrainState
 from zero_full.config.compat import ConfigReport
 from zero_full.config.prepare import key_findings, log_config_report, prepare_config, validate_deepspeed
 from zero_full.config.zero_config import Precision, ZeroConfig
@@ -52,6 +52,7 @@ from zero_full.wiring.compiled import check_not_precompiled, compile_model, expl
 from zero_full.wiring.mics import MicsGroups, build_mics_groups
 from zero_full.wiring.optimizers import optimizer_factory
 from zero_full.wiring.placement import place_model
+from zero_full.wiring.schedulers import build_scheduler
 from zero_full.wiring.stages import StepPipeline, build_stage, working_dtype
 from zero_full.wiring.zeropp import build_zeropp, check_zeropp_layout, env_ranks_per_node
 from zero_optim import LossScaler, OptimizerSpec, PartitionedOptimizer, check_replicas_consistent
@@ -182,6 +183,11 @@ class Engine:
         device: The device the model trains on and its shards live on (``initialize(device=...)``).
         counters: The step counters (``gradient_accumulation_steps``, ``micro_steps``,
             ``global_steps``, also readable as properties of the engine).
+        lr_scheduler: An LR scheduler over ``optimizer.torch_optimizer``: the config's
+            ``scheduler`` section, else ``None``; assign another to replace it. ``step()`` steps
+            it after each applied optimizer step; checkpoints save and restore its state.
+        last_step_applied: Whether the last optimizer step was applied (``False`` when it was
+            skipped for inf / nan gradients, or before the first one).
     """
 
     def __init__(
@@ -208,6 +214,8 @@ class Engine:
         self.module = model
         self.counters = StepCounters(_accumulation_steps(config, dist.get_world_size()))
         self._backward_since_step = False  # step() without a backward before it is refused
+        self.lr_scheduler: LRSchedulerLike | None = None  # the config's, once the optimizer exists
+        self.last_step_applied = False
         self.watchdog: CommWatchdog | None = _watchdog(config)  # every collective below runs under it
         self._ledger = CommLedger(Topology(), watchdog=self.watchdog)
         with self._ledger, record_function("zero.engine.initialize"), _closes_on_error(self.watchdog):
@@ -218,6 +226,7 @@ class Engine:
             self.optimizer: PartitionedOptimizer = pieces.optimizer
             self.coordinator: Coordinator | None = pieces.coordinator
             self._pipeline = StepPipeline(pieces, config)
+            self.lr_scheduler = build_scheduler(config, self.optimizer.torch_optimizer)
         self._comm = CommTotals()
         self._ledger.records.clear()
         if dist.get_rank() == 0:
@@ -324,7 +333,9 @@ class Engine:
         if not boundary:
             return
         with self._ledger, profile_range("zero.engine.step"):
-            self._pipeline.run(self.global_steps)
+            self.last_step_applied = self._pipeline.run(self.global_steps)
+            if self.last_step_applied and self.lr_scheduler is not None:
+                self.lr_scheduler.step()
         self.global_steps += 1
         self._comm = self._ledger.totals()
         self._ledger.records.clear()
@@ -384,26 +395,56 @@ class Engine:
     """Optimizer steps taken so far (read and written through :attr:`counters`)."""
 
     def train_state(self) -> TrainState:
-        """What a checkpoint saves and restores: module, optimizer, config, counters, scaler, MiCS groups."""
+        """What a checkpoint saves and restores: module, optimizer, config, counters, scaler, MiCS
+        groups, LR scheduler."""
         return TrainState(
-            self.module, self.optimizer, self.config, self.counters, self.loss_scaler, self.mics
+            self.module,
+            self.optimizer,
+            self.config,
+            self.counters,
+            self.loss_scaler,
+            self.mics,
+            self.lr_scheduler,
         )
 
-    def save_checkpoint(self, directory: str | os.PathLike[str], tag: str | None = None) -> Path:
+    def save_checkpoint(
+        self,
+        directory: str | os.PathLike[str],
+        tag: str | None = None,
+        *,
+        client_state: Mapping[str, Any] | None = None,
+        save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
+        overwrite: bool = False,
+    ) -> Path:
         """Write a sharded, atomic checkpoint to ``directory/tag`` (default tag ``global_step{N}``).
 
-        Collective: call on every rank; a rank that does not take part within
-        ``robustness.comm_timeout`` makes the others raise. See
-        :func:`zero_full.checkpoint.save_checkpoint`.
+        ``client_state`` is saved beside it (read back with
+        ``zero_full.checkpoint.read_client_state``); ``overwrite=True`` replaces an existing
+        tag atomically (else it is refused). Collective: call on every rank; a rank that does
+        not take part within ``robustness.comm_timeout`` makes the others raise. See
+        :func:`zero_full.checkpoint.save_checkpoint` and :class:`~zero_full.checkpoint.SaveOptions`.
         """
-        return _checkpoint.save_checkpoint(self.train_state(), directory, tag)
+        options = SaveOptions(client_state, save_latest, exclude_frozen_parameters, overwrite)
+        return _checkpoint.save_checkpoint(self.train_state(), directory, tag, options=options)
 
-    def load_checkpoint(self, directory: str | os.PathLike[str], tag: str | None = None) -> Path:
+    def load_checkpoint(
+        self,
+        directory: str | os.PathLike[str],
+        tag: str | None = None,
+        *,
+        strict: bool = True,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> Path:
         """Restore from ``directory/tag`` (``None``: ``directory/latest``), at any world size and stage.
 
+        The keywords narrow what is restored (:class:`~zero_full.checkpoint.LoadOptions`).
         Collective: call on every rank. See :func:`zero_full.checkpoint.load_checkpoint`.
         """
-        return _checkpoint.load_checkpoint(self.train_state(), directory, tag)
+        options = LoadOptions(strict, load_optimizer_states, load_lr_scheduler_states, load_module_only)
+        return _checkpoint.load_checkpoint(self.train_state(), directory, tag, options=options)
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 weights keyed like ``module.state_dict()`` on rank 0 (``{}`` on other ranks).
@@ -466,6 +507,11 @@ class Engine:
         return EngineStats(
             self.global_steps, params, self._comm, self._pipeline.skipped_steps, self._pipeline.loss_scale
         )
+
+    @property
+    def last_grad_norm(self) -> float | None:
+        """Global gradient norm of the last applied step (``None`` without ``gradient_clipping``)."""
+        return self._pipeline.last_grad_norm
 
     def memory_report(self, reset_peak: bool = False) -> MemoryReport:
         """This rank's real memory now, next to the ZeRO formula (no collective; log it per step).

@@ -16,7 +16,10 @@ scaler, MiCS groups) to these functions; nothing here imports the engine.
   against the model (all mismatches at once), then each rank reads only the pieces
   overlapping its own partition of each parameter (:mod:`zero_full.checkpoint.layout`),
   whatever world size and stage wrote them, after verifying each file against its sha256;
-  the optimizer then publishes the loaded masters.
+  the optimizer then publishes the loaded masters. :class:`LoadOptions` narrows what is
+  restored; :class:`SaveOptions` adds a client state, replaces a tag atomically, leaves
+  frozen parameters out. The LR scheduler's state and the client state live in
+  ``extras.pt`` (:mod:`zero_full.checkpoint.extras`; :func:`read_client_state`).
 * :func:`consolidated_state_dict` (module :mod:`zero_full.checkpoint.consolidate`): the full
   fp32 weights, gathered one parameter at a time; :mod:`zero_full.checkpoint.safetensors`
   writes a saved checkpoint as one safetensors file offline (``zero consolidate``).
@@ -27,21 +30,26 @@ others raise :class:`CheckpointError` within that bound instead of hanging.
 """
 
 from zero_full.checkpoint.consolidate import consolidated_state_dict, iter_consolidated
+from zero_full.checkpoint.extras import read_client_state
 from zero_full.checkpoint.io import CheckpointError
-from zero_full.checkpoint.load import load_checkpoint, plan_reads
+from zero_full.checkpoint.load import LoadOptions, load_checkpoint, plan_reads
 from zero_full.checkpoint.manifest import FileEntry, Manifest
-from zero_full.checkpoint.save import save_checkpoint
-from zero_full.checkpoint.state import StepCounters, TrainState
+from zero_full.checkpoint.save import SaveOptions, save_checkpoint
+from zero_full.checkpoint.state import LRSchedulerLike, StepCounters, TrainState
 
 __all__ = [
     "CheckpointError",
     "FileEntry",
+    "LRSchedulerLike",
+    "LoadOptions",
     "Manifest",
+    "SaveOptions",
     "StepCounters",
     "TrainState",
     "consolidated_state_dict",
     "iter_consolidated",
     "load_checkpoint",
     "plan_reads",
+    "read_client_state",
     "save_checkpoint",
 ]

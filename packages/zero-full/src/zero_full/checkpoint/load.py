@@ -3,10 +3,13 @@
 The checkpoint is checked against the model first (every mismatch at once); then each rank
 reads only the saved pieces overlapping its own partition of each parameter, after verifying
 each file it reads against its sha256, and the optimizer publishes the loaded masters.
+:class:`LoadOptions` narrows what is restored (DeepSpeed's ``load_module_strict``,
+``load_optimizer_states``, ``load_lr_scheduler_states``, ``load_module_only``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from pathlib import Path
@@ -20,18 +23,50 @@ import zero_params
 from zero_full.checkpoint import hygiene, io
 from zero_full.checkpoint.collectives import exchange, raise_if_failed
 from zero_full.checkpoint.consolidate import state_dict_buffers
+from zero_full.checkpoint.extras import Extras, read_extras
 from zero_full.checkpoint.io import CheckpointError
 from zero_full.checkpoint.layout import LocalPiece, elementwise_state, local_pieces
 from zero_full.checkpoint.manifest import FileEntry, Manifest
 from zero_full.checkpoint.state import TrainState
 
-__all__ = ["load_checkpoint", "plan_reads"]
+__all__ = ["LoadOptions", "load_checkpoint", "plan_reads"]
 
 logger = logging.getLogger("zero.checkpoint")
 
 
+@dataclasses.dataclass(frozen=True)
+class LoadOptions:
+    """What a load restores.
+
+    Attributes:
+        strict: Every parameter and buffer of the model must be in the checkpoint and the
+            checkpoint must hold no other; ``False`` keeps the current values of the missing
+            ones and ignores the unexpected ones (shapes must still match).
+        optimizer_states: Restore the optimizer state (moments, step counts, hyperparameters);
+            ``False`` loads the weights and keeps the optimizer state as it is.
+        lr_scheduler_states: Restore the LR scheduler's state when both have one.
+        module_only: Restore the weights and buffers only: no optimizer state, LR scheduler,
+            step counters or RNG states.
+    """
+
+    strict: bool = True
+    optimizer_states: bool = True
+    lr_scheduler_states: bool = True
+    module_only: bool = False
+
+    @property
+    def full(self) -> bool:
+        """Whether the optimizer state (with the loss scaler and RNG states) is restored."""
+        return self.optimizer_states and not self.module_only
+
+
 def load_checkpoint(
-    state: TrainState, directory: str | Path, tag: str | None = None, *, timeout: float | None = None
+    state: TrainState,
+    directory: str | Path,
+    tag: str | None = None,
+    *,
+    timeout: float | None = None,
+    options: LoadOptions | None = None,
 ) -> Path:
     """Restore ``state`` from ``directory/tag`` (``tag=None``: the one ``directory/latest`` names).
 
@@ -45,6 +80,7 @@ def load_checkpoint(
         directory: The checkpoint root.
         tag: The checkpoint; ``None`` reads ``directory/latest``.
         timeout: Seconds to wait for the other ranks; default ``robustness.comm_timeout``.
+        options: What to restore (:class:`LoadOptions`; default everything, strictly).
 
     Returns:
         The checkpoint directory that was loaded.
@@ -57,24 +93,33 @@ def load_checkpoint(
             build a new one.
     """
     directory = Path(directory)
+    options = options if options is not None else LoadOptions()
     wait = state.timeout if timeout is None else timeout
     with record_function("zero.checkpoint.load"):
         tag = io.resolve_tag(directory, tag)
         path = directory / tag
         manifest = Manifest.read(path)
+        extras = read_extras(path, manifest)
         pieces = local_pieces(state.module, state.optimizer)
         # offloaded optimizer state: loaded into torch's format, then written to the offload store
         with state.optimizer.materialized_state():
-            _check_matches(manifest, pieces, state)
+            loaded = _check_matches(manifest, pieces, state, options, extras)
             err = None
             try:
-                _read_pieces(state, path, manifest, pieces)
+                _read_pieces(state, path, manifest, {n: pieces[n] for n in loaded}, options)
             except (CheckpointError, OSError, RuntimeError, KeyError) as exc:
                 err = f"{type(exc).__name__}: {exc}"
             raise_if_failed(exchange(err, wait), f"loading checkpoint {path}")
             if dist.get_rank() == 0:  # every rank is in this load: no save of this job is writing
                 hygiene.remove_stale(directory)
-            _restore_scalars(state, manifest)
+            if options.full:
+                _restore_scalars(state, manifest)
+            if not options.module_only:
+                state.counters.restore(
+                    manifest.global_steps, manifest.micro_steps, manifest.gradient_accumulation_steps
+                )
+            if options.lr_scheduler_states and not options.module_only:
+                _restore_scheduler(state, extras, path)
         state.optimizer.publish_updated_shards()
         frozen = [
             p
@@ -92,12 +137,29 @@ def load_checkpoint(
     return path
 
 
-def _check_matches(manifest: Manifest, pieces: dict[str, LocalPiece], state: TrainState) -> None:
+def _check_matches(
+    manifest: Manifest,
+    pieces: dict[str, LocalPiece],
+    state: TrainState,
+    options: LoadOptions,
+    extras: Extras,
+) -> list[str]:
+    """Every mismatch of the checkpoint against the model at once; returns the parameters to load.
+
+    Frozen parameters the save left out (``exclude_frozen_parameters``) and, without
+    ``strict``, missing or unexpected names are not mismatches (missing ones are not loaded).
+    """
     saved = {p.name: p for p in manifest.params}
-    problems = [f"missing in the checkpoint: parameter {n!r}" for n in pieces if n not in saved]
-    problems += [
-        f"unexpected in the checkpoint: parameter {n!r} (not in the model)" for n in saved if n not in pieces
-    ]
+    excluded = set(extras.excluded_frozen)
+    missing = [n for n in pieces if n not in saved and not (n in excluded and not pieces[n].trainable)]
+    problems: list[str] = []
+    if options.strict:
+        problems += [f"missing in the checkpoint: parameter {n!r}" for n in missing]
+        problems += [
+            f"unexpected in the checkpoint: parameter {n!r} (not in the model)"
+            for n in saved
+            if n not in pieces
+        ]
     for name, piece in pieces.items():
         s = saved.get(name)
         if s is None:
@@ -116,11 +178,11 @@ def _check_matches(manifest: Manifest, pieces: dict[str, LocalPiece], state: Tra
                 f"parameter {name!r} is in optimizer group {piece.optimizer_group} here, "
                 f"{s.optimizer_group} saved"
             )
-    problems += _buffer_problems(manifest, state)
+    problems += _buffer_problems(manifest, state, options.strict)
     here_type = type(state.optimizer.torch_optimizer).__name__
-    if manifest.optimizer_type != here_type:
+    if options.full and manifest.optimizer_type != here_type:
         problems.append(f"optimizer type: {here_type} here, {manifest.optimizer_type} saved")
-    if len(manifest.optimizer_groups) != len(state.optimizer.groups):
+    if options.full and len(manifest.optimizer_groups) != len(state.optimizer.groups):
         problems.append(
             f"optimizer groups: {len(state.optimizer.groups)} here, {len(manifest.optimizer_groups)} saved"
         )
@@ -128,14 +190,18 @@ def _check_matches(manifest: Manifest, pieces: dict[str, LocalPiece], state: Tra
         raise CheckpointError(
             f"checkpoint {manifest.tag!r} does not match the model ({len(problems)} problem(s)):\n  "
             + "\n  ".join(problems)
+            + "\nNothing was loaded."
         )
+    return [n for n in pieces if n in saved]
 
 
-def _buffer_problems(manifest: Manifest, state: TrainState) -> list[str]:
+def _buffer_problems(manifest: Manifest, state: TrainState, strict: bool) -> list[str]:
     here = {k: tuple(v.shape) for k, v in state_dict_buffers(state.module).items()}
     saved = {b.name: b.shape for b in manifest.buffers}
-    problems = [f"missing in the checkpoint: buffer {n!r}" for n in here if n not in saved]
-    problems += [f"unexpected in the checkpoint: buffer {n!r}" for n in saved if n not in here]
+    problems = []
+    if strict:
+        problems += [f"missing in the checkpoint: buffer {n!r}" for n in here if n not in saved]
+        problems += [f"unexpected in the checkpoint: buffer {n!r}" for n in saved if n not in here]
     problems += [
         f"shape mismatch: buffer {n!r} is {list(s)} here, {list(saved[n])} saved"
         for n, s in here.items()
@@ -144,22 +210,28 @@ def _buffer_problems(manifest: Manifest, state: TrainState) -> list[str]:
     return problems
 
 
-def _read_pieces(state: TrainState, path: Path, manifest: Manifest, pieces: dict[str, LocalPiece]) -> None:
-    """Verify and read every file holding a piece this rank needs; copy the overlaps in place."""
+def _read_pieces(
+    state: TrainState, path: Path, manifest: Manifest, pieces: dict[str, LocalPiece], options: LoadOptions
+) -> None:
+    """Verify and read every file holding a piece this rank needs; copy the overlaps in place.
+
+    Without the optimizer state (``options``), only the weights are copied: the state tensors
+    are neither zeroed nor read.
+    """
     files = list(manifest.files)
     needs = plan_reads(files, {n: (p.start, p.stop) for n, p in pieces.items()})
-    same_world = manifest.world_size == dist.get_world_size()
+    same_world = manifest.world_size == dist.get_world_size() and options.full
     own = io.shard_file_name(dist.get_rank())
     by_name = {f.name: f for f in files}
     wanted = set(needs) | {io.BUFFERS_FILE} | ({own} if same_world else set())
     for name in sorted(wanted):
         io.verify_file(path / name, by_name[name])
-    states = _prepare_optimizer_state(state, manifest)
+    states = _prepare_optimizer_state(state, manifest) if options.full else None
     with torch.no_grad():
         for p in pieces.values():
             if p.trainable:
                 p.padded.zero_()
-                for t in states[p.optimizer_group].values():
+                for t in states[p.optimizer_group].values() if states is not None else ():
                     t.narrow(0, p.offset, p.partition_numel).zero_()
         for fname, items in sorted(needs.items()):
             shard = io.open_shard(path / fname)["params"]
@@ -168,18 +240,27 @@ def _read_pieces(state: TrainState, path: Path, manifest: Manifest, pieces: dict
             del shard
         buffers = io.open_shard(path / io.BUFFERS_FILE)["buffers"]
         for key, t in state_dict_buffers(state.module).items():
-            t.copy_(buffers[key])
+            if key in buffers:  # absent only without strict (checked before)
+                t.copy_(buffers[key])
         if same_world:
             _set_rng_state(io.open_shard(path / own)["rng"])
 
 
 def _copy_overlap(
-    p: LocalPiece, saved: dict[str, Any], a: int, b: int, states: list[dict[str, torch.Tensor]], where: str
+    p: LocalPiece,
+    saved: dict[str, Any],
+    a: int,
+    b: int,
+    states: list[dict[str, torch.Tensor]] | None,
+    where: str,
 ) -> None:
-    """Copy the saved piece ``[a, b)`` of one parameter where it overlaps this rank's piece."""
+    """Copy the saved piece ``[a, b)`` of one parameter where it overlaps this rank's piece.
+
+    ``states`` ``None``: the weights only (the optimizer state is not loaded).
+    """
     lo, hi = max(a, p.start), min(b, p.stop)
     p.padded.narrow(0, lo - p.start, hi - lo).copy_(saved["value"].narrow(0, lo - a, hi - lo))
-    if not p.trainable:
+    if not p.trainable or states is None:
         return
     for key, t in states[p.optimizer_group].items():
         src = saved["state"].get(key)
@@ -192,11 +273,14 @@ def plan_reads(
     files: list[FileEntry], wanted: dict[str, tuple[int, int]]
 ) -> dict[str, list[tuple[str, int, int]]]:
     """Which saved pieces a rank must read: per file, the ``(name, start, stop)`` pieces that
-    overlap the element range ``wanted[name]`` this rank holds now (files with none are absent).
+    overlap the element range ``wanted[name]`` this rank holds now (files with none are absent;
+    saved parameters not in ``wanted`` are not read).
     """
     needs: dict[str, list[tuple[str, int, int]]] = {}
     for f in files:
         for name, a, b in f.pieces:
+            if name not in wanted:  # not loaded (strict=False)
+                continue
             lo, hi = wanted[name]
             if max(a, lo) < min(b, hi):
                 needs.setdefault(f.name, []).append((name, a, b))
@@ -242,9 +326,20 @@ def _restore_scalars(state: TrainState, manifest: Manifest) -> None:
                 ostate[key] = torch.tensor(s["value"], dtype=io.dtype_from_name(s["dtype"]), device=device)
             else:
                 ostate[key] = s["value"]
-    state.counters.restore(manifest.global_steps, manifest.micro_steps, manifest.gradient_accumulation_steps)
     if state.scaler is not None and manifest.loss_scaler is not None:
         state.scaler.load_state_dict(manifest.loss_scaler)
+
+
+def _restore_scheduler(state: TrainState, extras: Extras, path: Path) -> None:
+    """Load the saved LR scheduler state into ``state.lr_scheduler`` (when both exist)."""
+    if state.lr_scheduler is None or extras.lr_scheduler is None:
+        return
+    try:
+        state.lr_scheduler.load_state_dict(extras.lr_scheduler)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(
+            f"{path}: the saved LR scheduler state does not fit {type(state.lr_scheduler).__name__}: {exc}"
+        ) from exc
 
 
 def _set_rng_state(rng: dict[str, Any]) -> None:

@@ -6,17 +6,25 @@ flattened parameter they cover, and its RNG states); rank 0 writes the buffers a
 every rank reported success, the :class:`~zero_full.checkpoint.manifest.Manifest`. Everything
 is written into ``DIR/TAG.tmp-<random>`` and renamed to ``DIR/TAG`` only when complete;
 ``DIR/latest`` moves after that. A save that fails (or dies) on any rank leaves the previous
-checkpoints and ``latest`` untouched and no ``DIR/TAG``.
+checkpoints and ``latest`` untouched and no ``DIR/TAG``. Saving under an existing tag with
+``overwrite=True`` swaps the complete new directory with the old one in one atomic rename
+(Linux ``renameat2(RENAME_EXCHANGE)``), so ``DIR/TAG`` is always a complete checkpoint.
+Rank 0 also writes ``extras.pt`` (:mod:`zero_full.checkpoint.extras`): the LR scheduler's
+state, the caller's ``client_state`` and the frozen parameters a save left out.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import dataclasses
+import os
 import random
 import secrets
 import shutil
 import socket
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +35,32 @@ from torch.profiler import record_function
 from zero_full.checkpoint import hygiene, io
 from zero_full.checkpoint.collectives import exchange, raise_if_failed
 from zero_full.checkpoint.consolidate import state_dict_buffers, state_dict_keys
+from zero_full.checkpoint.extras import EXTRAS_FILE, build_extras
 from zero_full.checkpoint.io import CheckpointError
 from zero_full.checkpoint.layout import covered_prefix, elementwise_state, local_pieces
 from zero_full.checkpoint.manifest import FileEntry, Manifest, SavedBuffer, SavedOptimizerGroup, SavedParam
 from zero_full.checkpoint.state import TrainState
 
-__all__ = ["save_checkpoint"]
+__all__ = ["SaveOptions", "save_checkpoint"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveOptions:
+    """How a save treats what is beside the sharded model state.
+
+    Attributes:
+        client_state: The caller's dict saved with the checkpoint (read back with
+            :func:`zero_full.checkpoint.extras.read_client_state`).
+        save_latest: Point ``DIR/latest`` at the new tag.
+        exclude_frozen_parameters: Leave parameters with ``requires_grad=False`` out (a load
+            then keeps their current values).
+        overwrite: Replace an existing tag atomically instead of refusing.
+    """
+
+    client_state: Mapping[str, Any] | None = None
+    save_latest: bool = True
+    exclude_frozen_parameters: bool = False
+    overwrite: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,10 +69,16 @@ class _SavePlan:
     tag: str
     tmp: Path
     timeout: float
+    options: SaveOptions
 
 
 def save_checkpoint(
-    state: TrainState, directory: str | Path, tag: str | None = None, *, timeout: float | None = None
+    state: TrainState,
+    directory: str | Path,
+    tag: str | None = None,
+    *,
+    timeout: float | None = None,
+    options: SaveOptions | None = None,
 ) -> Path:
     """Write a sharded checkpoint of ``state`` to ``directory/tag`` (call on every rank).
 
@@ -54,16 +88,20 @@ def save_checkpoint(
         tag: Sub-directory name; default ``global_step{N}``.
         timeout: Seconds to wait for the other ranks at each exchange; default the config's
             ``robustness.comm_timeout``.
+        options: Client state, ``latest``, frozen parameters, replacing a tag (see
+            :class:`SaveOptions`; default: refuse an existing tag, move ``latest``).
 
     Returns:
         The checkpoint directory ``directory/tag``.
 
     Raises:
-        CheckpointError: ``directory/tag`` exists already, writing failed on some rank, or a
+        CheckpointError: ``directory/tag`` exists already (without ``overwrite``), the client
+            state cannot be saved safely, writing failed on some rank, or a
             rank did not take part within ``timeout`` (every rank raises, naming the failing
             ranks; nothing is left under ``tag``).
     """
     directory = Path(directory)
+    options = options if options is not None else SaveOptions()
     tag = tag if tag is not None else f"global_step{state.counters.global_steps}"
     if "/" in tag or tag in ("", ".", "..", io.LATEST) or ".tmp-" in tag:
         raise ValueError(f"checkpoint tag {tag!r} is not a plain directory name; pass e.g. 'step100'")
@@ -75,9 +113,10 @@ def save_checkpoint(
         if rank == 0:
             try:
                 directory.mkdir(parents=True, exist_ok=True)
-                if (directory / tag).exists():
+                if (directory / tag).exists() and not options.overwrite:
                     raise CheckpointError(
-                        f"checkpoint {directory / tag} exists already; save under another tag or remove it"
+                        f"checkpoint {directory / tag} exists already; save under another tag, remove it "
+                        "or pass overwrite=True to replace it"
                     )
                 tmp_name = f"{tag}.tmp-{secrets.token_hex(6)}"
                 (directory / tmp_name).mkdir()
@@ -90,7 +129,7 @@ def save_checkpoint(
                 shutil.rmtree(directory / tmp_name, ignore_errors=True)
             raise
         raise_if_failed([s["error"] for s in first], f"saving checkpoint {directory / tag}")
-        plan = _SavePlan(directory, tag, directory / first[0]["tmp"], wait)
+        plan = _SavePlan(directory, tag, directory / first[0]["tmp"], wait, options)
         if rank == 0:  # every rank is in this save: no other save of this job is writing
             hygiene.remove_stale(directory, keep=plan.tmp.name)
         try:
@@ -111,7 +150,7 @@ def _save_in_tmp(state: TrainState, plan: _SavePlan) -> None:
     failure: BaseException | None = None
     written: list[tuple[str, Any, tuple[Any, ...]]] = []
     try:
-        written = _rank_files(state)
+        written = _rank_files(state, plan.options)
         need = hygiene.tensor_bytes([obj for _, obj, _ in written])
     except Exception as exc:  # noqa: BLE001 - reported to every rank, re-raised below
         err, failure, need = f"{type(exc).__name__}: {exc}", exc, 0
@@ -134,7 +173,8 @@ def _save_in_tmp(state: TrainState, plan: _SavePlan) -> None:
     if rank == 0:
         try:
             files = [FileEntry.from_json(f) for s in statuses for f in s["files"]]
-            _publish(build_manifest(state, plan.tag, files), plan, rank)
+            skip = _excluded(state, plan.options)
+            _publish(build_manifest(state, plan.tag, files, skip), plan, rank)
         except Exception as exc:  # noqa: BLE001 - reported to every rank
             err = f"{type(exc).__name__}: {exc}"
     done = exchange(err, plan.timeout)
@@ -142,14 +182,49 @@ def _save_in_tmp(state: TrainState, plan: _SavePlan) -> None:
 
 
 def _publish(manifest: Manifest, plan: _SavePlan, rank: int) -> None:
-    """Write the manifest, rename the temporary directory to the tag, move ``latest`` (rank 0)."""
+    """Write the manifest, rename the temporary directory to the tag, move ``latest`` (rank 0).
+
+    An existing tag (``overwrite``) is exchanged with the new directory in one rename; the
+    old one, now under the temporary name, is removed after.
+    """
     try:
         io.write_text_atomic(plan.tmp / io.MANIFEST, manifest.to_json())
     except OSError as exc:
         raise hygiene.write_error(plan.tmp / io.MANIFEST, rank, exc) from exc
-    plan.tmp.rename(plan.directory / plan.tag)
-    io.fsync_dir(plan.directory)
-    io.write_text_atomic(plan.directory / io.LATEST, plan.tag)
+    target = plan.directory / plan.tag
+    if target.exists():
+        _exchange_dirs(plan.tmp, target)
+        io.fsync_dir(plan.directory)
+        shutil.rmtree(plan.tmp, ignore_errors=True)
+    else:
+        plan.tmp.rename(target)
+        io.fsync_dir(plan.directory)
+    if plan.options.save_latest:
+        io.write_text_atomic(plan.directory / io.LATEST, plan.tag)
+
+
+_RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def _exchange_dirs(a: Path, b: Path) -> None:
+    """Atomically swap two directory entries (``renameat2(RENAME_EXCHANGE)``).
+
+    Raises:
+        CheckpointError: the OS has no atomic exchange (the old tag is left as it was; save
+            under a new tag instead).
+    """
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    at_fdcwd = -100
+    if (
+        renameat2 is None
+        or renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) != 0
+    ):
+        err = ctypes.get_errno() if renameat2 is not None else 0
+        raise CheckpointError(
+            f"cannot replace checkpoint {b} atomically ({os.strerror(err) if err else 'no renameat2'}); "
+            "it is left as it was: save under another tag"
+        )
 
 
 def _rng_state() -> dict[str, Any]:
@@ -159,15 +234,23 @@ def _rng_state() -> dict[str, Any]:
     return state
 
 
-def _rank_files(state: TrainState) -> list[tuple[str, Any, tuple[Any, ...]]]:
-    """This rank's shard file (and rank 0's buffers file) as ``(name, object, pieces)``, not written yet."""
+def _excluded(state: TrainState, options: SaveOptions) -> tuple[str, ...]:
+    """The frozen parameters a save leaves out (``exclude_frozen_parameters``)."""
+    if not options.exclude_frozen_parameters:
+        return ()
+    return tuple(n for n, p in state.module.named_parameters() if not p.requires_grad)
+
+
+def _rank_files(state: TrainState, options: SaveOptions) -> list[tuple[str, Any, tuple[Any, ...]]]:
+    """This rank's shard file (rank 0: also buffers and extras) as ``(name, object, pieces)``, not written."""
     rank = dist.get_rank()
     opt = state.optimizer
     states = [elementwise_state(opt, gi) for gi in range(len(opt.groups))]
     payload: dict[str, Any] = {}
     ranges = []
+    skip = set(_excluded(state, options))
     for name, piece in local_pieces(state.module, opt).items():
-        if not piece.writes:
+        if not piece.writes or name in skip:
             continue
         n = piece.stop - piece.start
         entry: dict[str, Any] = {"start": piece.start, "stop": piece.stop, "value": piece.real}
@@ -181,6 +264,8 @@ def _rank_files(state: TrainState) -> list[tuple[str, Any, tuple[Any, ...]]]:
     if rank == 0:
         buffers = {k: v.detach() for k, v in state_dict_buffers(state.module).items()}
         written.append((io.BUFFERS_FILE, {"buffers": buffers}, ()))
+        extras = build_extras(state.lr_scheduler, options.client_state, tuple(sorted(skip)))
+        written.append((EXTRAS_FILE, extras.payload(), ()))
     return written
 
 
@@ -247,8 +332,12 @@ def _optimizer_groups(state: TrainState) -> tuple[SavedOptimizerGroup, ...]:
     return tuple(groups)
 
 
-def build_manifest(state: TrainState, tag: str, files: list[FileEntry]) -> Manifest:
+def build_manifest(
+    state: TrainState, tag: str, files: list[FileEntry], skip: tuple[str, ...] = ()
+) -> Manifest:
     """The manifest of a checkpoint of ``state`` whose ranks wrote ``files`` (checks every element is saved).
+
+    ``skip``: parameters left out of the save (frozen ones, ``exclude_frozen_parameters``).
 
     Raises:
         CheckpointError: the pieces of some parameter do not cover it.
@@ -260,6 +349,8 @@ def build_manifest(state: TrainState, tag: str, files: list[FileEntry]) -> Manif
             covered.setdefault(name, []).append((a, b))
     params = []
     for name, p in pieces.items():
+        if name in skip:
+            continue
         _check_coverage(name, p.numel, covered.get(name, []))
         params.append(
             SavedParam(

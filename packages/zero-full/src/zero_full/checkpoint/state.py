@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Protocol
 
 from torch import nn
 
@@ -10,7 +11,15 @@ from zero_full.config.zero_config import ZeroConfig
 from zero_full.wiring.mics import MicsGroups
 from zero_optim import LossScaler, PartitionedOptimizer
 
-__all__ = ["StepCounters", "TrainState"]
+__all__ = ["LRSchedulerLike", "StepCounters", "TrainState"]
+
+
+class LRSchedulerLike(Protocol):
+    """What a checkpoint needs of an LR scheduler (every ``torch.optim.lr_scheduler`` has it)."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
 
 
 @dataclasses.dataclass
@@ -52,6 +61,8 @@ class TrainState:
         counters: The step counters (mutable: a load sets them).
         scaler: The fp16 loss scaler, ``None`` in fp32 / bf16.
         mics: The MiCS groups, ``None`` without MiCS (recorded in the manifest's layout).
+        lr_scheduler: The LR scheduler whose ``state_dict()`` is saved and restored, ``None``
+            without one.
     """
 
     module: nn.Module
@@ -60,6 +71,7 @@ class TrainState:
     counters: StepCounters
     scaler: LossScaler | None = None
     mics: MicsGroups | None = None
+    lr_scheduler: LRSchedulerLike | None = None
 
     @property
     def timeout(self) -> float:

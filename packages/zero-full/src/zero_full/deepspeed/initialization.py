@@ -1,0 +1,170 @@
+"""``deepspeed.initialize``: DeepSpeed's signature and 4-tuple over :func:`zero_full.initialize`.
+
+What DeepSpeed does at ``initialize``, done with zero's pieces:
+
+* the config comes from ``config`` / ``config_params`` (dict or JSON path) or from
+  ``args.deepspeed_config``;
+* DeepSpeed's defaults apply where zero's differ (``gradient_clipping`` 1.0 when not given);
+* the process group is created from the launcher's environment when it does not exist
+  (:func:`zero_full.deepspeed.init_distributed`);
+* the optimizer is the config's ``optimizer`` section (built over ``model_parameters`` when
+  those are parameter groups), the ``optimizer`` argument (a torch optimizer or a callable
+  taking ``model_parameters``), or zero's default;
+* the LR scheduler is the ``lr_scheduler`` argument (a scheduler, or a callable taking the
+  torch optimizer) or, when the config has a ``scheduler`` section, the one it describes;
+  zero's engine steps it after each applied optimizer step and checkpoints it;
+* ``training_data`` becomes a loader of ``train_micro_batch_size_per_gpu`` samples per rank
+  over a ``DistributedSampler`` (shuffled with seed 0, the same order every epoch, as
+  DeepSpeed's loader; read in the training process, without worker processes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
+
+from zero_full.config.zero_config import ZeroConfig
+from zero_full.deepspeed.engine import DeepSpeedEngine
+from zero_full.deepspeed.launch import init_distributed
+from zero_full.engine import initialize as zero_initialize
+
+__all__ = ["DEEPSPEED_GRADIENT_CLIPPING", "initialize"]
+
+DEEPSPEED_GRADIENT_CLIPPING = 1.0
+"""DeepSpeed's ``gradient_clipping`` when the config does not set it (zero's own default is 0: none)."""
+
+
+def initialize(
+    args: Any = None,
+    model: nn.Module | None = None,
+    optimizer: Any = None,
+    model_parameters: Iterable[Any] | None = None,
+    training_data: Dataset[Any] | None = None,
+    lr_scheduler: Any = None,
+    distributed_port: int = 29500,
+    mpu: Any = None,
+    dist_init_required: bool | None = None,
+    collate_fn: Callable[..., Any] | None = None,
+    config: Any = None,
+    mesh_param: Any = None,
+    config_params: Any = None,
+) -> tuple[DeepSpeedEngine, Any, DataLoader[Any] | None, Any]:
+    """Wrap ``model`` for ZeRO training; returns ``(engine, optimizer, training_dataloader, lr_scheduler)``.
+
+    Args:
+        args: An ``argparse`` namespace; its ``deepspeed_config`` is the config when
+            ``config`` is not given.
+        model: The model (built whole, or under ``deepspeed.zero.Init``).
+        optimizer: A torch optimizer, a callable ``model_parameters -> optimizer``, or
+            ``None`` (the config's ``optimizer`` section, else AdamW).
+        model_parameters: The parameters (or parameter groups) to optimize.
+        training_data: A dataset to build the distributed training loader from.
+        lr_scheduler: A torch LR scheduler, or a callable ``optimizer -> scheduler``.
+        distributed_port: ``MASTER_PORT`` when only MPI variables are set.
+        mpu: Refused (zero has no model parallelism).
+        dist_init_required: ``False``: do not create the process group.
+        collate_fn: The training loader's ``collate_fn``.
+        config: The DeepSpeed config: a dict, a JSON path or a :class:`ZeroConfig`.
+        mesh_param: Refused (no device mesh parallelism).
+        config_params: DeepSpeed's older name of ``config``.
+
+    Returns:
+        ``(engine, engine.optimizer, loader or None, scheduler or None)``.
+
+    Raises:
+        ValueError: no model, no config, two configs, ``mpu`` / ``mesh_param``, or a
+            ``training_data`` that is not a dataset.
+        RuntimeError: no process group and no launcher environment (names the command).
+    """
+    if model is None:
+        raise ValueError("deepspeed.initialize: model is required")
+    if mpu is not None or mesh_param is not None:
+        raise ValueError(
+            "deepspeed.initialize: mpu / mesh_param (model parallelism) are not supported by zero, "
+            "which partitions over data-parallel ranks only; drop them"
+        )
+    cfg = _deepspeed_defaults(ZeroConfig.coerce(_config_source(args, config, config_params)))
+    init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required, verbose=False)
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "deepspeed.initialize(dist_init_required=False) needs an initialised process group"
+        )
+    cfg, spec = _optimizer(cfg, optimizer, model_parameters)
+    if lr_scheduler is not None and cfg.scheduler is not None:  # DeepSpeed never builds the config's then
+        cfg = cfg.model_copy(update={"scheduler": None})
+    engine = zero_initialize(model, cfg, spec)  # builds the config's scheduler section, if any
+    if lr_scheduler is not None:
+        engine.lr_scheduler = _client_scheduler(lr_scheduler, engine.optimizer.torch_optimizer)
+    loader = _loader(training_data, cfg, collate_fn) if training_data is not None else None
+    ds_engine = DeepSpeedEngine(engine, loader)
+    return ds_engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def _config_source(args: Any, config: Any, config_params: Any) -> Any:
+    """The one config given: ``config``, ``config_params`` or ``args.deepspeed_config``."""
+    from_args = getattr(args, "deepspeed_config", None) or getattr(args, "deepscale_config", None)
+    given = [c for c in (config, config_params, from_args) if c is not None]
+    if not given:
+        raise ValueError(
+            "deepspeed.initialize: no config; pass config=dict_or_json_path or --deepspeed_config PATH "
+            "(with deepspeed.add_config_arguments(parser))"
+        )
+    if len(given) > 1:
+        raise ValueError(
+            "deepspeed.initialize: a config was given more than once (config=, config_params= and "
+            "args.deepspeed_config); keep one"
+        )
+    return given[0]
+
+
+def _deepspeed_defaults(cfg: ZeroConfig) -> ZeroConfig:
+    """DeepSpeed 0.19.8's defaults where zero's differ: ``gradient_clipping`` 1.0 when not given."""
+    if "gradient_clipping" in cfg.model_fields_set:
+        return cfg
+    return cfg.model_copy(update={"gradient_clipping": DEEPSPEED_GRADIENT_CLIPPING})
+
+
+def _optimizer(
+    cfg: ZeroConfig, optimizer: Any, model_parameters: Iterable[Any] | None
+) -> tuple[ZeroConfig, Any]:
+    """The config and optimizer spec for :func:`zero_full.initialize`.
+
+    Parameter groups in ``model_parameters`` (dicts with per-group options) are kept: the
+    config's optimizer is built over them. A callable ``optimizer`` receives
+    ``model_parameters`` (as DeepSpeed calls it), else the trainable parameters.
+    """
+    groups = list(model_parameters) if model_parameters is not None else None
+    has_groups = groups is not None and any(isinstance(g, dict) for g in groups)
+    if optimizer is None:
+        if cfg.optimizer is not None and has_groups:
+            section = cfg.optimizer
+            return cfg.model_copy(update={"optimizer": None}), lambda _params: section.build(groups)
+        return cfg, None
+    if isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):
+        return cfg, optimizer
+    if groups is None:
+        return cfg, optimizer
+    return cfg, lambda _params: optimizer(groups)
+
+
+def _client_scheduler(lr_scheduler: Any, torch_optimizer: torch.optim.Optimizer) -> Any:
+    """The scheduler given, or the one a callable builds over the torch optimizer."""
+    is_scheduler = hasattr(lr_scheduler, "step") and hasattr(lr_scheduler, "state_dict")
+    return lr_scheduler if is_scheduler else lr_scheduler(torch_optimizer)
+
+
+def _loader(data: Any, cfg: ZeroConfig, collate_fn: Callable[..., Any] | None) -> DataLoader[Any]:
+    """DeepSpeed's training loader: micro-batches over a ``DistributedSampler`` of the ranks."""
+    if isinstance(data, IterableDataset) or not isinstance(data, Dataset):
+        raise ValueError(
+            "deepspeed.initialize: training_data must be a map-style torch Dataset, got "
+            f"{type(data).__name__}"
+        )
+    micro = cfg.resolve_batch(dist.get_world_size()).train_micro_batch_size_per_gpu
+    sampler = DistributedSampler(data, num_replicas=dist.get_world_size(), rank=dist.get_rank())
+    return DataLoader(data, batch_size=micro, sampler=sampler, collate_fn=collate_fn)
