@@ -22,7 +22,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 from zero_comm import CommWatchdog
 from zero_full import ZeroConfig
 from zero_full.checkpoint.collectives import exchange
-from zero_full.config.sections import NonFinitePolicy
+from zero_full.config.robustness import NonFinitePolicy
 from zero_full.guards.agreement import check_agreement, exchange_json
 from zero_full.guards.nonfinite import NonFiniteGuard
 from zero_optim import found_overflow, global_grad_norm
