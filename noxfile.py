@@ -255,13 +255,18 @@ def kernels(session: nox.Session) -> None:
     _pytest(session, ROOT / "kernels/tests", env)
 
 
+INTEGRATION_PEERS = ["deepspeed==0.19.8", "ninja"]
+
+
 @nox.session(tags=["ci"])
 @_venv_discarded
 def integration(session: nox.Session) -> None:
     """End-to-end multi-process runs of the whole stack."""
     tests_dir = ROOT / "integration_tests"
     _install(session, "zero-full", "zero-testing")
-    _pip(session, "-c", CONSTRAINTS, "pytest>=8", "transformers>=4.45")
+    # DeepSpeed: the peer the DeepSpeed-script and DeepSpeed-checkpoint tests run the same code under
+    # (on the CPU it JIT-builds its shared-memory collective with ninja at its first run).
+    _pip(session, "-c", CONSTRAINTS, "pytest>=8", "transformers>=4.45", *INTEGRATION_PEERS)
     if not _has_tests(tests_dir):
         session.log("integration_tests: none yet")
         return
