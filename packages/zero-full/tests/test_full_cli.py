@@ -12,9 +12,10 @@ from fractions import Fraction
 
 import pytest
 
+from zero_comm.units import format_bytes
 from zero_full.cli.doctor import gloo_smoke_check
 from zero_full.cli.main import main
-from zero_full.memory.estimate import EstimatePrecision, estimate_model_states, format_bytes, parse_count
+from zero_full.memory.estimate import EstimatePrecision, estimate_model_states, parse_count
 
 
 def formula_bytes(psi: int, n: int, precision: str) -> dict[int, float]:

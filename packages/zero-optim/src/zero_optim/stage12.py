@@ -318,6 +318,14 @@ class _AccumulateHandle:
                 finish()
 
 
+def _finish_now_or_later(finish: Callable[[], None], async_op: bool) -> _AccumulateHandle:
+    """The handle running ``finish`` on ``wait()``, already waited on unless ``async_op``."""
+    out = _AccumulateHandle(finish)
+    if not async_op:
+        out.wait()
+    return out
+
+
 def _take_grads(params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
     """The full gradients (zeros for unused parameters), detached from the parameters."""
     grads = []
@@ -388,12 +396,9 @@ class ReduceScatterInto:
                     _with_sideband(grads, bound), self.partitioning.group, op="avg", async_op=True
                 )
 
-            out = _AccumulateHandle(
-                lambda: _add_in_runs(targets, _without_sideband(handle.wait(), bound), runs)
+            return _finish_now_or_later(
+                lambda: _add_in_runs(targets, _without_sideband(handle.wait(), bound), runs), async_op
             )
-            if not async_op:
-                out.wait()
-            return out
 
     def open_bucket(self, params: Sequence[nn.Parameter]) -> _StagedBucket | None:
         """A staging buffer for one bucket, filled as each gradient arrives (``None``: a strategy is set).
@@ -457,12 +462,9 @@ class _StagedBucket:
                 staging.put(count, bound.sideband(staging.staged_rows(count)))
             handle = staging.issue(op="avg", async_op=True)
             targets, runs = self._targets, self._runs
-            out = _AccumulateHandle(
-                lambda: _add_in_runs(targets, _without_sideband(handle.wait(), bound), runs)
+            return _finish_now_or_later(
+                lambda: _add_in_runs(targets, _without_sideband(handle.wait(), bound), runs), async_op
             )
-            if not async_op:
-                out.wait()
-            return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -529,14 +531,6 @@ class ReduceScatterInPlace:
         self.partitioning.grads.carry(param)
 
 
-def _finish_now_or_later(finish: Callable[[], None], async_op: bool) -> _AccumulateHandle:
-    """The handle running ``finish`` on ``wait()``, already waited on unless ``async_op``."""
-    out = _AccumulateHandle(finish)
-    if not async_op:
-        out.wait()
-    return out
-
-
 def _keep_own_partition(regions: Sequence[torch.Tensor], reduced: Sequence[torch.Tensor], rank: int) -> None:
     """Copy each reduced partition into its place in the region (this rank's row).
 
@@ -588,10 +582,7 @@ class AllReduceInto:
                 for target, part in zip(targets, done.split([t.numel() for t in targets]), strict=True):
                     target.add_(part)
 
-            out = _AccumulateHandle(finish)
-            if not async_op:
-                out.wait()
-            return out
+            return _finish_now_or_later(finish, async_op)
 
 
 def replicated_optimizer(

@@ -30,13 +30,14 @@ from zero_full.checkpoint.layout import covered_prefix
 from zero_full.checkpoint.manifest import Manifest, StateDictKey
 
 __all__ = [
+    "SAFETENSORS_DTYPES",
     "CheckpointReader",
     "ConsolidateResult",
     "SafetensorsWriter",
     "consolidate_checkpoint",
 ]
 
-_DTYPES = {
+SAFETENSORS_DTYPES = {
     torch.float64: "F64",
     torch.float32: "F32",
     torch.float16: "F16",
@@ -48,6 +49,7 @@ _DTYPES = {
     torch.uint8: "U8",
     torch.bool: "BOOL",
 }
+"""The torch dtypes safetensors holds, with their names in a file's header."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,12 +92,12 @@ class SafetensorsWriter:
         header: dict[str, Any] = {"__metadata__": dict(metadata or {})}
         offset = 0
         for e in self._entries:
-            if e.dtype not in _DTYPES:
+            if e.dtype not in SAFETENSORS_DTYPES:
                 raise ValueError(f"tensor {e.name!r}: safetensors cannot store dtype {e.dtype}")
             if e.name in header:
                 raise ValueError(f"tensor name {e.name!r} appears twice")
             header[e.name] = {
-                "dtype": _DTYPES[e.dtype],
+                "dtype": SAFETENSORS_DTYPES[e.dtype],
                 "shape": list(e.shape),
                 "data_offsets": [offset, offset + e.nbytes],
             }

@@ -11,10 +11,10 @@ import argparse
 import sys
 from pathlib import Path
 
+from zero_comm.units import format_bytes
 from zero_full.checkpoint.io import CheckpointError
 from zero_full.checkpoint.safetensors import consolidate_checkpoint
 from zero_full.hf.save import consolidate_checkpoint_hf
-from zero_full.memory.estimate import format_bytes
 
 __all__ = ["add_consolidate_parser"]
 
@@ -80,8 +80,9 @@ def _cmd_consolidate_hf(args: argparse.Namespace) -> int:
         print(f"zero consolidate: {exc}", file=sys.stderr)
         return 1
     note = "" if args.config is not None else " (no --config: add the model's config.json to load it)"
+    largest = format_bytes(res.max_tensor_bytes, binary=True)
     print(
         f"wrote {res.directory}: {res.tensors} tensors in {len(res.files)} file(s), "
-        f"{res.nbytes / 2**20:.2f} MiB (largest tensor {res.max_tensor_bytes / 2**20:.2f} MiB){note}"
+        f"{format_bytes(res.nbytes, binary=True)} (largest tensor {largest}){note}"
     )
     return 0

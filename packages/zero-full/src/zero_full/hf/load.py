@@ -43,6 +43,7 @@ from torch.profiler import record_function
 import zero_params
 from zero_full.checkpoint.io import CheckpointError
 from zero_full.checkpoint.layout import local_pieces
+from zero_full.checkpoint.safetensors import SAFETENSORS_DTYPES
 from zero_full.checkpoint.state import TrainState
 from zero_full.wiring.init import ConfigLike, Init
 from zero_params.partitioning import meta_target_device
@@ -55,18 +56,7 @@ logger = logging.getLogger("zero.pretrained")
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
-_ST_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
+_ST_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}  # header name -> dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -387,10 +377,8 @@ def load_into_state(state: TrainState, path: str | os.PathLike[str], *, strict: 
         pc = pieces[name]
         slots.append(_Slot(tuple(keys), pc.shape, pc.padded[: pc.stop - pc.start], pc.start, pc.stop))
     report = _fill(module, slots, path, strict=strict)
+    state.optimizer.publish_updated_shards()
     with torch.no_grad():
-        for group in state.optimizer.groups:
-            group.publish()
-        state.optimizer.partitioning.after_step(state.optimizer.groups)
         frozen = [p for n, p in module.named_parameters() if not pieces[n].trainable]
         partitioned = [p for p in frozen if zero_params.is_partitioned(p)]
         if partitioned:

@@ -31,9 +31,10 @@ from zero_comm import (
     reset_device_peak,
     reset_process_peak,
 )
+from zero_comm.units import format_bytes
 from zero_full.checkpoint.state import TrainState
 from zero_full.config.zero_config import Precision
-from zero_full.memory.estimate import EstimatePrecision, estimate_model_states, format_bytes
+from zero_full.memory.estimate import EstimatePrecision, estimate_model_states
 from zero_optim import PartitionedOptimizer
 
 __all__ = ["MemoryReport", "build_memory_report", "model_state_bytes", "reset_peak_memory"]

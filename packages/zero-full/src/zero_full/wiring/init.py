@@ -7,12 +7,9 @@ from collections.abc import Mapping
 from typing import Any
 
 import zero_params
-from zero_comm import Topology
 from zero_full.config.zero_config import Precision, ZeroConfig
-from zero_full.wiring.comm_dtype import comm_strategies
-from zero_full.wiring.mics import build_mics_groups
-from zero_full.wiring.stages import working_dtype
-from zero_full.wiring.zeropp import build_zeropp
+from zero_full.wiring.dtypes import working_dtype
+from zero_full.wiring.param_strategies import ParamStrategies, param_strategies
 
 __all__ = ["ConfigLike", "Init"]
 
@@ -49,23 +46,24 @@ class Init(zero_params.Init):
             kwargs.setdefault("enabled", cfg.stage == 3)
             if cfg.precision is not Precision.FP32:
                 kwargs.setdefault("dtype", working_dtype(cfg))  # partition in the bf16 / fp16 working dtype
-            topology = None
-            if kwargs["enabled"] and cfg.stage == 3 and z.mics_enabled and "group" not in kwargs:
-                topology = Topology()
-                mics = build_mics_groups(z, topology)
-                kwargs["group"] = mics.shard
-                kwargs.setdefault("gather_strategy", mics.gather_strategy)
-            elif kwargs["enabled"] and cfg.stage == 3:
-                comm = comm_strategies(cfg, kwargs.get("group"))  # communication_data_type
-                if comm.gather is not None:
-                    kwargs.setdefault("gather_strategy", comm.gather)
-                if comm.reduce_scatter is not None:
-                    kwargs.setdefault("reduce_strategy", comm.reduce_scatter)
-            if kwargs["enabled"] and z.zeropp_enabled:
-                zpp = build_zeropp(z, topology if topology is not None else Topology(), kwargs.get("group"))
-                if zpp.gather is not None:
-                    kwargs["gather_strategy"] = zpp.gather
-                if zpp.reduce is not None:
-                    kwargs["reduce_strategy"] = zpp.reduce
-                kwargs.setdefault("secondary_strategy", zpp.secondary)
+            if kwargs["enabled"]:
+                _set_strategies(
+                    kwargs, param_strategies(cfg, None, kwargs.get("group"), mics="group" not in kwargs)
+                )
         super().__init__(**kwargs)
+
+
+def _set_strategies(kwargs: dict[str, Any], chosen: ParamStrategies) -> None:
+    """Fill ``zero_params.Init``'s keyword arguments: explicit values win, except over ZeRO++'s."""
+    if chosen.mics is not None:
+        kwargs["group"] = chosen.mics.shard
+    if chosen.base_gather is not None:
+        kwargs.setdefault("gather_strategy", chosen.base_gather)
+    if chosen.base_reduce is not None:
+        kwargs.setdefault("reduce_strategy", chosen.base_reduce)
+    if chosen.zeropp is not None:
+        if chosen.zeropp.gather is not None:
+            kwargs["gather_strategy"] = chosen.zeropp.gather
+        if chosen.zeropp.reduce is not None:
+            kwargs["reduce_strategy"] = chosen.zeropp.reduce
+        kwargs.setdefault("secondary_strategy", chosen.zeropp.secondary)
