@@ -3,7 +3,7 @@
 A :class:`MemoryReport` holds, for one rank at one moment:
 
 * the process's resident memory (RSS now and its peak since the last reset, from
-  ``/proc/self/status``; see :mod:`zero_comm.rank_memory`) — the evidence on CPU;
+  ``/proc/self/status``; see :mod:`zero_full.memory.rank_memory`) — the evidence on CPU;
 * the accelerator's allocated bytes and their peak (``torch.accelerator``), when there is one;
 * the model-state bytes counted from the engine's own storages (a second figure: what the
   engine believes it holds, not what the process holds);
@@ -23,7 +23,11 @@ from torch import nn
 
 import zero_optim
 import zero_params
-from zero_comm import (
+from zero_comm.units import format_bytes
+from zero_full.checkpoint.state import TrainState
+from zero_full.config.zero_config import Precision
+from zero_full.memory.estimate import EstimatePrecision, estimate_model_states
+from zero_full.memory.rank_memory import (
     DeviceMemory,
     ProcessMemory,
     read_device_memory,
@@ -31,10 +35,6 @@ from zero_comm import (
     reset_device_peak,
     reset_process_peak,
 )
-from zero_comm.units import format_bytes
-from zero_full.checkpoint.state import TrainState
-from zero_full.config.zero_config import Precision
-from zero_full.memory.estimate import EstimatePrecision, estimate_model_states
 from zero_optim import PartitionedOptimizer
 
 __all__ = ["MemoryReport", "build_memory_report", "model_state_bytes", "reset_peak_memory"]
