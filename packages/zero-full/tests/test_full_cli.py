@@ -158,23 +158,6 @@ def test_help_lists_the_subcommands(capsys: pytest.CaptureFixture[str]) -> None:
     assert "estimate" in out and "report" in out
 
 
-@pytest.mark.parametrize(
-    ("nbytes", "text"),
-    [
-        (0, "0 B"),
-        (999, "999 B"),
-        (999.7, "1.0 kB"),
-        (1500, "1.5 kB"),
-        (999_960_000, "1.0 GB"),
-        (1.875e9, "1.9 GB"),
-        (31.40625e9, "31.4 GB"),
-        (2.5e15, "2500.0 TB"),
-    ],
-)
-def test_format_bytes(nbytes: float, text: str) -> None:
-    assert format_bytes(nbytes) == text
-
-
 def _installed_script() -> pathlib.Path:
     """The ``zero`` console script of the running interpreter's environment."""
     name = "zero.exe" if sys.platform == "win32" else "zero"
