@@ -265,8 +265,9 @@ def integration(session: nox.Session) -> None:
     tests_dir = ROOT / "integration_tests"
     _install(session, "zero-full", "zero-testing")
     # DeepSpeed: the peer the DeepSpeed-script and DeepSpeed-checkpoint tests run the same code under
-    # (on the CPU it JIT-builds its shared-memory collective with ninja at its first run).
-    _pip(session, "-c", CONSTRAINTS, "pytest>=8", "transformers>=4.45", *INTEGRATION_PEERS)
+    # (on the CPU it JIT-builds its shared-memory collective with ninja at its first run); grimp: the
+    # import graph that test_integration_import_graph.py checks (import-linter's own).
+    _pip(session, "-c", CONSTRAINTS, "pytest>=8", "transformers>=4.45", "grimp>=3.4", *INTEGRATION_PEERS)
     if not _has_tests(tests_dir):
         session.log("integration_tests: none yet")
         return

@@ -298,9 +298,9 @@ class _SlowReadStore(_CountingStore):
 
 
 def test_a_departed_ranks_last_record_is_not_overwritten_by_a_stale_heartbeat():
-    # CI, session 16: rank 1 published `broken` and exited, but a heartbeat built before it landed
-    # after it; rank 0 never saw the departure and reported rank 1 as silent instead. Before the
-    # fix 44-47 of 50 rounds lost the record here (3 runs).
+    # Rank 1 publishes `broken` and exits while a heartbeat built before it lands after it: rank 0
+    # must still see the departure, not report rank 1 as silent. Without the guard 44-47 of 50
+    # rounds lost the record here (3 runs).
     lost = 0
     for _ in range(50):
         store = _SlowReadStore()

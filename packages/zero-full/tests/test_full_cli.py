@@ -12,9 +12,10 @@ from fractions import Fraction
 
 import pytest
 
+from zero_comm.units import format_bytes
 from zero_full.cli.doctor import gloo_smoke_check
 from zero_full.cli.main import main
-from zero_full.memory.estimate import EstimatePrecision, estimate_model_states, format_bytes, parse_count
+from zero_full.memory.estimate import EstimatePrecision, estimate_model_states, parse_count
 
 
 def formula_bytes(psi: int, n: int, precision: str) -> dict[int, float]:
@@ -155,23 +156,6 @@ def test_help_lists_the_subcommands(capsys: pytest.CaptureFixture[str]) -> None:
     assert info.value.code == 0
     out = capsys.readouterr().out
     assert "estimate" in out and "report" in out
-
-
-@pytest.mark.parametrize(
-    ("nbytes", "text"),
-    [
-        (0, "0 B"),
-        (999, "999 B"),
-        (999.7, "1.0 kB"),
-        (1500, "1.5 kB"),
-        (999_960_000, "1.0 GB"),
-        (1.875e9, "1.9 GB"),
-        (31.40625e9, "31.4 GB"),
-        (2.5e15, "2500.0 TB"),
-    ],
-)
-def test_format_bytes(nbytes: float, text: str) -> None:
-    assert format_bytes(nbytes) == text
 
 
 def _installed_script() -> pathlib.Path:

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import zero_full
-from zero_comm import MemorySource
+from zero_full.memory.rank_memory import MemorySource
 
 MIB = 1 << 20
 

@@ -29,9 +29,6 @@ Topology, process groups and byte accounting for the zero stack:
   process group serves (:func:`served_device_types`: the CPU under gloo, the accelerator alone
   under NCCL); :func:`wait_polled`: a wait that polls completion, never a timed wait on the
   backend (on NCCL one aborts the communicator when it expires).
-* Real memory of this rank (module :mod:`zero_comm.rank_memory`): :func:`read_process_memory`
-  (RSS and its peak, :func:`reset_process_peak` per step) and :func:`read_device_memory`
-  (``torch.accelerator`` allocated and peak bytes, :func:`reset_device_peak`).
 * Quantized collectives (ZeRO++ qwZ / qgZ, module :mod:`zero_comm.quantized`, optional extra
   ``pip install zero-comm[quantized]``): :class:`QuantizedAllGather`,
   :func:`quantized_all_gather_coalesced`, :class:`QuantizedReduceScatter`,
@@ -60,15 +57,6 @@ from zero_comm.in_place import reduce_scatter_in_place
 from zero_comm.ledger import CommLedger, CommRecord, CommTotals, record, ring_wire_bytes
 from zero_comm.partition import padded_numel, partition_numel, shard_range
 from zero_comm.primitives import all_reduce, all_to_all_single, broadcast
-from zero_comm.rank_memory import (
-    DeviceMemory,
-    MemorySource,
-    ProcessMemory,
-    read_device_memory,
-    read_process_memory,
-    reset_device_peak,
-    reset_process_peak,
-)
 from zero_comm.reduction import ReduceOpLike, Reduction
 from zero_comm.staged import StagedReduceScatter
 from zero_comm.strategies import (
@@ -103,15 +91,12 @@ __all__ = [
     "CommRecord",
     "CommTotals",
     "CommWatchdog",
-    "DeviceMemory",
     "FlatAllGather",
     "GatherIntoPlan",
     "GroupPosition",
     "HierarchicalAllGather",
     "HierarchicalGroups",
     "LinkKind",
-    "MemorySource",
-    "ProcessMemory",
     "RankPosition",
     "RanksDivergedError",
     "ReduceOpLike",
@@ -134,14 +119,10 @@ __all__ = [
     "note_collectives",
     "padded_numel",
     "partition_numel",
-    "read_device_memory",
-    "read_process_memory",
     "record",
     "reduce_scatter_coalesced",
     "reduce_scatter_coalesced_padded",
     "reduce_scatter_in_place",
-    "reset_device_peak",
-    "reset_process_peak",
     "ring_wire_bytes",
     "served_device_types",
     "wait_polled",
@@ -163,6 +144,19 @@ _QUANTIZED = frozenset(
 _FEEDBACK = frozenset({"ErrorFeedbackConfig", "ErrorFeedbackReduceScatter"})
 
 
+_MOVED = frozenset(  # now zero_full.memory.rank_memory's
+    {
+        "DeviceMemory",
+        "MemorySource",
+        "ProcessMemory",
+        "read_device_memory",
+        "read_process_memory",
+        "reset_device_peak",
+        "reset_process_peak",
+    }
+)
+
+
 def __getattr__(name: str) -> object:
     """Lazy exports of :mod:`zero_comm.quantized` and :mod:`zero_comm.qgz_feedback`, which need
     the optional zero-kernels package."""
@@ -170,4 +164,6 @@ def __getattr__(name: str) -> object:
         return getattr(importlib.import_module("zero_comm.quantized"), name)
     if name in _FEEDBACK:
         return getattr(importlib.import_module("zero_comm.qgz_feedback"), name)
+    if name in _MOVED:  # moved to the package that uses them (zero-comm cannot import from above)
+        raise AttributeError(f"zero_comm.{name} moved: import it from zero_full.memory.rank_memory")
     raise AttributeError(f"module 'zero_comm' has no attribute {name!r}")

@@ -9,11 +9,9 @@ Between two ranks on gloo it is not gloo's all-gather. gloo's all-gather copies 
 buffers of its own; between two ranks an all-gather is each rank sending its shard to the
 other, which ``all_to_all_single`` does straight into the peer's row, this rank's row being
 one local copy (skipped when ``send`` already lies there). The bytes on the wire are the same
-(``n`` each way, the ring ideal). A two-rank sweep of both calls on 2 cores (a session
-script, not in benchmarks/; median of 20, process CPU per call): 256 KiB per rank 0.42 ms / 0.73 ms CPU
-against 0.34 ms / 0.41 ms; 4 MiB 3.65 / 3.85 against 2.82 / 2.79; 8 MiB 7.5 / 6.6 against
-6.2 / 5.2. With more ranks every peer needs its own copy of the shard in the send buffer, and
-four ranks on this machine were slower that way (4 MiB: 14.4 ms against 18.6 ms), so any
+(``n`` each way, the ring ideal). Between two CPU ranks it costs less time and process CPU
+per call than gloo's all-gather from 256 KiB to 8 MiB per rank; with more ranks every peer
+needs its own copy of the shard in the send buffer, which made four ranks slower, so any
 other group, and any tensor not on the CPU (NCCL's all-gather is the right call there),
 keeps ``all_gather_single``.
 """

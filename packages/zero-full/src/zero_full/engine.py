@@ -35,7 +35,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
-import zero_optim
 import zero_params
 from zero_comm import CommLedger, CommTotals, CommWatchdog, Topology, broadcast
 from zero_comm.profiling import profile_range
@@ -43,79 +42,30 @@ from zero_coord import Coordinator, StepStats
 from zero_full import checkpoint as _checkpoint
 from zero_full.checkpoint import LoadOptions, LRSchedulerLike, SaveOptions, StepCounters, TrainState
 from zero_full.config.compat import ConfigReport
-from zero_full.config.prepare import key_findings, log_config_report, prepare_config, validate_deepspeed
-from zero_full.config.zero_config import Precision, ZeroConfig
+from zero_full.config.prepare import key_findings, log_config_report, prepare_config
+from zero_full.config.zero_config import ZeroConfig
 from zero_full.guards.agreement import check_agreement
-from zero_full.memory.report import MemoryReport, build_memory_report, reset_peak_memory
-from zero_full.wiring.comm_dtype import comm_strategies
+from zero_full.hf import load as hf_load
+from zero_full.hf import save as hf_save
+from zero_full.inference import gathered_for_inference
+from zero_full.memory.report import MemoryReport, build_memory_report, model_state_bytes, reset_peak_memory
 from zero_full.wiring.compiled import check_not_precompiled, compile_model, explain_graph_break
-from zero_full.wiring.mics import MicsGroups, build_mics_groups
+from zero_full.wiring.init import ConfigLike, Init
+from zero_full.wiring.mics import MicsGroups
 from zero_full.wiring.optimizers import optimizer_factory
 from zero_full.wiring.placement import place_model
 from zero_full.wiring.schedulers import build_scheduler
-from zero_full.wiring.stages import StepPipeline, build_stage, working_dtype
-from zero_full.wiring.zeropp import build_zeropp, check_zeropp_layout, env_ranks_per_node
+from zero_full.wiring.stages import StepPipeline, build_stage
+from zero_full.wiring.zeropp import check_zeropp_layout, env_ranks_per_node
 from zero_optim import LossScaler, OptimizerSpec, PartitionedOptimizer, check_replicas_consistent
 
 __all__ = ["Engine", "EngineStats", "Init", "initialize"]
 
 logger = logging.getLogger("zero.engine")
 
-ConfigLike = ZeroConfig | Mapping[str, Any] | str | os.PathLike[str] | None
 DeviceLike = torch.device | str | None
 
 _BROADCAST_CHUNK = 1 << 24  # elements per broadcast when syncing a model that was built whole
-
-
-class Init(zero_params.Init):
-    """``zero_params.Init`` configured from a :class:`ZeroConfig`: partition while constructing.
-
-    ``with zero_full.Init(config=cfg): model = build()`` partitions every parameter as it
-    is created, with the config's ``stage3_param_persistence_threshold`` (and in the bf16 /
-    fp16 working dtype when that section is enabled); it is active only when the config
-    selects stage 3 (other stages keep whole parameters). With ``mics_shard_size`` the
-    parameters are partitioned over this rank's MiCS shard group (gathered hierarchically
-    with ``mics_hierarchical_params_gather``); the layout is validated against the world
-    here, so ``torch.distributed`` must be initialised before constructing it.
-
-    Args:
-        config: A :class:`ZeroConfig`, a DeepSpeed-style dict or a JSON path; ``None`` takes
-            every ``zero_params.Init`` default.
-        **kwargs: Passed to ``zero_params.Init`` (explicit values win over the config's).
-
-    Raises:
-        ValueError: an invalid MiCS layout for this world (the message names the numbers).
-        RuntimeError: MiCS is configured but ``torch.distributed`` is not initialised.
-    """
-
-    def __init__(self, config: ConfigLike = None, **kwargs: Any) -> None:
-        if config is not None:
-            cfg, _ = validate_deepspeed(config)  # as initialize takes it ("auto" left at defaults)
-            z = cfg.zero_optimization
-            kwargs.setdefault("param_persistence_threshold", z.param_persistence_threshold)
-            kwargs.setdefault("enabled", cfg.stage == 3)
-            if cfg.precision is not Precision.FP32:
-                kwargs.setdefault("dtype", working_dtype(cfg))  # partition in the bf16 / fp16 working dtype
-            topology = None
-            if kwargs["enabled"] and cfg.stage == 3 and z.mics_enabled and "group" not in kwargs:
-                topology = Topology()
-                mics = build_mics_groups(z, topology)
-                kwargs["group"] = mics.shard
-                kwargs.setdefault("gather_strategy", mics.gather_strategy)
-            elif kwargs["enabled"] and cfg.stage == 3:
-                comm = comm_strategies(cfg, kwargs.get("group"))  # communication_data_type
-                if comm.gather is not None:
-                    kwargs.setdefault("gather_strategy", comm.gather)
-                if comm.reduce_scatter is not None:
-                    kwargs.setdefault("reduce_strategy", comm.reduce_scatter)
-            if kwargs["enabled"] and z.zeropp_enabled:
-                zpp = build_zeropp(z, topology if topology is not None else Topology(), kwargs.get("group"))
-                if zpp.gather is not None:
-                    kwargs["gather_strategy"] = zpp.gather
-                if zpp.reduce is not None:
-                    kwargs["reduce_strategy"] = zpp.reduce
-                kwargs.setdefault("secondary_strategy", zpp.secondary)
-        super().__init__(**kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -469,9 +419,9 @@ class Engine:
         ``max_shard_size``; streamed one tensor at a time. Collective: call on every rank.
         See :func:`zero_full.hf.save.save_pretrained`.
         """
-        from zero_full.hf import save as hf_save
-
-        return hf_save.save_pretrained(self, directory, max_shard_size=max_shard_size, dtype=dtype)
+        return hf_save.save_pretrained(
+            self.train_state(), directory, max_shard_size=max_shard_size, dtype=dtype
+        )
 
     def load_pretrained(self, path: str | os.PathLike[str], *, strict: bool = True) -> Any:
         """Fill the model from a safetensors checkpoint (a ``save_pretrained`` directory or file).
@@ -480,9 +430,7 @@ class Engine:
         working tensor of frozen parameters); the optimizer state is left as it is.
         Collective: call on every rank. Returns a :class:`zero_full.LoadReport`.
         """
-        from zero_full.hf import load as pretrained
-
-        return pretrained.load_into_engine(self, path, strict=strict)
+        return hf_load.load_into_state(self.train_state(), path, strict=strict)
 
     def gathered_for_inference(
         self, budget_bytes: int | None = None
@@ -494,9 +442,7 @@ class Engine:
         released on exit. ``budget_bytes`` smaller than the gathered model raises (naming
         the bytes needed) before gathering. Collective. See :mod:`zero_full.inference`.
         """
-        from zero_full import inference
-
-        return inference.gathered_for_inference(self, budget_bytes)
+        return gathered_for_inference(self.module, self.coordinator, budget_bytes)
 
     # ------------------------------------------------------------------ measurements
 
@@ -526,7 +472,7 @@ class Engine:
             reset_peak: After reading, reset the peaks (as :meth:`reset_peak_memory`), so the
                 next report's peak is the next step's.
         """
-        report = build_memory_report(self, dist.get_rank(), dist.get_world_size())
+        report = build_memory_report(self.train_state(), dist.get_rank(), dist.get_world_size())
         if reset_peak:
             reset_peak_memory()
         return report
@@ -550,33 +496,7 @@ class Engine:
         fp32 master (which holds the shards), the hpZ secondary shards, the flat gradient
         partitions, any ``.grad`` still attached and the optimizer state.
         """
-        tensors: list[torch.Tensor] = []
-        stores: dict[int, zero_params.FrozenInt8Store] = {}
-        for p in self.module.parameters():
-            tensors.append(p)
-            if p.grad is not None:
-                tensors.append(p.grad)
-            if zero_params.is_partitioned(p):
-                state = zero_params.state_of(p)
-                tensors.append(state.shard)
-                if isinstance(state.offload, zero_params.FrozenInt8Store):  # int8 frozen shards
-                    stores[id(state.offload)] = state.offload
-                if state.secondary_shard is not None:  # hpZ
-                    tensors.append(state.secondary_shard)
-                if state.grad_partition is not None:
-                    tensors.append(state.grad_partition)
-        for store in stores.values():
-            tensors.extend(store.tensors())
-        tensors.extend(self.optimizer.state_tensors())
-        offloaded = zero_optim.offloaded_shards(self.optimizer)
-        if offloaded is not None:
-            tensors.extend(offloaded.host_tensors())
-        storages: dict[int, int] = {}
-        for t in tensors:
-            storage = t.untyped_storage()
-            if storage.nbytes():
-                storages[storage.data_ptr()] = storage.nbytes()
-        return sum(storages.values())
+        return model_state_bytes(self.module, self.optimizer)
 
 
 def initialize(

@@ -17,16 +17,13 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 from torch.profiler import record_function
 
 import zero_params
-
-if TYPE_CHECKING:
-    from zero_full.engine import Engine
+from zero_coord import Coordinator
 
 __all__ = ["gathered_bytes", "gathered_for_inference"]
 
@@ -49,26 +46,32 @@ def gathered_bytes(module: nn.Module) -> int:
 
 
 @contextlib.contextmanager
-def gathered_for_inference(engine: Engine, budget_bytes: int | None = None) -> Iterator[None]:
+def gathered_for_inference(
+    module: nn.Module, coordinator: Coordinator | None, budget_bytes: int | None = None
+) -> Iterator[None]:
     """See the module docstring. Collective on entry and exit: every rank enters it.
+
+    Args:
+        module: The engine's model.
+        coordinator: Its parameter coordinator (``None`` below stage 3: nothing to gather).
+        budget_bytes: The most bytes the gathered parameters may take (``None``: no limit).
 
     Raises:
         ValueError: ``budget_bytes`` is smaller than the gathered model (the message names both).
     """
-    coord = engine.coordinator
-    if coord is None:  # stages 0-2: parameters are whole already
+    if coordinator is None:  # stages 0-2: parameters are whole already
         with torch.no_grad():
             yield
         return
-    params = _partitioned(engine.module)
-    need = gathered_bytes(engine.module)
+    params = _partitioned(module)
+    need = gathered_bytes(module)
     if budget_bytes is not None and need > budget_bytes:
         raise ValueError(
-            f"gathered_for_inference(budget_bytes={budget_bytes}): gathering {type(engine.module).__name__} "
+            f"gathered_for_inference(budget_bytes={budget_bytes}): gathering {type(module).__name__} "
             f"needs {need} bytes per rank; pass budget_bytes >= {need} (or None), or run the forwards "
             "without this context so the hooks gather layer by layer"
         )
-    with coord.pause(), torch.no_grad():
+    with coordinator.pause(), torch.no_grad():
         with record_function("zero.inference.gather"):
             zero_params.gather(params, async_op=False)
         try:

@@ -42,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from zero_comm.units import format_bytes
 from zero_offload.pool import ALIGNMENT, align_up, aligned_empty
 
 __all__ = [
@@ -228,8 +229,9 @@ class AsyncSwapper:
         free = (free_bytes or _free_bytes)(self.directory)
         if needed > free:
             raise SwapSpaceError(
-                f"swap directory {self.directory} has {_human(free)} free, but swapping needs "
-                f"{_human(needed)} ({needed} bytes); free space there or point nvme_path "
+                f"swap directory {self.directory} has {format_bytes(free, binary=True)} free, but "
+                "swapping needs "
+                f"{format_bytes(needed, binary=True)} ({needed} bytes); free space there or point nvme_path "
                 "at a larger filesystem"
             )
         self.io_mode = io_mode if io_mode is not None else detect_io_mode(self.directory)
@@ -367,10 +369,6 @@ class AsyncSwapper:
 
 def _free_bytes(directory: Path) -> int:
     return shutil.disk_usage(directory).free
-
-
-def _human(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.2f} MiB"
 
 
 def _check_tensor(t: torch.Tensor, what: str) -> None:

@@ -42,17 +42,17 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 import zero_comm
+from zero_comm.adjacent_runs import add_in_runs as _add_in_runs
+from zero_comm.adjacent_runs import in_fewer_runs as _in_fewer_runs
 from zero_comm.coalesced import GatherIntoPlan, adjacent_flat_view
 from zero_comm.grad_bound import BOUNDED_DTYPES, GradientBound
 from zero_comm.profiling import profile_range
-from zero_comm.runs import add_in_runs as _add_in_runs
-from zero_comm.runs import in_fewer_runs as _in_fewer_runs
 from zero_comm.watchdog import note_collectives
 from zero_offload import OptimizerOffloadConfig
 from zero_optim.buckets import BucketedReducer, BucketPlan, ReduceConfig, ReduceHandle
 from zero_optim.core import PartitionedOptimizer
 from zero_optim.flat import FlatGroup
-from zero_optim.grad_regions import InPlaceGrads
+from zero_optim.in_place_grads import InPlaceGrads
 from zero_optim.publish import GatherBucket, PipelinedPublish, gather_buckets
 from zero_optim.reductions import BackwardReduction, BoundaryReduction, GradientReduction, HookedReduction
 from zero_optim.spec import OptimizerSpec
@@ -179,7 +179,7 @@ class ReplicaPartitioning:
         """With ``grads_in_place`` in fp32: whole gradients in one flat buffer; this rank's partition of each.
 
         The regions are padded like the parameter buffer and managed by :attr:`grads` (an
-        :class:`~zero_optim.grad_regions.InPlaceGrads`): the first gradient of a window is
+        :class:`~zero_optim.in_place_grads.InPlaceGrads`): the first gradient of a window is
         copied in, later ones accumulate in place, and :class:`ReduceScatterInPlace` writes
         the averaged partition into the returned view. No fp32 gradient partition exists
         beside the whole gradients. ``None`` otherwise.
@@ -318,6 +318,14 @@ class _AccumulateHandle:
                 finish()
 
 
+def _finish_now_or_later(finish: Callable[[], None], async_op: bool) -> _AccumulateHandle:
+    """The handle running ``finish`` on ``wait()``, already waited on unless ``async_op``."""
+    out = _AccumulateHandle(finish)
+    if not async_op:
+        out.wait()
+    return out
+
+
 def _take_grads(params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
     """The full gradients (zeros for unused parameters), detached from the parameters."""
     grads = []
@@ -374,7 +382,7 @@ class ReduceScatterInto:
         partitions with one ``add_`` per run instead of one per parameter. Buckets run in
         reverse registration order and the flat gradients in registration order, so the
         collective is issued in the order with fewer runs (given, reversed, or the partitions'
-        place in their storage: ``zero_comm.runs.in_fewer_runs``) — the same on every rank, since
+        place in their storage: ``zero_comm.adjacent_runs.in_fewer_runs``) — the same on every rank, since
         adjacency is judged within one storage, whose layout all ranks share.
         """
         with profile_range("zero.optim.reduce_scatter_grads"):
@@ -388,12 +396,9 @@ class ReduceScatterInto:
                     _with_sideband(grads, bound), self.partitioning.group, op="avg", async_op=True
                 )
 
-            out = _AccumulateHandle(
-                lambda: _add_in_runs(targets, _without_sideband(handle.wait(), bound), runs)
+            return _finish_now_or_later(
+                lambda: _add_in_runs(targets, _without_sideband(handle.wait(), bound), runs), async_op
             )
-            if not async_op:
-                out.wait()
-            return out
 
     def open_bucket(self, params: Sequence[nn.Parameter]) -> _StagedBucket | None:
         """A staging buffer for one bucket, filled as each gradient arrives (``None``: a strategy is set).
@@ -457,12 +462,9 @@ class _StagedBucket:
                 staging.put(count, bound.sideband(staging.staged_rows(count)))
             handle = staging.issue(op="avg", async_op=True)
             targets, runs = self._targets, self._runs
-            out = _AccumulateHandle(
-                lambda: _add_in_runs(targets, _without_sideband(handle.wait(), bound), runs)
+            return _finish_now_or_later(
+                lambda: _add_in_runs(targets, _without_sideband(handle.wait(), bound), runs), async_op
             )
-            if not async_op:
-                out.wait()
-            return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -470,7 +472,7 @@ class ReduceScatterInPlace:
     """``reduce_fn`` of stage 1 with in-place gradients: average whole gradients into their own partition.
 
     The whole gradients live in one flat buffer (:meth:`ReplicaPartitioning.grad_views`, an
-    :class:`~zero_optim.grad_regions.InPlaceGrads`); each bucket is reduce-scattered
+    :class:`~zero_optim.in_place_grads.InPlaceGrads`); each bucket is reduce-scattered
     (coalesced, averaged) so that the result lands in this rank's partition of the same
     buffer, and its regions are marked reduced. The other rows are left as they are: they
     are zeroed only if more gradient accumulates into the same window (:meth:`carry`), and
@@ -524,17 +526,9 @@ class ReduceScatterInPlace:
     def carry(self, param: nn.Parameter) -> None:
         """Before more gradient accumulates on a reduced region in the same window.
 
-        See :meth:`~zero_optim.grad_regions.InPlaceGrads.carry`.
+        See :meth:`~zero_optim.in_place_grads.InPlaceGrads.carry`.
         """
         self.partitioning.grads.carry(param)
-
-
-def _finish_now_or_later(finish: Callable[[], None], async_op: bool) -> _AccumulateHandle:
-    """The handle running ``finish`` on ``wait()``, already waited on unless ``async_op``."""
-    out = _AccumulateHandle(finish)
-    if not async_op:
-        out.wait()
-    return out
 
 
 def _keep_own_partition(regions: Sequence[torch.Tensor], reduced: Sequence[torch.Tensor], rank: int) -> None:
@@ -588,10 +582,7 @@ class AllReduceInto:
                 for target, part in zip(targets, done.split([t.numel() for t in targets]), strict=True):
                     target.add_(part)
 
-            out = _AccumulateHandle(finish)
-            if not async_op:
-                out.wait()
-            return out
+            return _finish_now_or_later(finish, async_op)
 
 
 def replicated_optimizer(

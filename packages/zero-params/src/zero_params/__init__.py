@@ -23,8 +23,8 @@ from zero_params.external import (
     unregister_external_parameter,
 )
 from zero_params.frozen import FrozenInt8Gather, FrozenInt8Store, quantize_frozen
-from zero_params.gathered import GatheredParameters
-from zero_params.gathering import GatherHandle, GatherPlan, gather, release
+from zero_params.gather_release import GatherHandle, GatherPlan, gather, release
+from zero_params.gathered_parameters import GatheredParameters
 from zero_params.grad_reduce import GradReduceHandle, reduce_scatter_grads
 from zero_params.hpz import invalidate_secondary
 from zero_params.init import Init

@@ -9,7 +9,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from zero_comm import AllGatherStrategy
-from zero_params.gathering import GatherHandle, issue_gather
+from zero_params.gather_release import GatherHandle, issue_gather
 from zero_params.selection import Item, bucket_key, iter_states
 from zero_params.state import ParamStatus, PartitionedParameterError
 

@@ -16,8 +16,8 @@ from zero_comm import (
     ReduceScatterHandle,
     ReduceScatterStrategy,
 )
+from zero_comm.adjacent_runs import add_in_runs, adjacent_runs, in_fewer_runs
 from zero_comm.profiling import profile_range
-from zero_comm.runs import add_in_runs, adjacent_runs, in_fewer_runs
 from zero_params.selection import bucket_key
 from zero_params.state import ShardedParam, state_of
 
@@ -51,7 +51,7 @@ class _ReduceOp:
 
 
 class _PairPartitions:
-    """:class:`zero_comm.runs.GradPartitions` of ``(state, grad)`` pairs: the state's (ensured) partition."""
+    """:class:`zero_comm.adjacent_runs.GradPartitions` of ``(state, grad)`` pairs: the (ensured) partition."""
 
     __slots__ = ()
 
@@ -157,7 +157,7 @@ def _issue(
 
     For a strategy whose results do not depend on the order (:data:`_ORDER_FREE`) the order
     with fewer runs is used (given, reversed, or the partitions' place in their storage; see
-    ``zero_comm.runs.in_fewer_runs``): buckets run in backward order, flat gradient buffers in
+    ``zero_comm.adjacent_runs.in_fewer_runs``): buckets run in backward order, flat gradient buffers in
     registration order. Runs are judged by storage layout, which the ranks share, so every rank
     issues the same collective.
     """

@@ -19,7 +19,7 @@ from torch.profiler import record_function
 from torch.utils.weak import WeakIdKeyDictionary
 
 from zero_comm import AllGatherStrategy, ReduceScatterStrategy
-from zero_params.gathering import gather
+from zero_params.gather_release import gather
 from zero_params.partitioning import partition_with
 from zero_params.spec import ShardingSpec
 from zero_params.state import (

@@ -1,6 +1,6 @@
 """Resident memory of this process, for tests that measure real memory (Linux ``/proc`` only).
 
-The tests' own reading, independent of the library's (``zero_comm.rank_memory``): ``VmRSS``
+The tests' own reading, independent of the library's (``zero_full.memory.rank_memory``): ``VmRSS``
 (resident now) and ``VmHWM`` (its peak) from ``/proc/self/status``, and the peak reset to the
 current RSS by writing ``5`` to ``/proc/self/clear_refs``. Run the measured process with
 ``MALLOC_MMAP_THRESHOLD_=1048576`` so freed tensors of 1 MiB or more leave the RSS.

@@ -20,12 +20,9 @@ from __future__ import annotations
 import hashlib
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
-
-if TYPE_CHECKING:
-    from zero_full.checkpoint.manifest import FileEntry
 
 __all__ = [
     "BUFFERS_FILE",
@@ -33,6 +30,7 @@ __all__ = [
     "FORMAT_VERSION",
     "LATEST",
     "MANIFEST",
+    "ListedFile",
     "CheckpointError",
     "dtype_from_name",
     "dtype_name",
@@ -74,7 +72,17 @@ def file_digest(path: Path) -> tuple[int, str]:
     return size, h.hexdigest()
 
 
-def verify_file(path: Path, entry: FileEntry) -> None:
+class ListedFile(Protocol):
+    """What the manifest records of a file (``manifest.FileEntry``): its size and sha256."""
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def sha256(self) -> str: ...
+
+
+def verify_file(path: Path, entry: ListedFile) -> None:
     """Check a file's size and sha256 against its manifest entry.
 
     Raises:

@@ -13,7 +13,6 @@ No process group is needed: :func:`consolidate_checkpoint` backs ``zero consolid
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -29,17 +28,16 @@ from zero_full.checkpoint import io as ckpt_io
 from zero_full.checkpoint.io import CheckpointError
 from zero_full.checkpoint.layout import covered_prefix
 from zero_full.checkpoint.manifest import Manifest, StateDictKey
-from zero_full.memory.estimate import format_bytes
 
 __all__ = [
+    "SAFETENSORS_DTYPES",
     "CheckpointReader",
     "ConsolidateResult",
     "SafetensorsWriter",
-    "add_consolidate_parser",
     "consolidate_checkpoint",
 ]
 
-_DTYPES = {
+SAFETENSORS_DTYPES = {
     torch.float64: "F64",
     torch.float32: "F32",
     torch.float16: "F16",
@@ -51,6 +49,7 @@ _DTYPES = {
     torch.uint8: "U8",
     torch.bool: "BOOL",
 }
+"""The torch dtypes safetensors holds, with their names in a file's header."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,12 +92,12 @@ class SafetensorsWriter:
         header: dict[str, Any] = {"__metadata__": dict(metadata or {})}
         offset = 0
         for e in self._entries:
-            if e.dtype not in _DTYPES:
+            if e.dtype not in SAFETENSORS_DTYPES:
                 raise ValueError(f"tensor {e.name!r}: safetensors cannot store dtype {e.dtype}")
             if e.name in header:
                 raise ValueError(f"tensor name {e.name!r} appears twice")
             header[e.name] = {
-                "dtype": _DTYPES[e.dtype],
+                "dtype": SAFETENSORS_DTYPES[e.dtype],
                 "shape": list(e.shape),
                 "data_offsets": [offset, offset + e.nbytes],
             }
@@ -278,73 +277,3 @@ class CheckpointReader:
         if fname not in self._opened:
             self._opened[fname] = ckpt_io.open_shard(self.path / fname)
         return self._opened[fname]
-
-
-def add_consolidate_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Register ``zero consolidate CKPT_DIR OUT.safetensors [--tag T]`` on the ``zero`` parser."""
-    p = sub.add_parser(
-        "consolidate",
-        help="sharded checkpoint -> one safetensors file (offline, parameter by parameter)",
-        description="Read a checkpoint written by engine.save_checkpoint (manifest + shard files, "
-        "any world size or stage) and write the full fp32 weights and buffers, keyed like "
-        "model.state_dict(), to one safetensors file. No process group is needed; peak memory is "
-        "one parameter.",
-    )
-    p.add_argument(
-        "checkpoint", type=Path, metavar="CKPT_DIR", help="the directory passed to save_checkpoint"
-    )
-    p.add_argument("out", type=Path, metavar="OUT", help="the .safetensors file to write")
-    p.add_argument("--tag", default=None, help="checkpoint tag (default: the one CKPT_DIR/latest names)")
-    p.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the shard files")
-    p.add_argument(
-        "--hf",
-        action="store_true",
-        help="write OUT as a Hugging Face model directory (sharded model-0000x-of-0000y.safetensors + "
-        "index, tied weights once) instead of one file",
-    )
-    p.add_argument(
-        "--config",
-        type=Path,
-        default=None,
-        help="with --hf: the model's config.json (or a directory holding it) to copy into OUT",
-    )
-    p.add_argument("--max-shard-size", default="5GB", help="with --hf: bytes per weight file (default 5GB)")
-    p.set_defaults(handler=_cmd_consolidate)
-
-
-def _cmd_consolidate(args: argparse.Namespace) -> int:
-    if args.hf:
-        return _cmd_consolidate_hf(args)
-    try:
-        res = consolidate_checkpoint(args.checkpoint, args.out, args.tag, verify=not args.no_verify)
-    except (CheckpointError, OSError) as exc:
-        print(f"zero consolidate: {exc}", file=sys.stderr)
-        return 1
-    print(
-        f"wrote {res.path}: {res.tensors} tensors, {format_bytes(res.nbytes)} from checkpoint tag "
-        f"{res.tag!r} (largest tensor {format_bytes(res.max_tensor_bytes)})"
-    )
-    return 0
-
-
-def _cmd_consolidate_hf(args: argparse.Namespace) -> int:
-    from zero_full.hf.save import consolidate_checkpoint_hf
-
-    try:
-        res = consolidate_checkpoint_hf(
-            args.checkpoint,
-            args.out,
-            args.tag,
-            config=args.config,
-            max_shard_size=args.max_shard_size,
-            verify=not args.no_verify,
-        )
-    except (CheckpointError, OSError, ValueError) as exc:
-        print(f"zero consolidate: {exc}", file=sys.stderr)
-        return 1
-    note = "" if args.config is not None else " (no --config: add the model's config.json to load it)"
-    print(
-        f"wrote {res.directory}: {res.tensors} tensors in {len(res.files)} file(s), "
-        f"{res.nbytes / 2**20:.2f} MiB (largest tensor {res.max_tensor_bytes / 2**20:.2f} MiB){note}"
-    )
-    return 0

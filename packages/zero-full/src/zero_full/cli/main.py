@@ -11,14 +11,14 @@ import json
 import sys
 from collections.abc import Sequence
 
-from zero_full.checkpoint.safetensors import add_consolidate_parser
+from zero_comm.units import format_bytes
+from zero_full.cli.consolidate import add_consolidate_parser
 from zero_full.cli.doctor import EnvironmentReport, collect_report
 from zero_full.cli.train.command import add_train_parser
 from zero_full.memory.estimate import (
     EstimatePrecision,
     MemoryEstimate,
     estimate_model_states,
-    format_bytes,
     parse_count,
 )
 

@@ -33,7 +33,7 @@ import struct
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,11 +42,12 @@ from torch.profiler import record_function
 
 import zero_params
 from zero_full.checkpoint.io import CheckpointError
+from zero_full.checkpoint.layout import local_pieces
+from zero_full.checkpoint.safetensors import SAFETENSORS_DTYPES
+from zero_full.checkpoint.state import TrainState
+from zero_full.wiring.init import ConfigLike, Init
 from zero_params.partitioning import meta_target_device
 from zero_params.transitions import reshard_from_full
-
-if TYPE_CHECKING:
-    from zero_full.engine import ConfigLike, Engine
 
 __all__ = ["LoadReport", "from_pretrained", "load_safetensors_into"]
 
@@ -55,18 +56,7 @@ logger = logging.getLogger("zero.pretrained")
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
-_ST_DTYPES = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
+_ST_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}  # header name -> dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -368,17 +358,15 @@ def load_safetensors_into(
     return _fill(model, _model_slots(model), path, strict=strict)
 
 
-def load_into_engine(engine: Engine, path: str | os.PathLike[str], *, strict: bool = True) -> LoadReport:
+def load_into_state(state: TrainState, path: str | os.PathLike[str], *, strict: bool = True) -> LoadReport:
     """:meth:`zero_full.Engine.load_pretrained`: fill the engine's fp32 masters (trainable
     parameters) and working tensors (frozen ones, buffers) from a checkpoint, then publish
     the new values to the working parameters (every stage; collective for replicated pieces).
 
     The optimizer's state (e.g. Adam's moments) is left as it is.
     """
-    from zero_full.checkpoint.layout import local_pieces
-
-    module = engine.module
-    pieces = local_pieces(module, engine.optimizer)
+    module = state.module
+    pieces = local_pieces(module, state.optimizer)
     by_id = {id(p): name for name, p in module.named_parameters()}
     slots = []
     for t, keys in _named_tensors(module):
@@ -389,10 +377,8 @@ def load_into_engine(engine: Engine, path: str | os.PathLike[str], *, strict: bo
         pc = pieces[name]
         slots.append(_Slot(tuple(keys), pc.shape, pc.padded[: pc.stop - pc.start], pc.start, pc.stop))
     report = _fill(module, slots, path, strict=strict)
+    state.optimizer.publish_updated_shards()
     with torch.no_grad():
-        for group in engine.optimizer.groups:
-            group.publish()
-        engine.optimizer.partitioning.after_step(engine.optimizer.groups)
         frozen = [p for n, p in module.named_parameters() if not pieces[n].trainable]
         partitioned = [p for p in frozen if zero_params.is_partitioned(p)]
         if partitioned:
@@ -524,8 +510,6 @@ def from_pretrained(
         CheckpointError: no checkpoint; with ``strict``, every missing / unexpected /
             misshaped tensor named.
     """
-    from zero_full.engine import Init
-
     path = Path(path)
     with record_function("zero.pretrained.build"):
         hf = any(c.__name__ == "PreTrainedModel" for c in getattr(model_class_or_callable, "__mro__", ()))

@@ -21,21 +21,21 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
 from zero_full.checkpoint.consolidate import gather_full, state_dict_buffers, state_dict_keys
+from zero_full.checkpoint.io import CheckpointError
 from zero_full.checkpoint.layout import local_pieces
 from zero_full.checkpoint.manifest import StateDictKey
-from zero_full.checkpoint.safetensors import SafetensorsWriter
+from zero_full.checkpoint.safetensors import CheckpointReader, SafetensorsWriter
+from zero_full.checkpoint.state import TrainState
 from zero_full.hf.load import INDEX_FILE, SINGLE_FILE
-
-if TYPE_CHECKING:
-    from zero_full.engine import Engine
 
 __all__ = [
     "DEFAULT_MAX_SHARD_SIZE",
@@ -114,13 +114,13 @@ class SavedPretrained:
     max_tensor_bytes: int
 
 
-def _entries(engine: Engine, dtype: torch.dtype | None) -> list[tuple[StateDictKey, torch.dtype, tuple]]:
+def _entries(state: TrainState, dtype: torch.dtype | None) -> list[tuple[StateDictKey, torch.dtype, tuple]]:
     """``(state-dict entry, saved dtype, shape)`` of each tensor to write (tied duplicates dropped)."""
-    pieces = local_pieces(engine.module, engine.optimizer)
-    buffers = state_dict_buffers(engine.module)
+    pieces = local_pieces(state.module, state.optimizer)
+    buffers = state_dict_buffers(state.module)
     seen: set[str] = set()
     out = []
-    for e in state_dict_keys(engine.module):
+    for e in state_dict_keys(state.module):
         if e.kind == "param":
             if e.source in seen:
                 continue
@@ -136,7 +136,7 @@ def _entries(engine: Engine, dtype: torch.dtype | None) -> list[tuple[StateDictK
 
 
 def save_pretrained(
-    engine: Engine,
+    state: TrainState,
     directory: str | os.PathLike[str],
     *,
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
@@ -147,7 +147,7 @@ def save_pretrained(
     Collective: call on every rank. See the module docstring.
 
     Args:
-        engine: The engine.
+        state: The engine's :class:`~zero_full.checkpoint.TrainState` (module and optimizer).
         directory: Created if missing; existing weight files of the same names are replaced.
         max_shard_size: Bytes per weight file (int, or ``"5GB"`` style); default 5 GB.
         dtype: Save floating-point parameters in this dtype (default fp32: the optimizer's
@@ -159,15 +159,15 @@ def save_pretrained(
     directory = Path(directory)
     limit = parse_size(max_shard_size)
     root = dist.get_rank() == 0
-    entries = _entries(engine, dtype)
+    entries = _entries(state, dtype)
     sizes = [_numel(shape) * torch.empty((), dtype=dt).element_size() for _, dt, shape in entries]
     shards = plan_shards(sizes, limit)
     names = shard_file_names(len(shards))
     if root:
         directory.mkdir(parents=True, exist_ok=True)
-        _save_configs(engine.module, directory)
-    pieces = local_pieces(engine.module, engine.optimizer)
-    buffers = state_dict_buffers(engine.module)
+        _save_configs(state.module, directory)
+    pieces = local_pieces(state.module, state.optimizer)
+    buffers = state_dict_buffers(state.module)
     weight_map: dict[str, str] = {}
     with record_function("zero.save_pretrained"), torch.no_grad():
         for fname, idx in zip(names, shards, strict=True):
@@ -281,11 +281,6 @@ def consolidate_checkpoint_hf(
     Raises:
         CheckpointError: see ``consolidate_checkpoint``; ``config`` has no ``config.json``.
     """
-    import shutil
-
-    from zero_full.checkpoint.io import CheckpointError
-    from zero_full.checkpoint.safetensors import CheckpointReader
-
     checkpoint, out = Path(checkpoint), Path(out)
     cfg_file = None
     if config is not None:

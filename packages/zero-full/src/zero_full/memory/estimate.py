@@ -37,7 +37,6 @@ __all__ = [
     "MemoryEstimate",
     "StageMemory",
     "estimate_model_states",
-    "format_bytes",
     "parse_count",
 ]
 
@@ -317,13 +316,3 @@ def parse_count(text: str) -> int:
     if value != value.to_integral_value() or value < 1:
         raise ValueError(f"{text!r} is {value:f}, not a whole number >= 1")
     return int(value)
-
-
-def format_bytes(nbytes: float) -> str:
-    """``nbytes`` with one decimal in decimal units (kB = 1e3 ... TB = 1e12), e.g. ``31.4 GB``."""
-    if round(nbytes) < 1000:
-        return f"{nbytes:.0f} B"
-    for unit, scale in (("kB", 1e3), ("MB", 1e6), ("GB", 1e9)):
-        if round(nbytes / scale, 1) < 1000:  # the smallest unit that prints below 1000
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes / 1e12:.1f} TB"

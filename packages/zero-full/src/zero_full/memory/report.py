@@ -3,7 +3,7 @@
 A :class:`MemoryReport` holds, for one rank at one moment:
 
 * the process's resident memory (RSS now and its peak since the last reset, from
-  ``/proc/self/status``; see :mod:`zero_comm.rank_memory`) — the evidence on CPU;
+  ``/proc/self/status``; see :mod:`zero_full.memory.rank_memory`) — the evidence on CPU;
 * the accelerator's allocated bytes and their peak (``torch.accelerator``), when there is one;
 * the model-state bytes counted from the engine's own storages (a second figure: what the
   engine believes it holds, not what the process holds);
@@ -16,10 +16,18 @@ Reset the peaks at the start of each step with ``engine.reset_peak_memory()`` (o
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import torch
+from torch import nn
+
+import zero_optim
 import zero_params
-from zero_comm import (
+from zero_comm.units import format_bytes
+from zero_full.checkpoint.state import TrainState
+from zero_full.config.zero_config import Precision
+from zero_full.memory.estimate import EstimatePrecision, estimate_model_states
+from zero_full.memory.rank_memory import (
     DeviceMemory,
     ProcessMemory,
     read_device_memory,
@@ -27,13 +35,9 @@ from zero_comm import (
     reset_device_peak,
     reset_process_peak,
 )
-from zero_full.config.zero_config import Precision
-from zero_full.memory.estimate import EstimatePrecision, estimate_model_states, format_bytes
+from zero_optim import PartitionedOptimizer
 
-if TYPE_CHECKING:
-    from zero_full.engine import Engine
-
-__all__ = ["MemoryReport", "build_memory_report", "reset_peak_memory"]
+__all__ = ["MemoryReport", "build_memory_report", "model_state_bytes", "reset_peak_memory"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,14 +90,14 @@ class MemoryReport:
         return data
 
 
-def _num_params(engine: Engine) -> int:
-    unique = dict.fromkeys(engine.module.parameters())
+def _num_params(module: nn.Module) -> int:
+    unique = dict.fromkeys(module.parameters())
     return sum(zero_params.full_shape(p).numel() for p in unique)
 
 
-def _frozen_int8_numel(engine: Engine) -> int:
+def _frozen_int8_numel(module: nn.Module) -> int:
     """F: elements of the parameters whose shards are int8 (``zero_quantized_nontrainable_weights``)."""
-    unique = dict.fromkeys(engine.module.parameters())
+    unique = dict.fromkeys(module.parameters())
     return sum(
         zero_params.state_of(p).numel
         for p in unique
@@ -102,13 +106,15 @@ def _frozen_int8_numel(engine: Engine) -> int:
     )
 
 
-def _formula(engine: Engine, num_params: int, world: int) -> tuple[float, str]:
-    cfg = engine.config
+def _formula(state: TrainState, num_params: int, world: int) -> tuple[float, str]:
+    cfg = state.config
     precision = EstimatePrecision.FP32 if cfg.precision is Precision.FP32 else EstimatePrecision.MIXED
     z = cfg.zero_optimization
     shard = z.mics_shard_size if cfg.stage == 3 and z.mics_enabled else None
     hpz = z.zero_hpz_partition_size if cfg.stage == 3 and 1 < z.zero_hpz_partition_size < world else None
-    frozen = _frozen_int8_numel(engine) if cfg.stage == 3 and z.zero_quantized_nontrainable_weights else None
+    frozen = (
+        _frozen_int8_numel(state.module) if cfg.stage == 3 and z.zero_quantized_nontrainable_weights else None
+    )
     est = estimate_model_states(max(num_params, 1), world, precision, (cfg.stage,), shard, hpz, frozen)
     entry = est.stages[-1]  # the last entry combines every option given (MiCS, hpZ, int8 frozen)
     details = [precision.value, f"N = {world}"]
@@ -121,20 +127,64 @@ def _formula(engine: Engine, num_params: int, world: int) -> tuple[float, str]:
     return entry.total_bytes, f"ZeRO-{cfg.stage} {entry.formula(precision)} ({', '.join(details)})"
 
 
-def build_memory_report(engine: Engine, rank: int, world: int) -> MemoryReport:
-    """Read this rank's memory now (no collective: every rank reads its own)."""
-    num_params = _num_params(engine)
-    formula_bytes, formula = _formula(engine, num_params, world)
+def build_memory_report(state: TrainState, rank: int, world: int) -> MemoryReport:
+    """Read this rank's memory now (no collective: every rank reads its own).
+
+    Args:
+        state: The engine's :class:`~zero_full.checkpoint.TrainState` (module, optimizer,
+            config, step counters).
+        rank: This rank.
+        world: The world size (the formula's N).
+    """
+    num_params = _num_params(state.module)
+    formula_bytes, formula = _formula(state, num_params, world)
     return MemoryReport(
         rank=rank,
-        global_steps=engine.global_steps,
+        global_steps=state.counters.global_steps,
         process=read_process_memory(),
         device=read_device_memory(),
-        model_state_bytes=engine.model_state_bytes(),
+        model_state_bytes=model_state_bytes(state.module, state.optimizer),
         formula_bytes=formula_bytes,
         formula=formula,
         num_params=num_params,
     )
+
+
+def model_state_bytes(module: nn.Module, optimizer: PartitionedOptimizer) -> int:
+    """Bytes of this rank's model states: parameters, gradients and optimizer state.
+
+    Counted from tensor storages, each storage once: parameter storages (empty for
+    partitioned parameters that are not gathered, whole for persistent ones), the flat
+    fp32 master (which holds the shards), the hpZ secondary shards, the flat gradient
+    partitions, any ``.grad`` still attached and the optimizer state.
+    """
+    tensors: list[torch.Tensor] = []
+    stores: dict[int, zero_params.FrozenInt8Store] = {}
+    for p in module.parameters():
+        tensors.append(p)
+        if p.grad is not None:
+            tensors.append(p.grad)
+        if zero_params.is_partitioned(p):
+            state = zero_params.state_of(p)
+            tensors.append(state.shard)
+            if isinstance(state.offload, zero_params.FrozenInt8Store):  # int8 frozen shards
+                stores[id(state.offload)] = state.offload
+            if state.secondary_shard is not None:  # hpZ
+                tensors.append(state.secondary_shard)
+            if state.grad_partition is not None:
+                tensors.append(state.grad_partition)
+    for store in stores.values():
+        tensors.extend(store.tensors())
+    tensors.extend(optimizer.state_tensors())
+    offloaded = zero_optim.offloaded_shards(optimizer)
+    if offloaded is not None:
+        tensors.extend(offloaded.host_tensors())
+    storages: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        if storage.nbytes():
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
 
 
 def reset_peak_memory() -> bool:

@@ -21,11 +21,10 @@ from torch.distributed import ProcessGroup
 
 import zero_comm
 import zero_params
-from zero_full.config.zero_config import Precision, ZeroConfig
+from zero_full.config.zero_config import ZeroConfig
+from zero_full.wiring.dtypes import precision_dtype, working_dtype
 
 __all__ = ["CommStrategies", "comm_strategies"]
-
-_DTYPES = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,8 +74,8 @@ def comm_strategies(config: ZeroConfig, group: ProcessGroup | None = None) -> Co
     """
     if config.communication_data_type is None:
         return CommStrategies()
-    dtype = _DTYPES[config.communication_data_type]
-    working = _DTYPES[config.precision]
+    dtype = precision_dtype(config.communication_data_type)
+    working = working_dtype(config)
     if dtype == working:
         return CommStrategies()
     narrower = dtype.itemsize < working.itemsize

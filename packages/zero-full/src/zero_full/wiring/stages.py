@@ -43,8 +43,10 @@ from zero_coord import Coordinator
 from zero_full.config.zero_config import Precision, ZeroConfig
 from zero_full.guards.nonfinite import NonFiniteGuard
 from zero_full.wiring.comm_dtype import comm_strategies
-from zero_full.wiring.mics import MicsGroups, build_mics_groups, sync_replicas
-from zero_full.wiring.zeropp import build_zeropp, feedback_strategies
+from zero_full.wiring.dtypes import working_dtype
+from zero_full.wiring.mics import MicsGroups, sync_replicas
+from zero_full.wiring.param_strategies import param_strategies
+from zero_full.wiring.zeropp import feedback_strategies
 from zero_optim import (
     GradientReduction,
     LossScaler,
@@ -59,13 +61,6 @@ from zero_optim import (
 __all__ = ["StagePieces", "StepPipeline", "build_stage", "working_dtype"]
 
 logger = logging.getLogger("zero.engine")
-
-_DTYPES = {Precision.FP32: torch.float32, Precision.BF16: torch.bfloat16, Precision.FP16: torch.float16}
-
-
-def working_dtype(config: ZeroConfig) -> torch.dtype:
-    """The dtype the model computes in: fp32, or bf16 / fp16 when that section is enabled."""
-    return _DTYPES[config.precision]
 
 
 @dataclasses.dataclass
@@ -126,29 +121,19 @@ def build_stage(
         _cast_whole(model, dtype)
     # every stage steps its flat partitions sub_group_size elements at a time (offloaded or not)
     offload = z.offload_optimizer.to_offload_config(z.sub_group_size)
-    comm = comm_strategies(config)  # communication_data_type (refused with MiCS by the config)
     if config.stage == 3:
-        mics = None
-        topo = topology
-        if z.mics_enabled or z.zeropp_enabled:
-            topo = topo if topo is not None else Topology()
-        if z.mics_enabled:
-            mics = build_mics_groups(z, topo)
-        zpp = build_zeropp(z, topo, mics.shard if mics is not None else None) if z.zeropp_enabled else None
+        chosen = param_strategies(config, topology)
+        mics = chosen.mics
         built_under_init = any(zero_params.is_partitioned(p) for p in model.parameters())
-        comm.check_partitioned(model)
-        gather = mics.gather_strategy if mics is not None else comm.gather
-        reduce = comm.reduce_scatter
-        if zpp is not None:  # ZeRO++ (refused together with communication_data_type by the config)
-            gather = zpp.gather if zpp.gather is not None else gather
-            reduce = zpp.reduce if zpp.reduce is not None else reduce
+        chosen.comm.check_partitioned(model)
+        reduce = chosen.reduce
         zero_params.partition(
             model,
             mics.shard if mics is not None else None,
             persistence_threshold=z.param_persistence_threshold,
-            gather_strategy=gather,
+            gather_strategy=chosen.gather,
             reduce_strategy=reduce,
-            secondary_strategy=zpp.secondary if zpp is not None else None,
+            secondary_strategy=chosen.secondary,
         )
         if mics is not None and built_under_init:  # a whole model was broadcast from rank 0 already
             sync_replicas(model, mics)
@@ -177,6 +162,7 @@ def build_stage(
             else None
         )
         return StagePieces(opt, coordinator, sync, mics, feedback, grad_bound=bound)
+    comm = comm_strategies(config)  # communication_data_type
     opt, reduction = zero_optim.replicated_optimizer(
         model,
         optimizer,

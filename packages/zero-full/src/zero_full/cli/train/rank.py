@@ -18,13 +18,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zero_comm import CommTotals, read_process_memory
+from zero_comm import CommTotals
 from zero_comm.launch import RankContext
 from zero_coord import StepStats
 from zero_full.cli.train.options import TrainOptions
 from zero_full.cli.train.workloads import require_transformers
 from zero_full.config.zero_config import ZeroConfig
 from zero_full.engine import initialize
+from zero_full.memory.rank_memory import read_process_memory
 
 __all__ = ["CRASH_EXIT_CODE", "RankResult", "train_rank"]
 

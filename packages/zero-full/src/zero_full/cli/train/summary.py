@@ -9,10 +9,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from zero_comm.units import format_bytes
 from zero_full.cli.train.options import TrainOptions
 from zero_full.cli.train.rank import RankResult
 from zero_full.config.zero_config import Precision, ZeroConfig
-from zero_full.memory.estimate import EstimatePrecision, estimate_model_states, format_bytes
+from zero_full.memory.estimate import EstimatePrecision, estimate_model_states
 
 __all__ = ["TrainSummary", "format_summary"]
 

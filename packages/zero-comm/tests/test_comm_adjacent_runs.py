@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from zero_comm.runs import add_in_runs, adjacent_runs, in_fewer_runs
+from zero_comm.adjacent_runs import add_in_runs, adjacent_runs, in_fewer_runs
 
 SIZES = [0, 1, 7, 13, 1023, 0, 2]
 

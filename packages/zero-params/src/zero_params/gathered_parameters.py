@@ -15,7 +15,7 @@ from zero_params.external import (
     register_external_parameter,
     unregister_external_parameter,
 )
-from zero_params.gathering import gather, release
+from zero_params.gather_release import gather, release
 from zero_params.state import STATE_ATTR, ParamStatus, ShardedParam
 from zero_params.transitions import reshard_from_full
 

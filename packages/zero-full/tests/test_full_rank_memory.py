@@ -1,4 +1,4 @@
-"""``zero_comm.rank_memory``: RSS and its peak against independent readings of the process."""
+"""``zero_full.memory.rank_memory``: RSS and its peak against independent readings of the process."""
 
 from __future__ import annotations
 
@@ -8,7 +8,13 @@ import subprocess
 import sys
 import textwrap
 
-from zero_comm import MemorySource, rank_memory, read_device_memory, read_process_memory, reset_device_peak
+from zero_full.memory import rank_memory
+from zero_full.memory.rank_memory import (
+    MemorySource,
+    read_device_memory,
+    read_process_memory,
+    reset_device_peak,
+)
 
 MIB = 1 << 20
 
@@ -16,7 +22,7 @@ MIB = 1 << 20
 _PROBE = textwrap.dedent(
     """
     import json, os, torch
-    from zero_comm import read_process_memory, reset_process_peak
+    from zero_full.memory.rank_memory import read_process_memory, reset_process_peak
 
     def statm_rss():  # an independent reading: resident pages of /proc/self/statm
         with open("/proc/self/statm") as f:
