@@ -73,6 +73,7 @@ from zero_comm.strategies import (
     HierarchicalAllGather,
     ReduceScatterStrategy,
 )
+from zero_comm.teardown import BoundedTimeouts, bound_for
 from zero_comm.topology import HierarchicalGroups, LinkKind, Topology, group_ranks
 from zero_comm.wait_timings import WaitRecord, WaitTimings
 from zero_comm.watchdog import CollectiveTimeoutError, CommWatchdog, RankPosition, RanksDivergedError, note
@@ -133,6 +134,8 @@ __all__ = [
     "shard_range",
     "BOUNDED_DTYPES",
     "GradientBound",
+    "BoundedTimeouts",
+    "bound_for",
 ]
 
 _QUANTIZED = frozenset(

@@ -44,6 +44,7 @@ from zero_full import checkpoint as _checkpoint
 from zero_full.checkpoint import StepCounters, TrainState
 from zero_full.config.zero_config import Precision, ZeroConfig
 from zero_full.guards.agreement import check_agreement
+from zero_full.lifecycle import EngineResources, track
 from zero_full.memory.report import MemoryReport, build_memory_report, reset_peak_memory
 from zero_full.wiring.comm_dtype import comm_strategies
 from zero_full.wiring.compiled import check_not_precompiled, compile_model, explain_graph_break
@@ -195,8 +196,9 @@ class Engine:
         self.counters = StepCounters(_accumulation_steps(config, dist.get_world_size()))
         self._backward_since_step = False  # step() without a backward before it is refused
         self.watchdog: CommWatchdog | None = _watchdog(config)  # every collective below runs under it
+        self._resources = EngineResources(self.watchdog)  # bounds the process groups' timeouts
         self._ledger = CommLedger(Topology(), watchdog=self.watchdog)
-        with self._ledger, record_function("zero.engine.initialize"), _closes_on_error(self.watchdog):
+        with self._ledger, record_function("zero.engine.initialize"), _closes_on_error(self._resources):
             if config.robustness.check_rank_agreement:  # before any collective whose sizes could differ
                 check_agreement(model, config)
             _sync_whole_tensors(model)
@@ -204,6 +206,8 @@ class Engine:
             self.optimizer: PartitionedOptimizer = pieces.optimizer
             self.coordinator: Coordinator | None = pieces.coordinator
             self._pipeline = StepPipeline(pieces, config)
+            self._resources.adopt(pieces.coordinator, pieces.reduction, pieces.optimizer)
+        self._release = track(self, self._resources)  # at interpreter exit if never closed
         self._comm = CommTotals()
         self._ledger.records.clear()
         ignored = config.key_report().ignored
@@ -330,14 +334,19 @@ class Engine:
         return self
 
     def close(self) -> None:
-        """Release gathered parameters, remove the hooks, delete offload swap files, stop the watchdog."""
-        if self.watchdog is not None:
-            self.watchdog.close()
-        if self.coordinator is not None:
-            self.coordinator.remove()
-        if self._pipeline.pieces.reduction is not None:
-            self._pipeline.pieces.reduction.remove()
-        self.optimizer.close()
+        """Release gathered parameters, remove the hooks, delete offload swap files, stop the watchdog.
+
+        Idempotent, no collective (safe after a failed one); also run on leaving ``with
+        initialize(...) as engine:`` and, for an engine never closed, at interpreter exit. See
+        :mod:`zero_full.lifecycle`.
+        """
+        self._release()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ MiCS
 
@@ -563,13 +572,12 @@ def _check_supported(config: ZeroConfig) -> None:
 
 
 @contextlib.contextmanager
-def _closes_on_error(watchdog: CommWatchdog | None) -> Iterator[None]:
-    """Stop the watchdog's thread when ``initialize`` fails (no engine will own it)."""
+def _closes_on_error(resources: EngineResources) -> Iterator[None]:
+    """Stop the watchdog's thread and restore the timeouts when ``initialize`` fails (no engine owns them)."""
     try:
         yield
     except BaseException:
-        if watchdog is not None:
-            watchdog.close()
+        resources.close()
         raise
 
 
