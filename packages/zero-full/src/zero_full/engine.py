@@ -44,6 +44,7 @@ from zero_full import checkpoint as _checkpoint
 from zero_full.checkpoint import StepCounters, TrainState
 from zero_full.config.zero_config import Precision, ZeroConfig
 from zero_full.guards.agreement import check_agreement
+from zero_full.guards.frozen import TrainableSet
 from zero_full.lifecycle import EngineResources, track
 from zero_full.memory.report import MemoryReport, build_memory_report, reset_peak_memory
 from zero_full.wiring.comm_dtype import comm_strategies
@@ -207,6 +208,7 @@ class Engine:
             self.coordinator: Coordinator | None = pieces.coordinator
             self._pipeline = StepPipeline(pieces, config)
             self._resources.adopt(pieces.coordinator, pieces.reduction, pieces.optimizer)
+        self._trainable = TrainableSet(model)  # requires_grad is fixed from here on
         self._release = track(self, self._resources)  # at interpreter exit if never closed
         self._comm = CommTotals()
         self._ledger.records.clear()
@@ -235,7 +237,11 @@ class Engine:
                 gathered (a module reading another module's parameter without
                 ``register_external_parameter``); the message names the parameter, the module
                 and the fix.
+            zero_full.guards.frozen.RequiresGradChangedError: a parameter's ``requires_grad``
+                changed since ``initialize`` (with grad enabled; also checked by :meth:`backward`).
         """
+        if torch.is_grad_enabled():
+            self._trainable.check()
         with self._ledger, profile_range("zero.engine.forward"):
             try:
                 return self.module(*args, **kwargs)
@@ -278,6 +284,7 @@ class Engine:
                 f"engine.backward(loss) needs a scalar loss that requires grad, got {what}; "
                 "pass the loss computed by engine(...) with grad enabled"
             )
+        self._trainable.check()
         with self._ledger, profile_range("zero.engine.backward"):
             if self._pipeline.pieces.reduction is not None:
                 self._pipeline.pieces.reduction.begin_micro_step(self.is_gradient_accumulation_boundary())
