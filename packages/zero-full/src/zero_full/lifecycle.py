@@ -18,12 +18,15 @@ Closing is idempotent and issues no collective, so it is safe on a rank whose pe
 from __future__ import annotations
 
 import enum
+import logging
 import weakref
 from typing import Any
 
 from zero_comm import BoundedTimeouts, CommWatchdog, bound_for
 
 __all__ = ["EngineResources", "LifecycleState", "track"]
+
+logger = logging.getLogger("zero.engine")
 
 
 class LifecycleState(enum.Enum):
@@ -64,6 +67,13 @@ class EngineResources:
         if self.timeouts is not None:
             self.timeouts.cover()
 
+    def close_quietly(self) -> None:
+        """:meth:`close`, logging instead of raising (at interpreter exit, after a failed collective)."""
+        try:
+            self.close()
+        except Exception as exc:  # noqa: BLE001 - nobody can handle it at exit
+            logger.debug("zero: releasing the engine at exit: %s", exc)
+
     def close(self) -> None:
         """Release everything (idempotent); raises the first part's error once all were released."""
         if self.state is not LifecycleState.OPEN:
@@ -87,4 +97,4 @@ class EngineResources:
 
 def track(owner: object, resources: EngineResources) -> weakref.finalize:
     """Close ``resources`` when ``owner`` is collected or, at the latest, at interpreter exit."""
-    return weakref.finalize(owner, resources.close)
+    return weakref.finalize(owner, resources.close_quietly)
