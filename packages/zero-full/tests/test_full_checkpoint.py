@@ -100,7 +100,7 @@ def test_manifest_describes_the_checkpoint_and_files_hold_their_ranges(dist, tmp
     assert (tmp_path / "latest").read_text() == "global_step3"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step3", "latest"]  # no temporaries left
     m = json.loads((path / "manifest.json").read_text())
-    assert (m["format"], m["format_version"], m["world_size"], m["stage"]) == ("zero-checkpoint", 1, 2, 3)
+    assert (m["format"], m["format_version"], m["world_size"], m["stage"]) == ("zero-checkpoint", 2, 2, 3)
     assert (m["global_steps"], m["micro_steps"]) == (3, 3)
     assert m["config"]["zero_optimization"]["stage"] == 3
     params = {p["name"]: p for p in m["params"]}

@@ -223,13 +223,37 @@ def _stale_cleanup(rank, root, leftover):
 
 
 @pytest.mark.parametrize("when", ["save", "load"])
-def test_leftovers_of_interrupted_saves_are_removed(dist, tmp_path, when):
-    stale = tmp_path / "global_step7.tmp-0123456789ab"
-    stale.mkdir()
-    (stale / "rank00000.pt").write_bytes(b"x" * 1000)
-    (tmp_path / ".latest.tmp-4242").write_text("global_step7")
-    dist.run(2, _stale_cleanup, str(tmp_path), when)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step1", "latest"]
+def test_leftovers_of_dead_writers_are_removed_live_and_foreign_ones_kept(dist, tmp_path, when):
+    import json
+    import socket
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    live = subprocess.Popen(["sleep", "60"])  # another job's writer, still saving
+    host = socket.gethostname()
+    try:
+        for name, pid, where in [
+            ("global_step7.tmp-0123456789ab", gone.pid, host),  # a writer that died: removed
+            ("global_step8.tmp-aaaaaaaaaaaa", live.pid, host),  # alive: kept
+            ("global_step9.tmp-bbbbbbbbbbbb", gone.pid, "another-host"),  # cannot tell: kept
+        ]:
+            stale = tmp_path / name
+            stale.mkdir()
+            (stale / "rank00000.pt").write_bytes(b"x" * 1000)
+            (stale / ".writer").write_text(json.dumps({"pid": pid, "host": where}))
+        (tmp_path / "global_step6.tmp-cccccccccccc").mkdir()  # no lock: kept
+        (tmp_path / f".latest.tmp-{gone.pid}").write_text("global_step7")  # dead writer: removed
+        dist.run(2, _stale_cleanup, str(tmp_path), when)
+    finally:
+        live.kill()
+        live.wait()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "global_step1",
+        "global_step6.tmp-cccccccccccc",
+        "global_step8.tmp-aaaaaaaaaaaa",
+        "global_step9.tmp-bbbbbbbbbbbb",
+        "latest",
+    ]
 
 
 def _disk_full(rank, root, fake_free):

@@ -67,6 +67,7 @@ from zero_comm.strategies import (
     HierarchicalAllGather,
     ReduceScatterStrategy,
 )
+from zero_comm.teardown import BoundedTimeouts, bound_for
 from zero_comm.topology import HierarchicalGroups, LinkKind, Topology, group_ranks
 from zero_comm.wait_timings import WaitRecord, WaitTimings
 from zero_comm.watchdog import (
@@ -129,6 +130,8 @@ __all__ = [
     "shard_range",
     "BOUNDED_DTYPES",
     "GradientBound",
+    "BoundedTimeouts",
+    "bound_for",
 ]
 
 _QUANTIZED = frozenset(

@@ -45,9 +45,11 @@ from zero_full.config.compat import ConfigReport
 from zero_full.config.prepare import key_findings, log_config_report, prepare_config
 from zero_full.config.zero_config import ZeroConfig
 from zero_full.guards.agreement import check_agreement
+from zero_full.guards.frozen import TrainableSet
 from zero_full.hf import load as hf_load
 from zero_full.hf import save as hf_save
 from zero_full.inference import gathered_for_inference
+from zero_full.lifecycle import EngineResources, track
 from zero_full.memory.report import MemoryReport, build_memory_report, model_state_bytes, reset_peak_memory
 from zero_full.wiring.compiled import check_not_precompiled, compile_model, explain_graph_break
 from zero_full.wiring.init import ConfigLike, Init
@@ -167,8 +169,9 @@ class Engine:
         self.lr_scheduler: LRSchedulerLike | None = None  # the config's, once the optimizer exists
         self.last_step_applied = False
         self.watchdog: CommWatchdog | None = _watchdog(config)  # every collective below runs under it
+        self._resources = EngineResources(self.watchdog)  # bounds the process groups' timeouts
         self._ledger = CommLedger(Topology(), watchdog=self.watchdog)
-        with self._ledger, record_function("zero.engine.initialize"), _closes_on_error(self.watchdog):
+        with self._ledger, record_function("zero.engine.initialize"), _closes_on_error(self._resources):
             if config.robustness.check_rank_agreement:  # before any collective whose sizes could differ
                 check_agreement(model, config)
             _sync_whole_tensors(model)
@@ -177,6 +180,9 @@ class Engine:
             self.coordinator: Coordinator | None = pieces.coordinator
             self._pipeline = StepPipeline(pieces, config)
             self.lr_scheduler = build_scheduler(config, self.optimizer.torch_optimizer)
+            self._resources.adopt(pieces.coordinator, pieces.reduction, pieces.optimizer)
+        self._trainable = TrainableSet(model)  # requires_grad is fixed from here on
+        self._release = track(self, self._resources)  # at interpreter exit if never closed
         self._comm = CommTotals()
         self._ledger.records.clear()
         if dist.get_rank() == 0:
@@ -200,7 +206,11 @@ class Engine:
                 gathered (a module reading another module's parameter without
                 ``register_external_parameter``); the message names the parameter, the module
                 and the fix.
+            zero_full.guards.frozen.RequiresGradChangedError: a parameter's ``requires_grad``
+                changed since ``initialize`` (with grad enabled; also checked by :meth:`backward`).
         """
+        if torch.is_grad_enabled():
+            self._trainable.check()
         with self._ledger, profile_range("zero.engine.forward"):
             try:
                 return self.module(*args, **kwargs)
@@ -243,6 +253,7 @@ class Engine:
                 f"engine.backward(loss) needs a scalar loss that requires grad, got {what}; "
                 "pass the loss computed by engine(...) with grad enabled"
             )
+        self._trainable.check()
         with self._ledger, profile_range("zero.engine.backward"):
             if self._pipeline.pieces.reduction is not None:
                 self._pipeline.pieces.reduction.begin_micro_step(self.is_gradient_accumulation_boundary())
@@ -301,14 +312,20 @@ class Engine:
         return self
 
     def close(self) -> None:
-        """Release gathered parameters, remove the hooks, delete offload swap files, stop the watchdog."""
-        if self.watchdog is not None:
-            self.watchdog.close()
-        if self.coordinator is not None:
-            self.coordinator.remove()
-        if self._pipeline.pieces.reduction is not None:
-            self._pipeline.pieces.reduction.remove()
-        self.optimizer.close()
+        """Release gathered parameters, remove the hooks, delete offload swap files, stop the watchdog.
+
+        Idempotent, no collective (safe after a failed one); also run on leaving ``with
+        initialize(...) as engine:`` and, for an engine never closed, at interpreter exit. See
+        :mod:`zero_full.lifecycle`.
+        """
+        self._release.detach()  # nothing left for interpreter exit
+        self._resources.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # ------------------------------------------------------------------ MiCS
 
@@ -558,13 +575,12 @@ def _check_supported(config: ZeroConfig) -> None:
 
 
 @contextlib.contextmanager
-def _closes_on_error(watchdog: CommWatchdog | None) -> Iterator[None]:
-    """Stop the watchdog's thread when ``initialize`` fails (no engine will own it)."""
+def _closes_on_error(resources: EngineResources) -> Iterator[None]:
+    """Stop the watchdog's thread and restore the timeouts when ``initialize`` fails (no engine owns them)."""
     try:
         yield
     except BaseException:
-        if watchdog is not None:
-            watchdog.close()
+        resources.close()
         raise
 
 

@@ -2,11 +2,12 @@
 
 * :func:`remove_stale` deletes ``DIR/TAG.tmp-*`` directories (and ``.latest.tmp-*`` files)
   that saves which did not complete left behind (a rank killed mid-save). It is called by
-  rank 0 only, and only after an exchange in which every rank reported that it entered the
-  current save or load: at that point no rank of this job is writing an older save (a save
-  returns on every rank only after its last exchange), so every temporary entry except the
-  current save's own belongs to a save that will never complete. (Two *jobs* writing into
-  one checkpoint directory at once are not supported.)
+  rank 0 only, after an exchange in which every rank reported that it entered the current
+  save or load, and removes an entry only when its writer provably cannot complete it: the
+  writer recorded in the entry's lock (:class:`~zero_full.checkpoint.safety.WriterLock`) is
+  this process or a dead process of this host. Another job's save in progress (a trainer's,
+  while an evaluator loads ``latest``), another host's and unlocked entries are kept and
+  named in a log line.
 * :func:`check_free_space` compares the bytes this host's ranks are about to write with the
   free space of the file system, before writing anything.
 * :func:`write_error` turns an ``OSError`` (or torch's serializer error after a short write)
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 
 from zero_full.checkpoint.io import CheckpointError
+from zero_full.checkpoint.safety import owner_is_gone
 
 __all__ = ["check_free_space", "remove_stale", "tensor_bytes", "write_error"]
 
@@ -50,9 +52,9 @@ def _size(path: Path) -> int:
 def remove_stale(directory: Path, keep: str = "") -> list[tuple[Path, int]]:
     """Delete leftovers of saves that did not complete; return what was removed and its size.
 
-    Call on one rank (rank 0) after a barrier of the current save or load (see the module
-    docstring for why that is safe). ``keep`` is the current save's own temporary name.
-    Each removal is logged as a warning with its size.
+    Call on one rank (rank 0) after a barrier of the current save or load. ``keep`` is the
+    current save's own temporary name. Only entries whose writer is gone are removed (see
+    the module docstring); each removal is logged as a warning with its size.
     """
     removed: list[tuple[Path, int]] = []
     if not directory.is_dir():
@@ -60,6 +62,9 @@ def remove_stale(directory: Path, keep: str = "") -> list[tuple[Path, int]]:
     for entry in directory.iterdir():
         name = entry.name
         if ".tmp-" not in name or name == keep:
+            continue
+        if not owner_is_gone(entry):
+            logger.info("zero: kept %s: its writer may still be saving (alive, or on another host)", entry)
             continue
         size = _size(entry)
         try:

@@ -29,6 +29,7 @@ __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "LATEST",
+    "READABLE_VERSIONS",
     "MANIFEST",
     "ListedFile",
     "CheckpointError",
@@ -37,7 +38,6 @@ __all__ = [
     "file_digest",
     "fsync_dir",
     "open_shard",
-    "resolve_tag",
     "shard_file_name",
     "verify_file",
     "write_text_atomic",
@@ -45,7 +45,9 @@ __all__ = [
 ]
 
 FORMAT_NAME = "zero-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""Version 2 adds ``manifest_sha256`` (the manifest's own digest); version 1 is still read."""
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 LATEST = "latest"
 BUFFERS_FILE = "buffers.pt"
@@ -112,8 +114,23 @@ def write_torch(obj: Any, path: Path) -> None:
 
 
 def open_shard(path: Path) -> dict[str, Any]:
-    """Load a shard file memory-mapped: tensors are read from disk only where they are sliced."""
-    return torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    """Load a shard file memory-mapped: tensors are read from disk only where they are sliced.
+
+    Raises:
+        CheckpointError: the file cannot be read (a pickle ``weights_only`` refuses — nothing in
+            it runs —, a truncated or foreign file), naming it.
+    """
+    try:
+        shard = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - unpickling, zip and OS errors alike: name the file
+        raise CheckpointError(
+            f"checkpoint file {path} cannot be read ({type(exc).__name__}: {str(exc)[:300]}); it is "
+            "corrupt or not a zero checkpoint file (nothing in it was run: files are read with "
+            "weights_only). Re-save the checkpoint or use another tag"
+        ) from exc
+    if not isinstance(shard, dict):
+        raise CheckpointError(f"checkpoint file {path} holds a {type(shard).__name__}, not a zero shard")
+    return shard
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -139,32 +156,6 @@ def fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
-
-
-def resolve_tag(directory: Path, tag: str | None) -> str:
-    """The tag to load: ``tag`` itself, or the content of ``directory/latest`` when ``None``.
-
-    Raises:
-        CheckpointError: no ``latest`` file, or the tag directory does not exist.
-    """
-    if tag is None:
-        latest = directory / LATEST
-        if not latest.is_file():
-            raise CheckpointError(
-                f"no checkpoint to load in {directory}: {latest} does not exist; pass tag=... "
-                "or save a checkpoint first"
-            )
-        tag = latest.read_text(encoding="utf-8").strip()
-    if not (directory / tag).is_dir():
-        found = (
-            sorted(p.name for p in directory.iterdir() if (p / MANIFEST).is_file())
-            if directory.is_dir()
-            else []
-        )
-        raise CheckpointError(
-            f"checkpoint tag {tag!r} not found in {directory} (complete tags there: {found or 'none'})"
-        )
-    return tag
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 import zero_params
-from zero_full.checkpoint import hygiene, io
+from zero_full.checkpoint import hygiene, io, safety
 from zero_full.checkpoint.collectives import exchange, raise_if_failed
 from zero_full.checkpoint.consolidate import state_dict_buffers
 from zero_full.checkpoint.extras import Extras, read_extras
@@ -85,6 +85,10 @@ def load_checkpoint(
     Returns:
         The checkpoint directory that was loaded.
 
+    Every rank loads the same tag: the one rank 0 resolved (``latest`` read once); ranks that
+    asked for different tags all raise. Every error — a corrupt or hostile file included — is
+    raised on every rank as a :class:`CheckpointError` naming the file.
+
     Raises:
         CheckpointError: no such checkpoint; it does not match the model (every missing,
             unexpected or misshaped parameter and buffer listed) or the optimizer; a file is
@@ -96,18 +100,24 @@ def load_checkpoint(
     options = options if options is not None else LoadOptions()
     wait = state.timeout if timeout is None else timeout
     with record_function("zero.checkpoint.load"):
-        tag = io.resolve_tag(directory, tag)
-        path = directory / tag
-        manifest = Manifest.read(path)
-        extras = read_extras(path, manifest)
+        path = directory / _agreed_tag(directory, tag, wait)
+        manifest, extras, loaded, err = None, None, [], None
         pieces = local_pieces(state.module, state.optimizer)
+        try:
+            manifest = Manifest.read(path)
+            extras = read_extras(path, manifest)
+            loaded = _check_matches(manifest, pieces, state, options, extras)
+        except CheckpointError as exc:
+            err = str(exc)
+        raise_if_failed(exchange(err, wait), f"loading checkpoint {path}")
+        if manifest is None or extras is None:  # unreachable: this rank reported its error, every rank raised
+            raise CheckpointError(f"{path / io.MANIFEST} could not be read")
         # offloaded optimizer state: loaded into torch's format, then written to the offload store
         with state.optimizer.materialized_state():
-            loaded = _check_matches(manifest, pieces, state, options, extras)
             err = None
             try:
                 _read_pieces(state, path, manifest, {n: pieces[n] for n in loaded}, options)
-            except (CheckpointError, OSError, RuntimeError, KeyError) as exc:
+            except Exception as exc:  # noqa: BLE001 - reported on every rank (names the file)
                 err = f"{type(exc).__name__}: {exc}"
             raise_if_failed(exchange(err, wait), f"loading checkpoint {path}")
             if dist.get_rank() == 0:  # every rank is in this load: no save of this job is writing
@@ -135,6 +145,35 @@ def load_checkpoint(
                 zero_params.commit_shards(frozen)
     logger.info("zero: loaded checkpoint %s (saved at world size %s)", path, manifest.world_size)
     return path
+
+
+def _agreed_tag(directory: Path, tag: str | None, wait: float) -> str:
+    """The tag every rank loads: resolved once, by rank 0 (``latest`` is read once), and agreed.
+
+    Raises:
+        CheckpointError: on every rank: the ranks asked for different tags, or rank 0 could not
+            resolve it (no ``latest``, an invalid tag, one outside the root), or a rank does not
+            see the checkpoint directory.
+    """
+    resolved, err = None, None
+    if dist.get_rank() == 0:
+        try:
+            resolved = safety.resolve_tag(directory, tag)
+        except CheckpointError as exc:
+            err = str(exc)
+    first = exchange({"asked": tag, "resolved": resolved, "error": err}, wait)
+    asked = [s["asked"] for s in first]
+    if len(set(asked)) > 1:
+        named = ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(asked))
+        raise CheckpointError(
+            f"load_checkpoint: the ranks asked for different tags ({named}); pass the same tag on "
+            "every rank, or None on every rank (the tag 'latest' names, read once on rank 0)"
+        )
+    raise_if_failed([first[0]["error"]], f"loading checkpoint from {directory}")
+    agreed = str(first[0]["resolved"])
+    missing = None if (directory / agreed).is_dir() else f"{directory / agreed} is not visible on this rank"
+    raise_if_failed(exchange(missing, wait), f"loading checkpoint {directory / agreed}")
+    return agreed
 
 
 def _check_matches(
@@ -225,7 +264,9 @@ def _read_pieces(
     by_name = {f.name: f for f in files}
     wanted = set(needs) | {io.BUFFERS_FILE} | ({own} if same_world else set())
     for name in sorted(wanted):
-        io.verify_file(path / name, by_name[name])
+        if name not in by_name:
+            raise CheckpointError(f"{path / io.MANIFEST} lists no file {name!r}")
+        io.verify_file(safety.inside(path, name, f"{path / io.MANIFEST}"), by_name[name])
     states = _prepare_optimizer_state(state, manifest) if options.full else None
     with torch.no_grad():
         for p in pieces.values():

@@ -1,20 +1,22 @@
 """The manifest of a checkpoint (``DIR/TAG/manifest.json``) as typed, frozen objects.
 
 :class:`Manifest` is what rank 0 writes last and what loading, ``zero consolidate`` and the
-safetensors export read. :meth:`Manifest.to_json` writes the on-disk JSON of format version 1
-byte for byte as before the manifest had a type (same keys, same order, ``indent=1``), and
-:meth:`Manifest.from_json` reads every manifest written since.
+safetensors export read. :meth:`Manifest.to_json` writes the on-disk JSON (``indent=1``);
+format version 2 ends with ``manifest_sha256``, the sha256 of the same JSON without that key, which
+:meth:`Manifest.from_json` verifies like the shard files' digests (a flipped bit in the
+learning rate or a step counter is refused, not restored). Version 1 (no digest) is still read.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar, Self
 
-from zero_full.checkpoint.io import FORMAT_NAME, FORMAT_VERSION, MANIFEST, CheckpointError
+from zero_full.checkpoint.io import FORMAT_NAME, FORMAT_VERSION, MANIFEST, READABLE_VERSIONS, CheckpointError
 
 __all__ = [
     "FileEntry",
@@ -24,6 +26,11 @@ __all__ = [
     "SavedParam",
     "StateDictKey",
 ]
+
+
+def _digest(data: dict[str, Any]) -> str:
+    """sha256 of the manifest's JSON text (``indent=1``) without its ``manifest_sha256`` key."""
+    return hashlib.sha256(json.dumps(data, indent=1).encode("utf-8")).hexdigest()
 
 
 def _jsonable(value: Any) -> Any:
@@ -244,6 +251,7 @@ class Manifest:
             "loss_scaler": self.loss_scaler,
             "files": [f.to_json() for f in self.files],
         }
+        data["manifest_sha256"] = _digest(data)
         return json.dumps(data, indent=1)
 
     @classmethod
@@ -261,11 +269,19 @@ class Manifest:
         if not isinstance(data, dict) or data.get("format") != FORMAT_NAME:
             fmt = data.get("format") if isinstance(data, dict) else None
             raise CheckpointError(f"{where} is not a zero checkpoint manifest (format {fmt!r})")
-        if data.get("format_version") != FORMAT_VERSION:
+        version = data.get("format_version")
+        if version not in READABLE_VERSIONS:
             raise CheckpointError(
-                f"{where} has format version {data.get('format_version')}; this zero reads version "
-                f"{FORMAT_VERSION}"
+                f"{where} has format version {version!r}; this zero reads versions {READABLE_VERSIONS}"
             )
+        if version >= 2:
+            claimed = data.pop("manifest_sha256", None)
+            actual = _digest(data)
+            if claimed != actual:
+                raise CheckpointError(
+                    f"{where} is corrupt: its content's sha256 {actual} differs from the recorded "
+                    f"manifest_sha256 {claimed!r}; re-save the checkpoint or use another tag"
+                )
         try:
             return cls._parse(data)
         except (KeyError, TypeError, ValueError) as exc:

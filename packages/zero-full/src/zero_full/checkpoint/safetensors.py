@@ -25,6 +25,7 @@ from typing import Any, BinaryIO
 import torch
 
 from zero_full.checkpoint import io as ckpt_io
+from zero_full.checkpoint import safety
 from zero_full.checkpoint.io import CheckpointError
 from zero_full.checkpoint.layout import covered_prefix
 from zero_full.checkpoint.manifest import Manifest, StateDictKey
@@ -218,13 +219,13 @@ class CheckpointReader:
 
     def __init__(self, directory: str | Path, tag: str | None = None, *, verify: bool = True) -> None:
         directory = Path(directory)
-        self.tag = ckpt_io.resolve_tag(directory, tag)
+        self.tag = safety.resolve_tag(directory, tag)
         self.path = directory / self.tag
         self.manifest = Manifest.read(self.path)
         files = self.manifest.files
         if verify:
             for f in files:
-                ckpt_io.verify_file(self.path / f.name, f)
+                ckpt_io.verify_file(safety.inside(self.path, f.name, f"{self.path / ckpt_io.MANIFEST}"), f)
         self._params = {p.name: p for p in self.manifest.params}
         self._buffers = {b.name: b for b in self.manifest.buffers}
         self._where: dict[str, list[tuple[str, int, int]]] = {}
@@ -259,7 +260,7 @@ class CheckpointReader:
         """
         name = entry.source
         if entry.kind != "param":
-            return self._shard(ckpt_io.BUFFERS_FILE)["buffers"][name]
+            return self._read(ckpt_io.BUFFERS_FILE, lambda shard: shard["buffers"][name])
         numel = self._params[name].numel
         pieces = self._where.get(name, [])
         pos = covered_prefix([(a, b) for _, a, b in pieces])
@@ -270,10 +271,22 @@ class CheckpointReader:
         full = torch.empty(numel, dtype=dtype)
         for fname, a, b in pieces:
             if b > a:
-                full[a:b].copy_(self._shard(fname)["params"][name]["value"])
+                full[a:b].copy_(self._read(fname, lambda shard: shard["params"][name]["value"]))
         return full
+
+    def _read(self, fname: str, pick: Any) -> torch.Tensor:
+        """``pick(shard)`` of one shard file; a malformed file raises naming it."""
+        shard = self._shard(fname)
+        try:
+            value = pick(shard)
+        except (KeyError, TypeError, IndexError) as exc:
+            raise CheckpointError(f"checkpoint file {self.path / fname} lacks {exc} (corrupt)") from None
+        if not isinstance(value, torch.Tensor):
+            raise CheckpointError(f"checkpoint file {self.path / fname} holds no tensor where expected")
+        return value
 
     def _shard(self, fname: str) -> Any:
         if fname not in self._opened:
-            self._opened[fname] = ckpt_io.open_shard(self.path / fname)
+            where = f"{self.path / ckpt_io.MANIFEST}"
+            self._opened[fname] = ckpt_io.open_shard(safety.inside(self.path, fname, where))
         return self._opened[fname]

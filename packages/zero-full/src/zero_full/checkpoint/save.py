@@ -18,12 +18,14 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import dataclasses
+import logging
 import os
 import random
 import secrets
 import shutil
 import socket
 import time
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -32,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from zero_full.checkpoint import hygiene, io
+from zero_full.checkpoint import hygiene, io, safety
 from zero_full.checkpoint.collectives import exchange, raise_if_failed
 from zero_full.checkpoint.consolidate import state_dict_buffers, state_dict_keys
 from zero_full.checkpoint.extras import EXTRAS_FILE, build_extras
@@ -63,6 +65,9 @@ class SaveOptions:
     overwrite: bool = False
 
 
+logger = logging.getLogger("zero.checkpoint")
+
+
 @dataclasses.dataclass(frozen=True)
 class _SavePlan:
     directory: Path
@@ -70,6 +75,7 @@ class _SavePlan:
     tmp: Path
     timeout: float
     options: SaveOptions
+    replaces: bool = False
 
 
 def save_checkpoint(
@@ -95,41 +101,38 @@ def save_checkpoint(
         The checkpoint directory ``directory/tag``.
 
     Raises:
-        CheckpointError: ``directory/tag`` exists already (without ``overwrite``), the client
-            state cannot be saved safely, writing failed on some rank, or a
-            rank did not take part within ``timeout`` (every rank raises, naming the failing
-            ranks; nothing is left under ``tag``).
+        CheckpointError: an invalid tag (the rule of loading: a plain directory name), the
+            ranks named different tags, ``directory/tag`` exists already (without
+            ``overwrite``, and was published in ``latest``; one a save renamed into place but
+            never published is replaced), the client state cannot be saved safely, writing
+            failed on some rank, or a rank did not take part within ``timeout`` (every rank
+            raises, naming the failing ranks; nothing is left under ``tag``).
+
+    Saving between accumulation boundaries warns (the accumulated gradients are not saved).
     """
     directory = Path(directory)
     options = options if options is not None else SaveOptions()
     tag = tag if tag is not None else f"global_step{state.counters.global_steps}"
-    if "/" in tag or tag in ("", ".", "..", io.LATEST) or ".tmp-" in tag:
-        raise ValueError(f"checkpoint tag {tag!r} is not a plain directory name; pass e.g. 'step100'")
     wait = state.timeout if timeout is None else timeout
     rank = dist.get_rank()
     with record_function("zero.checkpoint.save"):
-        err = None
-        tmp_name = ""
-        if rank == 0:
+        err = _tag_problem(tag)
+        _warn_if_accumulating(state, rank)
+        tmp_name, replaces = "", False
+        if rank == 0 and err is None:
             try:
-                directory.mkdir(parents=True, exist_ok=True)
-                if (directory / tag).exists() and not options.overwrite:
-                    raise CheckpointError(
-                        f"checkpoint {directory / tag} exists already; save under another tag, remove it "
-                        "or pass overwrite=True to replace it"
-                    )
-                tmp_name = f"{tag}.tmp-{secrets.token_hex(6)}"
-                (directory / tmp_name).mkdir()
+                tmp_name, replaces = _begin(directory, tag, options.overwrite)
             except (OSError, CheckpointError) as exc:
                 err = str(exc)
         try:
-            first = exchange({"error": err, "tmp": tmp_name}, wait)
+            first = exchange({"error": err, "tmp": tmp_name, "tag": tag}, wait)
+            raise_if_failed([s["error"] for s in first], f"saving checkpoint {directory / tag}")
+            _agree_on_tag([s["tag"] for s in first], "save_checkpoint")
         except CheckpointError:
-            if tmp_name:  # rank 0: nobody else knows this directory yet
+            if tmp_name:  # rank 0: nobody else will use this directory
                 shutil.rmtree(directory / tmp_name, ignore_errors=True)
             raise
-        raise_if_failed([s["error"] for s in first], f"saving checkpoint {directory / tag}")
-        plan = _SavePlan(directory, tag, directory / first[0]["tmp"], wait, options)
+        plan = _SavePlan(directory, tag, directory / first[0]["tmp"], wait, options, replaces)
         if rank == 0:  # every rank is in this save: no other save of this job is writing
             hygiene.remove_stale(directory, keep=plan.tmp.name)
         try:
@@ -141,6 +144,90 @@ def save_checkpoint(
                 shutil.rmtree(plan.tmp, ignore_errors=True)
             raise
     return directory / tag
+
+
+def _tag_problem(tag: str) -> str | None:
+    """Why ``tag`` cannot be saved (the rule loading applies), or ``None``."""
+    try:
+        safety.validate_tag(tag)
+    except CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def _agree_on_tag(tags: list[str], call: str) -> None:
+    """Raise on every rank unless every rank named the same tag."""
+    if len(set(tags)) > 1:
+        named = ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags))
+        raise CheckpointError(
+            f"{call}: the ranks named different tags ({named}); pass the same tag on every rank "
+            "(e.g. derived from engine.global_steps, not from a per-rank value)"
+        )
+
+
+def _warn_if_accumulating(state: TrainState, rank: int) -> None:
+    """Saving between accumulation boundaries loses the gradients accumulated so far: say so."""
+    c = state.counters
+    pending = c.micro_steps % c.gradient_accumulation_steps
+    if pending:
+        message = (
+            f"save_checkpoint at micro-step {c.micro_steps}, in the middle of gradient accumulation "
+            f"({pending} of {c.gradient_accumulation_steps} micro-batches accumulated): accumulated "
+            "gradients are not saved, so a run resumed from it differs from one that went on. Save "
+            "at a boundary (engine.is_gradient_accumulation_boundary() before the step)"
+        )
+        warnings.warn(message, UserWarning, stacklevel=3)
+        if rank == 0:
+            logger.warning("zero: %s", message)
+
+
+def _begin(directory: Path, tag: str, overwrite: bool) -> tuple[str, bool]:
+    """Rank 0: create the save's temporary directory (with its writer lock).
+
+    Returns:
+        Its name, and whether it will replace ``directory/tag``: with ``overwrite``, or a
+        complete checkpoint that an earlier save renamed into place but never published in
+        ``latest`` (it died in between).
+
+    Raises:
+        CheckpointError: ``directory/tag`` exists and was published (without ``overwrite``).
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    replaces = False
+    if overwrite and (directory / tag).exists():
+        replaces = True
+    elif (directory / tag).exists():
+        if not _unpublished(directory, tag):
+            raise CheckpointError(
+                f"checkpoint {directory / tag} exists already; save under another tag, remove it "
+                "or pass overwrite=True to replace it"
+            )
+        logger.warning(
+            "zero: %s was renamed into place by a save that stopped before updating 'latest': "
+            "this save replaces it",
+            directory / tag,
+        )
+        replaces = True
+    tmp_name = f"{tag}.tmp-{secrets.token_hex(6)}"
+    (directory / tmp_name).mkdir()
+    safety.WriterLock.mine().write(directory / tmp_name)
+    return tmp_name, replaces
+
+
+def _unpublished(directory: Path, tag: str) -> bool:
+    """Whether ``directory/tag`` never became ``latest``: no ``latest``, or one older than its manifest."""
+    try:
+        created = Manifest.read(directory / tag).created_unix
+    except CheckpointError:
+        return False  # not a complete checkpoint of ours: never replaced
+    latest = directory / io.LATEST
+    if not latest.is_file():
+        return True
+    try:
+        named = latest.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError):
+        return False
+    return named != tag and latest.stat().st_mtime < created
 
 
 def _save_in_tmp(state: TrainState, plan: _SavePlan) -> None:
@@ -192,10 +279,10 @@ def _publish(manifest: Manifest, plan: _SavePlan, rank: int) -> None:
     except OSError as exc:
         raise hygiene.write_error(plan.tmp / io.MANIFEST, rank, exc) from exc
     target = plan.directory / plan.tag
-    if target.exists():
+    if plan.replaces and target.exists():  # one atomic exchange: DIR/TAG is always complete
         _exchange_dirs(plan.tmp, target)
         io.fsync_dir(plan.directory)
-        shutil.rmtree(plan.tmp, ignore_errors=True)
+        shutil.rmtree(plan.tmp, ignore_errors=True)  # now the replaced checkpoint
     else:
         plan.tmp.rename(target)
         io.fsync_dir(plan.directory)

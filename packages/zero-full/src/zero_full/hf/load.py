@@ -103,17 +103,63 @@ class _TensorInfo:
     shape: tuple[int, ...]
 
 
+_MAX_HEADER = 100_000_000
+"""The largest safetensors header read (the format's own limit is 100 MB)."""
+
+
 def _read_header(path: Path) -> dict[str, Any]:
-    """The JSON header of a safetensors file (8-byte length + JSON; no tensor data is read)."""
+    """The JSON header of a safetensors file (8-byte length + JSON; no tensor data is read).
+
+    Every entry is checked against the file (a JSON object of tensors, each with a dtype, a
+    shape and data offsets inside the file matching its size), so a malformed or hostile
+    header is a :class:`CheckpointError` naming the file, never an ``OverflowError`` or a
+    ``MemoryError`` from a huge length.
+    """
     try:
+        size = path.stat().st_size
         with open(path, "rb") as f:
             raw = f.read(8)
             if len(raw) != 8:
                 raise CheckpointError(f"{path}: not a safetensors file (shorter than 8 bytes)")
             (n,) = struct.unpack("<Q", raw)
-            return json.loads(f.read(n))
+            if n > min(size - 8, _MAX_HEADER):
+                raise CheckpointError(
+                    f"{path}: not a safetensors file (its header claims {n} bytes; the file has {size})"
+                )
+            header = json.loads(f.read(n))
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path}: cannot read its safetensors header ({exc})") from exc
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: malformed safetensors header (a JSON {type(header).__name__})")
+    data = size - 8 - n
+    for key, meta in header.items():
+        if key != "__metadata__":
+            _check_entry(path, key, meta, data)
+    return header
+
+
+def _check_entry(path: Path, key: str, meta: Any, data: int) -> None:
+    """One header entry: dtype, shape and offsets inside the data section, sized like the tensor."""
+    if isinstance(meta, dict) and isinstance(meta.get("dtype"), str) and meta["dtype"] not in _ST_DTYPES:
+        raise CheckpointError(f"{path}: tensor {key!r} has dtype {meta['dtype']} that zero cannot load")
+    try:
+        dtype = _ST_DTYPES[meta["dtype"]]
+        shape = [int(d) for d in meta["shape"]]
+        begin, end = (int(o) for o in meta["data_offsets"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: malformed safetensors header entry {key!r} ({exc!r})") from None
+    numel = 1
+    for d in shape:
+        numel *= d
+    if min(shape, default=0) < 0 or not 0 <= begin <= end <= data:
+        raise CheckpointError(
+            f"{path}: tensor {key!r} has offsets {begin}..{end} outside its {data} data bytes"
+        )
+    if end - begin != numel * dtype.itemsize:
+        raise CheckpointError(
+            f"{path}: tensor {key!r} of shape {shape} ({meta['dtype']}) needs {numel * dtype.itemsize} "
+            f"bytes, its offsets hold {end - begin}"
+        )
 
 
 def checkpoint_index(path: str | os.PathLike[str]) -> dict[str, _TensorInfo]:
@@ -146,8 +192,6 @@ def checkpoint_index(path: str | os.PathLike[str]) -> dict[str, _TensorInfo]:
         for key, meta in _read_header(f).items():
             if key == "__metadata__":
                 continue
-            if meta["dtype"] not in _ST_DTYPES:
-                raise CheckpointError(f"{f}: tensor {key!r} has dtype {meta['dtype']} that zero cannot load")
             out[key] = _TensorInfo(f, _ST_DTYPES[meta["dtype"]], tuple(meta["shape"]))
     return out
 

@@ -36,6 +36,7 @@ from zero_full.checkpoint.manifest import StateDictKey
 from zero_full.checkpoint.safetensors import CheckpointReader, SafetensorsWriter
 from zero_full.checkpoint.state import TrainState
 from zero_full.hf.load import INDEX_FILE, SINGLE_FILE
+from zero_full.hf.publish import publish_weights
 
 __all__ = [
     "DEFAULT_MAX_SHARD_SIZE",
@@ -148,7 +149,8 @@ def save_pretrained(
 
     Args:
         state: The engine's :class:`~zero_full.checkpoint.TrainState` (module and optimizer).
-        directory: Created if missing; existing weight files of the same names are replaced.
+        directory: Created if missing; it ends holding exactly this save's weight files (an
+            earlier save's weights and index are removed: see :mod:`zero_full.hf.publish`).
         max_shard_size: Bytes per weight file (int, or ``"5GB"`` style); default 5 GB.
         dtype: Save floating-point parameters in this dtype (default fp32: the optimizer's
             master values, i.e. exactly the trained weights).
@@ -169,10 +171,12 @@ def save_pretrained(
     pieces = local_pieces(state.module, state.optimizer)
     buffers = state_dict_buffers(state.module)
     weight_map: dict[str, str] = {}
+    written: dict[str, Path] = {}
     with record_function("zero.save_pretrained"), torch.no_grad():
         for fname, idx in zip(names, shards, strict=True):
             todo = [entries[i] for i in idx]
             tmp = directory / f".{fname}.tmp-{os.getpid()}"
+            written[fname] = tmp
             f = open(tmp, "wb") if root else None  # noqa: SIM115  (closed below, after the gathers)
             try:
                 writer = (
@@ -196,22 +200,18 @@ def save_pretrained(
             finally:
                 if f is not None:
                     f.close()
-            if root:
-                os.replace(tmp, directory / fname)
         if root:
-            _write_index(directory, names, sizes, weight_map)
+            publish_weights(directory, written, _index(names, sizes, weight_map))
     dist.barrier()
     return SavedPretrained(directory, tuple(names), len(entries), sum(sizes), max(sizes, default=0))
 
 
-def _write_index(directory: Path, names: list[str], sizes: list[int], weight_map: dict[str, str]) -> None:
-    """Write HF's weight index for several weight files; remove a stale one for a single file."""
-    index = directory / INDEX_FILE
-    if len(names) > 1:
-        body = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
-        index.write_text(json.dumps(body, indent=2, sort_keys=True) + "\n")
-    else:
-        index.unlink(missing_ok=True)
+def _index(names: list[str], sizes: list[int], weight_map: dict[str, str]) -> tuple[str, str] | None:
+    """HF's weight index ``(name, text)`` for several weight files; ``None`` for a single file."""
+    if len(names) == 1:
+        return None
+    body = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
+    return INDEX_FILE, json.dumps(body, indent=2, sort_keys=True) + "\n"
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -241,9 +241,10 @@ def _write_shards(
     names = shard_file_names(len(shards))
     directory.mkdir(parents=True, exist_ok=True)
     weight_map: dict[str, str] = {}
-    for fname, idx in zip(names, shards, strict=True):
-        tmp = directory / f".{fname}.tmp-{os.getpid()}"
-        try:
+    written: dict[str, Path] = {}
+    try:
+        for fname, idx in zip(names, shards, strict=True):
+            written[fname] = tmp = directory / f".{fname}.tmp-{os.getpid()}"
             with open(tmp, "wb") as f:
                 writer = SafetensorsWriter(f, [entries[i] for i in idx], {"format": "pt"})
                 for i in idx:
@@ -253,10 +254,10 @@ def _write_shards(
                 writer.finish()
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, directory / fname)
-        finally:
+        publish_weights(directory, written, _index(names, sizes, weight_map))
+    finally:
+        for tmp in written.values():
             tmp.unlink(missing_ok=True)
-    _write_index(directory, names, sizes, weight_map)
     return SavedPretrained(directory, tuple(names), len(entries), sum(sizes), max(sizes, default=0))
 
 

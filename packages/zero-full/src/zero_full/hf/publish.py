@@ -1,0 +1,66 @@
+"""Publishing a Hugging Face weight save: the directory ends holding exactly the new weights.
+
+A directory written by an earlier save may hold weight files the new save does not write: a
+single ``model.safetensors`` next to new shards (``transformers`` prefers it and would load
+the stale weights), shards of another count, an index, ``pytorch_model*.bin``.
+:func:`publish_weights` takes the new weight files, written completely under temporary names,
+and
+
+1. removes every earlier weight file and index (except a ``model.safetensors`` the new single
+   file replaces in one ``os.replace``);
+2. renames the new weight files into place;
+3. writes the new index last (sharded saves), through a temporary file and ``os.replace``.
+
+No loader ever sees old and new weights together: until step 3 completes a sharded save has
+no index, so an interrupted publish fails to load instead of loading a mix. Files that are
+not weights (tokenizer, README, adapters) are left alone.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+__all__ = ["WEIGHT_FILE", "publish_weights"]
+
+WEIGHT_FILE = re.compile(
+    r"^(model(-\d+-of-\d+)?\.safetensors|model\.safetensors\.index\.json"
+    r"|pytorch_model(-\d+-of-\d+)?\.bin|pytorch_model\.bin\.index\.json)$"
+)
+"""Names of the weight files and indexes ``transformers`` reads from a model directory."""
+
+
+def publish_weights(directory: Path, written: dict[str, Path], index: tuple[str, str] | None) -> None:
+    """Replace ``directory``'s weights by ``written`` (final name -> complete temporary file).
+
+    Args:
+        directory: The model directory.
+        written: Each new weight file's final name and the temporary file holding it.
+        index: ``(name, text)`` of the new index (sharded saves), ``None`` for a single file.
+    """
+    keep = {name for name in written if index is None}  # a single file replaces its old self atomically
+    for entry in sorted(directory.iterdir()):
+        if WEIGHT_FILE.match(entry.name) and entry.name not in keep and entry.is_file():
+            entry.unlink()
+    for name, tmp in written.items():
+        os.replace(tmp, directory / name)
+    if index is not None:
+        name, text = index
+        tmp = directory / f".{name}.tmp-{os.getpid()}"
+        tmp.write_text(text)
+        os.replace(tmp, directory / name)
+    _fsync_dir(directory)
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
