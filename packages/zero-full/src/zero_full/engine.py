@@ -391,8 +391,12 @@ class Engine:
     def load_checkpoint(self, directory: str | os.PathLike[str], tag: str | None = None) -> Path:
         """Restore from ``directory/tag`` (``None``: ``directory/latest``), at any world size and stage.
 
-        Collective: call on every rank. See :func:`zero_full.checkpoint.load_checkpoint`.
+        Collective: call on every rank. See :func:`zero_full.checkpoint.load_checkpoint`. A
+        checkpoint DeepSpeed wrote is recognised and read by
+        :func:`zero_full.checkpoint.load_deepspeed_checkpoint`.
         """
+        if _checkpoint.is_deepspeed_checkpoint(directory, tag):
+            return _checkpoint.load_deepspeed_checkpoint(self.train_state(), directory, tag)
         return _checkpoint.load_checkpoint(self.train_state(), directory, tag)
 
     def consolidated_state_dict(self) -> dict[str, torch.Tensor]:

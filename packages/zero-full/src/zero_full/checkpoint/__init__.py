@@ -17,6 +17,9 @@ scaler, MiCS groups) to these functions; nothing here imports the engine.
   overlapping its own partition of each parameter (:mod:`zero_full.checkpoint.layout`),
   whatever world size and stage wrote them, after verifying each file against its sha256;
   the optimizer then publishes the loaded masters.
+* :func:`load_deepspeed_checkpoint` (module :mod:`zero_full.checkpoint.deepspeed_format`): reads
+  a checkpoint DeepSpeed wrote (ZeRO stages 1-3) at any world size, weights and optimizer state,
+  without running pickled code; :func:`is_deepspeed_checkpoint` recognises one.
 * :func:`consolidated_state_dict` (module :mod:`zero_full.checkpoint.consolidate`): the full
   fp32 weights, gathered one parameter at a time; :mod:`zero_full.checkpoint.safetensors`
   writes a saved checkpoint as one safetensors file offline (``zero consolidate``).
@@ -27,6 +30,7 @@ others raise :class:`CheckpointError` within that bound instead of hanging.
 """
 
 from zero_full.checkpoint.consolidate import consolidated_state_dict, iter_consolidated
+from zero_full.checkpoint.deepspeed_format import is_deepspeed_checkpoint, load_deepspeed_checkpoint
 from zero_full.checkpoint.io import CheckpointError
 from zero_full.checkpoint.load import load_checkpoint, plan_reads
 from zero_full.checkpoint.manifest import FileEntry, Manifest
@@ -40,8 +44,10 @@ __all__ = [
     "StepCounters",
     "TrainState",
     "consolidated_state_dict",
+    "is_deepspeed_checkpoint",
     "iter_consolidated",
     "load_checkpoint",
+    "load_deepspeed_checkpoint",
     "plan_reads",
     "save_checkpoint",
 ]
