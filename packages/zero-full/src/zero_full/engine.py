@@ -408,8 +408,12 @@ class Engine:
         """Restore from ``directory/tag`` (``None``: ``directory/latest``), at any world size and stage.
 
         The keywords narrow what is restored (:class:`~zero_full.checkpoint.LoadOptions`).
-        Collective: call on every rank. See :func:`zero_full.checkpoint.load_checkpoint`.
+        Collective: call on every rank. See :func:`zero_full.checkpoint.load_checkpoint`. A
+        checkpoint DeepSpeed wrote is recognised and read by
+        :func:`zero_full.checkpoint.load_deepspeed_checkpoint` (the keywords do not apply).
         """
+        if _checkpoint.is_deepspeed_checkpoint(directory, tag):
+            return _checkpoint.load_deepspeed_checkpoint(self.train_state(), directory, tag)
         options = LoadOptions(strict, load_optimizer_states, load_lr_scheduler_states, load_module_only)
         return _checkpoint.load_checkpoint(self.train_state(), directory, tag, options=options)
 

@@ -20,6 +20,9 @@ scaler, MiCS groups) to these functions; nothing here imports the engine.
   restored; :class:`SaveOptions` adds a client state, replaces a tag atomically, leaves
   frozen parameters out. The LR scheduler's state and the client state live in
   ``extras.pt`` (:mod:`zero_full.checkpoint.extras`; :func:`read_client_state`).
+* :func:`load_deepspeed_checkpoint` (module :mod:`zero_full.checkpoint.deepspeed_format`): reads
+  a checkpoint DeepSpeed wrote (ZeRO stages 1-3) at any world size, weights and optimizer state,
+  without running pickled code; :func:`is_deepspeed_checkpoint` recognises one.
 * :func:`consolidated_state_dict` (module :mod:`zero_full.checkpoint.consolidate`): the full
   fp32 weights, gathered one parameter at a time; :mod:`zero_full.checkpoint.safetensors`
   writes a saved checkpoint as one safetensors file offline (``zero consolidate``).
@@ -30,6 +33,7 @@ others raise :class:`CheckpointError` within that bound instead of hanging.
 """
 
 from zero_full.checkpoint.consolidate import consolidated_state_dict, iter_consolidated
+from zero_full.checkpoint.deepspeed_format import is_deepspeed_checkpoint, load_deepspeed_checkpoint
 from zero_full.checkpoint.extras import read_client_state
 from zero_full.checkpoint.io import CheckpointError
 from zero_full.checkpoint.load import LoadOptions, load_checkpoint, plan_reads
@@ -47,8 +51,10 @@ __all__ = [
     "StepCounters",
     "TrainState",
     "consolidated_state_dict",
+    "is_deepspeed_checkpoint",
     "iter_consolidated",
     "load_checkpoint",
+    "load_deepspeed_checkpoint",
     "plan_reads",
     "read_client_state",
     "save_checkpoint",

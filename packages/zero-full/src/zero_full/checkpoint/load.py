@@ -29,7 +29,7 @@ from zero_full.checkpoint.layout import LocalPiece, elementwise_state, local_pie
 from zero_full.checkpoint.manifest import FileEntry, Manifest
 from zero_full.checkpoint.state import TrainState
 
-__all__ = ["LoadOptions", "load_checkpoint", "plan_reads"]
+__all__ = ["LoadOptions", "commit_loaded", "load_checkpoint", "plan_reads"]
 
 logger = logging.getLogger("zero.checkpoint")
 
@@ -130,19 +130,7 @@ def load_checkpoint(
                 )
             if options.lr_scheduler_states and not options.module_only:
                 _restore_scheduler(state, extras, path)
-        state.optimizer.publish_updated_shards()
-        frozen = [
-            p
-            for n, p in state.module.named_parameters()
-            if not pieces[n].trainable and zero_params.is_partitioned(p)
-        ]
-        if frozen:
-            with torch.no_grad():
-                for n, p in state.module.named_parameters():
-                    home = zero_params.state_of(p).offload if zero_params.is_partitioned(p) else None
-                    if home is not None and not pieces[n].trainable:  # the copy _frozen_values made
-                        home.replace(zero_params.state_of(p), pieces[n].padded)
-                zero_params.commit_shards(frozen)
+        commit_loaded(state, pieces)
     logger.info("zero: loaded checkpoint %s (saved at world size %s)", path, manifest.world_size)
     return path
 
@@ -174,6 +162,24 @@ def _agreed_tag(directory: Path, tag: str | None, wait: float) -> str:
     missing = None if (directory / agreed).is_dir() else f"{directory / agreed} is not visible on this rank"
     raise_if_failed(exchange(missing, wait), f"loading checkpoint {directory / agreed}")
     return agreed
+
+
+def commit_loaded(state: TrainState, pieces: dict[str, LocalPiece]) -> None:
+    """Publish loaded pieces: the optimizer's masters to the working weights, frozen shards to
+    their homes (an offloaded one's copy written back) and to the gathered parameters."""
+    state.optimizer.publish_updated_shards()
+    frozen = [
+        p
+        for n, p in state.module.named_parameters()
+        if not pieces[n].trainable and zero_params.is_partitioned(p)
+    ]
+    if frozen:
+        with torch.no_grad():
+            for n, p in state.module.named_parameters():
+                home = zero_params.state_of(p).offload if zero_params.is_partitioned(p) else None
+                if home is not None and not pieces[n].trainable:  # the copy _frozen_values made
+                    home.replace(zero_params.state_of(p), pieces[n].padded)
+            zero_params.commit_shards(frozen)
 
 
 def _check_matches(
