@@ -37,6 +37,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.enums import GradClipAlgorithmType
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.optim import Optimizer
 
@@ -123,10 +124,7 @@ class ZeroStrategy(DDPStrategy):
         Raises:
             ValueError: a config value disagrees with the Trainer, or clipping by value.
         """
-        if trainer.gradient_clip_val and str(trainer.gradient_clip_algorithm) in (
-            "value",
-            "GradClipAlgorithmType.VALUE",
-        ):
+        if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
             raise ValueError(
                 "Trainer(gradient_clip_algorithm='value') cannot run under zero: the engine clips the "
                 "global gradient norm; use gradient_clip_algorithm='norm'"
@@ -153,6 +151,11 @@ class ZeroStrategy(DDPStrategy):
             self.precision_plugin = ZeroPrecision(flag, self._require_engine)
         super().setup_environment()
 
+    def _module(self) -> pl.LightningModule:
+        if self.lightning_module is None:
+            raise RuntimeError("ZeroStrategy has no LightningModule: Trainer.fit / validate connects one")
+        return self.lightning_module
+
     def _require_engine(self) -> Engine:
         if self.engine is None:
             raise RuntimeError("the zero engine is built in ZeroStrategy.setup; nothing may train before it")
@@ -161,18 +164,16 @@ class ZeroStrategy(DDPStrategy):
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
         """``zero_full.Init`` with this run's config: ``configure_model`` builds the model partitioned."""
-        assert self.lightning_module is not None
-        with Init(config=self.zero_config(self.lightning_module.trainer)):
+        with Init(config=self.zero_config(self._module().trainer)):
             yield
 
     # ------------------------------------------------------------------ setup
 
     def setup(self, trainer: pl.Trainer) -> None:
         """Build the engine over the LightningModule (once; later ``validate`` / ``fit`` reuse it)."""
-        assert self.accelerator is not None
-        self.accelerator.setup(trainer)
-        module = self.lightning_module
-        assert module is not None
+        if self.accelerator is not None:
+            self.accelerator.setup(trainer)
+        module = self._module()
         if self.engine is None:
             config = self.zero_config(trainer)
             if not any(zero_params.is_partitioned(p) for p in module.parameters()):
@@ -256,7 +257,7 @@ def _user_optimizer(module: pl.LightningModule) -> tuple[Any, list[Any]]:
     optimizers, schedulers = _init_optimizers_and_lr_schedulers(module)
     if len(optimizers) != 1 or len(schedulers) > 1:
         raise ValueError(
-            f"configure_optimizers returned {len(optimizers)} optimizer(s) and {len(schedulers)} scheduler(s); "
-            "zero trains with one optimizer (and at most one LR scheduler): return one of each"
+            f"configure_optimizers returned {len(optimizers)} optimizer(s) and {len(schedulers)} "
+            "scheduler(s); zero trains with one optimizer (and at most one LR scheduler): return one of each"
         )
     return optimizers[0], schedulers
