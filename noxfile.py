@@ -241,7 +241,7 @@ def integration(session: nox.Session) -> None:
     """End-to-end multi-process runs of the whole stack."""
     tests_dir = ROOT / "integration_tests"
     _install(session, "zero-full", "zero-testing")
-    _pip(session, "-c", CONSTRAINTS, "pytest>=8", "transformers>=4.45")
+    _pip(session, "-c", CONSTRAINTS, "pytest>=8", "transformers>=4.45", "accelerate>=1.0", "lightning>=2.4")
     if not _has_tests(tests_dir):
         session.log("integration_tests: none yet")
         return

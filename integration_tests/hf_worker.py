@@ -1,4 +1,4 @@
-"""One Hugging Face Trainer training of the tiny GPT-2, as a script: ``python hf_worker.py OUT.json [options]``.
+"""One Hugging Face Trainer training of the tiny GPT-2: ``python hf_worker.py OUT.json [options]``.
 
 ``torchrun --nproc_per_node 2 hf_worker.py OUT.json --stage 3`` trains with ``ZeroTrainer``;
 without ``--stage`` it is the single-process reference (plain ``Trainer``, the whole global
@@ -55,13 +55,26 @@ def main() -> None:
     args = ap.parse_args()
 
     targs = TrainingArguments(
-        output_dir=args.output_dir, per_device_train_batch_size=args.batch,
-        gradient_accumulation_steps=args.accumulate, max_steps=args.max_steps, learning_rate=1e-3,
-        weight_decay=0.01, warmup_steps=2, lr_scheduler_type="linear", max_grad_norm=1.0,
-        logging_steps=1, save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
-        report_to=[], use_cpu=True, seed=11, dataloader_drop_last=True, disable_tqdm=True,
-        optim="adamw_torch", per_device_eval_batch_size=args.batch,
-    )  # fmt: skip
+        output_dir=args.output_dir,
+        per_device_train_batch_size=args.batch,
+        gradient_accumulation_steps=args.accumulate,
+        max_steps=args.max_steps,
+        learning_rate=1e-3,
+        weight_decay=0.01,
+        warmup_steps=2,
+        lr_scheduler_type="linear",
+        max_grad_norm=1.0,
+        logging_steps=1,
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500,
+        report_to=[],
+        use_cpu=True,
+        seed=11,
+        dataloader_drop_last=True,
+        disable_tqdm=True,
+        optim="adamw_torch",
+        per_device_eval_batch_size=args.batch,
+    )
     model = build_gpt2()
     data = TokenDataset(token_data())
     recorder = EngineRecorder()
@@ -72,14 +85,24 @@ def main() -> None:
     else:
         from zero_full.hf import ZeroTrainer
 
-        config = json.load(open(args.config)) if args.config else {
-            "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-            "gradient_clipping": "auto", "zero_optimization": {"stage": args.stage},
-        }  # fmt: skip
+        config = (
+            json.load(open(args.config))
+            if args.config
+            else {
+                "train_micro_batch_size_per_gpu": "auto",
+                "gradient_accumulation_steps": "auto",
+                "gradient_clipping": "auto",
+                "zero_optimization": {"stage": args.stage},
+            }
+        )
         trainer = ZeroTrainer(
-            model=model, args=targs, train_dataset=data, eval_dataset=TokenDataset(token_data(16)),
-            callbacks=[recorder], zero_config=config,
-        )  # fmt: skip
+            model=model,
+            args=targs,
+            train_dataset=data,
+            eval_dataset=TokenDataset(token_data(16)),
+            callbacks=[recorder],
+            zero_config=config,
+        )
         recorder.trainer = trainer
     trainer.train(resume_from_checkpoint=args.resume)
     result = {"log": trainer.state.log_history, "engine": recorder.steps}

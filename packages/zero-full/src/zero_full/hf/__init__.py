@@ -4,7 +4,7 @@ from typing import Any
 
 
 def __getattr__(name: str) -> Any:
-    """``zero_full.hf.ZeroTrainer``, imported on first use (``import zero_full`` stays without transformers)."""
+    """``zero_full.hf.ZeroTrainer``, imported on first use (``import zero_full`` needs no transformers)."""
     if name == "ZeroTrainer":
         from zero_full.hf.trainer import ZeroTrainer
 
