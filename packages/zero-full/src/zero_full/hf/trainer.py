@@ -132,6 +132,11 @@ class ZeroTrainer(Trainer):
     def __init__(self, *args: Any, zero_config: Mapping[str, Any] | str | os.PathLike[str], **kwargs: Any):
         super().__init__(*args, **kwargs)
         _refuse_unsupported(self.args)
+        if self.model_init is not None:
+            raise ValueError(
+                "ZeroTrainer cannot take model_init: the engine shards the one model it is given; "
+                "pass model=..."
+            )
         hidden = getattr(getattr(self.model, "config", None), "hidden_size", None)
         raw = fill_from_training_args(zero_config, self.args, self.args.world_size, hidden)
         self.zero_config = ZeroConfig.model_validate(raw)
