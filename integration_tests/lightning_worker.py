@@ -13,21 +13,28 @@ import os
 
 import lightning.pytorch as pl
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from trainer_models import build_gpt2, token_data
+
+import zero_full
+import zero_params
 
 
 class LitGPT2(pl.LightningModule):
-    def __init__(self, lr: float, sharded: bool) -> None:
+    def __init__(self, lr: float, init_weights: str | None) -> None:
         super().__init__()
         self.lr = lr
-        self.sharded = sharded
-        self.net = None if sharded else build_gpt2()
+        self.init_weights = init_weights
+        self.net = None if init_weights else build_gpt2()
         self.records: list[dict[str, float]] = []
+        self.partitioned = False
 
     def configure_model(self) -> None:
-        if self.net is None:
-            self.net = build_gpt2()  # inside zero_full.Init under the zero strategies
+        if self.net is None:  # inside zero_full.Init under the zero strategies
+            self.net = build_gpt2()
+            self.partitioned = all(zero_params.is_partitioned(p) for p in self.net.parameters())
+            # transformers' weight init does not reach partitioned parameters: take the reference's
+            zero_full.load_safetensors_into(self.net, self.init_weights)
 
     def training_step(self, batch, batch_idx):
         (ids,) = batch
@@ -72,21 +79,33 @@ def main() -> None:
     if zero:
         import zero_full.lightning  # noqa: F401  registers the strategy names
     data = token_data()
-    loader = DataLoader(TensorDataset(data), batch_size=args.batch, shuffle=False)
+
+    def loader(samples: torch.Tensor) -> DataLoader:
+        # rank r trains on samples r, r + world, ...: global batch k = the reference's batch k
+        # (Lightning's own distributed sampler would shuffle the training data)
+        dataset = TensorDataset(samples)
+        sampler = DistributedSampler(dataset, world, int(os.environ.get("RANK", "0")), shuffle=False)
+        return DataLoader(dataset, batch_size=args.batch, sampler=sampler)
+
     callbacks = []
     if args.ckpt_dir:
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, every_n_epochs=1, save_top_k=-1))
     trainer = pl.Trainer(
         strategy=args.strategy, accelerator="cpu", devices=world, max_epochs=args.epochs,
         accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip, precision=args.precision,
-        callbacks=callbacks, logger=False, enable_checkpointing=bool(args.ckpt_dir),
+        callbacks=callbacks, logger=False, use_distributed_sampler=False,
+        enable_checkpointing=bool(args.ckpt_dir),
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )  # fmt: skip
-    model = LitGPT2(lr=1e-3, sharded=zero)
-    trainer.fit(model, train_dataloaders=loader, ckpt_path=args.resume)
-    result = {"records": model.records}
+    init_weights = None
+    if zero:  # each rank its own copy of the reference's initial weights
+        init_weights = f"{args.out}.init{os.environ['RANK']}"
+        build_gpt2().save_pretrained(init_weights)
+    model = LitGPT2(lr=1e-3, init_weights=init_weights)
+    trainer.fit(model, train_dataloaders=loader(data), ckpt_path=args.resume)
+    result = {"records": model.records, "partitioned": model.partitioned}
     if args.validate:
-        val = DataLoader(TensorDataset(data[:16]), batch_size=args.batch, shuffle=False)
+        val = loader(data[:16])
         result["val_loss"] = trainer.validate(model, dataloaders=val, verbose=False)[0]["val_loss"]
     if trainer.is_global_zero:
         with open(args.out, "w") as f:

@@ -139,6 +139,7 @@ def test_lightning_fit_matches_single_process(stage, lightning_reference, tmp_pa
     _close([r["loss"] for r in ref], [r["loss"] for r in zero])
     assert [r["lr"] for r in zero] == [r["lr"] for r in ref]
     assert all(r["grad_norm"] > 0 for r in zero)
+    assert got["partitioned"] == (stage == 3)  # configure_model ran under zero_full.Init
     if stage == 3:
         _close([lightning_reference["val_loss"]], [got["val_loss"]])
 

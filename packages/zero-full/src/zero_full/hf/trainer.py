@@ -27,6 +27,7 @@ support use (``_save_optimizer_and_scheduler``, ``_load_optimizer_and_scheduler`
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Mapping
 from typing import Any
 
@@ -230,6 +231,10 @@ class ZeroTrainer(Trainer):
             torch.save(self.args, os.path.join(output_dir, _TRAINING_ARGS))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        stale = os.path.join(output_dir, ZERO_CHECKPOINT)
+        if self.args.should_save and os.path.isdir(stale):  # the Trainer overwrites checkpoint-N too
+            shutil.rmtree(stale)
+        self.accelerator.wait_for_everyone()
         self.zero_engine().save_checkpoint(output_dir, tag=ZERO_CHECKPOINT)
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, _SCHEDULER))
