@@ -82,7 +82,7 @@ def test_hf_auto_without_a_source_is_a_validation_error_naming_the_key():
         ZeroConfig.model_validate(raw)
 
 
-def test_zero_trainer_refuses_deepspeed_argument():
+def test_zero_trainer_refuses_auto_find_batch_size():
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
