@@ -269,6 +269,15 @@ class Engine:
         """The fp16 loss scaler (``state_dict`` / ``load_state_dict``); ``None`` in fp32 / bf16."""
         return self._pipeline.scaler
 
+    @property
+    def grad_norm(self) -> float | None:
+        """Global gradient norm (before clipping) of the last applied optimizer step.
+
+        Measured when ``gradient_clipping`` is set (the clip computes it); ``None`` otherwise
+        and before the first step. Trainer integrations log it as ``grad_norm``.
+        """
+        return self._pipeline.last_grad_norm
+
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the next :meth:`step` call runs the optimizer."""
         return (self.micro_steps + 1) % self.gradient_accumulation_steps == 0
@@ -474,11 +483,6 @@ class Engine:
         return EngineStats(
             self.global_steps, params, self._comm, self._pipeline.skipped_steps, self._pipeline.loss_scale
         )
-
-    @property
-    def last_grad_norm(self) -> float | None:
-        """Global gradient norm of the last applied step (``None`` without ``gradient_clipping``)."""
-        return self._pipeline.last_grad_norm
 
     def memory_report(self, reset_peak: bool = False) -> MemoryReport:
         """This rank's real memory now, next to the ZeRO formula (no collective; log it per step).

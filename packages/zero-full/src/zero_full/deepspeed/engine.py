@@ -179,7 +179,7 @@ class DeepSpeedEngine:
 
     def get_global_grad_norm(self) -> float | None:
         """The global gradient norm of the last step (``None`` without ``gradient_clipping``)."""
-        return self.zero_engine.last_grad_norm
+        return self.zero_engine.grad_norm
 
     # ------------------------------------------------------------------ ranks and devices
 

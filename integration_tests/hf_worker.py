@@ -1,0 +1,118 @@
+"""One Hugging Face Trainer training of the tiny GPT-2: ``python hf_worker.py OUT.json [options]``.
+
+``torchrun --nproc_per_node 2 hf_worker.py OUT.json --stage 3`` trains with ``ZeroTrainer``;
+without ``--stage`` it is the single-process reference (plain ``Trainer``, the whole global
+batch per device). Rank 0 writes the Trainer's log history and, under zero, the learning
+rate and gradient norm the engine used at each step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import torch
+from trainer_models import build_gpt2, token_data
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    def __init__(self, ids: torch.Tensor) -> None:
+        self.ids = ids
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+class EngineRecorder(TrainerCallback):
+    """The engine's learning rate (read after the step, before the scheduler moves it) and gradient norm."""
+
+    def __init__(self) -> None:
+        self.trainer = None
+        self.steps: list[dict[str, float]] = []
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        engine = self.trainer.engine
+        self.steps.append({"lr": engine.optimizer.param_groups[0]["lr"], "grad_norm": engine.grad_norm})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--stage", type=int, default=None)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--accumulate", type=int, default=1)
+    ap.add_argument("--max-steps", type=int, default=8)
+    ap.add_argument("--save-steps", type=int, default=0)
+    ap.add_argument("--output-dir", default="hf_out")
+    ap.add_argument("--resume", default=None)
+    ap.add_argument("--save-model", default=None)
+    ap.add_argument("--config", default=None, help="a zero config JSON (default: the stage with auto values)")
+    args = ap.parse_args()
+
+    targs = TrainingArguments(
+        output_dir=args.output_dir,
+        per_device_train_batch_size=args.batch,
+        gradient_accumulation_steps=args.accumulate,
+        max_steps=args.max_steps,
+        learning_rate=1e-3,
+        weight_decay=0.01,
+        warmup_steps=2,
+        lr_scheduler_type="linear",
+        max_grad_norm=1.0,
+        logging_steps=1,
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500,
+        report_to=[],
+        use_cpu=True,
+        seed=11,
+        dataloader_drop_last=True,
+        disable_tqdm=True,
+        optim="adamw_torch",
+        per_device_eval_batch_size=args.batch,
+    )
+    model = build_gpt2()
+    data = TokenDataset(token_data())
+    recorder = EngineRecorder()
+    if args.stage is None:
+        trainer = Trainer(
+            model=model, args=targs, train_dataset=data, eval_dataset=TokenDataset(token_data(16))
+        )
+    else:
+        from zero_full.hf import ZeroTrainer
+
+        config = (
+            json.load(open(args.config))
+            if args.config
+            else {
+                "train_micro_batch_size_per_gpu": "auto",
+                "gradient_accumulation_steps": "auto",
+                "gradient_clipping": "auto",
+                "zero_optimization": {"stage": args.stage},
+            }
+        )
+        trainer = ZeroTrainer(
+            model=model,
+            args=targs,
+            train_dataset=data,
+            eval_dataset=TokenDataset(token_data(16)),
+            callbacks=[recorder],
+            zero_config=config,
+        )
+        recorder.trainer = trainer
+    trainer.train(resume_from_checkpoint=args.resume)
+    result = {"log": trainer.state.log_history, "engine": recorder.steps}
+    result["eval_loss"] = trainer.evaluate()["eval_loss"]
+    if args.save_model:
+        trainer.save_model(args.save_model)
+    if int(os.environ.get("RANK", "0")) == 0:
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""One Lightning training of the tiny GPT-2, as a script: ``python lightning_worker.py OUT.json [options]``.
+
+Run as ``torchrun --nproc_per_node 2 lightning_worker.py --strategy zero_stage_3 ...`` for zero
+and with ``--strategy auto`` in one process for the reference. Rank 0 writes each step's loss,
+the learning rate the step used and the engine's gradient norm to the JSON file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from trainer_models import build_gpt2, token_data
+
+import zero_full
+import zero_params
+
+
+class LitGPT2(pl.LightningModule):
+    def __init__(self, lr: float, init_weights: str | None) -> None:
+        super().__init__()
+        self.lr = lr
+        self.init_weights = init_weights
+        self.net = None if init_weights else build_gpt2()
+        self.records: list[dict[str, float]] = []
+        self.partitioned = False
+
+    def configure_model(self) -> None:
+        if self.net is None:  # inside zero_full.Init under the zero strategies
+            self.net = build_gpt2()
+            self.partitioned = all(zero_params.is_partitioned(p) for p in self.net.parameters())
+            # transformers' weight init does not reach partitioned parameters: take the reference's
+            zero_full.load_safetensors_into(self.net, self.init_weights)
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch
+        loss = self.net(input_ids=ids, labels=ids).loss
+        mean = self.trainer.strategy.reduce(loss.detach(), reduce_op="mean")  # the global batch's loss
+        self.records.append({"loss": mean.item(), "lr": self.trainer.optimizers[0].param_groups[0]["lr"]})
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        engine = getattr(self.trainer.strategy, "engine", None)
+        if engine is not None:
+            self.records[-1]["grad_norm"] = engine.grad_norm
+
+    def validation_step(self, batch, batch_idx):
+        (ids,) = batch
+        loss = self.net(input_ids=ids, labels=ids).loss
+        self.log("val_loss", loss, sync_dist=True)
+        return loss
+
+    def configure_optimizers(self):
+        opt = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--strategy", default="auto")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--accumulate", type=int, default=1)
+    ap.add_argument("--clip", type=float, default=1.0)
+    ap.add_argument("--precision", default="32-true")
+    ap.add_argument("--ckpt-dir", default=None)
+    ap.add_argument("--resume", default=None)
+    ap.add_argument("--validate", action="store_true")
+    args = ap.parse_args()
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    zero = args.strategy.startswith("zero")
+    if zero:
+        import zero_full.lightning  # noqa: F401  registers the strategy names
+    data = token_data()
+
+    def loader(samples: torch.Tensor) -> DataLoader:
+        # rank r trains on samples r, r + world, ...: global batch k = the reference's batch k
+        # (Lightning's own distributed sampler would shuffle the training data)
+        dataset = TensorDataset(samples)
+        sampler = DistributedSampler(dataset, world, int(os.environ.get("RANK", "0")), shuffle=False)
+        return DataLoader(dataset, batch_size=args.batch, sampler=sampler)
+
+    callbacks = []
+    if args.ckpt_dir:
+        callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, every_n_epochs=1, save_top_k=-1))
+    trainer = pl.Trainer(
+        strategy=args.strategy, accelerator="cpu", devices=world, max_epochs=args.epochs,
+        accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip, precision=args.precision,
+        callbacks=callbacks, logger=False, use_distributed_sampler=False,
+        enable_checkpointing=bool(args.ckpt_dir),
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )  # fmt: skip
+    init_weights = None
+    if zero:  # each rank its own copy of the reference's initial weights
+        init_weights = f"{args.out}.init{os.environ['RANK']}"
+        build_gpt2().save_pretrained(init_weights)
+    model = LitGPT2(lr=1e-3, init_weights=init_weights)
+    trainer.fit(model, train_dataloaders=loader(data), ckpt_path=args.resume)
+    result = {"records": model.records, "partitioned": model.partitioned}
+    if args.validate:
+        val = loader(data[:16])
+        result["val_loss"] = trainer.validate(model, dataloaders=val, verbose=False)[0]["val_loss"]
+    if trainer.is_global_zero:
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()

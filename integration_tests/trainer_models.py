@@ -1,0 +1,36 @@
+"""The tiny language model and data of the Lightning and Hugging Face Trainer integration tests.
+
+A GPT-2 built from a config (no download), dropout off, a fixed token dataset: the
+reference (one process, the whole global batch) and each zero rank see the same model
+and the same global batches.
+"""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB = 97
+SEQ = 16
+SAMPLES = 64
+
+
+def gpt2_config():
+    from transformers import GPT2Config
+
+    return GPT2Config(
+        vocab_size=VOCAB, n_positions=SEQ, n_embd=24, n_layer=2, n_head=2,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+
+
+def build_gpt2():
+    """The model, its weights a pure function of the seed."""
+    from transformers import GPT2LMHeadModel
+
+    torch.manual_seed(1234)
+    return GPT2LMHeadModel(gpt2_config())
+
+
+def token_data(samples: int = SAMPLES) -> torch.Tensor:
+    """``samples`` sequences of ``SEQ`` token ids (a fixed generator: the same on every rank)."""
+    return torch.randint(0, VOCAB, (samples, SEQ), generator=torch.Generator().manual_seed(7))
