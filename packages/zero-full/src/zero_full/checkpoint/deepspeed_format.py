@@ -247,7 +247,15 @@ def read_layout(path: Path, model: dict[str, Any], optim0: dict[str, Any]) -> De
         raise CheckpointError(
             f"{path / model_files[0]}: written with tensor parallelism, which zero does not read"
         )
-    if int(model.get("dp_world_size", world)) != world:
+    saved_world = int(model.get("dp_world_size", world))
+    if saved_world > world:  # the last ranks' files are gone: name them
+        prefix = optim_files[0][: -len("zero_pp_rank_0_mp_rank_00_optim_states.pt")]
+        gone = [f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(world, saved_world)]
+        raise CheckpointError(
+            f"DeepSpeed checkpoint {path} is incomplete: missing {', '.join(gone)} "
+            f"({path / model_files[0]} was written by {saved_world} data-parallel ranks)"
+        )
+    if saved_world != world:
         raise CheckpointError(
             f"{path / model_files[0]}: says {model.get('dp_world_size')} data-parallel ranks, "
             f"the directory holds files of {world}"
