@@ -52,7 +52,7 @@ def _save_twice(out: str, first: str, second: str) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in engine.consolidated_state_dict().items()}
 
 
-@pytest.mark.parametrize(("first", "second"), [("5GB", "8KB"), ("8KB", "5GB"), ("8KB", "20KB")])
+@pytest.mark.parametrize(("first", "second"), [("5GB", "8KB"), ("8KB", "5GB"), ("8KB", "12KB")])
 def test_save_pretrained_over_an_earlier_save_leaves_exactly_the_new_one(dist, tmp_path, first, second):
     from transformers import GPT2LMHeadModel
 

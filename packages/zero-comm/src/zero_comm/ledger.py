@@ -22,6 +22,7 @@ from types import TracebackType
 from torch.distributed import ProcessGroup
 
 from zero_comm.topology import LinkKind, Topology, group_ranks
+from zero_comm.units import format_bytes
 from zero_comm.watchdog import CommWatchdog, activate, deactivate
 
 __all__ = ["CommLedger", "CommRecord", "CommTotals", "record", "ring_wire_bytes"]
@@ -226,13 +227,15 @@ class CommLedger:
         for (step, op, link), t in sorted(rows.items()):
             lines.append(
                 f"{step:>4}  {op:<16} {link:<10} {t.calls:>6} "
-                f"{_fmt_bytes(t.payload_bytes):>12} {_fmt_bytes(t.wire_bytes):>12}"
+                f"{format_bytes(t.payload_bytes, binary=True):>12} "
+                f"{format_bytes(t.wire_bytes, binary=True):>12}"
             )
         total = _sum(self.records)
         lines.append("-" * len(head))
         lines.append(
             f"{'all':>4}  {'':<16} {'':<10} {total.calls:>6} "
-            f"{_fmt_bytes(total.payload_bytes):>12} {_fmt_bytes(total.wire_bytes):>12}"
+            f"{format_bytes(total.payload_bytes, binary=True):>12} "
+            f"{format_bytes(total.wire_bytes, binary=True):>12}"
         )
         return "\n".join(lines)
 
@@ -244,14 +247,3 @@ def _sum(records: Iterable[CommRecord]) -> CommTotals:
         payload += r.payload_bytes
         wire += r.wire_bytes
     return CommTotals(calls, payload, wire)
-
-
-def _fmt_bytes(n: int) -> str:
-    if n < 1024:
-        return f"{n} B"
-    value = n / 1024
-    for unit in ("KiB", "MiB"):
-        if value < 1024:
-            return f"{value:.2f} {unit}"
-        value /= 1024
-    return f"{value:.2f} GiB"

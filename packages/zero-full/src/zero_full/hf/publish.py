@@ -22,6 +22,8 @@ import os
 import re
 from pathlib import Path
 
+from zero_full.checkpoint.io import fsync_dir
+
 __all__ = ["WEIGHT_FILE", "publish_weights"]
 
 WEIGHT_FILE = re.compile(
@@ -50,17 +52,4 @@ def publish_weights(directory: Path, written: dict[str, Path], index: tuple[str,
         tmp = directory / f".{name}.tmp-{os.getpid()}"
         tmp.write_text(text)
         os.replace(tmp, directory / name)
-    _fsync_dir(directory)
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    fsync_dir(directory)
