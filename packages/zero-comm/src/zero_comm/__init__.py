@@ -52,6 +52,7 @@ from zero_comm.handles import AllGatherHandle, CollectiveHandle, ReduceScatterHa
 from zero_comm.hierarchical import hierarchical_all_gather_coalesced
 from zero_comm.in_place import reduce_scatter_in_place
 from zero_comm.ledger import CommLedger, CommRecord, CommTotals, record, ring_wire_bytes
+from zero_comm.native import NativeReduceScatter, has_native_reduce_scatter, reduce_scatter_strategy
 from zero_comm.partition import padded_numel, partition_numel, shard_range
 from zero_comm.primitives import all_reduce, all_to_all_single, broadcast
 from zero_comm.rank_memory import (
@@ -98,6 +99,7 @@ __all__ = [
     "HierarchicalAllGather",
     "HierarchicalGroups",
     "LinkKind",
+    "NativeReduceScatter",
     "MemorySource",
     "ProcessMemory",
     "RankPosition",
@@ -117,6 +119,7 @@ __all__ = [
     "all_to_all_single",
     "broadcast",
     "group_ranks",
+    "has_native_reduce_scatter",
     "hierarchical_all_gather_coalesced",
     "note",
     "padded_numel",
@@ -127,6 +130,7 @@ __all__ = [
     "reduce_scatter_coalesced",
     "reduce_scatter_coalesced_padded",
     "reduce_scatter_in_place",
+    "reduce_scatter_strategy",
     "reset_device_peak",
     "reset_process_peak",
     "ring_wire_bytes",
