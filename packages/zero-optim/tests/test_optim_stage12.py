@@ -537,3 +537,28 @@ def test_parameters_moved_out_of_the_flat_buffer_still_receive_the_gathered_step
     for a, b in zip(moved, stay):
         for name, value in b.items():
             assert torch.equal(a[name], value), name
+
+
+def _native_vs_exchange(rank, stage, dtype):
+    """Stages 1-2 with the backend's reduce_scatter_tensor (as chosen on NCCL) or the exchange."""
+    trained = []
+    for strategy in (zero_comm.NativeReduceScatter(), None):
+        model = Odd(unused=True).to(dtype)
+        opt, reduction = replicated_optimizer(
+            model, make_optimizer("adamw"), stage, working_dtype=dtype, reduce_strategy=strategy
+        )
+        for step in range(3):
+            x = batch(step, 0, rank.world_size)[4 * rank.rank : 4 * (rank.rank + 1)].to(dtype)
+            model(x).backward()
+            reduction.at_boundary()
+            opt.step()
+            opt.zero_grad()
+        reduction.remove()
+        trained.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return all(torch.equal(trained[0][n], trained[1][n]) for n in trained[1])
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_native_reduce_scatter_trains_bit_identically_at_world_2(dist, stage, dtype):
+    assert dist.run(2, _native_vs_exchange, stage, dtype) == [True, True]
