@@ -82,13 +82,13 @@ class NativeReduceScatter(OnGroup):
             if not first.is_floating_point():
                 raise ValueError(f"NativeReduceScatter: needs floating-point tensors, got {first.dtype}")
             parts = [partition_numel(t.numel(), world) for t in tensors]
-            send, _ = interleave(tensors, parts, world, None)
             average = reduction is Reduction.AVG
             if world == 1:
+                send, _ = interleave(tensors, parts, world, None)
                 record_padded_reduce_scatter(self.group, sum(t.numel() for t in tensors), parts, world, first)
                 return issue_staged_rows(send, None, parts, 0, average, self.group, async_op)
             wire = self.wire_dtype(first.dtype)
-            rows = send if wire == first.dtype else send.to(wire)
+            rows, _ = interleave(tensors, parts, world, None, dtype=wire)  # cast as it is staged
             numel = sum(t.numel() for t in tensors)
             record_padded_reduce_scatter(self.group, numel, parts, world, rows)
             out = torch.empty(sum(parts), dtype=wire, device=first.device)
