@@ -16,6 +16,7 @@ from zero_comm import (
     partition_numel,
     reduce_scatter_coalesced_padded,
 )
+from zero_comm.row_exchange import interleave
 
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
@@ -129,3 +130,29 @@ def test_all_reduce_through_half_is_within_two_roundings(dist, spec, dtype_name)
 def test_an_unknown_communication_dtype_is_refused():
     with pytest.raises(ValueError, match="communication dtype must be"):
         CastReduceScatter(torch.int8)
+
+
+def _interleave_one_copy_per_piece(tensors, parts, world, dtype):
+    """The staging of the cast reduce-scatter as it was: one copy per rank and tensor."""
+    flats = [t.view(-1) for t in tensors]
+    send = torch.zeros(world, sum(parts), dtype=dtype)
+    for r in range(world):
+        offset = 0
+        for f, p in zip(flats, parts):
+            piece = f[min(r * p, f.numel()) : min((r + 1) * p, f.numel())]
+            if piece.numel():
+                send[r, offset : offset + piece.numel()].copy_(piece)
+            offset += p
+    return send
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_staging_cast_in_one_cat_equals_a_copy_per_piece(world, dtype):
+    gen = torch.Generator().manual_seed(world)
+    tensors = [torch.randn(n, generator=gen) * 1e3 for n in ODD_SIZES + [world * 3]]
+    tensors[1][0] = 1e9  # out of fp16's range: inf either way
+    parts = [partition_numel(t.numel(), world) for t in tensors]
+    got, _ = interleave(tensors, parts, world, None, dtype=dtype)
+    assert got.dtype == dtype
+    assert torch.equal(got, _interleave_one_copy_per_piece(tensors, parts, world, dtype))

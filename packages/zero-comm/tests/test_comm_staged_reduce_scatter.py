@@ -8,7 +8,7 @@ from comm_cases import ODD_SIZES, rank_tensor
 
 from zero_comm import StagedReduceScatter, reduce_scatter_coalesced_padded
 
-SHAPES = [(n,) for n in ODD_SIZES] + [(3, 5), (1, 1, 7)]
+SHAPES = [(n,) for n in ODD_SIZES] + [(3, 5), (1, 1, 7), (60,), (12, 5)]  # 60: whole rows at 1, 2, 4, 5 ranks
 
 
 def _staged_equals_padded(rank):

@@ -188,3 +188,27 @@ def test_bf16_training_may_reduce_its_gradients_in_fp32(dist):
     assert wide[0][1] == 2 * (plain_bytes - plain_calls * 2)
     for a, b in zip(_mean_losses(wide), _mean_losses(plain)):  # one bf16 rounding less per reduction
         assert abs(a - b) <= 2e-2 * abs(b)
+
+
+def _chosen_reduce_scatter(rank):
+    from zero_full.wiring.comm_dtype import comm_strategies
+
+    def pick(stage, comm, backend=None):
+        cfg = zero_full.ZeroConfig.coerce(_config(stage, comm))
+        return type(comm_strategies(cfg, backend=backend).reduce_scatter).__name__
+
+    return [
+        pick(2, None),  # gloo: the exchange
+        pick(2, None, "nccl"),
+        pick(3, "fp32", "cpu:gloo,cuda:nccl"),  # the working dtype: nothing to cast
+        pick(0, None, "nccl"),  # stage 0 all-reduces
+        pick(1, "bf16", "nccl"),  # a cast asked for: the cast strategy
+    ]
+
+
+def test_the_reduce_scatter_follows_the_backend(dist):
+    got = dist.run(2, _chosen_reduce_scatter)
+    assert (
+        got
+        == [["NoneType", "NativeReduceScatter", "NativeReduceScatter", "NoneType", "CastReduceScatter"]] * 2
+    )

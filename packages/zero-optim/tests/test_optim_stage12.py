@@ -537,3 +537,71 @@ def test_parameters_moved_out_of_the_flat_buffer_still_receive_the_gathered_step
     for a, b in zip(moved, stay):
         for name, value in b.items():
             assert torch.equal(a[name], value), name
+
+
+def _native_vs_exchange(rank, stage, dtype):
+    """Stages 1-2 with the backend's reduce_scatter_tensor (as chosen on NCCL) or the exchange."""
+    trained = []
+    for strategy in (zero_comm.NativeReduceScatter(), None):
+        model = Odd(unused=True).to(dtype)
+        opt, reduction = replicated_optimizer(
+            model, make_optimizer("adamw"), stage, working_dtype=dtype, reduce_strategy=strategy
+        )
+        for step in range(3):
+            x = batch(step, 0, rank.world_size)[4 * rank.rank : 4 * (rank.rank + 1)].to(dtype)
+            model(x).backward()
+            reduction.at_boundary()
+            opt.step()
+            opt.zero_grad()
+        reduction.remove()
+        trained.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    return all(torch.equal(trained[0][n], trained[1][n]) for n in trained[1])
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_native_reduce_scatter_trains_bit_identically_at_world_2(dist, stage, dtype):
+    assert dist.run(2, _native_vs_exchange, stage, dtype) == [True, True]
+
+
+def _stage0_fp32_reduction(rank, wide):
+    """bf16 gradients of stage 0 averaged in fp32: exactly the fp32 average of every rank's bf16 gradient."""
+    model = Odd(unused=True).to(torch.bfloat16)
+    strategy = zero_comm.CastAllReduce(torch.float32) if wide else None
+    opt, reduction = replicated_optimizer(
+        model, make_optimizer("sgd"), 0, working_dtype=torch.bfloat16, all_reduce_strategy=strategy
+    )
+    world = rank.world_size
+    x = batch(0, 0, world)
+    model(x[4 * rank.rank : 4 * (rank.rank + 1)].to(torch.bfloat16)).backward()
+    reduction.at_boundary()
+    reduction.remove()
+    # the reference: one process, each rank's bf16 gradient from its slice, summed in fp32 in rank order
+    ref_model = Odd(unused=True).to(torch.bfloat16)
+    per_rank = []
+    for r in range(world):
+        ref_model.zero_grad(set_to_none=True)
+        ref_model(x[4 * r : 4 * (r + 1)].to(torch.bfloat16)).backward()
+        per_rank.append(
+            {
+                n: (p.grad.float() if p.grad is not None else torch.zeros_like(p, dtype=torch.float32))
+                for n, p in ref_model.named_parameters()
+            }
+        )
+    exact = 0
+    for group, seg in opt.segments():
+        expected = per_rank[0][seg.name].clone()
+        for grads in per_rank[1:]:
+            expected += grads[seg.name]
+        expected = expected.div_(world).reshape(-1)
+        got = group.grad[seg.offset : seg.offset + seg.numel][: expected.numel()]
+        exact += int(torch.equal(got, expected))
+    return exact, len(list(opt.segments()))
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_stage_0_reduces_bf16_gradients_in_fp32_when_asked(dist, world):
+    wide = dist.run(world, _stage0_fp32_reduction, True)
+    assert all(exact == total for exact, total in wide), wide
+    plain = dist.run(world, _stage0_fp32_reduction, False)  # summed in bf16, rounded to bf16
+    assert all(exact < total for exact, total in plain), plain

@@ -10,7 +10,7 @@ from params_cases import reference_partition, run
 from torch import nn
 
 import zero_params as zp
-from zero_comm import CommLedger, Topology
+from zero_comm import CommLedger, NativeReduceScatter, Topology
 from zero_testing import max_rel_to_magnitude
 
 pytest_plugins = ("params_worlds",)
@@ -142,3 +142,25 @@ def _unpartitioned_rejected():
 
 def test_reduce_scatter_grads_rejects_unpartitioned_parameters(dist, world):
     assert "not partitioned" in run(dist, world, _unpartitioned_rejected)[0]
+
+
+def _native_like_the_exchange():
+    """Partitioned parameters reduced by NativeReduceScatter (as on NCCL): the exchange's partitions."""
+    got = []
+    for strategy in (NativeReduceScatter(), None):
+        model = _model()
+        states = zp.partition(model, persistence_threshold=13, reduce_strategy=strategy)
+        params = list(model.parameters())
+        torch.manual_seed(100 + dist.get_rank())
+        zp.gather(params).wait()
+        model(torch.randn(4, 7)).pow(2).sum().backward()
+        zp.reduce_scatter_grads(params).wait()
+        zp.release(params)
+        got.append([s.grad_partition.clone() for s in states])
+    return [(torch.equal(a, b), torch.allclose(a, b, rtol=1e-5, atol=1e-7)) for a, b in zip(*got)]
+
+
+def test_the_native_reduce_scatter_gives_the_exchange_partitions(dist, world):
+    bitwise = world <= 2  # beyond two ranks gloo's sum order is its own
+    for same in run(dist, world, _native_like_the_exchange):
+        assert len(same) == 4 and all(equal if bitwise else close for equal, close in same), same

@@ -55,6 +55,7 @@ from zero_comm.handles import AllGatherHandle, CollectiveHandle, ReduceScatterHa
 from zero_comm.hierarchical import hierarchical_all_gather_coalesced
 from zero_comm.in_place import reduce_scatter_in_place
 from zero_comm.ledger import CommLedger, CommRecord, CommTotals, record, ring_wire_bytes
+from zero_comm.native import NativeReduceScatter, has_native_reduce_scatter, reduce_scatter_strategy
 from zero_comm.partition import padded_numel, partition_numel, shard_range
 from zero_comm.primitives import all_reduce, all_to_all_single, broadcast
 from zero_comm.reduction import ReduceOpLike, Reduction
@@ -98,6 +99,7 @@ __all__ = [
     "HierarchicalAllGather",
     "HierarchicalGroups",
     "LinkKind",
+    "NativeReduceScatter",
     "RankPosition",
     "RanksDivergedError",
     "ReduceOpLike",
@@ -116,6 +118,7 @@ __all__ = [
     "broadcast",
     "control_device",
     "group_ranks",
+    "has_native_reduce_scatter",
     "hierarchical_all_gather_coalesced",
     "note_collectives",
     "padded_numel",
@@ -124,6 +127,7 @@ __all__ = [
     "reduce_scatter_coalesced",
     "reduce_scatter_coalesced_padded",
     "reduce_scatter_in_place",
+    "reduce_scatter_strategy",
     "ring_wire_bytes",
     "served_device_types",
     "wait_polled",

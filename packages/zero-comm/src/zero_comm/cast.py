@@ -38,6 +38,7 @@ from zero_comm.pairwise import gather_rows, gathers_pairwise
 from zero_comm.partition import partition_numel
 from zero_comm.profiling import profile_range
 from zero_comm.reduction import ReduceOpLike, Reduction
+from zero_comm.row_exchange import interleave
 from zero_comm.strategies import OnGroup
 from zero_comm.watchdog import watched_call
 
@@ -186,7 +187,7 @@ class CastReduceScatter(_OnGroupThroughDtype):
             world = self.group_size
             parts = [partition_numel(t.numel(), world) for t in tensors]
             first = tensors[0]
-            send = _interleave_cast(tensors, parts, world, self.dtype)
+            send, _ = interleave(tensors, parts, world, None, dtype=self.dtype)
             es = send.element_size()
             record(
                 "reduce_scatter",
@@ -225,23 +226,6 @@ class CastReduceScatter(_OnGroupThroughDtype):
             if not async_op:
                 handle.wait()
             return handle
-
-
-def _interleave_cast(
-    tensors: Sequence[torch.Tensor], parts: list[int], world: int, dtype: torch.dtype
-) -> torch.Tensor:
-    """``(world, P)`` buffer of ``dtype``: row ``r`` holds partition ``r`` of every tensor, zero-padded."""
-    first = tensors[0]
-    flats = [t.view(-1) for t in tensors]
-    send = torch.zeros(world, sum(parts), dtype=dtype, device=first.device)
-    for r in range(world):
-        offset = 0
-        for f, p in zip(flats, parts):
-            piece = f[min(r * p, f.numel()) : min((r + 1) * p, f.numel())]
-            if piece.numel():
-                send[r, offset : offset + piece.numel()].copy_(piece)
-            offset += p
-    return send
 
 
 class CastAllReduce:

@@ -192,15 +192,22 @@ def exchange_full(
 
 
 def interleave(
-    tensors: Sequence[torch.Tensor], parts: list[int], world: int, own: int | None
+    tensors: Sequence[torch.Tensor],
+    parts: list[int],
+    world: int,
+    own: int | None,
+    *,
+    dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(rows, P)`` buffer whose rows hold partition ``r`` of every tensor, zero-padded, rank order.
 
     With ``own`` given, row ``own`` goes into a separate ``(P,)`` buffer (returned second)
     instead of the rows (``world - 1`` of them). Built by one ``torch.cat`` over slices (and
-    zero pads) per buffer: one kernel, cheaper than a strided copy per tensor.
+    zero pads) per buffer: one kernel, cheaper than a strided copy per tensor. With ``dtype``
+    the buffers hold that dtype: the same ``torch.cat`` casts as it copies.
     """
     first = tensors[0]
+    dtype = first.dtype if dtype is None else dtype
     flats = [t.view(-1) for t in tensors]
     pad = max((min(p, world * p - f.numel()) for f, p in zip(flats, parts)), default=0)
     zeros = torch.zeros(pad, dtype=first.dtype, device=first.device)
@@ -217,13 +224,13 @@ def interleave(
         return found
 
     rows = [r for r in range(world) if r != own]
-    send = torch.empty(len(rows), sum(parts), dtype=first.dtype, device=first.device)
+    send = torch.empty(len(rows), sum(parts), dtype=dtype, device=first.device)
     sent = pieces(rows)
     if sent and send.numel():
         torch.cat(sent, out=send.view(-1))
     if own is None:
         return send, None
-    mine = torch.empty(sum(parts), dtype=first.dtype, device=first.device)
+    mine = torch.empty(sum(parts), dtype=dtype, device=first.device)
     kept = pieces([own])
     if kept and mine.numel():
         torch.cat(kept, out=mine)

@@ -93,6 +93,9 @@ class StagedReduceScatter:
                     row.narrow(0, off, part).zero_()
                 return
             flat = tensor.reshape(-1)
+            if numel == self.world * part:  # no padding: one copy per block of rows, not one per rank
+                self._put_whole(flat.view(self.world, part), off, part)
+                return
             for r, row in enumerate(self._rows):  # rank r's partition: elements [r * part, (r + 1) * part)
                 dst = row.narrow(0, off, part)
                 n = min(part, numel - r * part)  # its elements that exist (the rest is padding)
@@ -103,6 +106,18 @@ class StagedReduceScatter:
                 else:
                     dst.narrow(0, 0, n).copy_(flat.narrow(0, r * part, n))
                     dst.narrow(0, n, part - n).zero_()
+
+    def _put_whole(self, rows: torch.Tensor, off: int, part: int) -> None:
+        """Copy ``(world, part)`` rows into the staging columns ``[off, off + part)``."""
+        if self._own is None:
+            self._send[:, off : off + part].copy_(rows)
+            return
+        r = self.rank
+        self._own.narrow(0, off, part).copy_(rows[r])
+        if r:
+            self._send[:r, off : off + part].copy_(rows[:r])
+        if r + 1 < self.world:
+            self._send[r:, off : off + part].copy_(rows[r + 1 :])
 
     def fill_missing(self, count: int | None = None) -> None:
         """Zero the staging positions of every tensor (of the first ``count``) not put yet.

@@ -559,7 +559,9 @@ class AllReduceInto:
         partitioning: A one-rank-world partitioning (each gradient partition is the whole gradient).
         group: The data-parallel group to average over (``None``: the world).
         strategy: An all-reduce strategy over ``group`` (``None``: the plain
-            ``zero_comm.all_reduce``; e.g. ``zero_comm.CastAllReduce``).
+            ``zero_comm.all_reduce``; e.g. ``zero_comm.CastAllReduce``). One wider than the
+            gradients (fp32 for bf16: ``communication_data_type``) reduces them in that dtype and
+            adds the result unrounded to the (fp32) gradient partitions.
     """
 
     partitioning: ReplicaPartitioning
@@ -571,7 +573,11 @@ class AllReduceInto:
         with profile_range("zero.optim.all_reduce_grads"):
             grads = _take_grads(params)
             flat = torch.cat([g.reshape(-1) for g in grads]) if grads else torch.zeros(0)
-            if self.strategy is not None:
+            wide = self.strategy is not None and self.strategy.reduce.dtype.itemsize > flat.dtype.itemsize
+            if wide:  # e.g. bf16 gradients summed in fp32 and added unrounded to the fp32 partitions
+                flat = flat.to(self.strategy.reduce.dtype)
+                handle = zero_comm.all_reduce(flat, self.group, op="avg", async_op=True)
+            elif self.strategy is not None:
                 handle = self.strategy.all_reduce(flat, op="avg")
             else:
                 handle = zero_comm.all_reduce(flat, self.group, op="avg", async_op=True)

@@ -13,6 +13,7 @@ from zero_comm import (
     AllToAllReduceScatter,
     CastReduceScatter,
     GradientBound,
+    NativeReduceScatter,
     ReduceScatterHandle,
     ReduceScatterStrategy,
 )
@@ -23,7 +24,7 @@ from zero_params.state import ShardedParam, state_of
 
 __all__ = ["GradReduceHandle", "reduce_scatter_grads"]
 
-_ORDER_FREE = (AllToAllReduceScatter, CastReduceScatter)
+_ORDER_FREE = (AllToAllReduceScatter, CastReduceScatter, NativeReduceScatter)
 """Strategies whose every element's result is independent of the tensors' order in the call
 (quantized ones group elements across tensors, so their order is kept as given)."""
 

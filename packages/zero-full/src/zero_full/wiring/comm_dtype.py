@@ -9,6 +9,10 @@ hand to the layers below:
   working dtype; the sums and the average are computed in the working dtype after the cast back;
 * parameters, stage 3: :class:`zero_comm.CastAllGather` only when the communication dtype is
   narrower than the working dtype (a wider gather would move more bytes for the same values).
+
+Without a cast, stages 1-3 reduce gradients with the backend's choice
+(:func:`zero_comm.reduce_scatter_strategy`): the native ``reduce_scatter_tensor`` on NCCL
+(half types reduced in fp32), the plain exchange (``None``) elsewhere.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
@@ -40,7 +45,7 @@ class CommStrategies:
 
     dtype: torch.dtype | None = None
     gather: zero_comm.CastAllGather | None = None
-    reduce_scatter: zero_comm.CastReduceScatter | None = None
+    reduce_scatter: zero_comm.CastReduceScatter | zero_comm.NativeReduceScatter | None = None
     all_reduce: zero_comm.CastAllReduce | None = None
 
     def check_partitioned(self, model: nn.Module) -> None:
@@ -65,19 +70,24 @@ class CommStrategies:
                 )
 
 
-def comm_strategies(config: ZeroConfig, group: ProcessGroup | None = None) -> CommStrategies:
+def comm_strategies(
+    config: ZeroConfig, group: ProcessGroup | None = None, *, backend: str | None = None
+) -> CommStrategies:
     """The strategies for ``config.communication_data_type`` over ``group`` (``None``: the world).
 
     Args:
         config: The validated configuration.
         group: The data-parallel (shard) group.
+        backend: Backend to choose the reduce-scatter by (``None``: ``group``'s, when initialised).
     """
-    if config.communication_data_type is None:
-        return CommStrategies()
-    dtype = precision_dtype(config.communication_data_type)
+    dtype = (
+        precision_dtype(config.communication_data_type)
+        if config.communication_data_type is not None
+        else None
+    )
     working = working_dtype(config)
-    if dtype == working:
-        return CommStrategies()
+    if dtype is None or dtype == working:
+        return CommStrategies(reduce_scatter=_native_or_none(config, group, backend))
     narrower = dtype.itemsize < working.itemsize
     return CommStrategies(
         dtype=dtype,
@@ -85,3 +95,16 @@ def comm_strategies(config: ZeroConfig, group: ProcessGroup | None = None) -> Co
         reduce_scatter=zero_comm.CastReduceScatter(dtype, group) if config.stage != 0 else None,
         all_reduce=zero_comm.CastAllReduce(dtype, group) if config.stage == 0 else None,
     )
+
+
+def _native_or_none(
+    config: ZeroConfig, group: ProcessGroup | None, backend: str | None
+) -> zero_comm.NativeReduceScatter | None:
+    """The native reduce-scatter where the backend has one (stages 1-3), else ``None`` (the exchange)."""
+    if backend is None:
+        if not dist.is_initialized():
+            return None
+        backend = dist.get_backend(group)
+    if config.stage == 0 or not zero_comm.has_native_reduce_scatter(backend):
+        return None
+    return zero_comm.NativeReduceScatter(group)
