@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from zero_full.checkpoint import io
+from zero_full.checkpoint import io, safety
 from zero_full.checkpoint.io import CheckpointError
 from zero_full.checkpoint.manifest import Manifest
 
@@ -100,5 +100,5 @@ def read_client_state(directory: str | Path, tag: str | None = None) -> dict[str
     No collective: any rank (or a process outside the job) may call it.
     """
     directory = Path(directory)
-    path = directory / io.resolve_tag(directory, tag)
+    path = directory / safety.resolve_tag(directory, tag)
     return read_extras(path, Manifest.read(path)).client_state

@@ -28,10 +28,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
+from zero_full.config.prepare import prepare_config
 from zero_full.config.zero_config import ZeroConfig
 from zero_full.deepspeed.engine import DeepSpeedEngine
 from zero_full.deepspeed.launch import init_distributed
-from zero_full.engine import initialize as zero_initialize
+from zero_full.engine import Engine
+from zero_full.wiring.optimizers import build_optimizer
 
 __all__ = ["DEEPSPEED_GRADIENT_CLIPPING", "initialize"]
 
@@ -88,16 +90,18 @@ def initialize(
             "deepspeed.initialize: mpu / mesh_param (model parallelism) are not supported by zero, "
             "which partitions over data-parallel ranks only; drop them"
         )
-    cfg = _deepspeed_defaults(ZeroConfig.coerce(_config_source(args, config, config_params)))
+    source = _config_source(args, config, config_params)
     init_distributed(distributed_port=distributed_port, dist_init_required=dist_init_required, verbose=False)
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "deepspeed.initialize(dist_init_required=False) needs an initialised process group"
         )
-    cfg, spec = _optimizer(cfg, optimizer, model_parameters)
+    # taken as DeepSpeed takes it: "auto" values filled, keys without effect reported, not refused
+    cfg, report = prepare_config(source, model, dist.get_world_size())
+    cfg, spec = _optimizer(_deepspeed_defaults(cfg), optimizer, model_parameters)
     if lr_scheduler is not None and cfg.scheduler is not None:  # DeepSpeed never builds the config's then
         cfg = cfg.model_copy(update={"scheduler": None})
-    engine = zero_initialize(model, cfg, spec)  # builds the config's scheduler section, if any
+    engine = Engine(model, cfg, spec, config_report=report)  # builds the config's scheduler, if any
     if lr_scheduler is not None:
         engine.lr_scheduler = _client_scheduler(lr_scheduler, engine.optimizer.torch_optimizer)
     loader = _loader(training_data, cfg, collate_fn) if training_data is not None else None
@@ -143,7 +147,9 @@ def _optimizer(
     if optimizer is None:
         if cfg.optimizer is not None and has_groups:
             section = cfg.optimizer
-            return cfg.model_copy(update={"optimizer": None}), lambda _params: section.build(groups)
+            return cfg.model_copy(update={"optimizer": None}), lambda _params: build_optimizer(
+                section, groups
+            )
         return cfg, None
     if isinstance(optimizer, torch.optim.Optimizer) or not callable(optimizer):
         return cfg, optimizer

@@ -1,17 +1,24 @@
-"""The ``scheduler`` section: each DeepSpeed schedule's lr trajectory equals DeepSpeed 0.19.8's own class."""
+"""The ``scheduler`` section: each DeepSpeed schedule's lr trajectory equals DeepSpeed 0.19.8's own class.
+
+Here rather than in zero-full's unit tests: DeepSpeed, the reference, is installed with the
+integration tests' peers (on the CPU: ``DS_ACCELERATOR=cpu``).
+"""
 
 from __future__ import annotations
 
 import copy
+import os
 
-import pytest
-import torch
-from deepspeed.runtime import lr_schedules
-from pydantic import ValidationError
-from torch.optim.lr_scheduler import LRScheduler
+os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported
 
-from zero_full.config.zero_config import ZeroConfig
-from zero_full.wiring.schedulers import build_scheduler
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from deepspeed.runtime import lr_schedules  # noqa: E402
+from pydantic import ValidationError  # noqa: E402
+from torch.optim.lr_scheduler import LRScheduler  # noqa: E402
+
+from zero_full.config.zero_config import ZeroConfig  # noqa: E402
+from zero_full.wiring.schedulers import build_scheduler  # noqa: E402
 
 STEPS = 64
 
