@@ -83,7 +83,7 @@ def main() -> None:
             model=model, args=targs, train_dataset=data, eval_dataset=TokenDataset(token_data(16))
         )
     else:
-        from zero_full.hf import ZeroTrainer
+        from zero_full.hf_trainer import ZeroTrainer
 
         config = (
             json.load(open(args.config))

@@ -86,7 +86,7 @@ def test_zero_trainer_refuses_auto_find_batch_size():
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from zero_full.hf import ZeroTrainer
+    from zero_full.hf_trainer import ZeroTrainer
 
     model = GPT2LMHeadModel(GPT2Config(vocab_size=11, n_positions=8, n_embd=8, n_layer=1, n_head=2))
     with pytest.raises(ValueError, match="auto_find_batch_size"):
