@@ -224,7 +224,8 @@ def test_a_hostile_or_inconsistent_load_is_refused_on_every_rank(dist, tmp_path,
     assert not (tmp_path / "PWNED").exists()
     assert _hashes(root) == before  # a refused load changes nothing on disk
     if kind in ("file_outside_root", "latest_outside_root", "manifest_bit_flip"):
-        message = raised_message(CheckpointError, consolidate_checkpoint, root, tmp_path / "w.safetensors")
+        out = tmp_path / "w.safetensors"  # the damaged tag (None: the one latest names)
+        message = raised_message(CheckpointError, consolidate_checkpoint, root, out, tags[0])
         assert message is not None and fragment in message, message
 
 
