@@ -276,6 +276,14 @@ def declared_key(cls: type[Section], field: str) -> Key:
     return found[0]
 
 
+def json_text(value: Any) -> str:
+    """A config value as JSON writes it (``true``, ``2``); ``str`` for what JSON cannot hold."""
+    try:
+        return json.dumps(value)
+    except TypeError:
+        return str(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class KeyFinding:
     """One key of a validated config that is ignored or refused.
@@ -292,10 +300,7 @@ class KeyFinding:
 
     def value_text(self) -> str:
         """The value as JSON writes it (``true``, ``2``)."""
-        try:
-            return json.dumps(self.value)
-        except TypeError:
-            return str(self.value)
+        return json_text(self.value)
 
 
 @dataclasses.dataclass(frozen=True)

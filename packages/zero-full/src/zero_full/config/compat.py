@@ -23,7 +23,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from zero_full.config.base import Section
+from zero_full.config.base import Section, json_text
 from zero_full.config.deepspeed_keys import DEEPSPEED_KEYS, known_key
 
 __all__ = ["ConfigError", "ConfigReport", "Finding", "FindingKind", "accept_deepspeed", "is_auto"]
@@ -53,10 +53,7 @@ class Finding:
 
     def value_text(self) -> str:
         """The value as JSON writes it."""
-        try:
-            return json.dumps(self.value)
-        except TypeError:
-            return str(self.value)
+        return json_text(self.value)
 
 
 @dataclasses.dataclass(frozen=True)
