@@ -33,12 +33,18 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import Trainer
-from transformers.training_args import TrainingArguments
 
 from zero_full.config.zero_config import Precision, ZeroConfig
 from zero_full.engine import Engine, initialize
 from zero_full.hf.auto import fill_from_training_args
+
+try:
+    from transformers import Trainer
+    from transformers.training_args import TrainingArguments
+except ImportError as exc:  # the extra is not installed
+    raise ImportError(
+        "zero_full.hf_trainer needs transformers: pip install 'zero-full[transformers]'"
+    ) from exc
 
 __all__ = ["ZERO_CHECKPOINT", "ZeroTrainer"]
 

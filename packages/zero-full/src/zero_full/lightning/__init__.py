@@ -13,10 +13,13 @@ the import is needed). Every other setting goes through the class::
 Needs ``lightning`` (``pip install zero-full[lightning]``).
 """
 
-from lightning.pytorch.strategies import StrategyRegistry
-
 from zero_full.lightning.precision import ZeroPrecision
 from zero_full.lightning.strategy import ZeroStrategy
+
+try:
+    from lightning.pytorch.strategies import StrategyRegistry
+except ImportError as exc:  # the extra is not installed
+    raise ImportError("zero_full.lightning needs Lightning: pip install 'zero-full[lightning]'") from exc
 
 __all__ = ["ZeroPrecision", "ZeroStrategy"]
 

@@ -12,13 +12,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins.precision.utils import _convert_fp_tensor
-from lightning.fabric.utilities.apply_func import apply_to_collection
-from lightning.pytorch.plugins.precision import Precision
 from torch import Tensor
 from torch.optim import Optimizer
+
+try:
+    import lightning.pytorch as pl
+    from lightning.fabric.plugins.precision.utils import _convert_fp_tensor
+    from lightning.fabric.utilities.apply_func import apply_to_collection
+    from lightning.pytorch.plugins.precision import Precision
+except ImportError as exc:  # the extra is not installed
+    raise ImportError("zero_full.lightning needs Lightning: pip install 'zero-full[lightning]'") from exc
 
 if TYPE_CHECKING:
     from zero_full.engine import Engine

@@ -29,16 +29,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
-from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
-from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.utilities.enums import GradClipAlgorithmType
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.optim import Optimizer
 
 import zero_params
@@ -46,6 +37,19 @@ from zero_full.config.zero_config import ZeroConfig
 from zero_full.engine import Engine, Init, initialize
 from zero_full.lightning.config import fill_from_trainer, load_raw
 from zero_full.lightning.precision import PRECISIONS, ZeroPrecision
+
+try:
+    import lightning.pytorch as pl
+    from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+    from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+    from lightning.fabric.utilities.types import _PATH
+    from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+    from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+    from lightning.pytorch.strategies import DDPStrategy
+    from lightning.pytorch.utilities.enums import GradClipAlgorithmType
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+except ImportError as exc:  # the extra is not installed
+    raise ImportError("zero_full.lightning needs Lightning: pip install 'zero-full[lightning]'") from exc
 
 __all__ = ["ZeroStrategy"]
 
