@@ -395,7 +395,7 @@ def run_watchdog(sizes: Sizes, dry_run: bool, backend: str) -> dict[str, Any]:
 # --------------------------------------------------------------------------- report
 
 
-def environment(dry_run: bool) -> dict[str, Any]:
+def environment(dry_run: bool, argv: list[str]) -> dict[str, Any]:
     acc = None if dry_run else torch.accelerator.current_accelerator()
     name = torch.cuda.get_device_name() if acc is not None and acc.type == "cuda" else "cpu"
     nccl = ".".join(map(str, torch.cuda.nccl.version())) if acc is not None and acc.type == "cuda" else None
@@ -405,7 +405,7 @@ def environment(dry_run: bool) -> dict[str, Any]:
         "nccl": nccl,
         "python": platform.python_version(),
         "dry_run": dry_run,
-        "command": " ".join(["python", *sys.argv]),
+        "command": " ".join(["python", "integration_tests/gpu_check.py", *argv]),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
 
@@ -472,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     parity = run_parity(sizes, args.dry_run)
     result = {
-        "environment": environment(args.dry_run),
+        "environment": environment(args.dry_run, sys.argv[1:] if argv is None else argv),
         "parity": parity,
         "speed": run_speed(sizes, args.dry_run),
         "watchdog": run_watchdog(sizes, args.dry_run, parity[-1]["backend"]),
