@@ -10,7 +10,7 @@ optimizer factory, so the partitioned optimizer builds it over its flat partitio
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -68,17 +68,10 @@ class Lamb(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One LAMB update of every parameter with a gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("Lamb does not support sparse gradients")
+            for p in _with_dense_grads(group, "Lamb"):
                 state = self.state[p]
                 if not state:
                     state["step"] = 0
@@ -137,18 +130,11 @@ class Lion(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """One Lion update of every parameter with a gradient."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = _closure_loss(closure)
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             lr = group["lr"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.is_sparse:
-                    raise RuntimeError("Lion does not support sparse gradients")
+            for p in _with_dense_grads(group, "Lion"):
                 state = self.state[p]
                 if not state:
                     state["exp_avg"] = torch.zeros_like(p)
@@ -204,3 +190,21 @@ def optimizer_factory(section: OptimizerConfig) -> Callable[[Iterable[Any]], tor
         return build_optimizer(section, params)
 
     return build
+
+
+def _closure_loss(closure: Callable[[], float] | None) -> float | None:
+    """The loss of an optimizer ``closure`` (re-evaluated with grad enabled), or ``None``."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
+def _with_dense_grads(group: dict[str, Any], name: str) -> Iterator[torch.Tensor]:
+    """The parameters of ``group`` that have a gradient; a sparse one is an error naming ``name``."""
+    for p in group["params"]:
+        if p.grad is None:
+            continue
+        if p.grad.is_sparse:
+            raise RuntimeError(f"{name} does not support sparse gradients")
+        yield p
