@@ -227,7 +227,7 @@ class Manifest:
     files: tuple[FileEntry, ...]
 
     def to_json(self) -> str:
-        """The text of ``manifest.json`` (format version 1)."""
+        """The text of ``manifest.json`` (the current format version, with its own sha256)."""
         data = {
             "format": FORMAT_NAME,
             "format_version": FORMAT_VERSION,
