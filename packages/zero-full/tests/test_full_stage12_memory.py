@@ -131,6 +131,19 @@ def test_optimizer_steps_in_sub_groups_with_schedules_and_groups_intact(dist, wo
                 torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("world,stage", [(1, 0), (2, 1), (2, 3)])
+def test_sub_group_size_zero_steps_the_largest_parameters_share(dist, world, stage):
+    # DeepSpeed's 0 is one sub-group per parameter: the largest step is the largest parameter's
+    # share (Linear(9, 13).weight: 117 elements over the world); the default would step it whole
+    ref_lrs, ref = _plain_sub_grouped_reference(world)
+    share = 117 if stage == 0 else -(-117 // world)
+    for biggest, lrs, state in dist.run(world, _sub_grouped, stage, 0):
+        assert biggest == share, (biggest, share)
+        assert lrs == ref_lrs
+        for k, v in state.items():
+            torch.testing.assert_close(v, ref[k], rtol=1e-5, atol=1e-6)
+
+
 # ----------------------------------------------------------------------------- real memory
 
 

@@ -301,7 +301,8 @@ class ZeroOptimizationConfig(Section):
     `offload_optimizer`, swapped at once). The optimizer's temporaries (e.g. AdamW's
     per-element intermediates, up to ~2 fp32 tensors of this size) are bounded by it, not by
     the model; smaller values cost more Python calls per step. 0 (DeepSpeed: one sub-group per
-    parameter) takes the default."""
+    parameter) steps ranges of the largest parameter's share of a partition (its size over the
+    world size), the bound DeepSpeed's per-parameter sub-groups give."""
     load_from_fp32_weights: Annotated[
         Flag, Key(Refused("master weights from 16-bit copies", supported=True))
     ] = True
@@ -386,10 +387,6 @@ class ZeroOptimizationConfig(Section):
         # DeepSpeed: overlap_comm defaults to true for stage 3, false otherwise.
         # Filled only where it differs from the field's default, so that stages 0 and 1 (which
         # do not use the key) report it as ignored only when the user gave it.
-        # DeepSpeed: sub_group_size 0 makes one sub-group per parameter, a granularity of the step
-        # only (never its numbers); zero steps flat partitions, so 0 takes the default.
-        if data.get("sub_group_size") == 0:
-            data["sub_group_size"] = cls.model_fields["sub_group_size"].default
         if "overlap_comm" not in data and data.get("stage") == 3:
             data["overlap_comm"] = True
         # DeepSpeed accepts "offload_param": null for "no offload".

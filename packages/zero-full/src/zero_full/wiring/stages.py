@@ -97,6 +97,18 @@ class StagePieces:
         return self.mics.shard if self.mics is not None else None
 
 
+def parameter_share(model: nn.Module, stage: int) -> int:
+    """``sub_group_size = 0``: the largest parameter's share of one rank's partition (at least 1).
+
+    DeepSpeed steps one parameter's partition at a time when ``sub_group_size`` is 0; zero
+    steps flat ranges, so it steps ranges of the largest parameter's share: the same bound on
+    the optimizer's temporaries (the numbers never depend on the sub-groups).
+    """
+    largest = max((p.numel() for p in model.parameters()), default=1)
+    world = dist.get_world_size() if stage > 0 else 1
+    return max(1, math.ceil(largest / world))
+
+
 def build_stage(
     model: nn.Module, config: ZeroConfig, optimizer: OptimizerSpec, topology: Topology | None = None
 ) -> StagePieces:
@@ -120,7 +132,8 @@ def build_stage(
     if dtype != torch.float32:
         _cast_whole(model, dtype)
     # every stage steps its flat partitions sub_group_size elements at a time (offloaded or not)
-    offload = z.offload_optimizer.to_offload_config(z.sub_group_size)
+    sub_group_size = z.sub_group_size or parameter_share(model, config.stage)
+    offload = z.offload_optimizer.to_offload_config(sub_group_size)
     if config.stage == 3:
         chosen = param_strategies(config, topology)
         mics = chosen.mics
@@ -146,7 +159,7 @@ def build_stage(
             working_dtype=dtype,
             offload=offload,
             param_offload=z.offload_param.to_param_offload_config(),
-            sub_group_size=z.sub_group_size,
+            sub_group_size=sub_group_size,
             # the inf / nan check rides on the plain reduce-scatter over every rank
             bound_grads=mics is None and reduce is None and dtype in BOUNDED_DTYPES,
         )
@@ -171,7 +184,7 @@ def build_stage(
         allgather_bucket_size=z.allgather_bucket_size,
         working_dtype=dtype,
         offload=offload if config.stage >= 1 else None,
-        sub_group_size=z.sub_group_size,
+        sub_group_size=sub_group_size,
         reduce_strategy=comm.reduce_scatter,
         all_reduce_strategy=comm.all_reduce,
     )
