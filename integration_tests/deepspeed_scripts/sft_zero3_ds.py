@@ -56,6 +56,7 @@ def get_train_ds_config(args: argparse.Namespace, world: int) -> dict:
             "stage3_param_persistence_threshold": 1e4,
             "stage3_max_live_parameters": 3e7,
             "stage3_prefetch_bucket_size": 3e7,
+            "memory_efficient_linear": False,
         },
         "gradient_clipping": 1.0,
         "wall_clock_breakdown": False,
