@@ -235,7 +235,7 @@ def _initialize_logs(rank) -> list[tuple[int, str]]:
     handler = _Records()
     logging.getLogger("zero.engine").addHandler(handler)
     try:
-        raw = {**CIFAR, "train_batch_size": 2 * rank.world_size, "tensorboard": {"enabled": True}}
+        raw = {**CIFAR, "train_batch_size": 2 * rank.world_size, "memory_breakdown": True}
         raw["zero_optimization"] = {
             **CIFAR["zero_optimization"],
             "stage": 1,
@@ -255,7 +255,7 @@ def test_initialize_reports_once_on_rank_zero_at_warning(dist):
     assert logs[1] == [] and len(logs[0]) == 1
     level, text = logs[0][0]
     assert level == logging.WARNING
-    for key in ("stage3_param_persitence_threshold", "tensorboard", "bf16.hysteresis", "steps_per_print"):
+    for key in ("stage3_param_persitence_threshold", "memory_breakdown", "bf16.hysteresis"):
         assert key in text
-    assert text.index("persitence") < text.index("tensorboard")  # unknown keys first
+    assert text.index("persitence") < text.index("memory_breakdown")  # unknown keys first
     assert torch.distributed.is_available()

@@ -51,6 +51,7 @@ from zero_full.hf import save as hf_save
 from zero_full.inference import gathered_for_inference
 from zero_full.lifecycle import EngineResources, track
 from zero_full.memory.report import MemoryReport, build_memory_report, model_state_bytes, reset_peak_memory
+from zero_full.monitor import TrainingMonitor
 from zero_full.wiring.compiled import check_not_precompiled, compile_model, explain_graph_break
 from zero_full.wiring.init import ConfigLike, Init
 from zero_full.wiring.mics import MicsGroups
@@ -182,6 +183,7 @@ class Engine:
             self.lr_scheduler = build_scheduler(config, self.optimizer.torch_optimizer)
             self._resources.adopt(pieces.coordinator, pieces.reduction, pieces.optimizer)
         self._trainable = TrainableSet(model)  # requires_grad is fixed from here on
+        self._monitor = TrainingMonitor(config, model, self.train_state())  # the config's monitoring
         self._release = track(self, self._resources)  # at interpreter exit if never closed
         self._comm = CommTotals()
         self._ledger.records.clear()
@@ -211,7 +213,7 @@ class Engine:
         """
         if torch.is_grad_enabled():
             self._trainable.check()
-        with self._ledger, profile_range("zero.engine.forward"):
+        with self._ledger, profile_range("zero.engine.forward"), self._monitor.counting_forward():
             try:
                 return self.module(*args, **kwargs)
             except Exception as exc:
@@ -261,6 +263,7 @@ class Engine:
             factor = self._pipeline.loss_scale / self.gradient_accumulation_steps
             scaled = loss.float() * factor if factor != 1.0 else loss  # fp32: a 16-bit loss x scale overflows
             scaled.backward()
+        self._monitor.record_loss(loss)
         self._backward_since_step = True
         return loss
 
@@ -307,6 +310,7 @@ class Engine:
             if self.last_step_applied and self.lr_scheduler is not None:
                 self.lr_scheduler.step()
         self.global_steps += 1
+        self._monitor.after_step(self.train_state(), self.grad_norm, self._ledger.records)
         self._comm = self._ledger.totals()
         self._ledger.records.clear()
 
@@ -328,6 +332,7 @@ class Engine:
         :mod:`zero_full.lifecycle`.
         """
         self._release.detach()  # nothing left for interpreter exit
+        self._monitor.close()
         self._resources.close()
 
     def __enter__(self) -> Engine:

@@ -74,20 +74,12 @@ def _pin_memory(section: dict[str, Any], value: Any) -> None:
                 section[target].setdefault("pin_memory", True)
 
 
-_MONITOR = (
-    "zero writes no monitoring files from the config; the engine's step results and "
-    "torch.profiler (phases marked zero.<phase>) give the same numbers"
-)
 _NO_FEATURE = 'zero has no {what}; remove the section (or set "enabled": false) to train with zero'
 _LOSS_SCALE_BF16 = "bf16 uses no loss scaling (as in DeepSpeed, where these keys have no effect under bf16)"
 
 
 def _feature(what: str) -> Known:
     return Known(_NO_FEATURE.format(what=what), silent=_disabled, refuses=_not_disabled)
-
-
-def _monitor() -> Known:
-    return Known(_MONITOR, silent=_disabled)
 
 
 DEEPSPEED_KEYS: dict[tuple[str, ...], Known] = {
@@ -130,11 +122,6 @@ DEEPSPEED_KEYS: dict[tuple[str, ...], Known] = {
         "activation checkpointing is the model's: use torch.utils.checkpoint "
         "(or deepspeed.checkpointing.checkpoint through zero_full.deepspeed)"
     ),
-    ("flops_profiler",): _monitor(),
-    ("tensorboard",): _monitor(),
-    ("wandb",): _monitor(),
-    ("csv_monitor",): _monitor(),
-    ("comms_logger",): _monitor(),
     ("memory_breakdown",): Known("use engine.memory_report()", silent=_equals(False)),
     ("dump_state",): Known("zero prints no state dump", silent=_equals(False)),
     ("disable_allgather",): Known("zero always all-gathers partitions", silent=_equals(False)),

@@ -37,6 +37,13 @@ from pydantic import Field, ValidationError, model_validator
 from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from zero_full.config.base import KeyReport, Section, key_report
+from zero_full.config.monitoring import (
+    CommsLoggerConfig,
+    CsvMonitorConfig,
+    FlopsProfilerConfig,
+    TensorBoardConfig,
+    WandbConfig,
+)
 from zero_full.config.optimizer import AdamParams, OptimizerConfig, OptimizerType, SGDParams
 from zero_full.config.precision import BF16Config, FP16Config
 from zero_full.config.robustness import RobustnessConfig
@@ -92,10 +99,6 @@ class ConfigFileError(ValueError):
     """A config file that cannot be read as a JSON object (the message names path, line and column)."""
 
 
-_MONITORING = Rejected(
-    "monitoring is not configured through zero; use torch.profiler (zero marks its phases with "
-    "record_function('zero.<phase>'))"
-)
 _AVERAGED = Rejected("not supported: gradients are averaged over the data-parallel ranks")
 
 _TOP_REJECTED: dict[str, Rejected] = {
@@ -109,11 +112,6 @@ _TOP_REJECTED: dict[str, Rejected] = {
     ),
     "prescale_gradients": _AVERAGED,
     "gradient_predivide_factor": _AVERAGED,
-    "flops_profiler": _MONITORING,
-    "tensorboard": _MONITORING,
-    "wandb": _MONITORING,
-    "csv_monitor": _MONITORING,
-    "comms_logger": _MONITORING,
 }
 _USED = Key(IMPLEMENTED)
 _CommDtype = Choice(Precision)
@@ -137,8 +135,9 @@ class ZeroConfig(Section):
     """Micro-batches per optimizer step (``null``: derived)."""
     gradient_clipping: Annotated[Real(0), _USED] = 0.0
     """Maximum global gradient norm; 0 disables clipping."""
-    steps_per_print: Annotated[Int(1), Key(Ignored("the engine prints no periodic progress line yet"))] = 10
-    """DeepSpeed: print a progress line every this many steps."""
+    steps_per_print: Annotated[Int(1), _USED] = 10
+    """Optimizer steps between two progress lines on rank 0: ``zero_full.deepspeed``'s engine prints
+    DeepSpeed's line, zero's engine logs one at INFO (logger ``zero.monitor``)."""
     wall_clock_breakdown: Annotated[
         Flag,
         Key(
@@ -168,6 +167,16 @@ class ZeroConfig(Section):
     working dtype). Reductions sum and average in the working dtype after the cast back (no
     prescaling); fp32 training with ``"bf16"`` halves the bytes. Not with ``mics_shard_size``
     (see the Precision page of the docs)."""
+    tensorboard: Annotated[TensorBoardConfig, _USED] = Field(default_factory=TensorBoardConfig)
+    """TensorBoard events of each optimizer step (section below)."""
+    wandb: Annotated[WandbConfig, _USED] = Field(default_factory=WandbConfig)
+    """Weights & Biases logging of each optimizer step (section below)."""
+    csv_monitor: Annotated[CsvMonitorConfig, _USED] = Field(default_factory=CsvMonitorConfig)
+    """CSV files of each optimizer step's events (section below)."""
+    comms_logger: Annotated[CommsLoggerConfig, _USED] = Field(default_factory=CommsLoggerConfig)
+    """A table of the engine's collectives (section below)."""
+    flops_profiler: Annotated[FlopsProfilerConfig, _USED] = Field(default_factory=FlopsProfilerConfig)
+    """The forward's FLOPs at one step (section below)."""
     robustness: Annotated[RobustnessConfig, _USED] = Field(default_factory=RobustnessConfig)
     """Collective watchdog, non-finite gradient policy, rank agreement (section below; not a
     DeepSpeed section)."""
@@ -365,7 +374,7 @@ class ZeroConfig(Section):
         hold (``nvme_path`` without the nvme device, ``fp16`` settings while fp16 is off,
         dynamic-scaling settings with a static ``loss_scale``, ``adam_w_mode`` on ``AdamW``),
         and keys declared :class:`~zero_full.config.types.Ignored` (DeepSpeed switches zero has
-        no use for, such as ``reduce_scatter = false`` or ``steps_per_print``). DeepSpeed
+        no use for, such as ``reduce_scatter = false`` or ``memory_breakdown``). DeepSpeed
         accepts them too; the engine logs this list once, with the reasons
         (:meth:`key_report`).
         """

@@ -1,0 +1,119 @@
+"""DeepSpeed's monitoring sections: ``tensorboard``, ``wandb``, ``csv_monitor``, ``comms_logger``,
+``flops_profiler``.
+
+Each is a top-level section of a DeepSpeed config with DeepSpeed's keys and defaults;
+:mod:`zero_full.monitor` builds one writer per enabled section, fed by the engine after each
+optimizer step on rank 0 (see the DeepSpeed migration page for the files and events).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, ClassVar
+
+from zero_full.config.base import Section
+from zero_full.config.types import IMPLEMENTED, Flag, Ignored, Int, Key
+
+__all__ = [
+    "CommsLoggerConfig",
+    "CsvMonitorConfig",
+    "FlopsProfilerConfig",
+    "TensorBoardConfig",
+    "WandbConfig",
+]
+
+_USED = Key(IMPLEMENTED)
+_JOB = "DeepSpeedJobName"
+
+
+class TensorBoardConfig(Section):
+    """``tensorboard``: scalar events under ``output_path/job_name`` (needs the ``tensorboard`` package)."""
+
+    _PATH: ClassVar[tuple[str, ...]] = ("tensorboard",)
+
+    enabled: Annotated[Flag, _USED] = False
+    """Write the step's events with ``torch.utils.tensorboard.SummaryWriter`` (rank 0)."""
+    output_path: Annotated[str, _USED] = ""
+    """Directory of the job directories (``""``: the working directory)."""
+    job_name: Annotated[str, _USED] = _JOB
+    """The directory inside ``output_path`` the event file is written to."""
+
+
+class WandbConfig(Section):
+    """``wandb``: the step's events logged to a Weights & Biases run (needs the ``wandb`` package)."""
+
+    _PATH: ClassVar[tuple[str, ...]] = ("wandb",)
+
+    enabled: Annotated[Flag, _USED] = False
+    """Start a run with ``wandb.init`` and ``wandb.log`` each event (rank 0)."""
+    group: Annotated[str | None, _USED] = None
+    """The run's group (``wandb.init(group=...)``)."""
+    team: Annotated[str | None, _USED] = None
+    """The team, W&B's entity (``wandb.init(entity=...)``)."""
+    project: Annotated[str, _USED] = "deepspeed"
+    """The project (``wandb.init(project=...)``)."""
+
+
+class CsvMonitorConfig(Section):
+    """``csv_monitor``: one CSV file per event under ``output_path/job_name`` (no package needed)."""
+
+    _PATH: ClassVar[tuple[str, ...]] = ("csv_monitor",)
+
+    enabled: Annotated[Flag, _USED] = False
+    """Append each event to ``<event name with / as _>.csv`` (header ``step,<last name part>``; rank 0)."""
+    output_path: Annotated[str, _USED] = ""
+    """Directory of the job directories (``""``: the working directory)."""
+    job_name: Annotated[str, _USED] = _JOB
+    """The directory inside ``output_path`` the files are written to."""
+
+
+class CommsLoggerConfig(Section):
+    """``comms_logger``: the engine's collectives (zero's byte ledger) summed by operation and size.
+
+    The table (operation, message size, count, total bytes sent) is printed on rank 0 when the
+    engine closes; zero times no single collective, so the table has no latency or bandwidth.
+    """
+
+    _PATH: ClassVar[tuple[str, ...]] = ("comms_logger",)
+
+    enabled: Annotated[Flag, _USED] = False
+    """Count the engine's collectives and print their table at ``close()``."""
+    verbose: Annotated[Flag, _USED] = False
+    """Also log every collective (operation, message size, bytes sent) after each optimizer step."""
+    prof_all: Annotated[Flag, _USED] = True
+    """Count every operation (``false``: only those in ``prof_ops``)."""
+    prof_ops: Annotated[tuple[str, ...], _USED] = ()
+    """Operations counted when ``prof_all`` is false (zero's names: ``all_gather``,
+    ``reduce_scatter``, ``all_reduce``, ``broadcast``, ``all_to_all``)."""
+    debug: Annotated[
+        Flag, Key(Ignored("zero's records carry no caller name to add to the table", behaves_as=False))
+    ] = False
+    """DeepSpeed: name each record after the function that issued it."""
+
+
+class FlopsProfilerConfig(Section):
+    """``flops_profiler``: the forward's floating-point operations at one step (``torch.utils.flop_counter``).
+
+    On rank 0, every forward of optimizer step ``profile_step`` runs under torch's
+    ``FlopCounterMode``; after that step one report is printed (or written to ``output_file``):
+    forward FLOPs and time, the forward + backward estimate (backward = 2 x forward, plus
+    ``recompute_fwd_factor`` x forward for recomputed activations), the parameters, and the FLOPs per
+    module down to ``module_depth``. torch counts matrix products and convolutions (the
+    operations that dominate); DeepSpeed's profiler also counts element-wise operations.
+    """
+
+    _PATH: ClassVar[tuple[str, ...]] = ("flops_profiler",)
+
+    enabled: Annotated[Flag, _USED] = False
+    """Profile the forwards of one optimizer step on rank 0."""
+    recompute_fwd_factor: Annotated[float, _USED] = 0.0
+    """Share of the forward recomputed in the backward (activation checkpointing), added to the estimate."""
+    profile_step: Annotated[Int(0), _USED] = 1
+    """The optimizer step (counted from 0) whose forwards are profiled."""
+    module_depth: Annotated[Int(-1), _USED] = -1
+    """Deepest module level shown (-1: every level)."""
+    top_modules: Annotated[Int(1), _USED] = 1
+    """Modules shown per level, most FLOPs first."""
+    detailed: Annotated[Flag, _USED] = True
+    """Show the per-module table (``false``: the totals only)."""
+    output_file: Annotated[str | None, _USED] = None
+    """Write the report to this file instead of printing it."""
