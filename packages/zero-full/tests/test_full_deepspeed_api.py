@@ -20,6 +20,7 @@ from torch import nn
 import zero_full
 import zero_full.deepspeed as deepspeed
 from zero_full.checkpoint import io as ckpt_io
+from zero_full.config.prepare import validate_deepspeed
 from zero_testing import raised_message
 
 MICRO = 4
@@ -225,3 +226,24 @@ def test_activation_checkpointing_recomputes_with_torch_and_refuses_partitioning
     assert torch.equal(recomputed[0], x.grad) and torch.equal(recomputed[1], layer.weight.grad)
     message = raised_message(ValueError, deepspeed.checkpointing.configure, None, partition_activations=True)
     assert "partition_activations" in message and "torch.utils.checkpoint" in message
+
+
+def test_activation_checkpointing_section_is_read_by_configure_and_reported(tmp_path):
+    section = {
+        "partition_activations": False,
+        "cpu_checkpointing": True,
+        "contiguous_memory_optimization": False,
+        "number_checkpoints": None,
+        "synchronize_checkpoint_boundary": False,
+        "profile": False,
+    }
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({"activation_checkpointing": section}))
+    message = raised_message(ValueError, deepspeed.checkpointing.configure, None, deepspeed_config=str(path))
+    assert "activation_checkpointing.cpu_checkpointing" in message
+    # an argument overrides the section, as in DeepSpeed; the other keys change no number
+    deepspeed.checkpointing.configure(None, deepspeed_config=str(path), checkpoint_in_cpu=False)
+    config = {"train_micro_batch_size_per_gpu": 1, "activation_checkpointing": section}
+    _, report = validate_deepspeed(config)
+    (finding,) = [f for f in report.findings if f.path == "activation_checkpointing"]
+    assert "torch.utils.checkpoint" in finding.why and "zero_full.deepspeed.checkpointing" in finding.why

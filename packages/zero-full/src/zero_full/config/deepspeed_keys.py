@@ -119,8 +119,9 @@ DEEPSPEED_KEYS: dict[tuple[str, ...], Known] = {
         silent=lambda v: isinstance(v, Mapping) and v.get("grad_accum_dtype") in (None, "fp32"),
     ),
     ("activation_checkpointing",): Known(
-        "activation checkpointing is the model's: use torch.utils.checkpoint "
-        "(or deepspeed.checkpointing.checkpoint through zero_full.deepspeed)"
+        "not applied from the config: checkpoint in the model with torch.utils.checkpoint, or call "
+        "zero_full.deepspeed.checkpointing.checkpoint (torch's non-reentrant checkpoint; its configure() "
+        "reads this section); partition_activations and cpu_checkpointing are not offered"
     ),
     ("memory_breakdown",): Known("use engine.memory_report()", silent=_equals(False)),
     ("dump_state",): Known("zero prints no state dump", silent=_equals(False)),
