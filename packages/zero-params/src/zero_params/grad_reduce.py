@@ -90,33 +90,7 @@ def reduce_scatter_grads(
     async_op: bool = False,
     bound: GradientBound | None = None,
 ) -> GradReduceHandle:
-    """Average the full ``.grad`` of ``params`` over their shard groups, keep this rank's partition.
-
-    One coalesced reduce-scatter per distinct (reduce strategy, gradient dtype, device).
-    The averaged partition is *added* to :attr:`ShardedParam.grad_partition` (allocated
-    zero-filled on first use, or the view an optimizer bound with
-    :meth:`ShardedParam.bind_grad_partition`), so successive micro-steps accumulate; zero it
-    (or the optimizer's flat buffer) after the step. Each ``.grad`` is set to ``None`` when
-    the collective is issued, so a following backward starts a fresh gradient. Persistent
-    parameters take part like the others. A parameter whose ``.grad`` is ``None`` (unused
-    in this micro-step) contributes zeros, so every rank issues the same collective.
-
-    Args:
-        params: Partitioned parameters, the same on every rank, in the same order.
-        async_op: Return before the communication completes (call ``wait()``).
-        bound: Carry the inf / nan check in each collective (``zero_comm.GradientBound``: one
-            more tensor of ``bound.world`` elements, summed into the bound); every parameter's
-            reduce strategy must then be a plain ``zero_comm.AllToAllReduceScatter`` over
-            ``bound.world`` ranks.
-
-    Returns:
-        A :class:`GradReduceHandle` (already waited for when ``async_op=False``).
-
-    Raises:
-        TypeError: a parameter is not partitioned.
-        ValueError: a ``.grad`` does not have the parameter's full number of elements, or
-            ``bound`` is given for a parameter reduced another way.
-    """
+    """Average the full ``.grad`` of ``params`` over their shard groups, keep this rank's partition."""
     with profile_range("zero.params.reduce_scatter_grads"), torch._C.DisableTorchFunction():
         buckets: dict[tuple[Any, ...], tuple[ReduceScatterStrategy, list[tuple[ShardedParam, torch.Tensor]]]]
         buckets = {}
@@ -155,12 +129,6 @@ def _issue(
 ) -> _ReduceOp:
     """One collective over ``pairs``, so that ``wait()`` adds each adjacent run of gradient
     partitions with one ``add_``.
-
-    For a strategy whose results do not depend on the order (:data:`_ORDER_FREE`) the order
-    with fewer runs is used (given, reversed, or the partitions' place in their storage; see
-    ``zero_comm.adjacent_runs.in_fewer_runs``): buckets run in backward order, flat gradient buffers in
-    registration order. Runs are judged by storage layout, which the ranks share, so every rank
-    issues the same collective.
     """
     if isinstance(strategy, _ORDER_FREE):
         pairs, targets, runs = in_fewer_runs(pairs, _PairPartitions())
