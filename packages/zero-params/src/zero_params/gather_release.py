@@ -18,6 +18,7 @@ from torch.distributed import ProcessGroup
 from zero_comm import AllGatherHandle, AllGatherStrategy, group_ranks
 from zero_comm.profiling import profile_range
 from zero_params.hpz import build_secondary
+from zero_params.ops_handle import OpsHandle
 from zero_params.selection import Item, bucket_key, iter_states
 from zero_params.state import ParamStatus, ShardedParam, ShardHome, UnshardedStorage
 from zero_params.transitions import make_available, make_not_available, unsharded_dest, unsharded_view
@@ -68,29 +69,14 @@ class _GatherOp:
         return self.comm is None or self.comm.is_completed()
 
 
-class GatherHandle:
+class GatherHandle(OpsHandle):
     """The all-gathers one :func:`gather` (or :func:`commit_shards`) call issued or joined.
 
     ``wait()`` completes them: the parameters become ``AVAILABLE`` views into their
     gathered buffers. Waiting twice is a no-op.
     """
 
-    __slots__ = ("_ops",)
-
-    def __init__(self, ops: list[_GatherOp]) -> None:
-        self._ops = ops
-
-    def __repr__(self) -> str:
-        return f"GatherHandle(collectives={len(self._ops)}, completed={self.is_completed()})"
-
-    def wait(self) -> None:
-        """Block until every gather of this handle completed and the parameters are ``AVAILABLE``."""
-        for op in self._ops:
-            op.wait()
-
-    def is_completed(self) -> bool:
-        """Whether ``wait()`` would not block on communication."""
-        return all(op.is_completed() for op in self._ops)
+    __slots__ = ()
 
 
 def gather(

@@ -19,6 +19,7 @@ from zero_comm import (
 )
 from zero_comm.adjacent_runs import add_in_runs, adjacent_runs, in_fewer_runs
 from zero_comm.profiling import profile_range
+from zero_params.ops_handle import OpsHandle
 from zero_params.selection import bucket_key
 from zero_params.state import ShardedParam, state_of
 
@@ -50,6 +51,9 @@ class _ReduceOp:
         self.comm = None
         self.targets, self.runs = [], []
 
+    def is_completed(self) -> bool:
+        return self.comm is None or self.comm.is_completed()
+
 
 class _PairPartitions:
     """:class:`zero_comm.adjacent_runs.GradPartitions` of ``(state, grad)`` pairs: the (ensured) partition."""
@@ -60,28 +64,13 @@ class _PairPartitions:
         return item[0].ensure_grad_partition()
 
 
-class GradReduceHandle:
+class GradReduceHandle(OpsHandle):
     """The reduce-scatters of one :func:`reduce_scatter_grads` call.
 
     ``wait()`` accumulates the averaged partitions into each parameter's gradient partition.
     """
 
-    __slots__ = ("_ops",)
-
-    def __init__(self, ops: list[_ReduceOp]) -> None:
-        self._ops = ops
-
-    def __repr__(self) -> str:
-        return f"GradReduceHandle(collectives={len(self._ops)})"
-
-    def wait(self) -> None:
-        """Block until done; the gradient partitions then hold the accumulated averages."""
-        for op in self._ops:
-            op.wait()
-
-    def is_completed(self) -> bool:
-        """Whether ``wait()`` would not block on communication."""
-        return all(op.comm is None or op.comm.is_completed() for op in self._ops)
+    __slots__ = ()
 
 
 def reduce_scatter_grads(
