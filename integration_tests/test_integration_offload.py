@@ -78,6 +78,10 @@ def offload_run(rank, stage: int, zero: dict, top: dict | None = None) -> dict:
     return {"losses": losses, "params": params}
 
 
+def _small_net() -> nn.Module:
+    return nn.Sequential(nn.Linear(13, 37), nn.Tanh(), nn.Linear(37, 7))
+
+
 def _nvme(path: Path, **extra) -> dict:
     return {"device": "nvme", "nvme_path": str(path), "pipeline_read": True, "pipeline_write": True, **extra}
 
@@ -146,7 +150,7 @@ def test_offload_with_16bit_working_parameters(dist, tmp_path, stage, top, param
 
 def count_transfers(rank, tmp: str) -> dict:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(13, 37), nn.Tanh(), nn.Linear(37, 7))
+    model = _small_net()
     cfg = _config(3, offload_optimizer=_nvme(Path(tmp)), sub_group_size=100)
     engine = zero_full.initialize(model, cfg, lambda ps: torch.optim.AdamW(ps, lr=1e-3))
     for step in range(3):
@@ -218,6 +222,13 @@ def test_nvme_offload_bounds_resident_optimizer_state(dist, tmp_path):
         assert res["total"] >= 10 * bound, f"rank {r}: model too small to show the bound: {res}"
 
 
+def _assert_corruption_named(msg: str, key: str) -> None:
+    """The worker's error came at the step that read the corrupted file and names file and tensor."""
+    text, victim = msg.split("|")
+    assert text.startswith("step 2: "), msg
+    assert victim in text and f"'{key}'" in text and "checksum" in text, msg
+
+
 def _flip_payload_byte(path: Path) -> None:
     """Corrupt one byte of a swap file's payload (its header stays valid)."""
     data = bytearray(path.read_bytes())
@@ -227,7 +238,7 @@ def _flip_payload_byte(path: Path) -> None:
 
 def corrupt_mid_training(rank, tmp: str) -> str:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(13, 37), nn.Tanh(), nn.Linear(37, 7))
+    model = _small_net()
     cfg = _config(3, offload_optimizer=_nvme(Path(tmp)), sub_group_size=100)
     engine = zero_full.initialize(model, cfg, lambda ps: torch.optim.AdamW(ps, lr=1e-3))
     victim = None
@@ -248,13 +259,11 @@ def corrupt_mid_training(rank, tmp: str) -> str:
 
 def test_corrupted_swap_file_mid_training_is_an_error_naming_it(dist, tmp_path):
     msg = dist.run(1, corrupt_mid_training, str(tmp_path))[0]
-    text, victim = msg.split("|")
-    assert text.startswith("step 2: "), msg
-    assert victim in text and "'g0.s1.exp_avg_sq'" in text and "checksum" in text, msg
+    _assert_corruption_named(msg, "g0.s1.exp_avg_sq")
 
 
 def initialize_error(rank, nvme_path: str, free: int | None) -> str:
-    model = nn.Sequential(nn.Linear(13, 37), nn.Tanh(), nn.Linear(37, 7))
+    model = _small_net()
     cfg = _config(3, offload_optimizer=_nvme(Path(nvme_path)))
     try:
         if free is None:
@@ -375,7 +384,7 @@ def test_param_offload_prefetches_counts_transfers_and_bounds_host_memory(dist, 
 
 def corrupt_param_mid_training(rank, tmp: str) -> str:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(13, 37), nn.Tanh(), nn.Linear(37, 7))
+    model = _small_net()
     cfg = _config(3, offload_param=_param_nvme(Path(tmp), buffer_count=1))
     engine = zero_full.initialize(model, cfg, lambda ps: torch.optim.AdamW(ps, lr=1e-3))
     swapper = zero_optim.offloaded_shards(engine.optimizer).swapper
@@ -399,13 +408,11 @@ def corrupt_param_mid_training(rank, tmp: str) -> str:
 
 def test_corrupted_parameter_swap_file_mid_training_is_an_error_naming_it(dist, tmp_path):
     msg = dist.run(1, corrupt_param_mid_training, str(tmp_path))[0]
-    text, victim = msg.split("|")
-    assert text.startswith("step 2: "), msg
-    assert victim in text and "'0.weight'" in text and "checksum" in text, msg
+    _assert_corruption_named(msg, "0.weight")
 
 
 def initialize_param_error(rank, nvme_path: str, free: int | None) -> str:
-    model = nn.Sequential(nn.Linear(13, 37), nn.Tanh(), nn.Linear(37, 7))
+    model = _small_net()
     cfg = _config(3, offload_param=_param_nvme(Path(nvme_path)))
     try:
         with (
