@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+from collections.abc import Callable
 from pathlib import Path
 from unittest import mock
 
@@ -236,25 +237,37 @@ def _flip_payload_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def corrupt_mid_training(rank, tmp: str) -> str:
-    torch.manual_seed(0)
-    model = _small_net()
-    cfg = _config(3, offload_optimizer=_nvme(Path(tmp)), sub_group_size=100)
-    engine = zero_full.initialize(model, cfg, lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+def _train_until_swap_error(engine, corrupt: Callable[[], Path | str]) -> str:
+    """Four steps with ``corrupt()`` before the third: the file it corrupted, or why it could not."""
     victim = None
     for step in range(4):
         if step == 2:
-            victim = engine.optimizer.offload.swapper.path_of("g0.s1.exp_avg_sq")
-            _flip_payload_byte(victim)
+            victim = corrupt()
+            if not isinstance(victim, Path):
+                engine.close()
+                return victim
         x = torch.randn(4, 13, generator=torch.Generator().manual_seed(step))
-        engine.backward(engine(x).square().mean())
         try:
+            engine.backward(engine(x).square().mean())
             engine.step()
         except zero_offload.SwapError as exc:
             engine.close()
             return f"step {step}: {exc}|{victim}"
     engine.close()
     return "no error"
+
+
+def corrupt_mid_training(rank, tmp: str) -> str:
+    torch.manual_seed(0)
+    cfg = _config(3, offload_optimizer=_nvme(Path(tmp)), sub_group_size=100)
+    engine = zero_full.initialize(_small_net(), cfg, lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+
+    def corrupt() -> Path:
+        victim = engine.optimizer.offload.swapper.path_of("g0.s1.exp_avg_sq")
+        _flip_payload_byte(victim)
+        return victim
+
+    return _train_until_swap_error(engine, corrupt)
 
 
 def test_corrupted_swap_file_mid_training_is_an_error_naming_it(dist, tmp_path):
@@ -384,26 +397,18 @@ def test_param_offload_prefetches_counts_transfers_and_bounds_host_memory(dist, 
 
 def corrupt_param_mid_training(rank, tmp: str) -> str:
     torch.manual_seed(0)
-    model = _small_net()
     cfg = _config(3, offload_param=_param_nvme(Path(tmp), buffer_count=1))
-    engine = zero_full.initialize(model, cfg, lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    engine = zero_full.initialize(_small_net(), cfg, lambda ps: torch.optim.AdamW(ps, lr=1e-3))
     swapper = zero_optim.offloaded_shards(engine.optimizer).swapper
-    victim = None
-    for step in range(4):
-        if step == 2:
-            if swapper.residence("0.weight") is not zero_offload.ShardResidence.ON_DISK:
-                return "victim is resident: the corruption would not be read"
-            victim = swapper.swapper.path_of("0.weight")
-            _flip_payload_byte(victim)
-        x = torch.randn(4, 13, generator=torch.Generator().manual_seed(step))
-        try:
-            engine.backward(engine(x).square().mean())
-        except zero_offload.SwapError as exc:
-            engine.close()
-            return f"step {step}: {exc}|{victim}"
-        engine.step()
-    engine.close()
-    return "no error"
+
+    def corrupt() -> Path | str:
+        if swapper.residence("0.weight") is not zero_offload.ShardResidence.ON_DISK:
+            return "victim is resident: the corruption would not be read"
+        victim = swapper.swapper.path_of("0.weight")
+        _flip_payload_byte(victim)
+        return victim
+
+    return _train_until_swap_error(engine, corrupt)
 
 
 def test_corrupted_parameter_swap_file_mid_training_is_an_error_naming_it(dist, tmp_path):
