@@ -6,14 +6,11 @@ from __future__ import annotations
 import pytest
 import safetensors.torch
 import torch
-import torch.distributed as dist
 from models import (
     build,
-    global_batch,
     make_optimizer,
-    mean_over_ranks,
-    rank_slice,
     reference_run,
+    train_steps,
     zero_config,
 )
 
@@ -35,14 +32,7 @@ def _engine(name: str, kind: str, stage: int):
 
 
 def _train(engine, name: str, start: int, steps: int) -> list[float]:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    losses = []
-    for step in range(start, start + steps):
-        loss = engine(*rank_slice(global_batch(name, step, BATCH), rank, world))
-        engine.backward(loss)
-        engine.step()
-        losses.append(mean_over_ranks(loss.item()))
-    return losses
+    return train_steps(engine, name, steps, BATCH, start=start)
 
 
 # --------------------------------------------------------------------------- (a) bit-exact resume
