@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable
 from pathlib import Path
 from unittest import mock
 
@@ -223,13 +222,6 @@ def test_nvme_offload_bounds_resident_optimizer_state(dist, tmp_path):
         assert res["total"] >= 10 * bound, f"rank {r}: model too small to show the bound: {res}"
 
 
-def _assert_corruption_named(msg: str, key: str) -> None:
-    """The worker's error came at the step that read the corrupted file and names file and tensor."""
-    text, victim = msg.split("|")
-    assert text.startswith("step 2: "), msg
-    assert victim in text and f"'{key}'" in text and "checksum" in text, msg
-
-
 def _flip_payload_byte(path: Path) -> None:
     """Corrupt one byte of a swap file's payload (its header stays valid)."""
     data = bytearray(path.read_bytes())
@@ -237,12 +229,31 @@ def _flip_payload_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def _train_until_swap_error(engine, corrupt: Callable[[], Path | str]) -> str:
-    """Four steps with ``corrupt()`` before the third: the file it corrupted, or why it could not."""
+def _corrupt_swap_file(engine, what: str) -> Path | str:
+    """Flip a payload byte of the swap file of one optimizer state or parameter shard."""
+    if what == "optimizer":
+        victim = engine.optimizer.offload.swapper.path_of("g0.s1.exp_avg_sq")
+    else:
+        swapper = zero_optim.offloaded_shards(engine.optimizer).swapper
+        if swapper.residence("0.weight") is not zero_offload.ShardResidence.ON_DISK:
+            return "victim is resident: the corruption would not be read"
+        victim = swapper.swapper.path_of("0.weight")
+    _flip_payload_byte(victim)
+    return victim
+
+
+def corrupt_mid_training(rank, tmp: str, what: str) -> str:
+    """Four steps with the swap file of ``what`` corrupted before the third; the error or "no error"."""
+    torch.manual_seed(0)
+    if what == "optimizer":
+        cfg = _config(3, offload_optimizer=_nvme(Path(tmp)), sub_group_size=100)
+    else:
+        cfg = _config(3, offload_param=_param_nvme(Path(tmp), buffer_count=1))
+    engine = zero_full.initialize(_small_net(), cfg, lambda ps: torch.optim.AdamW(ps, lr=1e-3))
     victim = None
     for step in range(4):
         if step == 2:
-            victim = corrupt()
+            victim = _corrupt_swap_file(engine, what)
             if not isinstance(victim, Path):
                 engine.close()
                 return victim
@@ -257,22 +268,14 @@ def _train_until_swap_error(engine, corrupt: Callable[[], Path | str]) -> str:
     return "no error"
 
 
-def corrupt_mid_training(rank, tmp: str) -> str:
-    torch.manual_seed(0)
-    cfg = _config(3, offload_optimizer=_nvme(Path(tmp)), sub_group_size=100)
-    engine = zero_full.initialize(_small_net(), cfg, lambda ps: torch.optim.AdamW(ps, lr=1e-3))
-
-    def corrupt() -> Path:
-        victim = engine.optimizer.offload.swapper.path_of("g0.s1.exp_avg_sq")
-        _flip_payload_byte(victim)
-        return victim
-
-    return _train_until_swap_error(engine, corrupt)
-
-
-def test_corrupted_swap_file_mid_training_is_an_error_naming_it(dist, tmp_path):
-    msg = dist.run(1, corrupt_mid_training, str(tmp_path))[0]
-    _assert_corruption_named(msg, "g0.s1.exp_avg_sq")
+@pytest.mark.parametrize(
+    "what,name", [("optimizer", "g0.s1.exp_avg_sq"), ("param", "0.weight")], ids=["optimizer", "param"]
+)
+def test_corrupted_swap_file_mid_training_is_an_error_naming_it(dist, tmp_path, what, name):
+    msg = dist.run(1, corrupt_mid_training, str(tmp_path), what)[0]
+    text, victim = msg.split("|")
+    assert text.startswith("step 2: "), msg
+    assert victim in text and f"'{name}'" in text and "checksum" in text, msg
 
 
 def initialize_error(rank, nvme_path: str, free: int | None) -> str:
@@ -393,27 +396,6 @@ def test_param_offload_prefetches_counts_transfers_and_bounds_host_memory(dist, 
         assert st["max_resident_elements"] <= 2 * 128 * 64 and res["peak"] <= 2 * 128 * 64
         assert res["resident"] <= res["pool"], f"rank {r}: {res}"
         assert res["shard_bytes"] >= 10 * res["pool"], f"rank {r}: model too small to show the bound: {res}"
-
-
-def corrupt_param_mid_training(rank, tmp: str) -> str:
-    torch.manual_seed(0)
-    cfg = _config(3, offload_param=_param_nvme(Path(tmp), buffer_count=1))
-    engine = zero_full.initialize(_small_net(), cfg, lambda ps: torch.optim.AdamW(ps, lr=1e-3))
-    swapper = zero_optim.offloaded_shards(engine.optimizer).swapper
-
-    def corrupt() -> Path | str:
-        if swapper.residence("0.weight") is not zero_offload.ShardResidence.ON_DISK:
-            return "victim is resident: the corruption would not be read"
-        victim = swapper.swapper.path_of("0.weight")
-        _flip_payload_byte(victim)
-        return victim
-
-    return _train_until_swap_error(engine, corrupt)
-
-
-def test_corrupted_parameter_swap_file_mid_training_is_an_error_naming_it(dist, tmp_path):
-    msg = dist.run(1, corrupt_param_mid_training, str(tmp_path))[0]
-    _assert_corruption_named(msg, "0.weight")
 
 
 def initialize_param_error(rank, nvme_path: str, free: int | None) -> str:
