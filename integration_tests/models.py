@@ -380,6 +380,16 @@ def train_steps(
     return losses
 
 
+def save_then_continue(engine: Any, name: str, root: str, batch: int) -> dict[str, Any]:
+    """Three steps, a checkpoint at ``root``, the consolidated weights, then three more steps' losses."""
+    train_steps(engine, name, 3, batch)
+    engine.save_checkpoint(root)
+    weights = engine.consolidated_state_dict()
+    losses = train_steps(engine, name, 3, batch, start=3)
+    engine.close()
+    return {"losses": losses, "weights": weights}
+
+
 def zero_run(
     rank: Any, name: str, kind: str, steps: int, batch: int, config: dict[str, Any]
 ) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from models import (
     build,
     make_optimizer,
     reference_run,
+    save_then_continue,
     train_steps,
     zero_config,
 )
@@ -67,13 +68,7 @@ def test_resume_at_the_same_world_size_is_bit_exact(dist, tmp_path, name):
 
 
 def _save_at_4(rank, root, name):
-    engine = _engine(name, "adamw", 3)
-    _train(engine, name, 0, 3)
-    engine.save_checkpoint(root)
-    weights = engine.consolidated_state_dict()
-    nxt = _train(engine, name, 3, 3)
-    engine.close()
-    return {"losses": nxt, "weights": weights}
+    return save_then_continue(_engine(name, "adamw", 3), name, root, BATCH)
 
 
 def _load_elsewhere(rank, root, name, stage):

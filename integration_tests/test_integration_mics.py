@@ -28,6 +28,7 @@ from models import (
     build,
     make_optimizer,
     reference_run,
+    save_then_continue,
     train_steps,
     zero_config,
     zero_run,
@@ -288,12 +289,7 @@ def _stage_config(stage: int, shard: int = -1) -> dict:
 
 def _save_then_continue(rank, root: str, config: dict, name: str) -> dict:
     engine = zero_full.initialize(build(name), config, make_optimizer("adamw"))
-    _train(engine, name, 0, 3)
-    engine.save_checkpoint(root)
-    weights = engine.consolidated_state_dict()
-    nxt = _train(engine, name, 3, 3)
-    engine.close()
-    return {"losses": nxt, "weights": weights}
+    return save_then_continue(engine, name, root, BATCH)
 
 
 def _load_then_continue(rank, root: str, config: dict, name: str) -> dict:
