@@ -278,29 +278,29 @@ def test_corrupted_swap_file_mid_training_is_an_error_naming_it(dist, tmp_path, 
     assert victim in text and f"'{name}'" in text and "checksum" in text, msg
 
 
-def initialize_error(rank, nvme_path: str, free: int | None) -> str:
-    model = _small_net()
-    cfg = _config(3, offload_optimizer=_nvme(Path(nvme_path)))
+def initialize_error(rank, nvme_path: str, free: int | None, what: str) -> str:
+    """Initialize with optimizer state or parameters swapped to ``nvme_path`` (``free`` bytes free)."""
+    if what == "optimizer":
+        cfg = _config(3, offload_optimizer=_nvme(Path(nvme_path)))
+    else:
+        cfg = _config(3, offload_param=_param_nvme(Path(nvme_path)))
+    space = mock.patch("zero_offload.swap._free_bytes", lambda directory: free)
     try:
-        if free is None:
-            zero_full.initialize(model, cfg, lambda ps: torch.optim.AdamW(ps))
-        else:
-            with mock.patch("zero_offload.swap._free_bytes", lambda directory: free):
-                zero_full.initialize(model, cfg, lambda ps: torch.optim.AdamW(ps))
+        with space if free is not None else contextlib.nullcontext():
+            zero_full.initialize(_small_net(), cfg, lambda ps: torch.optim.AdamW(ps))
     except zero_offload.SwapError as exc:
         return f"{type(exc).__name__}: {exc}"
     return "initialized"
 
 
-def test_unusable_or_too_small_nvme_path_fails_before_the_first_step(dist, tmp_path):
+@pytest.mark.parametrize("what,folder", [("optimizer", ""), ("param", "/params")], ids=["optimizer", "param"])
+def test_unusable_or_too_small_nvme_path_fails_at_initialize(dist, tmp_path, what, folder):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
-    msg = dist.run(2, initialize_error, str(blocker / "swap"), None)
-    for m in msg:
+    for m in dist.run(2, initialize_error, str(blocker / "swap"), None, what):
         assert m.startswith("SwapError") and str(blocker) in m and "not usable" in m, m
-    msg = dist.run(2, initialize_error, str(tmp_path / "small"), 1000)
-    for r, m in enumerate(msg):
-        assert m.startswith("SwapSpaceError") and f"zero_rank{r}" in m, m
+    for r, m in enumerate(dist.run(2, initialize_error, str(tmp_path / "small"), 1000, what)):
+        assert m.startswith("SwapSpaceError") and f"zero_rank{r}{folder}" in m, m
         assert "free, but swapping needs" in m, m
 
 
@@ -396,28 +396,3 @@ def test_param_offload_prefetches_counts_transfers_and_bounds_host_memory(dist, 
         assert st["max_resident_elements"] <= 2 * 128 * 64 and res["peak"] <= 2 * 128 * 64
         assert res["resident"] <= res["pool"], f"rank {r}: {res}"
         assert res["shard_bytes"] >= 10 * res["pool"], f"rank {r}: model too small to show the bound: {res}"
-
-
-def initialize_param_error(rank, nvme_path: str, free: int | None) -> str:
-    model = _small_net()
-    cfg = _config(3, offload_param=_param_nvme(Path(nvme_path)))
-    try:
-        with (
-            mock.patch("zero_offload.swap._free_bytes", lambda directory: free)
-            if free
-            else contextlib.nullcontext()
-        ):
-            zero_full.initialize(model, cfg, lambda ps: torch.optim.AdamW(ps))
-    except zero_offload.SwapError as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "initialized"
-
-
-def test_unusable_or_too_small_param_nvme_path_fails_at_initialize(dist, tmp_path):
-    blocker = tmp_path / "a_file"
-    blocker.write_text("not a directory")
-    for m in dist.run(2, initialize_param_error, str(blocker / "swap"), None):
-        assert m.startswith("SwapError") and str(blocker) in m and "not usable" in m, m
-    for r, m in enumerate(dist.run(2, initialize_param_error, str(tmp_path / "small"), 1000)):
-        assert m.startswith("SwapSpaceError") and f"zero_rank{r}/params" in m, m
-        assert "free, but swapping needs" in m, m
