@@ -179,7 +179,7 @@ class Fetcher:
         return mine
 
     def _over_bound(self, bounded_live: int, pending: int, need: int, numel: int) -> bool:
-        """Whether a module of ``numel`` elements is prefetched although it crosses ``max_live_parameters``."""
+        """Whether a module of ``numel`` elements is prefetched though it crosses ``max_live_parameters``."""
         in_flight = self.live.ahead_numel
         ahead = in_flight + pending - need
         if numel > self.bound:

@@ -107,7 +107,7 @@ class _Shard:
 
 
 class ParamSwapper:
-    """Offloaded parameter shards: host tensors (``cpu``) or swap files with a bounded host cache (``nvme``)."""
+    """Offloaded parameter shards: host tensors (``cpu``) or swap files, a bounded host cache (``nvme``)."""
 
     def __init__(
         self, config: ParamOffloadConfig, shards: Sequence[tuple[str, int, torch.dtype]], *, rank: int = 0

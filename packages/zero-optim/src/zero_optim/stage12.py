@@ -126,7 +126,7 @@ class ReplicaPartitioning:
     def grad_views(
         self, params: Sequence[nn.Parameter], dtype: torch.dtype, device: torch.device
     ) -> list[torch.Tensor] | None:
-        """With ``grads_in_place`` in fp32: whole gradients in one flat buffer; this rank's partition of each."""
+        """With ``grads_in_place`` in fp32: whole gradients in one flat buffer; this rank's partitions."""
         if not self.grads_in_place or self.world == 1 or dtype != torch.float32:
             return None
         return self._grads.allocate(params, [self.local_numel(p) for p in params], device)

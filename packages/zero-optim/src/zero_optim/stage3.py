@@ -136,7 +136,7 @@ class RefreshPlan:
 
 
 class PersistentRefresh:
-    """Stage 3's publish during a step: the persistent parameters' refresh travels while the rest is stepped."""
+    """Stage 3's publish during a step: the persistent parameters' refresh travels while the rest steps."""
 
     __slots__ = ("_handles", "_issued", "_published", "plan")
 
