@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from benchmarks.kit.cli import BenchmarkParser, benchmark_parser
 from benchmarks.kit.docs import DocsBlock
-from benchmarks.kit.report import Report, command_line, environment, markdown_table
+from benchmarks.kit.report import Report, command_line, environment, markdown_table, pyplot, save_figure
 
 NODES, RANKS_PER_NODE = 2, 2
 WORLD = NODES * RANKS_PER_NODE
@@ -358,10 +358,7 @@ def _link_line(link: dict) -> str:
 
 def plot(result: dict[str, Any], out: pathlib.Path, stem: str) -> list[pathlib.Path]:
     """Two panels: step time and inter-node payload per node (veth) of each variant that ran."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     rows = [r for r in result["rows"] if r["status"] == "ran"]
     m = rows[0]["model_bytes_M"] if rows else 1
@@ -374,11 +371,7 @@ def plot(result: dict[str, Any], out: pathlib.Path, stem: str) -> list[pathlib.P
     right.set_xlabel("bytes a node sends to the other per step (veth), x M")
     right.invert_yaxis()
     right.set_yticklabels([])
-    fig.tight_layout()
-    path = out / f"{stem}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [save_figure(fig, out / f"{stem}.png")]
 
 
 def build_parser() -> BenchmarkParser:

@@ -34,7 +34,7 @@ from benchmarks.kit.cli import BenchmarkParser, benchmark_parser
 from benchmarks.kit.docs import DocsBlock
 from benchmarks.kit.impls import ring_ideal_bytes
 from benchmarks.kit.measure import spawn_ranks
-from benchmarks.kit.report import Report, command_line, environment, markdown_table
+from benchmarks.kit.report import Report, command_line, environment, markdown_table, pyplot, save_figure
 from benchmarks.kit.step_memory import MEASURED_ENV, Run, count_params, measure_rank, summarize
 from benchmarks.kit.workloads import Workload
 
@@ -137,10 +137,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 def plot(result: dict[str, Any], out: pathlib.Path, stem: str) -> list[pathlib.Path]:
     """Step time and RSS at rest against P, one line per implementation and world, formula dashed."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, (t_ax, m_ax) = plt.subplots(1, 2, figsize=(12, 4.5))
     rows = result["rows"]
@@ -171,11 +168,7 @@ def plot(result: dict[str, Any], out: pathlib.Path, stem: str) -> list[pathlib.P
         ax.set_ylabel(label)
     t_ax.legend(fontsize=6, ncol=2)
     fig.suptitle(f"Cost growth ({result['meta']['label']})")
-    fig.tight_layout()
-    path = out / f"{stem}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [save_figure(fig, out / f"{stem}.png")]
 
 
 def build_parser() -> BenchmarkParser:

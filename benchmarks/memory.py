@@ -57,7 +57,7 @@ from typing import Any
 from benchmarks.kit.cli import BenchmarkParser, benchmark_parser
 from benchmarks.kit.docs import DocsBlock
 from benchmarks.kit.measure import spawn_ranks
-from benchmarks.kit.report import Report, command_line, environment, markdown_table
+from benchmarks.kit.report import Report, command_line, environment, markdown_table, pyplot, save_figure
 from benchmarks.kit.step_memory import (
     IMPLS,
     MEASURED_ENV,
@@ -208,10 +208,7 @@ def _single_run_command(rows: list[dict[str, Any]]) -> list[str]:
 
 def plot(result: dict[str, Any], out: pathlib.Path, stem: str) -> list[pathlib.Path]:
     """Per workload and world: at rest and the step's peak above the baseline, the formula marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names, worlds = list(result["workloads"]), result["worlds"]
     fig, axes = plt.subplots(
@@ -244,11 +241,7 @@ def plot(result: dict[str, Any], out: pathlib.Path, stem: str) -> list[pathlib.P
             if i == 0 and j == 0:
                 ax.legend(fontsize=7)
     fig.suptitle("Real memory per rank (RSS, fresh processes, fp32 AdamW)")
-    fig.tight_layout()
-    path = out / f"{stem}.png"
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return [path]
+    return [save_figure(fig, out / f"{stem}.png")]
 
 
 # ----------------------------------------------------------------------------- main

@@ -61,7 +61,7 @@ from benchmarks.kit.cli import BenchmarkParser
 from benchmarks.kit.docs import DocsBlock
 from benchmarks.kit.impls import IMPLEMENTATIONS, formula_state_bytes, model_state_bytes, ring_ideal_bytes
 from benchmarks.kit.measure import read_wchar, thread_minor_faults
-from benchmarks.kit.report import Report, command_line, environment, markdown_table
+from benchmarks.kit.report import Report, command_line, environment, markdown_table, pyplot, save_figure
 from benchmarks.kit.workloads import (
     ADAMW,
     QUICK_SHAPE,
@@ -387,10 +387,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 def plots(result: dict[str, Any], out: pathlib.Path, name: str) -> list[pathlib.Path]:
     """Step time, memory per rank and bytes per step by implementation, one bar per world size."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     worlds = result["plan"]["worlds"]
     impls = [i for i in result["plan"]["impls"]]
@@ -448,11 +445,7 @@ def plots(result: dict[str, Any], out: pathlib.Path, name: str) -> list[pathlib.
         ax.set_ylabel(ylabel)
         ax.set_title(title)
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = out / filename
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
+        paths.append(save_figure(fig, out / filename))
     return paths
 
 

@@ -349,6 +349,47 @@ def zero_config(**zero: Any) -> dict[str, Any]:
     }
 
 
+def train_steps(
+    engine: Any,
+    name: str,
+    steps: int,
+    batch: int,
+    *,
+    start: int = 0,
+    dtype: torch.dtype | None = None,
+    after_micro: Callable[[], None] | None = None,
+) -> list[float]:
+    """``steps`` optimizer steps of model ``name`` from step ``start`` on this rank's slices of the
+    global batches (inputs cast to ``dtype`` if given); the losses averaged over ranks and micro-steps."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    accumulation = engine.gradient_accumulation_steps
+    losses = []
+    for step in range(start, start + steps):
+        total = 0.0
+        for micro in range(accumulation):
+            inputs = rank_slice(global_batch(name, step * accumulation + micro, batch), rank, world)
+            if dtype is not None:
+                inputs = tuple(t.to(dtype) if t.is_floating_point() else t for t in inputs)
+            loss = engine(*inputs)
+            engine.backward(loss)
+            engine.step()
+            total += loss.float().item()
+            if after_micro is not None:
+                after_micro()
+        losses.append(mean_over_ranks(total / accumulation))
+    return losses
+
+
+def save_then_continue(engine: Any, name: str, root: str, batch: int) -> dict[str, Any]:
+    """Three steps, a checkpoint at ``root``, the consolidated weights, then three more steps' losses."""
+    train_steps(engine, name, 3, batch)
+    engine.save_checkpoint(root)
+    weights = engine.consolidated_state_dict()
+    losses = train_steps(engine, name, 3, batch, start=3)
+    engine.close()
+    return {"losses": losses, "weights": weights}
+
+
 def zero_run(
     rank: Any, name: str, kind: str, steps: int, batch: int, config: dict[str, Any]
 ) -> dict[str, Any]:
@@ -358,24 +399,13 @@ def zero_run(
         Per-step losses (averaged over ranks and micro-steps), the final full parameters
         (gathered) and the names of the persistent parameters.
     """
-    world = dist.get_world_size()
     model = build(name)
     if name == "moe":
         zero_coord.set_leaf_modules(model, [MoE])  # ranks route differently inside it
     if name == "external":
         zero_full.register_external_parameter(model, model.embed.weight)
     engine = zero_full.initialize(model, config, make_optimizer(kind))
-    accumulation = engine.gradient_accumulation_steps
-    losses = []
-    for step in range(steps):
-        total = 0.0
-        for micro in range(accumulation):
-            full = global_batch(name, step * accumulation + micro, batch)
-            loss = engine(*rank_slice(full, rank.rank, world))
-            engine.backward(loss)
-            engine.step()
-            total += loss.item()
-        losses.append(mean_over_ranks(total / accumulation))
+    losses = train_steps(engine, name, steps, batch)
     persistent = sorted(n for n, p in model.named_parameters() if zero_params.state_of(p).persistent)
     with zero_params.GatheredParameters(list(model.parameters())):
         params = {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -6,14 +6,12 @@ from __future__ import annotations
 import pytest
 import safetensors.torch
 import torch
-import torch.distributed as dist
 from models import (
     build,
-    global_batch,
     make_optimizer,
-    mean_over_ranks,
-    rank_slice,
     reference_run,
+    save_then_continue,
+    train_steps,
     zero_config,
 )
 
@@ -35,14 +33,7 @@ def _engine(name: str, kind: str, stage: int):
 
 
 def _train(engine, name: str, start: int, steps: int) -> list[float]:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    losses = []
-    for step in range(start, start + steps):
-        loss = engine(*rank_slice(global_batch(name, step, BATCH), rank, world))
-        engine.backward(loss)
-        engine.step()
-        losses.append(mean_over_ranks(loss.item()))
-    return losses
+    return train_steps(engine, name, steps, BATCH, start=start)
 
 
 # --------------------------------------------------------------------------- (a) bit-exact resume
@@ -77,13 +68,7 @@ def test_resume_at_the_same_world_size_is_bit_exact(dist, tmp_path, name):
 
 
 def _save_at_4(rank, root, name):
-    engine = _engine(name, "adamw", 3)
-    _train(engine, name, 0, 3)
-    engine.save_checkpoint(root)
-    weights = engine.consolidated_state_dict()
-    nxt = _train(engine, name, 3, 3)
-    engine.close()
-    return {"losses": nxt, "weights": weights}
+    return save_then_continue(_engine(name, "adamw", 3), name, root, BATCH)
 
 
 def _load_elsewhere(rank, root, name, stage):

@@ -22,16 +22,14 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 from models import (
     OddMLP,
     assert_ranks_agree_and_match,
     build,
-    global_batch,
     make_optimizer,
-    mean_over_ranks,
-    rank_slice,
     reference_run,
+    save_then_continue,
+    train_steps,
     zero_config,
     zero_run,
 )
@@ -84,20 +82,8 @@ def test_mics_matches_single_process_training(dist, topo, shard, hier, accum):
 
 def _train(engine, name: str, start: int, steps: int, ledger: CommLedger | None = None) -> list[float]:
     """``steps`` optimizer steps from step ``start``; one ledger step per micro-step."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    accum = engine.gradient_accumulation_steps
-    losses = []
-    for step in range(start, start + steps):
-        total = 0.0
-        for micro in range(accum):
-            loss = engine(*rank_slice(global_batch(name, step * accum + micro, BATCH), rank, world))
-            engine.backward(loss)
-            engine.step()
-            total += loss.item()
-            if ledger is not None:
-                ledger.step()
-        losses.append(mean_over_ranks(total / accum))
-    return losses
+    after_micro = ledger.step if ledger is not None else None
+    return train_steps(engine, name, steps, BATCH, start=start, after_micro=after_micro)
 
 
 def _ledger_run(rank, shard: int, hierarchical: bool, accum: int, steps: int) -> dict:
@@ -303,12 +289,7 @@ def _stage_config(stage: int, shard: int = -1) -> dict:
 
 def _save_then_continue(rank, root: str, config: dict, name: str) -> dict:
     engine = zero_full.initialize(build(name), config, make_optimizer("adamw"))
-    _train(engine, name, 0, 3)
-    engine.save_checkpoint(root)
-    weights = engine.consolidated_state_dict()
-    nxt = _train(engine, name, 3, 3)
-    engine.close()
-    return {"losses": nxt, "weights": weights}
+    return save_then_continue(engine, name, root, BATCH)
 
 
 def _load_then_continue(rank, root: str, config: dict, name: str) -> dict:

@@ -78,6 +78,10 @@ def offload_run(rank, stage: int, zero: dict, top: dict | None = None) -> dict:
     return {"losses": losses, "params": params}
 
 
+def _small_net() -> nn.Module:
+    return nn.Sequential(nn.Linear(13, 37), nn.Tanh(), nn.Linear(37, 7))
+
+
 def _nvme(path: Path, **extra) -> dict:
     return {"device": "nvme", "nvme_path": str(path), "pipeline_read": True, "pipeline_write": True, **extra}
 
@@ -146,7 +150,7 @@ def test_offload_with_16bit_working_parameters(dist, tmp_path, stage, top, param
 
 def count_transfers(rank, tmp: str) -> dict:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(13, 37), nn.Tanh(), nn.Linear(37, 7))
+    model = _small_net()
     cfg = _config(3, offload_optimizer=_nvme(Path(tmp)), sub_group_size=100)
     engine = zero_full.initialize(model, cfg, lambda ps: torch.optim.AdamW(ps, lr=1e-3))
     for step in range(3):
@@ -225,19 +229,37 @@ def _flip_payload_byte(path: Path) -> None:
     path.write_bytes(bytes(data))
 
 
-def corrupt_mid_training(rank, tmp: str) -> str:
+def _corrupt_swap_file(engine, what: str) -> Path | str:
+    """Flip a payload byte of the swap file of one optimizer state or parameter shard."""
+    if what == "optimizer":
+        victim = engine.optimizer.offload.swapper.path_of("g0.s1.exp_avg_sq")
+    else:
+        swapper = zero_optim.offloaded_shards(engine.optimizer).swapper
+        if swapper.residence("0.weight") is not zero_offload.ShardResidence.ON_DISK:
+            return "victim is resident: the corruption would not be read"
+        victim = swapper.swapper.path_of("0.weight")
+    _flip_payload_byte(victim)
+    return victim
+
+
+def corrupt_mid_training(rank, tmp: str, what: str) -> str:
+    """Four steps with the swap file of ``what`` corrupted before the third; the error or "no error"."""
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(13, 37), nn.Tanh(), nn.Linear(37, 7))
-    cfg = _config(3, offload_optimizer=_nvme(Path(tmp)), sub_group_size=100)
-    engine = zero_full.initialize(model, cfg, lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+    if what == "optimizer":
+        cfg = _config(3, offload_optimizer=_nvme(Path(tmp)), sub_group_size=100)
+    else:
+        cfg = _config(3, offload_param=_param_nvme(Path(tmp), buffer_count=1))
+    engine = zero_full.initialize(_small_net(), cfg, lambda ps: torch.optim.AdamW(ps, lr=1e-3))
     victim = None
     for step in range(4):
         if step == 2:
-            victim = engine.optimizer.offload.swapper.path_of("g0.s1.exp_avg_sq")
-            _flip_payload_byte(victim)
+            victim = _corrupt_swap_file(engine, what)
+            if not isinstance(victim, Path):
+                engine.close()
+                return victim
         x = torch.randn(4, 13, generator=torch.Generator().manual_seed(step))
-        engine.backward(engine(x).square().mean())
         try:
+            engine.backward(engine(x).square().mean())
             engine.step()
         except zero_offload.SwapError as exc:
             engine.close()
@@ -246,36 +268,39 @@ def corrupt_mid_training(rank, tmp: str) -> str:
     return "no error"
 
 
-def test_corrupted_swap_file_mid_training_is_an_error_naming_it(dist, tmp_path):
-    msg = dist.run(1, corrupt_mid_training, str(tmp_path))[0]
+@pytest.mark.parametrize(
+    "what,name", [("optimizer", "g0.s1.exp_avg_sq"), ("param", "0.weight")], ids=["optimizer", "param"]
+)
+def test_corrupted_swap_file_mid_training_is_an_error_naming_it(dist, tmp_path, what, name):
+    msg = dist.run(1, corrupt_mid_training, str(tmp_path), what)[0]
     text, victim = msg.split("|")
     assert text.startswith("step 2: "), msg
-    assert victim in text and "'g0.s1.exp_avg_sq'" in text and "checksum" in text, msg
+    assert victim in text and f"'{name}'" in text and "checksum" in text, msg
 
 
-def initialize_error(rank, nvme_path: str, free: int | None) -> str:
-    model = nn.Sequential(nn.Linear(13, 37), nn.Tanh(), nn.Linear(37, 7))
-    cfg = _config(3, offload_optimizer=_nvme(Path(nvme_path)))
+def initialize_error(rank, nvme_path: str, free: int | None, what: str) -> str:
+    """Initialize with optimizer state or parameters swapped to ``nvme_path`` (``free`` bytes free)."""
+    if what == "optimizer":
+        cfg = _config(3, offload_optimizer=_nvme(Path(nvme_path)))
+    else:
+        cfg = _config(3, offload_param=_param_nvme(Path(nvme_path)))
+    space = mock.patch("zero_offload.swap._free_bytes", lambda directory: free)
     try:
-        if free is None:
-            zero_full.initialize(model, cfg, lambda ps: torch.optim.AdamW(ps))
-        else:
-            with mock.patch("zero_offload.swap._free_bytes", lambda directory: free):
-                zero_full.initialize(model, cfg, lambda ps: torch.optim.AdamW(ps))
+        with space if free is not None else contextlib.nullcontext():
+            zero_full.initialize(_small_net(), cfg, lambda ps: torch.optim.AdamW(ps))
     except zero_offload.SwapError as exc:
         return f"{type(exc).__name__}: {exc}"
     return "initialized"
 
 
-def test_unusable_or_too_small_nvme_path_fails_before_the_first_step(dist, tmp_path):
+@pytest.mark.parametrize("what,folder", [("optimizer", ""), ("param", "/params")], ids=["optimizer", "param"])
+def test_unusable_or_too_small_nvme_path_fails_at_initialize(dist, tmp_path, what, folder):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
-    msg = dist.run(2, initialize_error, str(blocker / "swap"), None)
-    for m in msg:
+    for m in dist.run(2, initialize_error, str(blocker / "swap"), None, what):
         assert m.startswith("SwapError") and str(blocker) in m and "not usable" in m, m
-    msg = dist.run(2, initialize_error, str(tmp_path / "small"), 1000)
-    for r, m in enumerate(msg):
-        assert m.startswith("SwapSpaceError") and f"zero_rank{r}" in m, m
+    for r, m in enumerate(dist.run(2, initialize_error, str(tmp_path / "small"), 1000, what)):
+        assert m.startswith("SwapSpaceError") and f"zero_rank{r}{folder}" in m, m
         assert "free, but swapping needs" in m, m
 
 
@@ -371,59 +396,3 @@ def test_param_offload_prefetches_counts_transfers_and_bounds_host_memory(dist, 
         assert st["max_resident_elements"] <= 2 * 128 * 64 and res["peak"] <= 2 * 128 * 64
         assert res["resident"] <= res["pool"], f"rank {r}: {res}"
         assert res["shard_bytes"] >= 10 * res["pool"], f"rank {r}: model too small to show the bound: {res}"
-
-
-def corrupt_param_mid_training(rank, tmp: str) -> str:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(13, 37), nn.Tanh(), nn.Linear(37, 7))
-    cfg = _config(3, offload_param=_param_nvme(Path(tmp), buffer_count=1))
-    engine = zero_full.initialize(model, cfg, lambda ps: torch.optim.AdamW(ps, lr=1e-3))
-    swapper = zero_optim.offloaded_shards(engine.optimizer).swapper
-    victim = None
-    for step in range(4):
-        if step == 2:
-            if swapper.residence("0.weight") is not zero_offload.ShardResidence.ON_DISK:
-                return "victim is resident: the corruption would not be read"
-            victim = swapper.swapper.path_of("0.weight")
-            _flip_payload_byte(victim)
-        x = torch.randn(4, 13, generator=torch.Generator().manual_seed(step))
-        try:
-            engine.backward(engine(x).square().mean())
-        except zero_offload.SwapError as exc:
-            engine.close()
-            return f"step {step}: {exc}|{victim}"
-        engine.step()
-    engine.close()
-    return "no error"
-
-
-def test_corrupted_parameter_swap_file_mid_training_is_an_error_naming_it(dist, tmp_path):
-    msg = dist.run(1, corrupt_param_mid_training, str(tmp_path))[0]
-    text, victim = msg.split("|")
-    assert text.startswith("step 2: "), msg
-    assert victim in text and "'0.weight'" in text and "checksum" in text, msg
-
-
-def initialize_param_error(rank, nvme_path: str, free: int | None) -> str:
-    model = nn.Sequential(nn.Linear(13, 37), nn.Tanh(), nn.Linear(37, 7))
-    cfg = _config(3, offload_param=_param_nvme(Path(nvme_path)))
-    try:
-        with (
-            mock.patch("zero_offload.swap._free_bytes", lambda directory: free)
-            if free
-            else contextlib.nullcontext()
-        ):
-            zero_full.initialize(model, cfg, lambda ps: torch.optim.AdamW(ps))
-    except zero_offload.SwapError as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return "initialized"
-
-
-def test_unusable_or_too_small_param_nvme_path_fails_at_initialize(dist, tmp_path):
-    blocker = tmp_path / "a_file"
-    blocker.write_text("not a directory")
-    for m in dist.run(2, initialize_param_error, str(blocker / "swap"), None):
-        assert m.startswith("SwapError") and str(blocker) in m and "not usable" in m, m
-    for r, m in enumerate(dist.run(2, initialize_param_error, str(tmp_path / "small"), 1000)):
-        assert m.startswith("SwapSpaceError") and f"zero_rank{r}/params" in m, m
-        assert "free, but swapping needs" in m, m

@@ -27,6 +27,7 @@ from models import (
     make_optimizer,
     mean_over_ranks,
     rank_slice,
+    train_steps,
 )
 
 import zero_full
@@ -215,17 +216,7 @@ def _init_bf16(rank):
     with zero_full.Init(config=cfg):
         model = build("mlp")
     engine = zero_full.initialize(model, cfg, make_optimizer("adamw"))
-    world = dist.get_world_size()
-    losses = []
-    for step in range(STEPS):
-        total = 0.0
-        for micro in range(ACCUMULATION):
-            full = global_batch("mlp", step * ACCUMULATION + micro, BATCH)
-            loss = engine(*_cast(rank_slice(full, rank.rank, world), torch.bfloat16))
-            engine.backward(loss)
-            engine.step()
-            total += loss.float().item()
-        losses.append(mean_over_ranks(total / ACCUMULATION))
+    losses = train_steps(engine, "mlp", STEPS, BATCH, dtype=torch.bfloat16)
     dtypes = {zero_params.state_of(p).shard.dtype for p in model.parameters()}
     engine.close()
     return dtypes, losses

@@ -91,6 +91,24 @@ def command_line(name: str, argv: Sequence[str] | None = None) -> str:
     return " ".join([f"{command_env()}python -m benchmarks {name}", *args])
 
 
+def pyplot() -> Any:
+    """matplotlib's ``pyplot`` on the file-only Agg backend (imported on first use: plots are optional)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig: Any, path: pathlib.Path) -> pathlib.Path:
+    """Lay ``fig`` out, write it to ``path`` at the resolution every plot uses, and close it."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+    return path
+
+
 def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[object]], align: str = "") -> str:
     """A GitHub markdown table; ``align`` has one letter per column, ``l`` or ``r`` (default: ``l``).
 

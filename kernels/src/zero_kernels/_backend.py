@@ -48,21 +48,7 @@ def triton_interpreting() -> bool:
 
 
 def resolve_backend(backend: str, tensor: torch.Tensor) -> Literal["torch", "triton"]:
-    """Pick the implementation for an op whose data lives on ``tensor.device``.
-
-    Args:
-        backend: ``"auto"`` (compiled Triton on a CUDA tensor when triton imports, else torch), ``"torch"``
-            (the pure-torch reference) or ``"triton"`` (the Triton kernel; on a CPU tensor it needs
-            ``TRITON_INTERPRET=1``).
-        tensor: the op's main input; its device decides ``"auto"``.
-
-    Returns:
-        ``"torch"`` or ``"triton"``.
-
-    Raises:
-        ValueError: unknown ``backend``, or ``"triton"`` on a CPU tensor outside the interpreter.
-        RuntimeError: ``"triton"`` requested but triton is not importable.
-    """
+    """Pick the implementation for an op whose data lives on ``tensor.device``."""
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     if backend == "torch":

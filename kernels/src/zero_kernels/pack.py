@@ -81,20 +81,7 @@ if HAS_TRITON:
 
 
 def pack_int4(codes: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
-    """Pack signed 4-bit codes two per byte, low nibble first.
-
-    Args:
-        codes: int8 tensor (any shape, flattened in row-major order) with values in [-8, 7].
-        backend: ``"auto"``, ``"torch"`` or ``"triton"`` (see :func:`zero_kernels.resolve_backend`).
-
-    Returns:
-        1-D uint8 tensor of ``ceil(codes.numel() / 2)`` bytes: byte ``i`` holds ``codes[2i]`` in its
-        low nibble and ``codes[2i+1]`` in its high nibble (0 when ``2i+1`` is past the end).
-
-    Raises:
-        TypeError: ``codes`` is not int8.
-        ValueError: a code lies outside [-8, 7] (it would not survive the round trip).
-    """
+    """Pack signed 4-bit codes two per byte, low nibble first."""
     if codes.dtype != torch.int8:
         raise TypeError(f"pack_int4 needs int8 codes, got {codes.dtype}")
     flat = codes.reshape(-1).contiguous()
@@ -109,20 +96,7 @@ def pack_int4(codes: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
 
 
 def unpack_int4(packed: torch.Tensor, numel: int | None = None, *, backend: str = "auto") -> torch.Tensor:
-    """Inverse of :func:`pack_int4`.
-
-    Args:
-        packed: 1-D uint8 tensor.
-        numel: number of codes to return, at most ``2 * packed.numel()``; default all of them.
-        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
-
-    Returns:
-        1-D int8 tensor of ``numel`` codes in [-8, 7].
-
-    Raises:
-        TypeError: ``packed`` is not uint8.
-        ValueError: ``packed`` is not 1-D or ``numel`` is out of range.
-    """
+    """Inverse of :func:`pack_int4`."""
     if packed.dtype != torch.uint8:
         raise TypeError(f"unpack_int4 needs uint8 bytes, got {packed.dtype}")
     if packed.dim() != 1:

@@ -1,23 +1,4 @@
-"""Kernels of qgZ (ZeRO++ quantized gradients): swizzled quantize and fused dequantize-reduce(-requantize).
-
-qgZ reduce-scatters a flat gradient of ``W * P`` elements over ``W = N * R`` ranks (``N`` nodes of
-``R`` ranks; global rank ``p = node * R + local``) in two all-to-all hops, so that rank ``p`` ends
-with the sum over all ranks of partition ``p`` (elements ``[p*P, (p+1)*P)``):
-
-1. every rank calls :func:`swizzled_quantize`; chunk ``j`` of the result (``R`` equal contiguous
-   chunks) holds the partitions ``{n*R + j : n < N}`` in node order, each padded to whole groups
-   (see :class:`zero_kernels.SwizzleLayout`);
-2. intra-node all-to-all: local rank ``j`` receives chunk ``j`` from each of the ``R`` local ranks,
-   stacked in source order, and calls :func:`dequant_reduce_requant` with ``n_sources=R``: it now
-   holds this node's partial sums of partitions ``{n*R + j}``, requantized, sub-chunk ``n`` being
-   partition ``n*R + j``;
-3. inter-node all-to-all among the ``N`` ranks of local index ``j``: rank ``n*R + j`` receives
-   sub-chunk ``n`` from every node, stacked in node order, and calls :func:`dequant_reduce` with
-   ``n_sources=N``: the first ``P`` elements are the full sum of its partition (the caller divides
-   by ``W`` to average).
-
-Codes and scales are split the same way at every hop because groups never straddle a partition.
-"""
+"""Kernels of qgZ (ZeRO++ quantized gradients): swizzled quantize and fused dequantize-reduce(-requantize)."""
 
 from __future__ import annotations
 
@@ -190,33 +171,7 @@ if HAS_TRITON:
 def swizzled_quantize(
     x: torch.Tensor, config: QuantConfig, num_nodes: int, ranks_per_node: int, *, backend: str = "auto"
 ) -> QuantizedTensor:
-    """Quantize a flat gradient in the order of qgZ's hierarchical all-to-all.
-
-    ``x`` (``W * P`` elements, ``W = num_nodes * ranks_per_node``) is cut into ``W`` partitions of
-    ``P`` elements; partition ``p`` belongs to global rank ``p = node * ranks_per_node + local``.
-    Each partition is zero-padded to whole groups and the padded partitions are stored in the
-    order ``[n*R + j for j in range(R) for n in range(N)]`` (destination local rank major, node
-    minor). So the result splits into ``R`` equal contiguous chunks, chunk ``j`` going to local
-    rank ``j`` in the intra-node hop, and each chunk into ``N`` equal contiguous sub-chunks, sub-chunk
-    ``n`` going to node ``n`` in the inter-node hop. Codes and scales split alike (``R`` then ``N``
-    equal pieces) because no group straddles a partition. See :class:`zero_kernels.SwizzleLayout`.
-
-    Args:
-        x: float32, bfloat16 or float16 tensor whose numel is divisible by the world size.
-        config: bit width and group size.
-        num_nodes: N, at least 1.
-        ranks_per_node: R, at least 1.
-        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
-
-    Returns:
-        A :class:`QuantizedTensor` of the swizzled, partition-padded tensor:
-        ``numel == W * padded_partition_numel`` (a multiple of ``group_size``).
-
-    Raises:
-        TypeError: bad ``x`` or ``config`` type.
-        ValueError: ``x.numel()`` is not divisible by ``num_nodes * ranks_per_node``, or a
-            non-positive node / rank count.
-    """
+    """Quantize a flat gradient in the order of qgZ's hierarchical all-to-all."""
     _check_input(x, "x")
     _check_config(config)
     for name, value in (("num_nodes", num_nodes), ("ranks_per_node", ranks_per_node)):
@@ -247,25 +202,7 @@ def _check_sources(q: QuantizedTensor, n_sources: int, what: str) -> None:
 def dequant_reduce_requant(
     q_chunks: QuantizedTensor, n_sources: int, config: QuantConfig, *, backend: str = "auto"
 ) -> QuantizedTensor:
-    """Middle hop of qgZ: dequantize ``n_sources`` stacked chunks, sum them in fp32, requantize.
-
-    Args:
-        q_chunks: ``n_sources`` equal chunks concatenated in source order (codes and scales both),
-            e.g. what an all-to-all received; each chunk must be whole groups.
-        n_sources: number of chunks.
-        config: quantization of the result; its ``group_size`` must equal ``q_chunks.group_size``
-            (group boundaries are kept, so they stay aligned with the next hop's sub-chunks); its
-            ``bits`` may differ.
-        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
-
-    Returns:
-        The requantized sum, ``numel == q_chunks.numel // n_sources``. Sources are added in order
-        0, 1, ... in fp32.
-
-    Raises:
-        TypeError: bad argument types.
-        ValueError: chunks not divisible into whole groups, or a ``group_size`` mismatch.
-    """
+    """Middle hop of qgZ: dequantize ``n_sources`` stacked chunks, sum them in fp32, requantize."""
     _check_sources(q_chunks, n_sources, "dequant_reduce_requant")
     _check_config(config)
     if config.group_size != q_chunks.group_size:
@@ -287,24 +224,7 @@ def dequant_reduce(
     *,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """Last hop of qgZ: dequantize ``n_sources`` stacked chunks and sum them in fp32 (no averaging).
-
-    Args:
-        q: ``n_sources`` equal chunks concatenated in source order (each whole groups when
-            ``n_sources > 1``).
-        n_sources: number of chunks.
-        out_dtype: float32 (default), bfloat16 or float16; taken from ``out`` when that is given.
-        out: optional contiguous tensor of ``q.numel // n_sources`` elements to write into.
-        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
-
-    Returns:
-        ``out`` when given, else a new 1-D tensor of ``q.numel // n_sources`` elements: the fp32 sum
-        (sources added in order 0, 1, ...) cast to the output dtype.
-
-    Raises:
-        TypeError: bad argument types or output dtype.
-        ValueError: chunks not divisible into whole groups, or a bad ``out``.
-    """
+    """Last hop of qgZ: dequantize ``n_sources`` stacked chunks and sum them in fp32 (no averaging)."""
     _check_sources(q, n_sources, "dequant_reduce")
     flat = _output_for(q.numel // n_sources, q.codes.device, out_dtype, out, "dequant_reduce")
     with torch.profiler.record_function("zero.kernels.dequant_reduce"):

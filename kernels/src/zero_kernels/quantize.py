@@ -5,16 +5,6 @@ Scheme (one fp32 scale per group of ``group_size`` consecutive elements, absmax 
     scale = A / 2**(bits-1)                       # exact: a power-of-two division
     code  = clamp(round_half_even(x / scale), -2**(bits-1), 2**(bits-1) - 1)
     x'    = code * scale                          # in fp32, then cast to the output dtype
-
-A group of zeros gets scale 0 and codes 0. The value ``+A`` lands on ``2**(bits-1)`` and is clamped
-to the top code, so it comes back as ``A - scale`` (error ``A / 2**(bits-1)``); every other value is
-within ``scale / 2 = A / 2**bits``. The last group is zero-padded. Inputs must be finite; a group
-whose absmax is below ``2**(bits-1)`` times the smallest normal fp32 (~1.5e-36 for int8) gets a
-subnormal scale and loses precision.
-
-The Triton kernels read the input in the swizzled qgZ order too (the plain order being its
-one-partition case) and dequantize a sum of ``n_sources`` stacked chunks (dequantize being its
-one-source case); their helpers are shared with :mod:`zero_kernels.qgz`.
 """
 
 from __future__ import annotations
@@ -363,21 +353,7 @@ def _check_config(config: QuantConfig) -> None:
 
 
 def quantize(x: torch.Tensor, config: QuantConfig, *, backend: str = "auto") -> QuantizedTensor:
-    """Quantize ``x`` blockwise to ``config.bits`` bits, one fp32 scale per ``config.group_size`` elements.
-
-    Args:
-        x: float32, bfloat16 or float16 tensor of any shape (flattened in row-major order); any
-            size, including 0 and sizes that are not a multiple of the group size (the last group is
-            zero-padded).
-        config: bit width and group size.
-        backend: ``"auto"`` (Triton on CUDA when available, else torch), ``"torch"`` or ``"triton"``.
-
-    Returns:
-        The :class:`QuantizedTensor` with ``numel == x.numel()``.
-
-    Raises:
-        TypeError: ``x`` is not a float32 / bfloat16 / float16 tensor or ``config`` is not a QuantConfig.
-    """
+    """Quantize ``x`` blockwise to ``config.bits`` bits, one fp32 scale per ``config.group_size`` elements."""
     _check_input(x, "x")
     _check_config(config)
     with torch.profiler.record_function("zero.kernels.quantize"):
@@ -414,23 +390,7 @@ def dequantize(
     *,
     backend: str = "auto",
 ) -> torch.Tensor:
-    """Decode a :class:`QuantizedTensor`: ``code * scale`` in fp32, cast to the output dtype.
-
-    Args:
-        q: the quantized tensor.
-        out_dtype: float32 (default), bfloat16 or float16. When ``out`` is given its dtype is used
-            and ``out_dtype`` may be omitted (if given it must agree).
-        out: optional contiguous tensor of ``q.numel`` elements (any shape) on ``q``'s device to
-            write into.
-        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
-
-    Returns:
-        ``out`` when given, else a new 1-D tensor of ``q.numel`` elements.
-
-    Raises:
-        TypeError: unsupported output dtype.
-        ValueError: ``out`` has the wrong size, layout, device or dtype.
-    """
+    """Decode a :class:`QuantizedTensor`: ``code * scale`` in fp32, cast to the output dtype."""
     if not isinstance(q, QuantizedTensor):
         raise TypeError(f"q must be a zero_kernels.QuantizedTensor, got {type(q).__name__}")
     flat = _output_for(q.numel, q.codes.device, out_dtype, out, "dequantize")

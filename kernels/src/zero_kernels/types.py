@@ -21,11 +21,6 @@ class QuantConfig:
     -2**(bits-1), 2**(bits-1) - 1)``. This is DeepSpeed's symmetric scheme (step ``2·absmax/2**bits``);
     it bounds the round-trip error by ``absmax / 2**bits``, and by ``absmax / 2**(bits-1)`` for a
     value clamped to the top code.
-
-    Attributes:
-        bits: 8 (one int8 code per element) or 4 (two codes per byte, low nibble first).
-        group_size: elements per scale, 1..65536; even when ``bits == 4`` so that every group
-            starts on a byte boundary.
     """
 
     bits: Literal[4, 8]
@@ -69,13 +64,6 @@ class QuantizedTensor:
     zero-padded, so padding codes are 0. For ``bits == 8`` ``codes`` is int8 with one code per
     padded element; for ``bits == 4`` it is uint8 with two codes per byte: element ``2i`` in the low
     nibble, element ``2i+1`` in the high nibble, each a 4-bit two's complement value in [-8, 7].
-
-    Attributes:
-        codes: 1-D int8 (bits 8) or uint8 (bits 4), ``n_groups * group_size * bits / 8`` entries.
-        scales: 1-D float32, one per group, on the same device as ``codes``.
-        numel: logical element count, ``<= n_groups * group_size``.
-        bits: 4 or 8.
-        group_size: elements per scale.
     """
 
     codes: torch.Tensor
@@ -147,19 +135,6 @@ class SwizzleLayout:
     ``padded_partition_numel`` (whole groups) and the padded partitions are stored in *slot* order
 
         slot(p) = local_rank(p) * num_nodes + node(p)
-
-    i.e. destination local rank major, node minor. Hence the output splits into ``ranks_per_node``
-    equal, contiguous *chunks* (chunk ``j`` is what the intra-node all-to-all sends to local rank
-    ``j``: the partitions of ranks ``j, R + j, 2R + j, ...``), and chunk ``j`` splits into
-    ``num_nodes`` contiguous *sub-chunks* (sub-chunk ``n`` is partition ``n*R + j``, what the
-    inter-node all-to-all sends to node ``n``). No group straddles a partition, so none straddles a
-    chunk or a sub-chunk.
-
-    Attributes:
-        num_nodes: N, nodes in the data-parallel world.
-        ranks_per_node: R, ranks per node.
-        partition_numel: P, logical elements per rank's partition.
-        group_size: quantization group size.
     """
 
     num_nodes: int

@@ -10,6 +10,13 @@ import torch
 WORLDS = [pytest.param((1, 1), id="w1"), pytest.param((2, 2), id="w2"), pytest.param((4, 2), id="2x2")]
 over_worlds = pytest.mark.parametrize("spec", WORLDS, scope="session")
 
+
+def run_on(dist, spec: tuple[int, int], fn, *args):
+    """Run ``fn(*args)`` on the ranks of ``spec`` (world size, ranks per node); the per-rank results."""
+    world, ranks_per_node = spec
+    return dist.run(world, fn, *args, ranks_per_node=ranks_per_node)
+
+
 # Shard / tensor numels: empty, one, small odd, primes, one below a power of two.
 ODD_SIZES = [0, 1, 7, 131, 1023, 4099]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

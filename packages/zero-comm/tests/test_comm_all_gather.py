@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 import torch.distributed as tdist
-from comm_cases import DTYPES, ODD_SIZES, over_worlds, rank_tensor, result_of, same_buffer
+from comm_cases import DTYPES, ODD_SIZES, over_worlds, rank_tensor, result_of, run_on, same_buffer
 
 from zero_comm import CommLedger, FlatAllGather, Topology, all_gather_coalesced
 from zero_comm.coalesced import adjacent_flat_view
@@ -49,8 +49,7 @@ def _gather_cases(rank):
 
 @over_worlds
 def test_matches_per_tensor_all_gather_for_odd_shapes_and_dtypes(dist, spec):
-    world, rpn = spec
-    assert dist.run(world, _gather_cases, ranks_per_node=rpn) == [12] * world
+    assert set(run_on(dist, spec, _gather_cases)) == {12}
 
 
 def _single_and_empty(rank):
@@ -72,8 +71,7 @@ def _single_and_empty(rank):
 
 @over_worlds
 def test_one_tensor_lands_in_out_and_empty_shards_work(dist, spec):
-    world, rpn = spec
-    assert all(dist.run(world, _single_and_empty, ranks_per_node=rpn))
+    assert all(run_on(dist, spec, _single_and_empty))
 
 
 def _subgroup_gather(rank):
@@ -121,8 +119,7 @@ def _bad_inputs(rank):
 
 @over_worlds
 def test_bad_inputs_are_named(dist, spec):
-    world, rpn = spec
-    assert all(dist.run(world, _bad_inputs, ranks_per_node=rpn))
+    assert all(run_on(dist, spec, _bad_inputs))
 
 
 def test_adjacent_shards_are_recognised_as_one_buffer():

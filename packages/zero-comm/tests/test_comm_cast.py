@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from comm_cases import ODD_SIZES, over_worlds
+from comm_cases import ODD_SIZES, over_worlds, run_on
 
 from zero_comm import (
     CastAllGather,
@@ -103,8 +103,7 @@ def _all_gather(rank, dtype_name):
 @over_worlds
 @pytest.mark.parametrize("dtype_name", list(HALF))
 def test_all_gather_through_half_gives_every_rank_the_rounded_values(dist, spec, dtype_name):
-    world, rpn = spec
-    sums = dist.run(world, _all_gather, dtype_name, ranks_per_node=rpn)
+    sums = run_on(dist, spec, _all_gather, dtype_name)
     assert all(s == sums[0] for s in sums)
 
 
@@ -122,8 +121,7 @@ def _all_reduce(rank, dtype_name):
 @over_worlds
 @pytest.mark.parametrize("dtype_name", list(HALF))
 def test_all_reduce_through_half_is_within_two_roundings(dist, spec, dtype_name):
-    world, rpn = spec
-    sums = dist.run(world, _all_reduce, dtype_name, ranks_per_node=rpn)
+    sums = run_on(dist, spec, _all_reduce, dtype_name)
     assert all(s == sums[0] for s in sums)
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from comm_cases import ODD_SIZES, WORLDS, rank_tensor, result_of
+from comm_cases import ODD_SIZES, WORLDS, rank_tensor, result_of, run_on
 
 from zero_comm import (
     CommLedger,
@@ -61,8 +61,7 @@ def _cases(rank, group_size: int | None):
 
 @over_in_place_worlds
 def test_in_place_equals_padded_reduce_scatter(dist, spec):
-    world, rpn = spec
-    for checked, padded, in_place in dist.run(world, _cases, None, ranks_per_node=rpn):
+    for checked, padded, in_place in run_on(dist, spec, _cases, None):
         assert checked == len(FLOATS) * 2 * 2
         assert in_place == padded  # same collective on the ledger: same payload and wire bytes
 

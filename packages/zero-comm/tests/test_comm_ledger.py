@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from comm_cases import over_worlds
+from comm_cases import over_worlds, run_on
 
 from zero_comm import (
     CommLedger,
@@ -129,5 +129,4 @@ def _primitive_errors(rank):
 
 @over_worlds
 def test_plain_collective_errors_are_named(dist, spec):
-    world, rpn = spec
-    assert all(dist.run(world, _primitive_errors, ranks_per_node=rpn))
+    assert all(run_on(dist, spec, _primitive_errors))

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 import torch.distributed as tdist
-from comm_cases import DTYPES, ODD_SIZES, one_storage, rank_tensor, result_of, same_buffer, unpad
+from comm_cases import DTYPES, ODD_SIZES, one_storage, rank_tensor, result_of, run_on, same_buffer, unpad
 
 import zero_comm
 from zero_comm import (
@@ -198,8 +198,7 @@ def _qwz_strategy_and_bytes(rank):
 
 @over_multi_worlds
 def test_qwz_strategy_over_a_subgroup_and_its_wire_bytes(dist, spec):
-    world, rpn = spec
-    for vs_fp32, vs_fp16 in dist.run(world, _qwz_strategy_and_bytes, ranks_per_node=rpn):
+    for vs_fp32, vs_fp16 in run_on(dist, spec, _qwz_strategy_and_bytes):
         assert 0.24 < vs_fp32 < 0.27 and 0.49 < vs_fp16 < 0.53, (vs_fp32, vs_fp16)
 
 
@@ -385,8 +384,7 @@ def _fallback(rank):
 
 @over_multi_worlds
 def test_qgz_falls_back_exactly_and_logs_once_per_reason(dist, spec):
-    world, rpn = spec
-    assert all(dist.run(world, _fallback, ranks_per_node=rpn))
+    assert all(run_on(dist, spec, _fallback))
 
 
 # ----------------------------------------------------------------------------- qgZ: bytes
@@ -495,8 +493,7 @@ def _errors(rank):
 
 @over_multi_worlds
 def test_bad_config_and_inputs_are_named(dist, spec):
-    world, rpn = spec
-    assert all(dist.run(world, _errors, ranks_per_node=rpn))
+    assert all(run_on(dist, spec, _errors))
 
 
 def _world_one(rank):

@@ -1,42 +1,4 @@
-"""Coalesced, hierarchical and quantized collectives over torch.distributed.
-
-Topology, process groups and byte accounting for the zero stack:
-
-* :class:`Topology`: nodes and ranks, cached process groups (intra / inter node, MiCS and
-  hpZ shard and replicate groups, hierarchical hops).
-* :func:`all_gather_coalesced` (and :func:`all_gather_coalesced_into`, straight into
-  destinations; :class:`GatherIntoPlan`, the same gather planned once and issued again and
-  again), :func:`reduce_scatter_coalesced` (each rank's unpadded partitions, as
-  DeepSpeed's; :func:`reduce_scatter_coalesced_padded` keeps the padding;
-  :func:`reduce_scatter_in_place` writes each rank's reduced row into the padded inputs),
-  :func:`hierarchical_all_gather_coalesced`: one collective for many tensors. As in
-  ``torch.distributed``, a call returns its result; with ``async_op=True`` it returns a
-  handle whose ``.wait()`` returns it.
-* Strategies (:class:`FlatAllGather`, :class:`HierarchicalAllGather`,
-  :class:`AllToAllReduceScatter`) implementing the :class:`AllGatherStrategy` /
-  :class:`ReduceScatterStrategy` protocols (both a :class:`GroupPosition`: ``group_size``,
-  ``group_rank``).
-* Casting strategies (:class:`CastAllGather`, :class:`CastReduceScatter`,
-  :class:`CastAllReduce`): fp32 tensors communicated as bf16 / fp16 (``communication_data_type``).
-* :class:`GradientBound`: an inf / nan check carried by a gradient reduce-scatter (a sideband
-  of one element per rank), so the ranks agree without a collective of its own.
-* :class:`CommLedger`: per-step record of every collective's payload and ring-ideal
-  wire bytes, by link kind.
-* :class:`CommWatchdog`: records what each rank is doing, heartbeats it to the process
-  group's store, and turns a stuck collective into :class:`CollectiveTimeoutError` on every
-  live rank saying which rank is where (:func:`note_collectives` labels the next collectives).
-* :func:`control_device`: where a collective's small control-plane tensors go, the device the
-  process group serves (:func:`served_device_types`: the CPU under gloo, the accelerator alone
-  under NCCL); :func:`wait_polled`: a wait that polls completion, never a timed wait on the
-  backend (on NCCL one aborts the communicator when it expires).
-* Quantized collectives (ZeRO++ qwZ / qgZ, module :mod:`zero_comm.quantized`, optional extra
-  ``pip install zero-comm[quantized]``): :class:`QuantizedAllGather`,
-  :func:`quantized_all_gather_coalesced`, :class:`QuantizedReduceScatter`,
-  :func:`all_to_all_quant_reduce`; qgZ with error feedback (module :mod:`zero_comm.qgz_feedback`):
-  :class:`ErrorFeedbackReduceScatter`, :class:`ErrorFeedbackConfig`. Exported lazily:
-  ``import zero_comm`` never imports zero-kernels; the first use of one of these names does
-  (ImportError naming the extra if it is missing).
-"""
+"""Coalesced, hierarchical and quantized collectives over torch.distributed."""
 
 import importlib
 

@@ -5,11 +5,6 @@ optimizer's gradient partitions are usually views into one flat gradient buffer 
 both lie back to back, the partitions are added with one ``add_`` per run of adjacent
 destinations instead of one per tensor (:func:`add_in_runs`); each element still receives
 exactly the one addition it would have received alone, so the results are bit-identical.
-
-Runs are judged by storage and offset only (:func:`adjacent_runs`), never by the addresses
-of distinct buffers, so every rank with the same layout finds the same runs, and a caller
-that orders a collective's tensors by them (:func:`in_fewer_runs`) issues the same
-collective on every rank.
 """
 
 from __future__ import annotations
@@ -63,14 +58,6 @@ def in_fewer_runs(
 ) -> tuple[list[T], list[torch.Tensor], list[Run]]:
     """``params``, their gradient partitions and adjacent runs, in the order with fewer runs:
     the given one, the reversed one, or the partitions' order in their storages.
-
-    Gradient buckets usually run in reverse registration order and flat gradient buffers in
-    registration order, so the reversed order often makes one run of a whole bucket; where the
-    backward's order is mixed (a bias before its weight, tied or persistent parameters), the
-    partitions sorted by their place in their storages make the fewest. Every candidate is judged
-    by storage and offset only (storages are told apart by where they first appear in
-    ``params``), whose layout all ranks share, so every rank picks the same order (issue the
-    collective over the returned order).
     """
     params = list(params)
     targets = [partitions.grad_partition(p) for p in params]

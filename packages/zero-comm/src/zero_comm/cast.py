@@ -1,26 +1,4 @@
-"""Collectives that communicate in a narrower dtype: DeepSpeed's ``communication_data_type``.
-
-fp32 training may move its parameters and gradients as bf16 or fp16, halving the bytes:
-
-* :class:`CastAllGather`: each rank casts its shards into one send buffer of the
-  communication dtype, one ``all_gather_single`` gathers them, and ``wait()`` casts the
-  rows back into the destinations (a parameter's own unsharded storage), in the
-  destination's dtype. Every rank — the shard's owner too — sees the same rounded value.
-* :class:`CastReduceScatter`: the gradients are cast down into the interleaved send buffer
-  of an ``all_to_all_single`` (ring-ideal bytes), and the received rows are summed and
-  averaged **in the input dtype (fp32) after the cast back**: one rounding per rank's
-  contribution, none in the sum. There is no prescaling: an fp32 gradient element beyond
-  the communication dtype's range (65504 for fp16) becomes ``inf`` and is caught by the
-  non-finite gradient check, as in fp16 training.
-* :class:`CastAllReduce`: :class:`CastReduceScatter` then :class:`CastAllGather` of the
-  averaged partitions (the ring all-reduce's bytes, in the communication dtype): two
-  roundings, the contributions and the average; gloo never sums in half precision.
-
-Rounding bound (round to nearest, unit roundoff ``u`` = 2^-8 for bf16, 2^-11 for fp16):
-a reduce-scatter's average differs from the fp32 average by at most ``u * sum_r |g_r| / W``
-(plus fp32 summation error, and for fp16 an absolute 2^-25 per term in the subnormal range);
-the all-reduce adds ``u * |average|``. The ledger records the bytes actually sent.
-"""
+"""Collectives that communicate in a narrower dtype: DeepSpeed's ``communication_data_type``."""
 
 from __future__ import annotations
 

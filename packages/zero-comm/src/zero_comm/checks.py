@@ -26,17 +26,7 @@ def require_process_group(what: str) -> None:
 
 
 def check_flat_inputs(tensors: Sequence[torch.Tensor], what: str, *, require_1d: bool) -> None:
-    """Validate the tensor list a coalesced collective receives.
-
-    Args:
-        tensors: The inputs.
-        what: The calling collective (used in messages).
-        require_1d: Whether every tensor must be 1-D (shards) or may have any shape.
-
-    Raises:
-        ValueError: empty list, a non-tensor, mixed dtypes or devices, a non-contiguous or
-            (with ``require_1d``) non-1-D tensor; the message names the offending index.
-    """
+    """Validate the tensor list a coalesced collective receives."""
     if isinstance(tensors, torch.Tensor):
         raise ValueError(f"{what} takes a sequence of tensors, got a single tensor: wrap it as [tensor]")
     if len(tensors) == 0:

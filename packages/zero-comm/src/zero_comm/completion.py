@@ -26,22 +26,7 @@ _LONGEST_PAUSE = 5e-4
 def wait_polled(
     work: Any, every: float, check: Callable[[float], bool] | None = None, *, timeout: float | None = None
 ) -> bool:
-    """Wait until ``work`` completed, calling ``check(waited)`` every ``every`` seconds meanwhile.
-
-    Args:
-        work: A ``torch.distributed`` work object (anything with ``is_completed()`` and ``wait()``).
-        every: Seconds between calls of ``check``.
-        check: Called with the seconds waited so far; it may raise to end the wait (the work
-            stays as it is: no abort). ``None``: nothing is checked.
-        timeout: Give up after this many seconds and return ``False`` (``None``: never).
-
-    Returns:
-        ``True`` once ``work`` completed and its plain ``wait()`` returned; ``False`` when
-        ``timeout`` passed first.
-
-    Raises:
-        RuntimeError: whatever the completed work's ``wait()`` raises (the collective failed).
-    """
+    """Wait until ``work`` completed, calling ``check(waited)`` every ``every`` seconds meanwhile."""
     start = time.monotonic()
     next_check = start + every
     pause = _FIRST_PAUSE

@@ -5,10 +5,6 @@ by ``init_process_group("nccl")`` serves ``cuda`` alone, so a CPU tensor in one 
 collectives raises ``No backend type associated with device type cpu``. Every small exchange
 zero makes for itself (rank agreement, the watchdog's path check, the non-finite exchange,
 checkpoint statuses) builds its tensors on :func:`control_device` of the group it uses.
-
-The rule: the CPU when the group serves it (``gloo``, ``cpu:gloo,cuda:nccl``: cheap, no
-device synchronisation), else the device type it serves — the current accelerator's index
-when that is the accelerator's type.
 """
 
 from __future__ import annotations

@@ -1,26 +1,4 @@
-"""The inf / nan check that rides on the gradient reduce-scatter: no collective of its own.
-
-Without this, a partitioned optimizer learns whether any rank's gradients are non-finite from
-one all-reduce of a flag after the reduction (``zero_optim.found_overflow``): on a small model
-one synchronisation point in seven at stages 1 and 2. Instead, each bucket's reduce-scatter
-(stages 1, 2, and 3 without MiCS, in ``zero_optim`` and ``zero_params``) carries one
-more tensor of ``world`` elements, the *sideband*: every element holds this rank's
-``max |g|`` over the bucket's local gradients (``aminmax``: nan if any element is nan, inf
-if any is inf). The reduction sums it exactly like the gradients, so every rank receives
-the same ``sum_r max|g_r|`` (over the group size, for an average), and
-
-* it is non-finite if any rank sent an inf or nan;
-* it bounds every reduced element of the bucket: rounding is monotone, so
-  ``|fl(a + b)| <= fl(A + B)`` whenever ``|a| <= A`` and ``|b| <= B``, and the sideband is
-  summed in the same rank order as the gradients. A finite bound means every reduced
-  element is finite, and so is the partition they are added into (the bounds of every
-  reduction since the gradients were zeroed are summed in fp32, micro-steps included).
-
-So a finite sum is "no rank overflowed", with the same answer on every rank and no extra
-collective. The one difference from the flag: a sum of maxima that overflows although no
-element does (``sum_r max|g_r| > 3.4e38`` in fp32 or bf16) counts as an overflow. fp16
-gradients (whose range is 65504) keep the flag, as do the cast and quantized strategies.
-"""
+"""The inf / nan check that rides on the gradient reduce-scatter: no collective of its own."""
 
 from __future__ import annotations
 

@@ -23,13 +23,6 @@ class CollectiveHandle(Generic[T]):
     :meth:`wait` waits for the communication, runs the finishing step (a copy-out, a
     local reduction, ...) exactly once under ``profile_range("zero.<op>.finish")`` and
     returns its result; later calls return the same result without doing anything.
-
-    Args:
-        op: Collective name used in profiler ranges and messages.
-        work: The ``torch.distributed`` work object of an asynchronous call, or ``None``
-            when the communication already completed (synchronous call, one-rank group).
-        finish: Computes the result once the communication is complete.
-        keepalive: Buffers that must outlive the communication (e.g. a staging input).
     """
 
     __slots__ = ("_finish", "_keepalive", "_result", "_work", "op")
@@ -52,18 +45,7 @@ class CollectiveHandle(Generic[T]):
         return f"{type(self).__name__}(op={self.op!r}, {state})"
 
     def wait(self, timeout: timedelta | None = None) -> T:
-        """Block until the collective completed and return its result.
-
-        Args:
-            timeout: Maximum time to wait for the communication (``None``: the active
-                :class:`~zero_comm.CommWatchdog`'s, else the process group's timeout).
-
-        Raises:
-            TimeoutError: the communication did not complete within ``timeout``; the handle
-                stays pending and ``wait`` may be called again.
-            zero_comm.CollectiveTimeoutError: under a watchdog, the wait exceeded its timeout,
-                a peer stopped sending heartbeats or the communication failed.
-        """
+        """Block until the collective completed and return its result."""
         finish = self._finish
         if finish is None:
             return self._result  # type: ignore[return-value]

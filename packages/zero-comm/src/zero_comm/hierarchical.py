@@ -49,27 +49,7 @@ def issue_hierarchical_all_gather(
     async_op: bool = False,
     out: torch.Tensor | None = None,
 ) -> AllGatherHandle:
-    """All-gather over a multi-node group in two hops (inter-node, then intra-node); always a handle.
-
-    Same inputs and result as :func:`all_gather_coalesced` over the whole group (bit-exact:
-    it only moves data). When the group lies on one node, or has one rank per node, it
-    is a flat gather over the non-trivial hop. With ``async_op=True`` the inter-node hop
-    completes before this returns and only the intra-node hop overlaps with the caller:
-    every collective is issued here, in call order, never later inside ``wait()``.
-
-    Args:
-        shards: This rank's 1-D contiguous shards (same numel on every rank of the group).
-        groups: The two hops, from :meth:`Topology.hierarchical_groups`.
-        async_op: Return before the intra-node hop completes.
-        out: Optional flat output buffer of ``group_size * sum(numels)`` elements.
-
-    Returns:
-        The same handle as :func:`~zero_comm.coalesced.issue_all_gather`.
-
-    Raises:
-        ValueError: the same input errors as :func:`all_gather_coalesced`.
-        RuntimeError: no process group is initialised.
-    """
+    """All-gather over a multi-node group in two hops (inter-node, then intra-node); always a handle."""
     what = "hierarchical_all_gather_coalesced"
     require_process_group(what)
     nodes, local = groups.inter_size, groups.intra_size

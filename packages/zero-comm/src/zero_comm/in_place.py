@@ -7,11 +7,6 @@ lies: only the other ranks' rows are staged and sent, and the received rows are 
 straight into the own rows (one ``_foreach_add_`` per received row). The padded reduce-scatter
 (:func:`~zero_comm.reduce_scatter_coalesced_padded`) would stage this rank's row too, sum into
 that copy and leave the caller a copy back: two copies of ``P`` per region that this saves.
-
-The sum is the one of the padded reduce-scatter, bit for bit: rows added in rank order
-(``x + y == y + x`` exactly, so ranks 0 and 1 accumulate into their own row; a later rank
-sums the received rows ahead of its own in a received row, then copies), divided by the
-group size for ``"avg"``.
 """
 
 from __future__ import annotations
@@ -44,30 +39,7 @@ def reduce_scatter_in_place(
     op: ReduceOpLike = "avg",
     async_op: bool = False,
 ) -> list[torch.Tensor] | ReduceScatterHandle:
-    """Reduce padded regions over ``group``; this rank's row of each region receives the result.
-
-    Region ``i`` (1-D, ``world * P_i`` elements) is split into ``world`` rows of ``P_i``;
-    after the call row ``rank`` holds the sum (``"avg"``: the mean) of that row over the
-    group, exactly as :func:`~zero_comm.reduce_scatter_coalesced_padded` computes it. The
-    other rows are left as they were (the caller decides whether to zero them). The regions
-    must not be written until the handle is waited on.
-
-    Args:
-        regions: 1-D contiguous tensors of one floating dtype and device, each a multiple of
-            the group size long, identical in shape on every rank.
-        group: Process group (``None``: the world). A one-rank group does nothing.
-        op: ``"sum"`` or ``"avg"``.
-        async_op: Return the :class:`~zero_comm.ReduceScatterHandle` instead of waiting.
-
-    Returns:
-        This rank's row of each region (views into the regions); with ``async_op=True`` the
-        handle whose ``wait()`` returns them.
-
-    Raises:
-        ValueError: the input errors of :func:`~zero_comm.issue_reduce_scatter`, a region
-            that is not 1-D, a region whose length is not a multiple of the group size.
-        RuntimeError: no process group is initialised.
-    """
+    """Reduce padded regions over ``group``; this rank's row of each region receives the result."""
     what = "reduce_scatter_in_place"
     with profile_range("zero.reduce_scatter.issue"):
         world, rank, reduction = reduce_scatter_inputs(regions, group, op, what, require_1d=True)

@@ -5,12 +5,6 @@ spawn, one thread each) that meet through a file store in a temporary directory 
 each rank's value as a :class:`RankAnswer`, in rank order. A rank that raises, dies (exit code
 or signal) or is still running at the deadline is named at once in a :class:`LaunchError`
 (with its traceback when it raised) and every other rank is killed.
-
-The pieces are public for launchers that keep their ranks alive (the test pool of
-``zero-testing``): :class:`RankGroup` spawns the processes with a pipe each and
-:meth:`RankGroup.collect` watches them. A rank speaks to the parent with ``(kind, payload)``
-tuples: ``("ok", value)``, ``("error", (summary, traceback, time.time()))`` or ``("msg", payload)`` (a
-progress report, handed to ``on_message``).
 """
 
 from __future__ import annotations
@@ -54,18 +48,7 @@ class RankFailureKind(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class RankFailure:
-    """One rank's failure.
-
-    Attributes:
-        rank: The rank.
-        kind: How it failed.
-        summary: One line: the exception (``"ValueError: boom"``), the exit code or signal, or
-            how long it ran.
-        traceback: The rank's traceback when it raised, else ``""``.
-        exit_code: The process's exit code (negative: the signal) when it ended, else ``None``.
-        when: ``time.time()`` of the failure: when the rank raised (its own clock, the same
-            machine's), or when the parent saw it end or time out.
-    """
+    """One rank's failure."""
 
     rank: int
     kind: RankFailureKind
@@ -95,15 +78,7 @@ class RankAnswer:
 
 
 class LaunchError(RuntimeError):
-    """One or more ranks failed; the others were killed.
-
-    Attributes:
-        failures: Every failure seen, the first culprit first: a rank that died (its peers'
-            collectives then fail because it is gone), else the rank that raised first; ranks
-            that timed out last.
-        still_running: Ranks that had not answered when the launcher gave up (killed).
-        results: The ranks that did answer.
-    """
+    """One or more ranks failed; the others were killed."""
 
     def __init__(
         self,
@@ -248,19 +223,7 @@ class RankGroup:
         on_message: Callable[[int, Any], None] | None = None,
         failure_grace: float = _FAILURE_GRACE_S,
     ) -> tuple[RankAnswer, ...]:
-        """Wait for every rank's answer; return them in rank order.
-
-        Args:
-            what: Names the work in the error (``"zero train failed"``).
-            timeout: Seconds until the ranks still running are named and killed; with
-                ``quiet`` the limit restarts at every message (a limit on silence).
-            on_message: Called with ``(rank, payload)`` for each progress report.
-            failure_grace: After a failure, how long the other ranks may take to report theirs.
-
-        Raises:
-            LaunchError: a rank raised, died or did not answer in time; every rank still
-                running has been killed (the group is then closed).
-        """
+        """Wait for every rank's answer; return them in rank order."""
         results: dict[int, RankAnswer] = {}
         failures: list[RankFailure] = []
         pending = dict(enumerate(self.conns))
@@ -401,23 +364,6 @@ def launch(
     ``fn`` is a module-level function; ``ctx`` is the rank's :class:`RankContext`. With
     ``process_group`` (the default) each rank has joined a gloo default process group on the
     launch's file store before ``fn`` runs, and leaves it after.
-
-    Args:
-        fn: What every rank runs; its return value must be picklable.
-        world: Number of ranks.
-        timeout: Seconds until ranks still running are named and killed (with ``quiet``: seconds
-            without any message from a rank still running).
-        ranks_per_node: Simulated node size (``LOCAL_WORLD_SIZE``, ``LOCAL_RANK``); default ``world``.
-        process_group: Join the gloo process group before ``fn``.
-        pg_timeout: Limit of every wait of that process group (default ``timeout``).
-        env: More environment the ranks inherit (set before they import anything).
-        on_message: Called in this process with ``(rank, payload)`` for each ``ctx.send(payload)``.
-        quiet: ``timeout`` limits silence rather than the whole run.
-        name: Prefix of the process names and of the temporary directory.
-
-    Raises:
-        LaunchError: a rank raised, died (exit code or signal) or was still running at the
-            deadline; it is named (with its traceback when it raised) and the others are killed.
     """
     with tempfile.TemporaryDirectory(prefix=f"{name}-launch-") as tmp:
         group = RankGroup(

@@ -46,12 +46,6 @@ class NativeReduceScatter(OnGroup):
     zero-padded partition ``r``) and the results the same padded partitions; only the reduction
     runs inside the backend. ``"avg"`` sums and divides by the group size (gloo has no native
     average), so at two ranks the results equal the exchange's bit for bit.
-
-    Args:
-        group: Process group (``None``: the world).
-        reduce_dtype: dtype the backend reduces in; ``None``: fp32 for fp16 / bf16 inputs (what
-            the exchange sums in), the input's own dtype otherwise. Results come back in the
-            input's dtype.
     """
 
     __slots__ = ("reduce_dtype",)
@@ -126,11 +120,6 @@ def reduce_scatter_strategy(
 
     Chosen once, where a caller builds its strategies; the exchange sums half types in fp32,
     so ``reduce_dtype`` only applies to the native one.
-
-    Args:
-        group: Process group (``None``: the world).
-        backend: Backend name to decide by (``None``: ``dist.get_backend(group)``).
-        reduce_dtype: See :class:`NativeReduceScatter`.
     """
     if has_native_reduce_scatter(backend if backend is not None else dist.get_backend(group)):
         return NativeReduceScatter(group, reduce_dtype=reduce_dtype)

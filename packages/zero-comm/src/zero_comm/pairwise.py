@@ -4,16 +4,6 @@ Every gather of zero-comm (coalesced, into destinations, through a communication
 quantized, each hop of the hierarchical one) ends in the same call: fill ``out`` (``world``
 rows of ``n`` elements) with every rank's ``send``, row ``r`` from group rank ``r``.
 :func:`gather_rows` is that call.
-
-Between two ranks on gloo it is not gloo's all-gather. gloo's all-gather copies through
-buffers of its own; between two ranks an all-gather is each rank sending its shard to the
-other, which ``all_to_all_single`` does straight into the peer's row, this rank's row being
-one local copy (skipped when ``send`` already lies there). The bytes on the wire are the same
-(``n`` each way, the ring ideal). Between two CPU ranks it costs less time and process CPU
-per call than gloo's all-gather from 256 KiB to 8 MiB per rank; with more ranks every peer
-needs its own copy of the shard in the send buffer, which made four ranks slower, so any
-other group, and any tensor not on the CPU (NCCL's all-gather is the right call there),
-keeps ``all_gather_single``.
 """
 
 from __future__ import annotations
@@ -42,18 +32,7 @@ def gathers_pairwise(group: ProcessGroup | None, device: torch.device) -> bool:
 
 
 def gather_rows(out: torch.Tensor, send: torch.Tensor, group: ProcessGroup | None, *, async_op: bool) -> Any:
-    """``all_gather_single(out, send)``: row ``r`` of ``out`` (``world`` rows) from group rank ``r``.
-
-    Args:
-        out: Contiguous buffer of ``world * send.numel()`` elements, ``send``'s dtype and device.
-        send: This rank's contiguous 1-D input (it may be this rank's own row of ``out``).
-        group: Process group (``None``: the world). Pairwise only for exactly two gloo ranks;
-            any other size (one rank included) is ``all_gather_single``.
-        async_op: Return the work without waiting (see ``watched_call``).
-
-    Returns:
-        The ``torch.distributed`` work (``None`` for a synchronous call), as ``watched_call``.
-    """
+    """``all_gather_single(out, send)``: row ``r`` of ``out`` (``world`` rows) from group rank ``r``."""
     if not gathers_pairwise(group, send.device):
         return watched_call("all_gather", all_gather_single, out, send, group=group, async_op=async_op)
     rank = dist.get_rank(group)
@@ -73,12 +52,6 @@ def exchange_with_peer(
     Only for a group where :func:`gathers_pairwise` holds. A caller that puts this rank's own
     data where it belongs itself (e.g. straight from its shards into the gathered
     parameters) needs no staging row for it.
-
-    Args:
-        peer: Contiguous 1-D buffer of ``send.numel()`` elements that receives the other rank's row.
-        send: This rank's contiguous 1-D input.
-        group: The two-rank gloo group (``None``: the world).
-        async_op: Return the work without waiting (see ``watched_call``).
     """
     n = send.numel()
     if peer.numel() != n:

@@ -19,32 +19,13 @@ def _check(numel: int, world: int) -> None:
 
 
 def partition_numel(numel: int, world: int) -> int:
-    """Elements per rank when ``numel`` elements are split over ``world`` ranks.
-
-    Args:
-        numel: Number of elements of the whole (flattened) tensor, ``>= 0``.
-        world: Number of ranks sharing it, ``>= 1``.
-
-    Returns:
-        ``ceil(numel / world)`` (``0`` for an empty tensor).
-
-    Raises:
-        ValueError: ``numel < 0`` or ``world < 1``.
-    """
+    """Elements per rank when ``numel`` elements are split over ``world`` ranks."""
     _check(numel, world)
     return -(-numel // world)
 
 
 def padded_numel(numel: int, world: int) -> int:
-    """Size of the zero-padded tensor: ``world * partition_numel(numel, world)``.
-
-    Args:
-        numel: Number of elements of the whole tensor, ``>= 0``.
-        world: Number of ranks, ``>= 1``.
-
-    Returns:
-        The smallest multiple of ``world`` that is ``>= numel``.
-    """
+    """Size of the zero-padded tensor: ``world * partition_numel(numel, world)``."""
     return world * partition_numel(numel, world)
 
 
@@ -54,17 +35,6 @@ def shard_range(numel: int, world: int, rank: int) -> tuple[int, int]:
     Rank ``rank`` owns padded positions ``[rank * p, (rank + 1) * p)`` with
     ``p = partition_numel(numel, world)``; the part beyond ``numel`` is padding, so
     ``stop - start`` can be smaller than ``p`` (or zero) on the last ranks.
-
-    Args:
-        numel: Number of elements of the whole tensor, ``>= 0``.
-        world: Number of ranks, ``>= 1``.
-        rank: This rank's index in the group, ``0 <= rank < world``.
-
-    Returns:
-        ``(start, stop)`` with ``0 <= start <= stop <= numel``.
-
-    Raises:
-        ValueError: a negative ``numel``, ``world < 1`` or ``rank`` outside ``[0, world)``.
     """
     _check(numel, world)
     if not 0 <= rank < world:

@@ -36,21 +36,7 @@ def all_reduce(
     *,
     async_op: bool = False,
 ) -> torch.Tensor | TensorHandle:
-    """Reduce ``tensor`` in place over ``group``.
-
-    Args:
-        tensor: A contiguous tensor, same shape on every rank.
-        group: Process group (``None``: the world).
-        op: ``"sum"``, ``"avg"`` (floating point only), ``"max"`` or ``"min"``.
-        async_op: Return before the communication completes.
-
-    Returns:
-        ``tensor`` holding the reduction; with ``async_op=True`` the handle whose ``wait()`` returns it.
-
-    Raises:
-        ValueError: a non-contiguous tensor, an unknown ``op``, or ``"avg"`` on integers.
-        RuntimeError: no process group is initialised.
-    """
+    """Reduce ``tensor`` in place over ``group``."""
     what = "all_reduce"
     with profile_range("zero.all_reduce.issue"):
         world, _ = group_size_and_rank(group, what)
@@ -71,21 +57,7 @@ def all_reduce(
 def broadcast(
     tensor: torch.Tensor, src: int, group: ProcessGroup | None = None, *, async_op: bool = False
 ) -> torch.Tensor | TensorHandle:
-    """Copy ``tensor`` from global rank ``src`` to every rank of ``group``, in place.
-
-    Args:
-        tensor: A contiguous tensor, same shape and dtype on every rank.
-        src: Global rank of the source; must be a member of ``group``.
-        group: Process group (``None``: the world).
-        async_op: Return before the communication completes.
-
-    Returns:
-        ``tensor`` holding ``src``'s values; with ``async_op=True`` the handle whose ``wait()`` returns it.
-
-    Raises:
-        ValueError: a non-contiguous tensor, or ``src`` not in ``group``.
-        RuntimeError: no process group is initialised.
-    """
+    """Copy ``tensor`` from global rank ``src`` to every rank of ``group``, in place."""
     what = "broadcast"
     with profile_range("zero.broadcast.issue"):
         world, _ = group_size_and_rank(group, what)
@@ -105,23 +77,7 @@ def broadcast(
 def all_to_all_single(
     output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None = None, *, async_op: bool = False
 ) -> torch.Tensor | TensorHandle:
-    """Equal-split all-to-all: block ``r`` of ``input`` goes to group rank ``r``.
-
-    Args:
-        output: Contiguous receive buffer, same numel, dtype and device as ``input``.
-        input: Contiguous send buffer whose first dimension (or numel, if 1-D) divides by
-            the group size.
-        group: Process group (``None``: the world).
-        async_op: Return before the communication completes.
-
-    Returns:
-        ``output`` (its block ``r`` came from group rank ``r``); with ``async_op=True`` the handle
-        whose ``wait()`` returns it.
-
-    Raises:
-        ValueError: non-contiguous or mismatched buffers, or a size not divisible by the group size.
-        RuntimeError: no process group is initialised.
-    """
+    """Equal-split all-to-all: block ``r`` of ``input`` goes to group rank ``r``."""
     what = "all_to_all"
     with profile_range("zero.all_to_all.issue"):
         world, _ = group_size_and_rank(group, what)

@@ -9,21 +9,6 @@ buffer as a moving average::
 
     c = g + e
     e = err_beta * e + (1 - err_beta) * (c - dequant(quant(c)))
-
-(DeepSpeed's ``zeropp_loco_param = {"err_beta": ..., "reset_T": ...}``). With two hops the
-requantization of the node partial sums between them gets the same treatment, with a second
-buffer (this rank's chunk of the partial sums). The buffers are reset to zero every ``reset_T``
-optimizer steps (:meth:`ErrorFeedbackReduceScatter.step_done`). Only tensors qgZ quantizes have
-a buffer (2-D or more, numel divisible by the world size); the others are reduced exactly anyway.
-
-A reduction is matched to its buffers by its position among the reductions of one backward
-(the caller marks each backward with :meth:`ErrorFeedbackReduceScatter.begin_backward`): the
-gradient buckets of a model are the same, in the same order, on every backward. A position whose
-shapes changed starts a fresh (zero) buffer.
-
-Memory: one buffer per quantized gradient, in the gradient's dtype — the full (unpartitioned)
-size, because the local quantization error is made on the full gradient — plus, with two hops,
-an fp32 buffer of ``1 / ranks_per_node`` of that per reduction.
 """
 
 from __future__ import annotations
@@ -75,17 +60,7 @@ class ErrorFeedbackConfig:
 
 
 class ErrorFeedbackReduceScatter:
-    """qgZ (:class:`~zero_comm.QuantizedReduceScatter`) with error feedback; a ``ReduceScatterStrategy``.
-
-    Args:
-        topology: Nodes and ranks of the whole world (the reduction runs over it).
-        feedback: ``err_beta`` and ``reset_T``.
-        config: Quantization, int4 with groups of 2048 by default.
-
-    Attributes:
-        inner: The quantized reduce-scatter the compensated gradients go through.
-        steps: Optimizer steps seen (:meth:`step_done` calls).
-    """
+    """qgZ (:class:`~zero_comm.QuantizedReduceScatter`) with error feedback; a ``ReduceScatterStrategy``."""
 
     __slots__ = ("_call", "_errors", "_hop_errors", "feedback", "group_rank", "group_size", "inner", "steps")
 

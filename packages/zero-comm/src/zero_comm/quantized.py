@@ -2,19 +2,6 @@
 
 Needs the optional extra ``pip install zero-comm[quantized]`` (the ``zero-kernels`` package);
 ``import zero_comm`` works without it, and the names below are exported lazily from ``zero_comm``.
-
-* :func:`quantized_all_gather_coalesced` / :class:`QuantizedAllGather` (qwZ): each rank
-  quantizes its shards (int8 by default, one fp32 scale per group), ONE ``all_gather_single``
-  moves codes and scales packed in one ``uint8`` payload per rank, and ``wait()`` dequantizes
-  into the same flat, tensor-after-tensor output as :func:`zero_comm.all_gather_coalesced`.
-* :func:`all_to_all_quant_reduce` / :class:`QuantizedReduceScatter` (qgZ): int4 hierarchical
-  gradient reduction — swizzled quantize, intra-node all-to-all, fused dequantize-reduce-requantize,
-  inter-node all-to-all, dequantize, average — returning exactly the partitions
-  :func:`zero_comm.reduce_scatter_coalesced` returns.
-
-Every collective is reported to the active :class:`~zero_comm.CommLedger` with the bytes it
-really sends (codes + scales), as ``"quantized_all_gather"`` and, per qgZ hop,
-``"quantized_all_to_all"`` on the hop's group (so the ledger splits them intra / inter node).
 """
 
 from __future__ import annotations
@@ -177,37 +164,7 @@ def issue_quantized_all_gather(
     async_op: bool = False,
     out: torch.Tensor | None = None,
 ) -> AllGatherHandle:
-    """qwZ: gather several tensors' shards from every rank, quantized on the wire; always a handle.
-
-    This rank's shards are concatenated and quantized as one flat tensor (groups of
-    ``config.group_size`` consecutive elements, which may span two shards; the last group is
-    zero-padded), the int codes and fp32 scales are packed into one ``uint8`` payload, and ONE
-    ``all_gather_single`` collects every rank's payload. The collective is issued here;
-    :meth:`AllGatherHandle.wait` dequantizes every rank's payload into the output.
-
-    Every rank, including the shard's owner, gets the same dequantized values, so all ranks
-    see identical full tensors. Per group of absmax ``A`` the error is at most ``A / 2**bits``
-    (``A / 2**(bits-1)`` for a value on the top code), plus the rounding of bf16 / fp16 outputs.
-    With a one-rank group nothing is sent and the shards are copied exactly.
-
-    Args:
-        shards: This rank's contiguous 1-D float32 / bfloat16 / float16 shards (one dtype and
-            device; zero-numel shards are allowed), same numels on every rank of ``group``.
-        group: Process group (``None``: the world).
-        config: Quantization (int8, group 2048 by default; int4 works too).
-        async_op: Return before the communication completes; ``wait()`` finishes it.
-        out: Optional flat output buffer of ``world * sum(numels)`` elements of the shards' dtype.
-
-    Returns:
-        The same handle and layout as :func:`zero_comm.all_gather_coalesced`: ``wait()`` returns,
-        per input, the full 1-D tensor of ``world * shards[i].numel()`` elements in group-rank
-        order, views into one flat buffer (``out`` if given), in the shards' dtype.
-
-    Raises:
-        TypeError: ``config`` is not a ``zero_kernels.QuantConfig``.
-        ValueError: the input errors of :func:`zero_comm.all_gather_coalesced`, or a non-float dtype.
-        RuntimeError: no process group is initialised.
-    """
+    """qwZ: gather several tensors' shards from every rank, quantized on the wire; always a handle."""
     what = "quantized_all_gather_coalesced"
     with record_function("zero.quantized_all_gather.issue"):
         _check_config(config, what)
@@ -254,14 +211,6 @@ class QuantizedAllGather(OnGroup):
     """qwZ as an :class:`~zero_comm.AllGatherStrategy`: one quantized all-gather per call.
 
     :attr:`exact` is the plain :class:`~zero_comm.FlatAllGather` over the same group.
-
-    Args:
-        group: Process group (``None``: the world).
-        config: Quantization, int8 with groups of 2048 by default.
-
-    Raises:
-        TypeError: ``config`` is not a ``zero_kernels.QuantConfig``.
-        RuntimeError: no process group is initialised, or this rank is not in ``group``.
     """
 
     __slots__ = ("config", "exact")
@@ -292,32 +241,7 @@ def issue_prequantized_all_gather(
     config: QuantConfig = QWZ_DEFAULT_CONFIG,
     async_op: bool = False,
 ) -> AllGatherHandle:
-    """Gather shards that are already stored quantized (int8 codes + fp32 scales); always a handle.
-
-    For ``zero_quantized_nontrainable_weights``: each piece is this rank's shard of one tensor,
-    quantized once with ``config`` and kept as ``(codes, scales)`` — ``codes`` the int8 codes of
-    the shard's ``n`` elements (not padded to whole groups), ``scales`` its
-    ``config.n_groups(n)`` fp32 scales. ONE ``all_gather_single`` moves every piece's codes and
-    scales (nothing is re-quantized); ``wait()`` dequantizes every rank's pieces into ``dtype``.
-    Dequantizing ``(codes, scales)`` locally gives bit for bit the values this rank receives for
-    its own piece, so every rank holds the same full tensors.
-
-    Args:
-        pieces: ``(codes, scales)`` per tensor, same numels on every rank of ``group``, one device.
-        group: Process group (``None``: the world).
-        dtype: Output dtype (float32, bfloat16 or float16).
-        config: The quantization the codes were made with (8 bits).
-        async_op: Return before the communication completes; ``wait()`` finishes it.
-
-    Returns:
-        A handle whose ``wait()`` returns, per piece, the full 1-D tensor of ``world * n``
-        elements in group-rank order (views into one flat buffer), in ``dtype``.
-
-    Raises:
-        TypeError: ``config`` is not a ``zero_kernels.QuantConfig``.
-        ValueError: ``config`` is not 8-bit, a piece's codes are not int8 or its scales do not
-            match its codes, or ``dtype`` is not a float dtype.
-    """
+    """Gather shards that are already stored quantized (int8 codes + fp32 scales); always a handle."""
     what = "issue_prequantized_all_gather"
     with record_function("zero.quantized_all_gather.issue"):
         _check_config(config, what)
@@ -392,61 +316,7 @@ def all_to_all_quant_reduce(
     op: ReduceOpLike = "avg",
     async_op: bool = False,
 ) -> list[torch.Tensor] | ReduceScatterHandle:
-    """qgZ: reduce gradients over the world with quantized hierarchical all-to-alls.
-
-    Returns what :func:`zero_comm.reduce_scatter_coalesced` over the whole world returns —
-    this rank's unpadded partition of each tensor (:func:`~zero_comm.shard_range` elements) —
-    so callers can switch between the two (:class:`QuantizedReduceScatter` keeps the padded
-    partitions, as the other strategies do). With ``N`` nodes of
-    ``R`` ranks (``W = N * R``), the tensors whose numel divides by ``W`` and that have at least
-    two dimensions are reduced together:
-
-    1. concatenated partition-wise (row ``p`` holds every such tensor's partition ``p``, the
-       layout the plain reduce-scatter uses) and swizzle-quantized
-       (:func:`zero_kernels.swizzled_quantize`; each row padded to whole groups);
-    2. ONE intra-node all-to-all (``topology.intra_node_group()``) of codes + scales packed in
-       one ``uint8`` buffer, then the fused dequantize-sum-requantize of the ``R`` pieces;
-    3. ONE inter-node all-to-all (``topology.inter_node_group()``) of the node partial sums, then
-       dequantize-sum of the ``N`` pieces in fp32, divide by ``W`` for ``"avg"``, cast to the
-       input dtype.
-
-    On a single node (``N == 1``) or with one rank per node (``R == 1``) the swizzled layout
-    degenerates to one chunk per destination and there is one hop only — over the intra-node
-    group or the inter-node group (both the world then) — still quantized, once. With ``W == 1``
-    nothing is sent and this is the exact :func:`zero_comm.reduce_scatter_coalesced` copy.
-
-    1-D (and 0-D) tensors and tensors whose numel does not divide by ``W`` go, together, through
-    one exact :func:`zero_comm.reduce_scatter_coalesced` (like DeepSpeed's qgZ). This stateless
-    function logs that at DEBUG level on every call; :class:`QuantizedReduceScatter` logs each
-    reason once per strategy object.
-
-    Per element, the error against the exact sum is at most
-    ``2**-(b-1) * (2 + 2**-(b-1)) * sum_r A_r`` with two hops (``2**-(b-1) * sum_r A_r`` with
-    one), ``A_r`` the absmax of the element's group on rank ``r``, divided by ``W`` for
-    ``"avg"``; on Gaussian data the relative RMSE is about 13% (one hop) or 18% (two hops) at
-    int4 / group 2048.
-
-    Args:
-        tensors: Gradients of any shape, one float dtype (fp32 / bf16 / fp16) and device,
-            contiguous, identical in shape on every rank.
-        topology: Nodes and ranks; its intra- and inter-node groups carry the hops. ``None``:
-            ``Topology()`` (nodes of ``LOCAL_WORLD_SIZE`` ranks, else one node).
-        config: Quantization of both hops (int4, group 2048 by default). Rows are padded to
-            whole groups, so many tiny partitions waste wire bytes on padding.
-        op: ``"avg"`` (default) or ``"sum"``.
-        async_op: Return before the last hop completes (earlier hops complete before this
-            returns: every collective is issued here, never inside ``wait()``).
-
-    Returns:
-        The partitions; with ``async_op=True`` the :class:`~zero_comm.ReduceScatterHandle`
-        whose ``wait()`` returns them.
-
-    Raises:
-        TypeError: ``topology`` is not a :class:`~zero_comm.Topology` or ``config`` not a
-            ``zero_kernels.QuantConfig``.
-        ValueError: the input errors of :func:`zero_comm.reduce_scatter_coalesced`, a
-            non-float dtype, or an ``op`` other than sum / avg.
-    """
+    """qgZ: reduce gradients over the world with quantized hierarchical all-to-alls."""
     what = "all_to_all_quant_reduce"
     topo = Topology() if topology is None else topology
     handle = _quant_reduce(tensors, topo, config, op, async_op, None, what)
@@ -460,13 +330,6 @@ class QuantizedReduceScatter:
 
     Each fallback reason (tensors with fewer than 2 dimensions: INFO; numel not divisible by the
     world size: WARNING) is logged once per strategy object on the ``zero.comm`` logger.
-
-    Args:
-        topology: Nodes and ranks; see :func:`all_to_all_quant_reduce`.
-        config: Quantization, int4 with groups of 2048 by default.
-
-    Raises:
-        TypeError: ``topology`` or ``config`` has the wrong type.
     """
 
     __slots__ = ("_logged", "config", "group_rank", "group_size", "topology")

@@ -1,17 +1,4 @@
-"""The row exchange of the padded reduce-scatter (one ``all_to_all_single`` plus a local sum).
-
-A reduce-scatter over ``W`` ranks of tensors split into partitions of ``P`` elements (zero
-padded) lays them out in rows: row ``r`` holds every tensor's partition ``r``. Each rank sends
-row ``r`` to rank ``r`` and sums, in rank order, the rows it receives:
-
-* :func:`interleave` builds the rows from the tensors (:func:`~zero_comm.issue_reduce_scatter`);
-  :class:`~zero_comm.StagedReduceScatter` fills them one tensor at a time;
-* :func:`issue_staged_rows` sends rows built either way and returns the handle whose ``wait()``
-  sums them: up to :data:`ADD_CHAIN_MAX_ROWS` ranks without sending a rank its own row
-  (:class:`RowExchange`, :func:`exchange_rows`), beyond that every row (:func:`exchange_full`,
-  summed by :func:`sum_rows`). The same rows summed the same way give bit-identical results,
-  whoever staged them.
-"""
+"""The row exchange of the padded reduce-scatter (one ``all_to_all_single`` plus a local sum)."""
 
 from __future__ import annotations
 
@@ -38,29 +25,12 @@ __all__ = [
     "sum_rows",
 ]
 
-ADD_CHAIN_MAX_ROWS = 4  # measured on CPU: row-by-row adds beat torch.sum(dim=0) up to here
+ADD_CHAIN_MAX_ROWS = 4  # on CPU, row-by-row adds beat torch.sum(dim=0) up to here
 
 
 @dataclasses.dataclass(frozen=True)
 class RowExchange:
-    """The buffers of one reduce-scatter over at most :data:`ADD_CHAIN_MAX_ROWS` ranks.
-
-    No rank sends its own partition to itself: ``send`` holds the rows of the other ranks
-    (in rank order), ``recv`` receives theirs, and this rank's row (``own``) is read where it
-    lies. A single unpadded tensor is sent as it is (no staging copy); several are
-    interleaved into ``send`` and ``own``. The sum is accumulated in place into a row of
-    ``recv`` (or ``own`` when it is staging): in flight a bucket holds its input (or its
-    staging copy) and ``(W - 1) / W`` of it for the received rows, nothing more.
-
-    Attributes:
-        send: The rows sent, contiguous (for a single tensor whose own row lies between
-            others: the whole tensor, own row included, with ``recv`` of ``W`` rows).
-        recv: ``(R, P)`` rows received.
-        splits: Elements exchanged with each rank (``all_to_all_single`` split sizes).
-        own: This rank's row, or ``None`` when it arrives in ``recv``.
-        own_writable: Whether ``own`` is a staging copy (the sum may be written into it).
-        rank: This rank.
-    """
+    """The buffers of one reduce-scatter over at most :data:`ADD_CHAIN_MAX_ROWS` ranks."""
 
     send: torch.Tensor
     recv: torch.Tensor
@@ -121,18 +91,7 @@ def issue_staged_rows(
     group: ProcessGroup | None,
     async_op: bool,
 ) -> ReduceScatterHandle:
-    """Exchange staged rows and sum them in rank order; ``wait()`` returns the padded partitions.
-
-    Args:
-        send: ``(R, P)`` rows: every rank's (``own`` is ``None``: one rank alone, or more than
-            :data:`ADD_CHAIN_MAX_ROWS`), or every other rank's in rank order (``own`` given).
-        own: This rank's row, kept apart (it is never sent), or ``None``.
-        parts: Padded partition elements of each tensor (``sum(parts) == P``).
-        rank: This rank.
-        average: Divide the sum by the number of ranks.
-        group: Process group (``None``: the world).
-        async_op: Return before the communication completes.
-    """
+    """Exchange staged rows and sum them in rank order; ``wait()`` returns the padded partitions."""
     world = send.shape[0] + (own is not None)
     if world == 1:
         views = list(torch.split(send[0], parts))

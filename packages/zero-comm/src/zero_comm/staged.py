@@ -20,23 +20,7 @@ _RS_OPS = (Reduction.SUM, Reduction.AVG)
 
 
 class StagedReduceScatter:
-    """A reduce-scatter whose staging buffer is filled one tensor at a time (contiguous gradients).
-
-    :func:`~zero_comm.issue_reduce_scatter` stages several tensors into one interleaved buffer when it
-    is called, so until then the caller holds every input, and the inputs and their staging
-    copy coexist. Here the staging rows are allocated up front and :meth:`put` copies each
-    tensor's partitions into them as soon as it exists, after which the caller frees it:
-    a bucket of gradients costs its staging buffer, one gradient at a time and, once
-    issued, the ``(W - 1) / W`` rows received — DeepSpeed's ``contiguous_gradients``. The
-    rows, the exchange and the rank-order sum are those of :func:`~zero_comm.issue_reduce_scatter`, so
-    the results are bit-identical to it (a tensor never put counts as zeros).
-
-    Args:
-        numels: Elements of each tensor, in order (identical on every rank).
-        group: Process group (``None``: the world).
-        dtype: dtype of the tensors.
-        device: Where they live.
-    """
+    """A reduce-scatter whose staging buffer is filled one tensor at a time (contiguous gradients)."""
 
     __slots__ = ("_filled", "_offsets", "_own", "_rows", "_send", "group", "numels", "parts", "rank", "world")
 

@@ -3,15 +3,6 @@
 A :class:`Topology` is built once per communication context from the initialised
 default process group. Ranks are numbered node-major: node ``n`` holds ranks
 ``n * ranks_per_node ... (n + 1) * ranks_per_node - 1`` (what torchrun does).
-
-Group builders create every group of a kind at once (``torch.distributed.new_group``
-must be called by all ranks for every group, in the same order), keep the group that
-contains this rank and cache it on the instance. Call the builders in the same order
-on every rank, like any collective. Builders always return a real ``ProcessGroup``
-that contains this rank: a group of its own over all ranks when the group is the whole
-world (never torch's ``dist.group.WORLD`` object itself: a reference to it that outlives
-``destroy_process_group()`` makes gloo abort the process at exit), and a local one-rank
-group when every group of the kind has a single rank (so also at world size 1).
 """
 
 from __future__ import annotations
@@ -43,15 +34,7 @@ def group_ranks(group: ProcessGroup | None) -> tuple[int, ...]:
 
 
 def group_size_and_rank(group: ProcessGroup | None, what: str) -> tuple[int, int]:
-    """``(size, rank in group)``; a clear error if no process group exists or we are not a member.
-
-    Args:
-        group: The group (``None`` is the world group).
-        what: The calling operation (used in messages).
-
-    Raises:
-        RuntimeError: no default process group, or this rank is not a member of ``group``.
-    """
+    """``(size, rank in group)``; a clear error if no process group exists or we are not a member."""
     require_process_group(what)
     size = dist.get_world_size(group)
     rank = dist.get_rank(group)
@@ -70,10 +53,6 @@ class HierarchicalGroups:
     The group spans ``inter_size`` nodes with ``intra_size`` ranks on each; its
     group rank ``g`` is ``inter_rank * intra_size + intra_rank`` (node-major), which is
     how :meth:`Topology.hierarchical_groups` builds it.
-
-    Attributes:
-        inter: Members of the group with this rank's local rank, one per node.
-        intra: Members of the group on this rank's node.
     """
 
     inter: ProcessGroup
@@ -109,16 +88,7 @@ class HierarchicalGroups:
 
 
 class Topology:
-    """Nodes, ranks and cached process groups of one communication context.
-
-    Args:
-        ranks_per_node: Ranks on each node. Defaults to the ``LOCAL_WORLD_SIZE``
-            environment variable (set by torchrun), else the world size (one node).
-
-    Raises:
-        RuntimeError: no default process group is initialised.
-        ValueError: ``ranks_per_node`` is < 1, not an integer, or does not divide the world size.
-    """
+    """Nodes, ranks and cached process groups of one communication context."""
 
     __slots__ = ("_groups", "ranks_per_node", "rank", "world_size")
 

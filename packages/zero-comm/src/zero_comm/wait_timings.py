@@ -20,16 +20,7 @@ __all__ = ["WaitRecord", "WaitTimings"]
 
 @dataclasses.dataclass(frozen=True)
 class WaitRecord:
-    """One collective waited through the watchdog.
-
-    Attributes:
-        op: The operation (``"all_gather"``, ``"reduce_scatter"``, ...).
-        call: The watchdog's call number of the collective.
-        what: What it was for (the watchdog's note, e.g. "gathers `h.0.attn`").
-        issued: ``time.perf_counter()`` when it was issued.
-        waited: When the wait for it started.
-        done: When the wait returned.
-    """
+    """One collective waited through the watchdog."""
 
     op: str
     call: int
@@ -50,16 +41,7 @@ class WaitRecord:
 
 
 class WaitTimings:
-    """Issue and wait times of the collectives a watchdog waits for (attach as ``watchdog.timings``).
-
-    The watchdog calls :meth:`issued` for every collective it issues and :meth:`waited` when a
-    wait through it returns; a collective waited twice, or not through the watchdog, is recorded
-    once or not at all. Call :meth:`clear` between measured stretches (it also forgets
-    collectives issued and not yet waited for).
-
-    Attributes:
-        records: Every waited collective since the last :meth:`clear`, in the order the waits returned.
-    """
+    """Issue and wait times of the collectives a watchdog waits for (attach as ``watchdog.timings``)."""
 
     __slots__ = ("_pending", "records")
 

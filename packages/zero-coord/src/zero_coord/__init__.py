@@ -1,16 +1,4 @@
-"""Module hooks, execution trace, prefetch and release for ZeRO-3.
-
-:class:`Coordinator` installs forward / backward hooks on a model whose parameters were
-partitioned with ``zero_params``: it gathers each module's parameters before it runs,
-prefetches the next modules of a recorded :class:`Trace` (its frozen :class:`TracePlan`),
-releases parameters after use (never before their gradient reached the
-:class:`GradientSink`) and reports :class:`StepStats`. :func:`set_leaf_modules` marks
-blocks (mixture of experts) that are gathered as a whole; :func:`granularity_leaves` picks blocks
-of small modules by size (``CoordinatorConfig.module_granularity_threshold``);
-:func:`coordinated_leaves` is the union a coordinator uses. A :class:`ShardPrefetcher`
-(offloaded shards) is asked to swap in the shards of upcoming trace modules ahead of their
-gather.
-"""
+"""Module hooks, execution trace, prefetch and release for ZeRO-3."""
 
 from zero_coord.config import CoordinatorConfig, Phase, TraceState
 from zero_coord.coordinator import Coordinator

@@ -39,33 +39,6 @@ class CoordinatorConfig:
     """Fetch / prefetch / release policy of the coordinator (sizes in elements).
 
     ``zero_full``'s configuration maps DeepSpeed's keys onto these fields.
-
-    Attributes:
-        prefetch_bucket_size: How many elements of upcoming modules' parameters may be in
-            flight or gathered ahead of use (``stage3_prefetch_bucket_size``). ``0`` turns
-            prefetching off. A window of modules is gathered with one collective once half
-            the bucket is free, so larger buckets mean fewer, larger all-gathers.
-        max_live_parameters: Upper bound on gathered (or in-flight) parameter elements that
-            prefetching and reuse may keep alive (``stage3_max_live_parameters``). The
-            parameters a running module needs are always gathered, and when nothing is
-            prefetched the next module is (a module larger than the bound, such as a tied
-            embedding and head, still has the next one in flight), so the peak is at most this
-            bound plus the parameters of the modules running at once; a module larger than the
-            bound is itself prefetched only with nothing else ahead and everything else within
-            the bound, so the peak is then at most the bound plus that module.
-            Under the bound, parameters kept for reuse that are needed later make room for
-            prefetches needed sooner.
-        max_reuse_distance: A parameter whose next use in the recorded trace is at most
-            this many gathered elements away stays gathered after its module finishes
-            (``stage3_max_reuse_distance``); ``0`` keeps only parameters that are used again
-            by the very next module. A parameter whose next use lies inside the window
-            prefetching already covered also stays (it counts as prefetched).
-        module_granularity_threshold: Modules whose subtree holds at most this many
-            parameter elements per layer are gathered as one leaf
-            (``stage3_module_granularity_threshold``; see
-            :func:`~zero_coord.leaf.granularity_leaves`): one gather and one pair of hooks
-            for a block of small modules instead of one per module, at the price of the
-            whole block being gathered at once. ``0`` (the default) turns it off.
     """
 
     prefetch_bucket_size: int = 50_000_000

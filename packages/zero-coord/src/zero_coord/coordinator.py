@@ -1,33 +1,4 @@
-"""The coordinator: which partitioned parameters are gathered when, and when they are freed.
-
-Lifecycle of one training step (hooks are bound methods of :mod:`zero_coord.hooks` objects,
-which reach the coordinator through :class:`~zero_coord.hooks.HookTarget`):
-
-1. Root pre-forward starts the step and picks its trace (per phase and root module).
-2. Each hooked module's pre-forward *fetches*: with a complete trace it first issues the
-   prefetch window (the next modules' missing parameters within the bucket and the live
-   bound, and its own missing ones, in one gather) once half the bucket is free, then waits
-   for its parameters in flight; without a trace it gathers the missing ones in one call.
-   Its inputs go through :class:`~zero_coord.hooks.PostBackward`.
-3. Post-forward *releases* the parameters no running module holds, unless the trace says they
-   are used again within ``max_reuse_distance`` elements; outputs go through
-   :class:`~zero_coord.hooks.PreBackward`.
-4. Backward: ``PreBackward`` fetches again (prefetching in recorded backward order; over the hpZ
-   secondary group where parameters have one) and queues the final callback once;
-   ``PostBackward`` releases, except parameters whose gradient has not been accumulated yet:
-   the post-accumulate-grad hook hands the gradient to the :class:`GradientSink` first and
-   releases after.
-5. The final callback releases everything left, calls ``GradientSink.on_backward_end`` and
-   closes the step (trace recorded or validated, stats closed). Eval steps end at the root's
-   post-forward.
-
-Every decision (what to gather, prefetch, keep or free) depends only on the module order and
-sizes, never on timing, so all ranks issue the same collectives in the same order. The
-coordinator wires the pieces: :mod:`zero_coord.slots` (which parameters are live),
-:mod:`zero_coord.fetch` (gather and prefetch), :mod:`zero_coord.release` (keep, free, evict),
-:mod:`zero_coord.trace` (the recorded order and its plan) and :mod:`zero_coord.step` (the step
-in progress).
-"""
+"""The coordinator: which partitioned parameters are gathered when, and when they are freed."""
 
 from __future__ import annotations
 
@@ -63,25 +34,7 @@ logger = logging.getLogger("zero.coord")
 
 
 class Coordinator:
-    """Gathers, prefetches and releases the partitioned parameters of ``model`` around its modules.
-
-    Args:
-        model: The model whose parameters were partitioned with ``zero_params.partition``
-            (or built under ``zero_params.Init``). Parameters that are not partitioned are
-            left alone.
-        config: Prefetch and release policy.
-        grad_sink: Receives each gradient once accumulated and the end of each backward
-            (``None``: gradients stay in ``.grad`` and nothing is reduced).
-        shard_prefetch: With offloaded shards (``offload_param``), asked to swap in the shards
-            of the upcoming trace modules after each fetch, so swap-in overlaps compute
-            (``None``: shards are where gathers read them).
-
-    Example:
-        >>> coord = Coordinator(model, CoordinatorConfig(prefetch_bucket_size=10**6), sink)
-        >>> coord.install()
-        >>> loss = model(batch).sum(); loss.backward()   # gathers / releases happen in hooks
-        >>> coord.last_step_stats.prefetch_hit_rate
-    """
+    """Gathers, prefetches and releases the partitioned parameters of ``model`` around its modules."""
 
     def __init__(
         self,
@@ -170,13 +123,6 @@ class Coordinator:
         """Install every hook: forward pre/post hooks on the modules that need parameters (and
         on the root), pre-/post-backward nodes through them, post-accumulate-grad hooks on the
         partitioned parameters; the final backward callback is queued per backward.
-
-        Reads the leaf marking (:func:`~zero_coord.set_leaf_modules`) and the external
-        parameters (``zero_params.register_external_parameter``) now: change those before
-        installing, or :meth:`remove` and install again.
-
-        Raises:
-            RuntimeError: the hooks are already installed.
         """
         if self._installed:
             raise RuntimeError("Coordinator.install(): hooks are already installed; call remove() first")
@@ -234,10 +180,6 @@ class Coordinator:
 
         Covers its direct and external parameters (its whole subtree for a leaf module).
         Manual fetches are not recorded in traces.
-
-        Raises:
-            RuntimeError: the hooks are not installed.
-            ValueError: ``module`` is not part of the model.
         """
         ms = self._manual_state(module)
         if ms.slots:
@@ -277,14 +219,7 @@ class Coordinator:
         return {(phase, self._names[index]): trace for (phase, index), trace in self._traces.items()}
 
     def invalidate_traces(self) -> None:
-        """Drop every trace silently; the next step of each phase records again.
-
-        Call it when you know the module order changes (a different generation mode, adapters
-        switched on or off, a branch toggled): this avoids the divergence log line and the
-        prefetches of the stale order. Not needed after an optimizer step (values change,
-        order does not). Structural changes (new modules, new external parameters, new leaf
-        marking, re-partitioning) need :meth:`remove` + :meth:`install` instead.
-        """
+        """Drop every trace silently; the next step of each phase records again."""
         for trace in self._traces.values():
             trace.invalidate(None)
         step = self._step

@@ -17,23 +17,7 @@ HINT_MARK = "[zero_coord]"
 def annotate_unseen_parameter(
     error: BaseException, model: nn.Module, hooked_name: str, param_names: Sequence[str]
 ) -> None:
-    """Append the module that used a not-gathered parameter and the fixes to ``error``, once.
-
-    The coordinator gathers a module's own parameters and those registered as external to
-    it; a forward that reads another module's parameter hits zero_params'
-    ``PartitionedParameterError``, which names the parameter. Called from the (always
-    called) post-forward hook of the innermost hooked module while the error propagates;
-    the module whose code used the parameter is the innermost module frame of the
-    traceback. The message itself is extended (not a note), so ``str(error)`` and logs
-    carry the fix.
-
-    Args:
-        error: The exception propagating out of a hooked module's forward; anything but a
-            ``PartitionedParameterError`` is left alone.
-        model: The coordinated model (for qualified names).
-        hooked_name: Qualified name of the hooked module whose hook runs (the fallback).
-        param_names: Qualified names of the managed parameters (to find the one named).
-    """
+    """Append the module that used a not-gathered parameter and the fixes to ``error``, once."""
     if not isinstance(error, zero_params.PartitionedParameterError) or not error.args:
         return
     message = str(error.args[0])

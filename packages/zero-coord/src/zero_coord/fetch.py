@@ -29,20 +29,7 @@ _BY_INDEX = operator.attrgetter("index")
 
 
 class Fetcher:
-    """Gathers a module's parameters when it runs, and prefetches along a complete trace.
-
-    Args:
-        config: ``prefetch_bucket_size`` and ``max_live_parameters``.
-        live: The live-slot bookkeeping it gathers into.
-        releaser: Evicts kept parameters to make room.
-        shard_prefetch: Offered the upcoming parameters, to swap in offloaded shards.
-
-    Attributes:
-        windows: Whether fetches in a valid step prefetch gather windows (a bucket is set).
-        prefetches: Whether :meth:`prefetch` has anything to do (a shard prefetcher).
-        hpz: Whether any managed parameter has an hpZ secondary group (set at install): only
-            then does a window split where it crosses between forward and backward.
-    """
+    """Gathers a module's parameters when it runs, and prefetches along a complete trace."""
 
     __slots__ = (
         "bound",
@@ -141,22 +128,7 @@ class Fetcher:
     def _prefetch_gathers(
         self, step: StepState, missing: list[ParamSlot], need: int, backward: bool
     ) -> GatherBatch | None:
-        """Gather ``missing`` (``need`` elements, held by the current module) and the window after it.
-
-        The window: the missing parameters of the next trace modules while the bucket has
-        room and they fit under ``max_live_parameters`` (kept-for-reuse parameters needed
-        later make room), all in one gather. When nothing is ahead — or less than half a
-        bucket while the running modules fill the bound on their own — the next module with
-        missing parameters is gathered even over the bound (:meth:`_over_bound`): a module
-        larger than the bound — a tied embedding and head — still has the next one in flight
-        while it computes, and is itself in flight while the modules before it compute once
-        everything else gathered fits in the bound. The peak stays within the bound plus the
-        running modules' parameters, or the bound plus that one larger module while it is
-        ahead. Only where the window crosses between forward
-        and backward and a parameter has an hpZ secondary group (backward gathers over it)
-        does it take one gather per pass. Returns the batch that holds ``missing`` (``None``
-        without).
-        """
+        """Gather ``missing`` (``need`` elements, held by the current module) and the window after it."""
         live = self.live
         room = self.bucket - live.ahead_numel
         pos = max(step.prefetch_pos, step.cursor)
@@ -207,20 +179,7 @@ class Fetcher:
         return mine
 
     def _over_bound(self, bounded_live: int, pending: int, need: int, numel: int) -> bool:
-        """Whether a module of ``numel`` elements is prefetched although it crosses ``max_live_parameters``.
-
-        ``bounded_live``: the live elements the bound counts; ``pending``: collected in this
-        window, of which ``need`` for the running module. A module that fits in the bound by
-        itself, only while little is ahead: nothing, or, when the running modules fill the
-        bound on their own (a tied embedding and head larger than it), less than half the
-        prefetch bucket. Without this such a module stops every prefetch while it computes,
-        and the next module is gathered on demand. A module larger than the bound (the tied
-        head at the end of GPT-2's forward), only with nothing else ahead and everything else
-        gathered within the bound: gathered on demand, every rank would wait for it at once
-        (the largest wait of the benchmark GPT-2's step, 8 - 13 ms of about 560); ahead, the
-        peak is the bound plus that module, where on demand it would be that module plus
-        whatever is still gathered when it runs.
-        """
+        """Whether a module of ``numel`` elements is prefetched though it crosses ``max_live_parameters``."""
         in_flight = self.live.ahead_numel
         ahead = in_flight + pending - need
         if numel > self.bound:

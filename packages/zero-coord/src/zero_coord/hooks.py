@@ -3,12 +3,6 @@
 Every hook is a bound method of a small slotted state object (no closures), so a hook can
 be inspected and its owner found; every handle goes into one :class:`HookSet`, whose
 :meth:`HookSet.remove` takes them all out again.
-
-* :class:`HookTarget`: what the hooks call on the coordinator (a protocol, so this module
-  does not import the coordinator).
-* :class:`ModuleHookState`: forward pre/post hooks of one module, and the pre/post-backward
-  callbacks reached through :class:`PreBackward` / :class:`PostBackward`.
-* :class:`GradHook`: the post-accumulate-grad hook of one parameter.
 """
 
 from __future__ import annotations
@@ -146,19 +140,7 @@ def _wrap_inputs(state: ModuleHookState, args: tuple, kwargs: dict) -> tuple[tup
 
 
 class ModuleHookState:
-    """Hooks of one module: fetch before its forward and backward, release after them.
-
-    Attributes:
-        coord: The owning coordinator (as a :class:`HookTarget`).
-        module: The hooked module.
-        name: Its qualified name.
-        index: Position in the coordinator's module list (trace events use it).
-        slots: Managed parameters it needs: its direct and external parameters, or for a
-            leaf module those of its whole subtree.
-        numel: Elements of those parameters.
-        is_leaf: Whether the module is a leaf (subtree gathered at once, no inner hooks).
-        active: Activations currently holding the parameters (forward or backward).
-    """
+    """Hooks of one module: fetch before its forward and backward, release after them."""
 
     __slots__ = ("active", "coord", "index", "is_leaf", "module", "name", "numel", "slots")
 

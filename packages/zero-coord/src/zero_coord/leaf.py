@@ -4,19 +4,6 @@ A leaf module is needed when the modules inside a block run data-dependently (mi
 experts routing, early exits): with per-module hooks, ranks that take different paths would
 issue different gathers and hang. Gathering the block's whole subtree at its entry makes
 every rank issue the same collectives whatever runs inside; no hooks are installed inside.
-
-Where the marking lives: in one :class:`LeafRegistry` object per model, stored on the model
-it was set on (a single attribute of the module passed to :func:`set_leaf_modules`, not one
-per marked module and nothing on parameters). It stores qualified names relative to that
-model, so ``copy.deepcopy(model)`` carries the marking along, a second call adds to it, and
-the :class:`~zero_coord.Coordinator` of a model (or of any module containing it) finds it
-when it installs its hooks. There is no process-wide registry.
-
-Leaves by size (DeepSpeed's ``stage3_module_granularity_threshold``):
-:func:`granularity_leaves` picks, without marking anything, the modules whose parameters per
-layer are at most a threshold: blocks of many small modules, whose per-module gathers and
-hooks cost more than their bytes. The coordinator treats them as leaves too
-(:attr:`~zero_coord.CoordinatorConfig.module_granularity_threshold`).
 """
 
 from __future__ import annotations
@@ -61,18 +48,6 @@ def set_leaf_modules(model: nn.Module, classes_or_names: Iterable[type[nn.Module
 
     Call before :meth:`Coordinator.install` (a coordinator reads the marking when it
     installs its hooks). Marking is additive across calls.
-
-    Args:
-        model: The model (or a submodule of it) holding the modules to mark.
-        classes_or_names: Module classes, class names (``"MixtralSparseMoeBlock"``) or
-            qualified module names relative to ``model`` (``"layers.3.moe"``).
-
-    Returns:
-        The modules marked by this call, in ``model.named_modules()`` order.
-
-    Raises:
-        ValueError: an entry matched no module of ``model`` (named in the message).
-        TypeError: an entry is neither a module class nor a string.
     """
     wanted = list(classes_or_names)
     for entry in wanted:
@@ -193,23 +168,7 @@ def _granularities(model: nn.Module) -> dict[str, Granularity]:
 
 
 def granularity_leaves(model: nn.Module, threshold: int) -> tuple[list[str], Granularity | None]:
-    """The modules DeepSpeed's ``stage3_module_granularity_threshold`` turns into leaves.
-
-    A module's granularity is its subtree's parameter elements divided by its layers
-    (:class:`Granularity`). From the root down, the first module on each path whose
-    granularity is at most ``threshold`` becomes a leaf (parents before children); torch
-    containers, modules without parameters and torch's own leaf modules (``Linear``, ...)
-    never do. Nothing is marked on the model.
-
-    Args:
-        model: The model (parameters whole or partitioned).
-        threshold: Elements per layer; ``0`` selects nothing.
-
-    Returns:
-        The qualified names of the leaves (``named_modules()`` order), and the module of the
-        smallest granularity (``None`` if no module has one), to say what threshold would
-        have selected something.
-    """
+    """The modules DeepSpeed's ``stage3_module_granularity_threshold`` turns into leaves."""
     if isinstance(threshold, bool) or not isinstance(threshold, int) or threshold < 0:
         raise ValueError(f"granularity_leaves: threshold must be a non-negative int, got {threshold!r}")
     found = _granularities(model)
@@ -224,14 +183,7 @@ def granularity_leaves(model: nn.Module, threshold: int) -> tuple[list[str], Gra
 
 
 def coordinated_leaves(model: nn.Module, threshold: int) -> dict[str, nn.Module]:
-    """The modules a :class:`~zero_coord.Coordinator` of ``model`` gathers as leaves, by qualified name.
-
-    Those marked (:func:`set_leaf_modules`) and, with a ``threshold`` (``module_granularity_threshold``;
-    ``0``: none), those :func:`granularity_leaves` selects; the outermost of each path. Logs the
-    modules the threshold selects; warns when it selects nothing (naming the smallest
-    granularity, or saying no module can be a leaf) and when a selected leaf holds more than
-    half of the model's parameter elements (it is gathered whole at once).
-    """
+    """The modules a :class:`~zero_coord.Coordinator` of ``model`` gathers as leaves, by qualified name."""
     leaves = find_leaf_modules(model)
     if threshold == 0:
         return leaves

@@ -34,14 +34,7 @@ class Releaser:
     def release_module(
         self, ms: ModuleHookState, step: StepState | None, backward: bool, recompute: bool = False
     ) -> None:
-        """One activation of ``ms`` ended: drop its holds, free or keep what nobody holds.
-
-        ``recompute``: the end of a forward re-run inside backward (activation checkpointing).
-        Its backward reads the views autograd just saved, and releasing empties their storage,
-        so nothing is freed here: trainable parameters wait for their gradient, frozen ones
-        for the end of backward (a reentrant checkpoint's re-run has no backward hooks of
-        its own to release them earlier).
-        """
+        """One activation of ``ms`` ended: drop its holds, free or keep what nobody holds."""
         if ms.active == 0:
             return  # already reset (release_all) or never fetched
         ms.active -= 1
@@ -63,14 +56,7 @@ class Releaser:
             self.settle(settle, step)
 
     def settle(self, slots: list[ParamSlot], step: StepState | None) -> None:
-        """Decide for unheld gathered slots: keep them or free them.
-
-        Kept (with a complete trace): a slot the very next module uses (freeing it would only
-        re-gather it at once, so it costs no extra peak); and, within ``max_live_parameters``, a
-        slot whose next use lies inside the window prefetching already covered (it counts as
-        prefetched; freeing it would turn that use into a miss), or within
-        ``max_reuse_distance`` elements.
-        """
+        """Decide for unheld gathered slots: keep them or free them."""
         live = self.live
         free = slots
         if step is not None and step.valid:

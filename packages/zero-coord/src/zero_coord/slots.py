@@ -1,14 +1,4 @@
-"""Slot and batch bookkeeping: one slot per managed parameter, and which slots are live.
-
-* :class:`ParamSlot`: the coordinator's state of one managed parameter (nothing is stored on
-  the parameter itself).
-* :class:`GatherBatch`: the parameters one coalesced gather made live, until it was waited for.
-* :class:`SlotTable`: the slots of a model and the slots each module needs (built at install).
-* :class:`LiveSlots`: which slots are gathered or in flight, prefetched, kept for reuse or
-  waiting for their gradient, and how many elements that makes; it issues the gathers and
-  the frees. *What* to gather, keep or free is decided in :mod:`zero_coord.fetch` and
-  :mod:`zero_coord.release`.
-"""
+"""Slot and batch bookkeeping: one slot per managed parameter, and which slots are live."""
 
 from __future__ import annotations
 
@@ -32,11 +22,6 @@ class GatherBatch:
     Each parameter has its own unsharded storage (``zero_params.UnshardedStorage``), so
     releasing one frees its bytes at once; the live-element accounting counts per
     parameter accordingly.
-
-    Attributes:
-        handle: The gather handle while not waited for, else ``None``.
-        numel: Elements of the batch's parameters.
-        live: Parameters of the batch still gathered.
     """
 
     __slots__ = ("handle", "live", "numel")
@@ -55,24 +40,7 @@ class GatherBatch:
 
 
 class ParamSlot:
-    """Per-parameter state of the coordinator (nothing is stored on the parameter itself).
-
-    Attributes:
-        param: The managed (partitioned, not persistent) parameter.
-        name: Its qualified name in the model.
-        index: Position in the coordinator's slot list (used as the trace key).
-        numel: Elements of the full parameter.
-        nbytes: Bytes of the full parameter.
-        hpz: It has an hpZ secondary gather (backward gathers it over the secondary group).
-        holds: Module activations currently using the parameter (tied weights and external
-            parameters are held by several modules).
-        batch: The gather that made it live (``None`` while not gathered).
-        prefetched: Gathered ahead of its next use and not yet used.
-        retained: Kept gathered after use because its next use is close (reuse distance).
-        grad_ready: Its gradient was accumulated (and handed to the sink) in this backward.
-        release_on_grad: Its module finished backward before its gradient was ready: the
-            gradient hook releases it.
-    """
+    """Per-parameter state of the coordinator (nothing is stored on the parameter itself)."""
 
     __slots__ = (
         "batch",
@@ -168,23 +136,7 @@ class SlotTable:
 
 
 class LiveSlots:
-    """Which slots are live (gathered or in flight) and in which role, with element counts.
-
-    Attributes:
-        live: Elements gathered or in flight.
-        live_slots: Every live slot (insertion-ordered set).
-        ahead: Slots gathered ahead of their next use (prefetched), not used yet.
-        ahead_numel: Elements of ``ahead``.
-        retained: Slots kept gathered after use for a near reuse, oldest first.
-        pending_grad_numel: Gathered elements whose module finished backward but whose
-            gradient is not accumulated yet (e.g. a tied embedding waiting for its other use):
-            autograd holds them, like a running module, so they do not count against
-            ``max_live_parameters`` when prefetching.
-        grad_ready: Slots whose gradient was accumulated in this backward.
-        plans: The gather of each window gathered so far (its slots and pass), planned once
-            (``zero_params.GatherPlan``): a valid trace gathers the same windows every step.
-            At most :data:`MAX_PLANS`; past that they are dropped and planned again as used.
-    """
+    """Which slots are live (gathered or in flight) and in which role, with element counts."""
 
     __slots__ = (
         "acc",

@@ -14,22 +14,6 @@ class StepStats:
     """What one step (or, summed, every closed step) cost in parameter traffic.
 
     Counts are per parameter use unless said otherwise.
-
-    Attributes:
-        phase: Phase of the step; ``None`` for running totals and before the first step.
-        steps: Number of steps summed here (1 for a single step).
-        max_live_elements: Peak number of gathered or in-flight parameter elements.
-        gathers: Coalesced all-gather calls issued (one per prefetch window, which takes the
-            fetching module's missed parameters along, or per fetch miss without a trace).
-        prefetch_hits: Parameter uses served by an earlier prefetch (no blocking gather).
-        prefetch_misses: Parameter uses that needed a blocking gather.
-        reuse_hits: Parameter uses served by a parameter kept gathered since an earlier use
-            (``max_reuse_distance``).
-        bytes_gathered: Bytes of full parameters materialised by gathers (payload, not wire
-            bytes: ``zero_comm.CommLedger`` measures those).
-        trace_invalidations: Times a recorded trace was dropped during the step(s).
-        shard_prefetches: Swap-ins of offloaded shards started ahead of their gather
-            (``Coordinator(shard_prefetch=...)``).
     """
 
     phase: Phase | None = None

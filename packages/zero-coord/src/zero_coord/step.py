@@ -14,20 +14,7 @@ __all__ = ["StepState"]
 
 
 class StepState:
-    """One step, from its root's pre-forward to the end of its backward (or, eval, its forward).
-
-    Attributes:
-        phase: Kind of step (selects the trace).
-        root: The module whose forward started the step.
-        trace: The trace of ``(phase, root)``.
-        plan: The trace's frozen plan when the step started against a complete trace.
-        codes: ``plan.codes`` (empty without a plan).
-        valid: Matching a complete trace, no divergence so far (prefetching is on).
-        recording: Recording the trace's order.
-        cursor: Next trace position.
-        prefetch_pos: First trace position not yet considered for prefetch.
-        forward_done: The root's forward returned (backward, if any, follows).
-    """
+    """One step, from its root's pre-forward to the end of its backward (or, eval, its forward)."""
 
     __slots__ = (
         "codes",

@@ -42,14 +42,6 @@ class PlannedSlot(Protocol):
 class TracePlan:
     """A complete trace, frozen: the order to match later steps against and what prefetch and
     release look up in it.
-
-    Attributes:
-        codes: The events in order, each ``2 * module_index + backward``.
-        event_slots: Parameter slots each event fetches, by trace position.
-        cum_numel: Elements fetched before each position (``cum_numel[pos]``; one entry more
-            than events).
-        event_numel: Elements each event fetches, by trace position.
-        uses: Trace positions that fetch each slot, by slot index (ascending).
     """
 
     codes: tuple[int, ...]
@@ -95,14 +87,6 @@ class Trace:
     event, and prefetched from it. A step that diverges makes it ``INVALID`` (logged once per
     trace) and the next step records again. An invalid or recording trace costs only
     prefetching: results are the same.
-
-    Events are stored as ints, ``2 * module_index + backward``, so the hot path matches
-    with one tuple lookup; :attr:`events` renders them.
-
-    Args:
-        phase: Phase of the steps this trace describes.
-        root: Qualified name of the module whose forward starts these steps.
-        module_names: Qualified names of the coordinator's hooked modules, by index.
     """
 
     __slots__ = (

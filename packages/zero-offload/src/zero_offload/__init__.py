@@ -1,15 +1,4 @@
-"""CPU / NVMe placement of optimizer state and parameters, async swapping, CPU Adam.
-
-* :class:`CpuAdam`: Adam / AdamW over flat fp32 CPU tensors (torch's fused CPU kernel, or
-  an exact twin of ``torch.optim.AdamW``'s per-tensor algorithm).
-* :class:`AsyncSwapper`: tensors to and from swap files on a thread pool; handles with
-  ``.wait()``; direct I/O when the filesystem supports it; checksummed headers.
-* :class:`BufferPool` / :func:`aligned_empty`: aligned (pinned with an accelerator) host buffers.
-* :class:`OffloadedOptimizer`: an Adam / AdamW step of flat partitions whose fp32 master and
-  moments live in host memory (``cpu``) or swap files (``nvme``), sub-group by sub-group.
-* :class:`ParamSwapper`: parameter shards in host memory (``cpu``) or swap files with a
-  bounded host cache (``nvme``), prefetched ahead of their gather.
-"""
+"""CPU / NVMe placement of optimizer state and parameters, async swapping, CPU Adam."""
 
 from zero_offload.cpu_adam import AdamHyper, AdamKernel, CpuAdam, adam_hyper_from_group, check_offloadable
 from zero_offload.host_optimizer import HostOptimizer, PartialOffload, offload_optimizer_for, twin_optimizer

@@ -1,19 +1,4 @@
-"""Adam / AdamW over flat fp32 tensors on the CPU.
-
-:class:`CpuAdam` updates one flat fp32 partition (parameters, gradient, ``exp_avg``,
-``exp_avg_sq``) with the same mathematics as ``torch.optim.Adam`` / ``torch.optim.AdamW``.
-Two kernels, picked by :class:`AdamKernel`:
-
-* ``FUSED`` (default): torch's fused CPU Adam kernel (one vectorised pass over the five
-  arrays). Measured on this project's machine it is ~4x faster than torch's ``foreach`` and
-  ~5x faster than the per-tensor loop, and within float rounding of ``torch.optim.AdamW``:
-  it computes the same formula with a different order of roundings (a few ulp per step).
-* ``EXACT``: the per-tensor ("for-loop") algorithm of ``torch.optim.Adam`` run over
-  cache-sized blocks; bit-identical to ``torch.optim.Adam(W)(foreach=False)``.
-
-Which one is faster is measured by ``benchmarks/offload.py`` (elements per second against
-``torch.optim.AdamW`` and DeepSpeed's ``DeepSpeedCPUAdam``).
-"""
+"""Adam / AdamW over flat fp32 tensors on the CPU."""
 
 from __future__ import annotations
 
@@ -39,18 +24,7 @@ class AdamKernel(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class AdamHyper:
-    """The hyperparameters of one Adam / AdamW step (torch's names and meaning).
-
-    Attributes:
-        lr: Learning rate.
-        beta1: First-moment decay.
-        beta2: Second-moment decay.
-        eps: Added to the denominator.
-        weight_decay: Weight decay factor.
-        decoupled: ``True``: AdamW (``param *= 1 - lr * weight_decay``); ``False``: Adam's
-            L2 term added to the gradient.
-        maximize: Ascend instead of descend.
-    """
+    """The hyperparameters of one Adam / AdamW step (torch's names and meaning)."""
 
     lr: float = 1e-3
     beta1: float = 0.9

@@ -1,17 +1,4 @@
-"""Optimizer offload for any ``torch.optim`` optimizer: host copies stepped by torch itself.
-
-:class:`zero_offload.OffloadedOptimizer` is the fast path for ``Adam`` / ``AdamW`` (its CPU
-Adam, sub-groups, NVMe swap). Every other optimizer (SGD, Adagrad, RMSprop, Adam with
-``amsgrad``, ...) is offloaded by :class:`HostOptimizer`: the flat fp32 masters are copied to
-host memory once, a twin of the user's optimizer (same class, same ``defaults``) is built
-over the host copies and holds all of the state there; each step copies the gradient
-partitions down, copies the user's current hyperparameters (an LR scheduler's ``lr``) into
-the twin's groups, runs the twin's ``step()`` — torch's own implementation, so the numbers
-are the ones torch computes — and copies the updated masters back. Host memory only:
-``offload_optimizer.device = nvme`` needs the Adam layout and is refused for other optimizers.
-
-:func:`offload_optimizer_for` picks the implementation.
-"""
+"""Optimizer offload for any ``torch.optim`` optimizer: host copies stepped by torch itself."""
 
 from __future__ import annotations
 
@@ -70,19 +57,7 @@ def offload_optimizer_for(
 
 
 class HostOptimizer:
-    """Steps host copies of flat fp32 masters with a twin of any torch optimizer (see the module doc).
-
-    Args:
-        optimizer: The user's torch optimizer, one flat master per group (its groups supply
-            the hyperparameters at every step; it keeps no state).
-        masters: One flat fp32 tensor per group (updated in place after each step).
-        grads: One flat fp32 gradient partition per group.
-        config: :class:`OptimizerOffloadConfig` (``device`` must be ``cpu``; ``pin_memory``
-            is honoured; the Adam-only knobs have no effect).
-
-    Raises:
-        ValueError: ``nvme`` offload, or mismatched masters / gradients / groups.
-    """
+    """Steps host copies of flat fp32 masters with a twin of any torch optimizer (see the module doc)."""
 
     def __init__(
         self,
@@ -194,12 +169,6 @@ class PartialOffload:
     (:class:`OffloadedOptimizer` or :class:`HostOptimizer`, over views of the masters), the rest
     is stepped on the device by a twin of the optimizer (same class and ``defaults``) whose state
     lives with the masters.
-
-    Attributes:
-        offloaded_numel: Master elements whose optimizer step and state are offloaded.
-        device_numel: Master elements stepped on the device.
-        offloaded: The offloaded part's optimizer (``None`` when nothing is offloaded).
-        device_optimizer: The device part's twin (``None`` when everything is offloaded).
     """
 
     def __init__(

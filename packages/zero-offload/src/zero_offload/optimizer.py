@@ -4,22 +4,6 @@
 partitions ("device masters": on an accelerator the fp32 copy the model's working values come
 from; on a CPU-only machine host memory as well). Each flat partition is cut into
 sub-groups of at most ``sub_group_size`` elements; per sub-group a step is
-
-1. get the sub-group's record (fp32 master, ``exp_avg``, ``exp_avg_sq``): host views
-   (``cpu``) or three swap-file reads into a pool buffer (``nvme``),
-2. move the gradient slice down into the record's gradient slot (a counted transfer),
-3. step it with :class:`zero_offload.CpuAdam`,
-4. move the updated master slice up into the device master (a counted transfer),
-5. write the record back (``nvme``: three swap-file writes, the buffer returns to the pool
-   when they finish).
-
-With ``pipeline_read`` sub-group ``k + 1`` is read while ``k`` is stepped; with
-``pipeline_write`` the writes of ``k`` complete while ``k + 1`` is stepped. Host memory for
-optimizer state under ``nvme`` is the buffer pool (:attr:`OffloadedOptimizer.resident_state_bytes`),
-whatever the model size. The torch optimizer keeps its ``param_groups`` (learning rate,
-betas, ... are read at every step, so LR schedulers keep working) and no state;
-:meth:`OffloadedOptimizer.export_state` / :meth:`OffloadedOptimizer.import_state` move the
-state in torch's own format for checkpoints.
 """
 
 from __future__ import annotations
@@ -53,22 +37,7 @@ class OffloadTarget(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerOffloadConfig:
-    """How optimizer state is offloaded (DeepSpeed's ``offload_optimizer`` + ``sub_group_size``).
-
-    Attributes:
-        device: :attr:`OffloadTarget.CPU` or :attr:`OffloadTarget.NVME`.
-        nvme_path: Directory for swap files (``nvme``; each rank uses ``zero_rank<r>`` inside).
-        buffer_count: Pool buffers (``nvme``); each holds one sub-group's record.
-        pin_memory: Page-lock host state and buffers (only when an accelerator exists).
-        pipeline_read: Read sub-group ``k + 1`` while ``k`` is stepped.
-        pipeline_write: Let sub-group ``k``'s writes finish while ``k + 1`` is stepped.
-        sub_group_size: Elements per sub-group.
-        io_threads: Threads of the swapper.
-        kernel: The :class:`AdamKernel` of the CPU Adam.
-        ratio: Fraction of each group's sub-groups offloaded (DeepSpeed's partial offload,
-            ``offload_optimizer.ratio``); the rest is stepped on the device by the optimizer
-            itself (see :class:`zero_offload.PartialOffload`). 1: everything.
-    """
+    """How optimizer state is offloaded (DeepSpeed's ``offload_optimizer`` + ``sub_group_size``)."""
 
     device: OffloadTarget = OffloadTarget.CPU
     nvme_path: Path | None = None
@@ -99,15 +68,7 @@ class OptimizerOffloadConfig:
 
 @dataclasses.dataclass
 class TransferStats:
-    """Explicit host <-> device copies of the offloaded step.
-
-    Attributes:
-        grad_down: Gradient slices copied from the device partitions to the host records.
-        grad_down_bytes: Their bytes.
-        param_up: Updated master slices copied from the host records to the device masters.
-        param_up_bytes: Their bytes.
-        steps: Offloaded optimizer steps taken.
-    """
+    """Explicit host <-> device copies of the offloaded step."""
 
     grad_down: int = 0
     grad_down_bytes: int = 0
@@ -273,25 +234,7 @@ def check_one_per_group(
 
 
 class OffloadedOptimizer:
-    """Adam / AdamW steps of flat fp32 partitions with the state offloaded to host memory or NVMe.
-
-    Args:
-        optimizer: The user's ``torch.optim.Adam`` / ``AdamW`` with one flat tensor per group
-            (its ``param_groups`` supply the hyperparameters at every step; it keeps no state).
-        masters: One flat fp32 tensor per group: the values the model's working copy is
-            refreshed from (updated in place after each sub-group's step).
-        grads: One flat fp32 gradient partition per group (read at each step).
-        config: :class:`OptimizerOffloadConfig`.
-        rank: This process's rank (names its swap directory).
-
-    Attributes:
-        step_count: Steps taken (Adam's ``step``; the same for every sub-group).
-        transfers: :class:`TransferStats`.
-
-    Raises:
-        TypeError / ValueError: from :func:`zero_offload.check_offloadable` (not Adam / AdamW, amsgrad).
-        zero_offload.SwapError: the ``nvme_path`` directory is unusable or too small.
-    """
+    """Adam / AdamW steps of flat fp32 partitions with the state offloaded to host memory or NVMe."""
 
     def __init__(
         self,

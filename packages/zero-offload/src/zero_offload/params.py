@@ -9,17 +9,6 @@ values live:
   headers, errors naming file and tensor, space check at start-up, cleanup). A shard is in
   host memory only between its swap-in and its eviction, in one of ``buffer_count`` pool
   buffers of ``buffer_size`` elements, and never more than ``max_in_cpu`` elements at once.
-
-State of one ``nvme`` shard (:class:`ShardResidence`)::
-
-    ON_DISK --prefetch()/fetch()--> SWAPPING_IN --wait--> RESIDENT --evict--> ON_DISK
-
-:meth:`ParamSwapper.prefetch` starts swap-ins without blocking (only into free buffers or by
-evicting shards nobody waits for), so reads overlap computation; :meth:`ParamSwapper.fetch`
-waits for them (or reads now what was not prefetched) and pins the shards until
-:meth:`ParamSwapper.unpin`. Pinned shards are never evicted. :meth:`ParamSwapper.store`
-writes new values (after an optimizer step) through the shard's buffer (write-through: the
-shard stays resident and clean, so eviction never writes).
 """
 
 from __future__ import annotations
@@ -53,17 +42,7 @@ class ShardResidence(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class ParamOffloadConfig:
-    """How parameter shards are offloaded (DeepSpeed's ``offload_param``).
-
-    Attributes:
-        device: :attr:`OffloadTarget.CPU` or :attr:`OffloadTarget.NVME`.
-        nvme_path: Directory for swap files (``nvme``; each rank uses ``zero_rank<r>/params`` inside).
-        buffer_count: Pool buffers (``nvme``); each holds one resident shard.
-        buffer_size: Elements per pool buffer: the largest shard that can be offloaded to ``nvme``.
-        max_in_cpu: Elements of shards resident in host memory at once (``nvme``).
-        pin_memory: Page-lock host shards and buffers (only when an accelerator exists).
-        io_threads: Threads of the swapper.
-    """
+    """How parameter shards are offloaded (DeepSpeed's ``offload_param``)."""
 
     device: OffloadTarget = OffloadTarget.CPU
     nvme_path: Path | None = None
@@ -83,20 +62,7 @@ class ParamOffloadConfig:
 
 @dataclasses.dataclass
 class ParamTransferStats:
-    """Counters of the parameter swapper.
-
-    Attributes:
-        fetches: Shards handed out for a gather (``cpu``: host -> device transfers).
-        fetch_bytes: Their bytes.
-        stores: Shards written back (after optimizer steps).
-        store_bytes: Their bytes.
-        swap_ins: Swap-file reads issued (``nvme``).
-        swap_in_bytes: Their bytes.
-        prefetched: Swap-ins issued by :meth:`ParamSwapper.prefetch` (ahead of the fetch).
-        prefetch_hits: Fetches of a shard a prefetch had swapped in (or was swapping in).
-        evictions: Resident shards dropped from host memory (``nvme``).
-        max_resident_elements: Most shard elements resident at once (``nvme``).
-    """
+    """Counters of the parameter swapper."""
 
     fetches: int = 0
     fetch_bytes: int = 0
@@ -141,24 +107,7 @@ class _Shard:
 
 
 class ParamSwapper:
-    """Offloaded parameter shards: host tensors (``cpu``) or swap files with a bounded host cache (``nvme``).
-
-    Args:
-        config: :class:`ParamOffloadConfig`.
-        shards: ``(key, numel, dtype)`` of every shard; keys are unique and name the shard in errors.
-        rank: This process's rank (names its swap directory).
-
-    Every shard must be given its values with :meth:`store` before it is fetched.
-
-    Attributes:
-        stats: :class:`ParamTransferStats`.
-        swapper: The :class:`zero_offload.AsyncSwapper` (``nvme``; ``None`` for ``cpu``).
-
-    Raises:
-        ValueError: duplicate keys; ``nvme``: a shard larger than ``buffer_size`` or
-            ``max_in_cpu`` elements (the message names it and the numbers).
-        zero_offload.SwapError: the ``nvme_path`` directory is unusable or too small.
-    """
+    """Offloaded parameter shards: host tensors (``cpu``) or swap files, a bounded host cache (``nvme``)."""
 
     def __init__(
         self, config: ParamOffloadConfig, shards: Sequence[tuple[str, int, torch.dtype]], *, rank: int = 0
@@ -272,18 +221,7 @@ class ParamSwapper:
                 s.settle()
 
     def prefetch(self, upcoming: Iterable[tuple[str, bool]]) -> int:
-        """Start swap-ins of upcoming shards, in order of use, without blocking.
-
-        Args:
-            upcoming: ``(key, swap_in)`` in the order the shards will be needed (consumed
-                lazily). ``swap_in=False`` marks a shard that will be needed there but must
-                not be read now (e.g. its parameter is gathered at the moment): it is only
-                kept from eviction if resident.
-
-        Stops at the first shard that finds no room: free buffers, or shards that are
-        neither pinned, prefetched, nor named earlier in ``upcoming`` (those are needed
-        sooner). ``cpu``: nothing to do. Returns the number of swap-ins started.
-        """
+        """Start swap-ins of upcoming shards, in order of use, without blocking."""
         if not self.nvme:
             return 0
         started = 0

@@ -25,14 +25,7 @@ def align_up(nbytes: int, alignment: int = ALIGNMENT) -> int:
 
 
 def aligned_empty(nbytes: int, *, alignment: int = ALIGNMENT, pin_memory: bool = False) -> torch.Tensor:
-    """An uninitialised ``uint8`` CPU tensor of ``nbytes`` whose data pointer is ``alignment``-aligned.
-
-    Args:
-        nbytes: Length in bytes (>= 0).
-        alignment: Power-of-two alignment of the first byte.
-        pin_memory: Page-lock the memory (only honoured when an accelerator is available;
-            pinning needs one).
-    """
+    """An uninitialised ``uint8`` CPU tensor of ``nbytes`` whose data pointer is ``alignment``-aligned."""
     if nbytes < 0 or alignment <= 0 or alignment & (alignment - 1):
         raise ValueError(
             f"aligned_empty needs nbytes >= 0 and a power-of-two alignment, got {nbytes}, {alignment}"
@@ -48,11 +41,6 @@ class BufferPool:
 
     :meth:`acquire` blocks until a buffer is free; :meth:`release` hands it back. The pool
     never grows, so its memory (:attr:`resident_bytes`) is fixed at construction.
-
-    Args:
-        buffer_count: Number of buffers (>= 1).
-        buffer_bytes: Bytes per buffer (rounded up to :data:`ALIGNMENT`).
-        pin_memory: Page-lock the buffers when an accelerator exists.
     """
 
     __slots__ = ("_cond", "_free", "buffer_bytes", "buffers")

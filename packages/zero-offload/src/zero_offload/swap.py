@@ -5,22 +5,6 @@
 at once; :meth:`SwapHandle.wait` blocks until the bytes are on disk (or in the tensor) and
 re-raises any error. The system calls (``os.pwritev`` / ``os.preadv``) and the checksum
 (:func:`payload_checksum`, torch reductions) release the GIL, so swapping overlaps computation.
-
-I/O mode (:class:`IoMode`) is detected, not assumed: at start-up the swapper opens a probe
-file with ``O_DIRECT`` and writes and reads one aligned block; if the filesystem refuses
-(tmpfs, some network filesystems) it uses plain buffered I/O. Direct I/O reads and writes
-straight from the tensor's memory when it is aligned (:func:`zero_offload.aligned_empty`,
-:class:`zero_offload.BufferPool` buffers), through a one-block bounce buffer for the
-unaligned tail, and through a whole bounce copy otherwise (counted in
-:attr:`SwapStats.bounced_bytes`).
-
-Data safety: every file starts with a header block (magic, tensor id, numel, dtype, payload
-bytes, a 128-bit Fletcher-style checksum of the payload, CRC-32 of the header). Reading a
-file that is missing, truncated, written for another tensor or whose checksum does not match raises
-:class:`SwapError` naming the file and the tensor; nothing is returned silently wrong.
-The free space the caller needs is checked at start-up (:class:`SwapSpaceError`). Swap files
-are deleted by :meth:`AsyncSwapper.close` (also run when the swapper is garbage collected or
-the interpreter exits) and stale ones are deleted when a swapper starts on the directory.
 """
 
 from __future__ import annotations
@@ -86,15 +70,7 @@ class IoMode(enum.Enum):
 
 @dataclasses.dataclass
 class SwapStats:
-    """Counters of completed requests (updated by the I/O threads under a lock).
-
-    Attributes:
-        writes: Files written.
-        reads: Files read (and verified).
-        bytes_written: Payload bytes written (headers and padding not counted).
-        bytes_read: Payload bytes read.
-        bounced_bytes: Payload bytes copied through a bounce buffer because the tensor was not aligned.
-    """
+    """Counters of completed requests (updated by the I/O threads under a lock)."""
 
     writes: int = 0
     reads: int = 0
@@ -182,25 +158,7 @@ def _shutdown(files: _Files, executor: concurrent.futures.ThreadPoolExecutor) ->
 
 
 class AsyncSwapper:
-    """Tensors swapped to files in one directory through a pool of I/O threads.
-
-    Args:
-        directory: Where the swap files go (created if missing). Give each process its own.
-        required_bytes: Payload bytes the caller will swap at most; start-up fails when the
-            filesystem has less free space (headers and alignment padding are added).
-        io_threads: Threads serving requests concurrently.
-        io_mode: Force an :class:`IoMode` (default: :func:`detect_io_mode`).
-        free_bytes: How free space is measured (default ``shutil.disk_usage(directory).free``).
-
-    Attributes:
-        directory: The swap directory.
-        io_mode: The I/O mode in use.
-        stats: :class:`SwapStats` of completed requests.
-
-    Raises:
-        SwapError: the directory cannot be created or written (the message names it).
-        SwapSpaceError: less free space than ``required_bytes`` plus overhead.
-    """
+    """Tensors swapped to files in one directory through a pool of I/O threads."""
 
     def __init__(
         self,
@@ -385,15 +343,7 @@ def _bytes(t: torch.Tensor) -> memoryview:
 
 
 def payload_checksum(t: torch.Tensor) -> tuple[int, int]:
-    """A Fletcher-style checksum of ``t``'s bytes: ``(sum, position-weighted sum)`` modulo 2**64.
-
-    The bytes are read as 64-bit words, summed per 4 KiB row; the row sums (and the words and
-    bytes of an unaligned tail) are added plainly and with odd position weights. Any single
-    bit flip changes the plain sum, reordered rows change the weighted one. Computed with
-    torch integer reductions (wrap-around, so the order of additions does not matter), which
-    release the GIL and run several times faster than ``zlib.crc32`` (measured by
-    ``benchmarks/offload.py``).
-    """
+    """A Fletcher-style checksum of ``t``'s bytes: ``(sum, position-weighted sum)`` modulo 2**64."""
     flat = t.detach().reshape(-1).view(torch.uint8)
     n8 = flat.numel() // 8 * 8
     head = flat[:n8]

@@ -5,25 +5,6 @@ Buckets are planned once, from the parameter order alone: reverse registration o
 elements. A bucket is reduced as soon as all of its parameters reported a gradient and
 every earlier bucket was reduced; whatever is left is reduced at the end of the backward,
 parameters that got no gradient contributing zeros.
-
-Every rank must issue the same collectives in the same order, and the gradient
-reductions share the process group with the coordinator's all-gathers, so a reduction
-must also be issued at the same point *between* the gathers on every rank. Hence:
-
-* parameters whose gradients every rank produces at the same point of backward (all
-  parameters of hooked modules that run identically on all ranks) go into ordered buckets,
-  reduced as they complete — overlapping with the rest of backward. A branch skipped on
-  every rank only delays its buckets (and the later ones) to the end of backward;
-* parameters that may get a gradient on some ranks and not on others — those inside
-  ``zero_coord`` leaf modules, where ranks may route data differently (mixture of experts)
-  — go into *deferred* buckets, reduced at the end of every backward, after all gathers.
-  An unused parameter contributes zeros, so the average stays correct.
-
-Guarantee: for models whose rank-dependent control flow is confined to leaf modules, the
-sequence of collectives is the same on every rank and the gradients are exact averages.
-Rank-dependent gradient presence *outside* leaf modules (e.g. a hooked module that uses its
-bias on some ranks only) is not supported — mark such blocks with
-``zero_coord.set_leaf_modules``.
 """
 
 from __future__ import annotations
@@ -65,24 +46,7 @@ ReduceFn = Callable[..., ReduceHandle]
 
 @dataclasses.dataclass(frozen=True)
 class ReduceConfig:
-    """Gradient bucketing policy (DeepSpeed's ``reduce_bucket_size`` and ``overlap_comm``).
-
-    Attributes:
-        reduce_bucket_size: Gradient elements per reduce-scatter bucket (a parameter larger
-            than this gets a bucket of its own).
-        overlap_comm: Issue bucket reductions asynchronously while backward continues (at
-            most :attr:`max_inflight` buckets in flight); otherwise each reduction completes
-            before backward resumes.
-        max_inflight: Buckets allowed in flight with ``overlap_comm`` before the oldest is
-            waited for. With the bucket size it bounds the reduction's memory: each bucket in
-            flight holds its gradients (or their staging copy) and ``(W - 1) / W`` of them for
-            the rows received (``zero_comm.reduce_scatter_coalesced``), so at most
-            ``max_inflight * (2W - 1) / W * reduce_bucket_size`` elements on top of the
-            bucket backward is filling. 1 (the default) still overlaps a bucket's reduction
-            with the backward of the next one; 2 is DeepSpeed's double buffering (measured at
-            world 2, 6 x 4096^2 Linear, 1-layer buckets: one more bucket, +100 MB of peak RSS).
-            ``zero_full``'s key for it is ``zero_optimization.reduce_max_inflight``.
-    """
+    """Gradient bucketing policy (DeepSpeed's ``reduce_bucket_size`` and ``overlap_comm``)."""
 
     reduce_bucket_size: int = 500_000_000
     overlap_comm: bool = False
@@ -96,23 +60,7 @@ class ReduceConfig:
 
 
 class BucketPlan:
-    """Static buckets over a fixed parameter order.
-
-    Args:
-        params: Parameters in the order their gradients are expected (every rank passes the
-            same order).
-        names: Their qualified names (for messages).
-        numels: Full number of elements of each parameter.
-        bucket_size: Elements per bucket; a bucket closes before it would exceed this size.
-        deferred: Parameters whose gradient presence may differ between ranks (inside
-            leaf modules); they get buckets of their own, reduced at the end of backward.
-
-    Attributes:
-        buckets: Tuples of parameters, in reduction order: the ordered buckets first.
-        ordered: Number of ordered buckets (the others are deferred).
-        index: ``id(param) -> bucket number``.
-        names: ``id(param) -> qualified name``.
-    """
+    """Static buckets over a fixed parameter order."""
 
     __slots__ = ("buckets", "index", "names", "ordered")
 
@@ -160,18 +108,6 @@ class BucketedReducer:
     Gradients accumulate into the partitions across backward passes (micro-steps) until
     the optimizer zeroes its gradient buffer; each backward's gradient is averaged over the
     data-parallel group exactly once (by ``reduce_fn``).
-
-    Args:
-        plan: The static buckets.
-        reduce_fn: ``reduce_fn(params, async_op=...)`` reduces the full ``.grad`` of
-            ``params`` (``None`` counting as zeros), accumulates this rank's partition and
-            frees ``.grad``; e.g. ``zero_params.reduce_scatter_grads``. If it also has
-            ``open_bucket(params) -> StagedBucket | None`` (``zero_optim.ReduceScatterInto``),
-            each gradient is staged into its bucket's buffer as soon as it is ready and freed
-            (``contiguous_gradients``): until its bucket is reduced a gradient costs its
-            staging slot only, and a reduction holds the staging buffer, not the gradients
-            beside it.
-        config: Bucketing policy.
     """
 
     __slots__ = ("_config", "_inflight", "_next", "_plan", "_ready", "_reduce", "_staged")

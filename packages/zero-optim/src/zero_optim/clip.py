@@ -31,18 +31,7 @@ _CHUNK = 1 << 20
 def global_grad_norm(
     groups: Sequence[FlatGroup], group: ProcessGroup | None = None, *, partitioned: bool = True
 ) -> float:
-    """The L2 norm of the whole model's gradient from the flat gradient partitions.
-
-    Args:
-        groups: This rank's flat groups.
-        group: The ranks the partitions are spread over (``None``: the world).
-        partitioned: ``True``: each element lives on one rank (stages 1-3), the squared sums
-            are all-reduced once; ``False``: every rank holds all of them (stage 0), no
-            communication.
-
-    Returns:
-        The norm (``inf`` / ``nan`` if a gradient is).
-    """
+    """The L2 norm of the whole model's gradient from the flat gradient partitions."""
     with record_function("zero.optim.grad_norm"):
         device = groups[0].grad.device if groups else zero_comm.control_device(group)
         sq = torch.zeros(1, dtype=torch.float64, device=device)
@@ -62,20 +51,7 @@ def clip_grad_norm_(
     *,
     partitioned: bool = True,
 ) -> float:
-    """Scale the gradient partitions so the global norm is at most ``max_norm``.
-
-    Args:
-        groups: This rank's flat groups.
-        max_norm: The largest allowed global norm (> 0).
-        group: See :func:`global_grad_norm`.
-        partitioned: See :func:`global_grad_norm`.
-
-    Returns:
-        The global norm before clipping.
-
-    Raises:
-        ValueError: ``max_norm`` is not positive.
-    """
+    """Scale the gradient partitions so the global norm is at most ``max_norm``."""
     if not max_norm > 0:
         raise ValueError(f"clip_grad_norm_: max_norm must be > 0, got {max_norm}")
     norm = global_grad_norm(groups, group, partitioned=partitioned)

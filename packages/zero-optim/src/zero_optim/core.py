@@ -1,27 +1,4 @@
-"""The partitioned-optimizer core shared by every ZeRO stage.
-
-:class:`PartitionedOptimizer` owns, per optimizer parameter group, one :class:`FlatGroup`
-(fp32 master partition, fp32 gradient partition, working copy) and the user's torch
-optimizer re-mapped onto the flat masters, so a step is one optimizer call over one tensor
-per group. What differs between stages is a small :class:`Partitioning` component:
-
-* which elements of a parameter this rank owns (:meth:`Partitioning.local_numel`,
-  :meth:`Partitioning.load`),
-* how the parameter's own tensors become views of the flat buffers
-  (:meth:`Partitioning.bind`: for ZeRO-3 the shard and the gradient-partition slot),
-* what happens after the step (:meth:`Partitioning.after_step`: for ZeRO-3, whose shards
-  *are* views of the working buffer, only whole persistent parameters are refreshed; for
-  stages 1 and 2 an all-gather of the updated partitions into the full parameters).
-
-Gradient reduction is a separate component (e.g. :class:`zero_optim.buckets.BucketedReducer`)
-that writes into the same flat gradient buffers.
-
-Optimizer-state offload (``zero_offload.OffloadedOptimizer``) is one more component: given an
-``OptimizerOffloadConfig``, the Adam / AdamW step of the flat masters runs on the CPU,
-sub-group by sub-group, with the fp32 master and moments in host memory or swap files; the
-torch optimizer then only supplies hyperparameters, and :meth:`PartitionedOptimizer.materialized_state`
-brings the state back in torch's format for checkpoints.
-"""
+"""The partitioned-optimizer core shared by every ZeRO stage."""
 
 from __future__ import annotations
 
@@ -112,33 +89,6 @@ class PartitionedOptimizer:
     :class:`FlatGroup`, copies the current values into the masters, binds the parameters'
     partition tensors to views of the flat buffers and re-maps the optimizer's groups onto
     the flat masters.
-
-    Args:
-        model: The model whose parameters are optimized.
-        optimizer: A callable ``params -> torch optimizer``, a torch optimizer without state
-            built over ``model``'s parameters, or ``None`` (``torch.optim.AdamW``).
-        partitioning: The stage-specific component (see :class:`Partitioning`).
-        device: Where the flat buffers live (default: the CPU, or the current accelerator
-            when one is available).
-        working_dtype: dtype of the values the model computes with. ``torch.float32``: the
-            master is the working copy (one fp32 copy of the parameters); a 16-bit dtype
-            gets its own flat working buffer, refreshed from the fp32 master after each step.
-        offload: Offload the optimizer state (``zero_offload.OptimizerOffloadConfig``; any torch
-            optimizer, Adam / AdamW through the CPU Adam, NVMe for those only), or ``None``. With
-            offload the flat layout is used (the offloaded optimizer keeps its own host fp32
-            master), whatever the partitioning offers.
-        sub_group_size: Elements of a flat partition stepped at once (DeepSpeed's
-            ``sub_group_size``): the optimizer's temporaries are bounded by it, not by the
-            model (see :class:`zero_optim.subgroups.SubGroupStepper`); the offloaded step
-            uses the offload config's own ``sub_group_size``.
-
-    Attributes:
-        torch_optimizer: The user's optimizer, now over one flat master per group.
-        groups: One :class:`FlatGroup` per optimizer parameter group.
-        offload: The ``zero_offload.OffloadedOptimizer`` (Adam / AdamW) or
-            ``zero_offload.HostOptimizer`` (any other torch optimizer) stepping the masters, or ``None``.
-        stepper: The :class:`zero_optim.subgroups.SubGroupStepper` stepping the masters
-            (without offload).
     """
 
     __slots__ = ("groups", "offload", "partitioning", "stepper", "torch_optimizer")
@@ -209,17 +159,7 @@ class PartitionedOptimizer:
                 yield group, seg
 
     def step(self) -> None:
-        """One optimizer step over the flat partitions, then publish the updated values.
-
-        A partitioning with a ``step_publisher(groups)`` publishes while the optimizer steps
-        (:class:`zero_optim.publish.StepPublisher`): at stages 1 and 2 each all-gather bucket
-        goes out as soon as its elements are stepped (:class:`zero_optim.publish.PipelinedPublish`),
-        at stage 3 the persistent parameters' refresh as soon as they are stepped
-        (:class:`zero_optim.stage3.PersistentRefresh`); the results are those of
-        :meth:`publish_updated_shards` after the step. If the optimizer raises part way, the
-        collectives already issued are waited for before the exception propagates (the
-        parameters then show a partial step: the exception is the caller's to handle).
-        """
+        """One optimizer step over the flat partitions, then publish the updated values."""
         with profile_range("zero.optim.step"), torch.no_grad():
             before = getattr(self.partitioning, "before_step", None)
             if before is not None:
@@ -285,15 +225,7 @@ class PartitionedOptimizer:
 
     @contextlib.contextmanager
     def materialized_state(self, *, write_back: bool = True) -> Iterator[None]:
-        """Inside the block, offloaded state is in ``torch_optimizer.state`` in torch's own format.
-
-        Without offload this does nothing. With offload, the moments and step are read back
-        from host memory or swap files into full-size tensors of the torch optimizer's state
-        (so checkpoints and :meth:`state_dict` see what a plain torch optimizer would hold);
-        on leaving the block without an error and with ``write_back``, the (possibly
-        replaced) state and the current masters go back to the offloaded store. Either way
-        the torch optimizer's state is emptied again.
-        """
+        """Inside the block, offloaded state is in ``torch_optimizer.state`` in torch's own format."""
         if self.offload is None:
             yield
             return

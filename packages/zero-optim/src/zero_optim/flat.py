@@ -6,28 +6,6 @@ parameter. The optimizer state is one flat tensor per kind (e.g. AdamW's ``exp_a
 that layout; ``grad`` is the flat fp32 gradient partition; per-parameter tensors (shards,
 gradient partitions) are views into the flat buffers, so nothing is copied per parameter
 on the hot path.
-
-Where the values live comes in two layouts:
-
-* **flat** (stage 3, stage 0, optimizer offload): ``master`` is one flat fp32 tensor of this
-  rank's partitions. In fp32 training it *is* the working copy (one fp32 copy of the
-  parameters); a lower working precision gets its own flat buffer, refreshed from the
-  master after each step (:meth:`FlatGroup.publish`).
-* **in the parameters** (stages 1 and 2, ``working_views`` given): the whole parameters are
-  views of one flat buffer owned by the stage, and each segment's working values are this
-  rank's partition *of that buffer*. In fp32 the parameters are the master copy: the
-  optimizer updates the partition views in place and no second fp32 copy exists;
-  ``master`` is then only the (storage-less, stride-0) key the torch optimizer's group and
-  state are registered under. In bf16 / fp16 ``master`` is the fp32 flat partition, the only
-  fp32 copy of the parameters.
-
-The gradient partition likewise: the flat fp32 ``grad``, or (stage 1 in fp32, ``grad_views``
-given) this rank's partition of the flat buffer the whole gradients accumulate in, reduced in
-place — no fp32 gradient partition beside the whole gradients. Read and write gradients
-through :meth:`FlatGroup.grads` / :meth:`FlatGroup.grad_view`, which work in both layouts.
-
-Either way :meth:`FlatGroup.pieces` hands out the master and gradient elements of any range
-of the flat partition, which is how the optimizer steps in sub-groups.
 """
 
 from __future__ import annotations
@@ -60,32 +38,7 @@ class Segment:
 
 
 class FlatGroup:
-    """The flat buffers of one optimizer parameter group on this rank.
-
-    Args:
-        params: The group's trainable parameters, in order.
-        names: Their qualified names.
-        numels: Elements of each parameter's partition on this rank.
-        device: Where the buffers live.
-        working_dtype: dtype of the working copy; ``torch.float32`` shares the master.
-        working_views: Per parameter, the 1-D view (``numels[i]`` elements, ``working_dtype``)
-            of storage owned elsewhere that holds this rank's working values (stages 1 and 2:
-            its partition of the flat buffer the whole parameters live in); ``None``: the
-            group allocates its own flat working buffer.
-        grad_views: Per parameter, the 1-D fp32 view (``numels[i]`` elements) of storage owned
-            elsewhere that is its gradient partition; ``None``: a flat ``grad`` is allocated.
-
-    Attributes:
-        segments: One per parameter, in order.
-        master: The tensor the torch optimizer's group holds and its state is keyed by: the
-            fp32 flat partition, or (fp32 values in the parameters) a stride-0 placeholder of
-            the same shape that owns no memory — read and write the values through
-            :meth:`master_view`, :meth:`pieces`, :meth:`master_copy` and :meth:`load_master`.
-        grad: fp32 flat gradient partition (``master.grad`` is this tensor), or with
-            ``grad_views`` a stride-0 placeholder of that shape: use :meth:`grads`.
-        working: The flat working buffer (``master`` itself in flat fp32), or ``None`` when
-            the working values live in ``working_views``.
-    """
+    """The flat buffers of one optimizer parameter group on this rank."""
 
     __slots__ = (
         "_grad_views",
@@ -205,10 +158,6 @@ class FlatGroup:
 
         One piece in the flat layout; one per overlapped segment when the master lives in
         the parameters. The master pieces are writable views of where the values live.
-
-        The buffers never move, so the views of a range are made once and the same tensors
-        are returned for it afterwards: the optimizer steps the same ranges every step, and
-        making a range's views costs a few view operators per segment.
         """
         key = (start, stop)
         found = self._pieces.get(key)

@@ -1,24 +1,4 @@
-"""Stage 1's whole fp32 gradients in one flat buffer, reduced in place: :class:`InPlaceGrads`.
-
-Each trainable parameter owns a *region* of the buffer, padded to ``world`` rows of its
-partition size; row ``rank`` is this rank's gradient partition (the optimizer reads it).
-A region moves through three states (:class:`RegionState`) per accumulation window:
-
-* ``RELEASED`` — after ``zero_grad``: ``param.grad`` is ``None`` and the region holds
-  nothing of use. The first gradient autograd produces in the window is therefore *stolen*
-  by ``param.grad`` (no accumulation) and copied into the region once (:meth:`InPlaceGrads.region`);
-  nothing is zeroed, the copy overwrites every element.
-* ``ACCUMULATING`` — ``param.grad`` is a view of the region: later micro-steps add in place.
-* ``REDUCED`` — the in-place reduce-scatter wrote the average into row ``rank``; the other
-  rows still hold this rank's local values, which no one reads. They are zeroed only if
-  more gradient accumulates into the same window (:meth:`InPlaceGrads.carry`).
-
-Compared with keeping every ``.grad`` bound and zeroed, a step touches the buffer once
-(the copy) instead of three times (autograd's add into zeros, zeroing the other rows after
-the reduction, zeroing the partition in ``zero_grad``). A region's padding (its last
-elements, past the parameter's) is zero from allocation and stays so: copies write the
-parameter's elements only, and the reduction sums every rank's zeros there.
-"""
+"""Stage 1's whole fp32 gradients in one flat buffer, reduced in place: :class:`InPlaceGrads`."""
 
 from __future__ import annotations
 
@@ -105,9 +85,6 @@ class InPlaceGrads:
         window, or one the user set) is copied in (``None``: zeros) and bound, and the region
         is ``ACCUMULATING``. A ``REDUCED`` region whose ``.grad`` is still bound is returned
         as it is (see :meth:`carry`).
-
-        Raises:
-            KeyError: ``param`` has no region.
         """
         entry = self._regions[id(param)]
         region, bound, grad = entry.region, entry.flat, param.grad

@@ -10,11 +10,6 @@ adds is the second hop of the gradient synchronisation:
    group (averaged over ``p``) and *accumulates* it into the fp32 gradient partitions;
 2. at the accumulation boundary only, :class:`ReplicaGradientSync` all-reduces those
    partitions across the replicate group (averaged over ``r``), once per optimizer step.
-
-Averaging by ``p`` then by ``r`` is averaging by ``N``: the step sees the same gradient as
-plain data parallelism over all ``N`` ranks. Every replica then applies the same update
-to the same state, so the replicas stay identical without further communication;
-:func:`check_replicas_consistent` verifies that (a debug check, not for every step).
 """
 
 from __future__ import annotations
@@ -34,23 +29,7 @@ __all__ = ["ReplicaGradientSync", "ReplicaMismatchError", "check_replicas_consis
 
 
 class ReplicaGradientSync:
-    """The second MiCS hop: average the gradient partitions over the replicate group at the boundary.
-
-    A :class:`zero_optim.GradientReduction` for the engine to drive next to the stage-3
-    sink: :meth:`begin_micro_step` does nothing (the first hop, the shard-group
-    reduce-scatter, runs in every backward and accumulates into the partitions), and
-    :meth:`at_boundary`, called once before each optimizer step, issues one all-reduce
-    (average) over the replicate group — in place on the flat gradient buffer when there is
-    one optimizer group, else over their concatenation.
-
-    Args:
-        groups: The optimizer's flat groups (``PartitionedOptimizer.groups``).
-        group: The replicate group (this rank's position in every shard group). A one-rank
-            group makes :meth:`at_boundary` a no-op (plain ZeRO-3).
-
-    Attributes:
-        boundaries: How many times :meth:`at_boundary` synchronised (optimizer steps).
-    """
+    """The second MiCS hop: average the gradient partitions over the replicate group at the boundary."""
 
     __slots__ = ("_groups", "boundaries", "group", "replicas")
 
@@ -125,22 +104,7 @@ def _checksums(opt: PartitionedOptimizer) -> tuple[torch.Tensor, list[str]]:
 
 
 def check_replicas_consistent(optimizer: PartitionedOptimizer, group: ProcessGroup) -> None:
-    """Check that every replica of this rank's partition holds the same optimizer state.
-
-    A debug check (it costs one small all-reduce and a pass over the state; do not run it
-    every step): per parameter segment, float64 checksums (sum and sum of squares) of the
-    fp32 master and of every optimizer state tensor are compared across ``group`` with one
-    all-reduce (max of ``[x, -x]``, so max and min at once). Replicas update identical state
-    with identical averaged gradients, so their checksums are equal bit for bit.
-
-    Args:
-        optimizer: The stage-3 partitioned optimizer of a MiCS model.
-        group: The replicate group (every rank of it must call this).
-
-    Raises:
-        ReplicaMismatchError: some replica differs; names the replicate group's ranks and the
-            first differing tensor and parameter.
-    """
+    """Check that every replica of this rank's partition holds the same optimizer state."""
     if dist.get_world_size(group) == 1:
         return
     with record_function("zero.optim.check_replicas"), torch.no_grad():

@@ -1,15 +1,4 @@
-"""Stages 1 and 2: the all-gathers after a step, and publishing them while the optimizer steps.
-
-After a step each rank holds the updated values of its partition only; the whole parameters
-are refreshed by all-gathers of the working partitions, ``allgather_bucket_size`` full
-(padded) elements at a time (:func:`gather_buckets`). Done after the whole step, every byte
-of those gathers is waited for with nothing else to do. :class:`PipelinedPublish` instead
-runs beside :meth:`zero_optim.subgroups.SubGroupStepper.step`: the optimizer steps the
-partition in ranges ending where a bucket ends, and as soon as a bucket's segments are
-stepped (and their working copy refreshed) its gather is issued asynchronously, so it
-travels while the optimizer steps the next bucket. The collectives, their buckets and order
-are those of the gathers after the step: the parameters are bit-identical.
-"""
+"""Stages 1 and 2: the all-gathers after a step, and publishing them while the optimizer steps."""
 
 from __future__ import annotations
 
@@ -107,11 +96,6 @@ class PipelinedPublish:
     master (:meth:`FlatGroup.publish_range`), and each bucket's gather is issued as soon as all
     of its segments are stepped — in bucket order, one in flight at a time (each holds its
     gathered buffer until waited for, so the extra memory stays one bucket's).
-
-    Args:
-        groups: The optimizer's flat groups, in stepping order.
-        buckets: :func:`gather_buckets` of ``groups``.
-        issue: Starts one bucket's all-gather asynchronously and returns its handle.
     """
 
     __slots__ = ("_groups", "_inflight", "_issue", "_next", "_published", "buckets")

@@ -121,34 +121,7 @@ class _BackwardHooked(abc.ABC):
 
 
 class BackwardReduction(_BackwardHooked):
-    """Stage 1: the boundary reduction of :class:`BoundaryReduction`, issued during the boundary backward.
-
-    Non-boundary micro-steps (``begin_micro_step(False)``) let autograd accumulate the whole
-    gradients and do no work. In the backward of the boundary micro-step (every backward
-    when no engine calls :meth:`begin_micro_step`), a post-accumulate-grad hook counts each
-    gradient; a bucket of the plan is reduced asynchronously as soon as all of its gradients
-    are accumulated and every earlier bucket was issued, so the buckets go out in plan order
-    on every rank, at most ``max_inflight`` in flight. The end of the backward issues the
-    buckets left (parameters without a gradient in this backward count as they are), and
-    :meth:`at_boundary` waits for them; it reduces everything itself when no backward did.
-    The collectives, their buckets and order are those of :class:`BoundaryReduction`: the
-    results are bit-identical.
-
-    A ``reduce_fn`` that reduces in place (:class:`~zero_optim.ReduceScatterInPlace`, which
-    leaves the averaged partition where the whole gradient was) has a ``carry(param)``: when a
-    second backward accumulates into a window already reduced (several ``backward()`` calls
-    without the engine), a gradient hook scales this rank's reduced partition by the world
-    size before autograd adds to it, so the next reduction's average keeps it; and an
-    ``accumulated(param)``, called by the post-accumulate-grad hook of every backward
-    (deferred or not), which moves a gradient autograd just created into its region, and a
-    ``before_accumulate(param)``, called by the gradient hook before autograd adds to ``.grad``.
-
-    Args:
-        params: The trained parameters (every one in ``plan``).
-        plan: The static buckets (``reduce_bucket_size``), the same order on every rank.
-        reduce_fn: ``reduce_fn(params, async_op=True)``, e.g. :class:`~zero_optim.ReduceScatterInPlace`.
-        max_inflight: Buckets in flight at once (bounds the staging memory).
-    """
+    """Stage 1: the boundary reduction of :class:`BoundaryReduction`, issued during the boundary backward."""
 
     __slots__ = (
         "_accumulated",
@@ -275,17 +248,6 @@ class HookedReduction(_BackwardHooked):
     The hooks are installed here, in one place, with removable handles; the end of each
     backward (an autograd final callback queued by the first hook) flushes the reducer, so
     plain ``loss.backward()`` works too.
-
-    With gradient accumulation, communication happens only at the boundary: before a
-    non-boundary micro-step's backward the engine calls ``begin_micro_step(False)`` and the
-    hooks let autograd accumulate the whole gradient in ``.grad`` (as DDP's ``no_sync``); in
-    the boundary micro-step's backward each accumulated gradient is reduce-scattered into its
-    partition as soon as it is complete and freed. Without the engine (plain
-    ``loss.backward()``) every backward is a boundary.
-
-    Args:
-        params: The trained parameters.
-        reducer: The bucketed reducer (its ``reduce_fn`` a :class:`ReduceScatterInto`).
     """
 
     __slots__ = ("reducer",)

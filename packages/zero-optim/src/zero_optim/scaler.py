@@ -7,10 +7,6 @@ hysteresis budget is spent (``hysteresis`` overflows absorbed) the scale halves,
 below ``min_loss_scale``, else the budget shrinks by one; after ``loss_scale_window``
 overflow-free steps since the last overflow the scale doubles and the budget refills
 (with ``consecutive_hysteresis`` every overflow-free step refills it).
-
-:func:`found_overflow` decides for all ranks at once: a local inf/nan flag over this
-rank's gradient partitions, one all-reduce (max) of the flag, so every rank skips or
-applies the same steps.
 """
 
 from __future__ import annotations
@@ -33,16 +29,7 @@ __all__ = ["LossScaler", "LossScalerConfig", "found_overflow"]
 
 @dataclasses.dataclass(frozen=True)
 class LossScalerConfig:
-    """DeepSpeed's ``fp16`` section numbers.
-
-    Attributes:
-        loss_scale: A positive static scale, or 0 for dynamic scaling.
-        initial_scale_power: Dynamic scaling starts at ``2**initial_scale_power``.
-        loss_scale_window: Overflow-free steps before the scale doubles.
-        hysteresis: Overflows absorbed before the scale halves.
-        consecutive_hysteresis: Refill the hysteresis budget on every overflow-free step.
-        min_loss_scale: The scale never goes below this.
-    """
+    """DeepSpeed's ``fp16`` section numbers."""
 
     loss_scale: float = 0.0
     initial_scale_power: int = 16

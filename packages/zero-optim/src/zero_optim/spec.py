@@ -19,8 +19,8 @@ import torch
 # Import dynamo now, normally before the user calls init_process_group: torch builds an
 # optimizer by importing torch._dynamo, and that import, once a process group exists, keeps
 # references to torch's default group that outlive destroy_process_group(); gloo then aborts
-# the process at exit ("terminate called without an active exception") in about 1 run of 5
-# (torch 2.13, measured here). Imported before the group exists, it keeps none.
+# the process at exit ("terminate called without an active exception") now and then.
+# Imported before the group exists, it keeps none.
 import torch._dynamo  # noqa: F401, E402 - for its side effect, see above
 from torch import nn
 
@@ -45,23 +45,7 @@ def default_optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
 
 
 def build_torch_optimizer(spec: OptimizerSpec, params: Sequence[nn.Parameter]) -> torch.optim.Optimizer:
-    """Build (or validate) the torch optimizer over the model's parameters.
-
-    Args:
-        spec: A callable taking the list of model parameters and returning a torch
-            optimizer, a torch optimizer instance (built over the model's parameters, no
-            step taken yet), or ``None`` for :func:`default_optimizer`.
-        params: The model's parameters (passed to a callable ``spec``).
-
-    Returns:
-        The torch optimizer; its ``param_groups`` still hold model parameters.
-
-    Raises:
-        TypeError: ``spec`` is neither, or the callable did not return a torch optimizer.
-        ValueError: an optimizer instance already has state (one the callable built may have
-            the state its constructor makes, e.g. Adagrad's), or it is ``torch.optim.LBFGS`` (its
-            step needs a closure and it caches its parameter list).
-    """
+    """Build (or validate) the torch optimizer over the model's parameters."""
     if spec is None:
         spec = default_optimizer
     built_here = False
@@ -129,17 +113,6 @@ def trainable_groups(
 
     Parameters with ``requires_grad=False`` are left out (they never get a gradient and
     torch would never step them).
-
-    Args:
-        opt: The optimizer from :func:`build_torch_optimizer`.
-        model_params: Every parameter of the model.
-
-    Returns:
-        One list per ``opt.param_groups`` entry, in the group's order.
-
-    Raises:
-        ValueError: a group holds a tensor that is not a parameter of the model (torch
-            itself refuses a parameter listed twice).
     """
     known = {id(p) for p in model_params}
     groups: list[list[nn.Parameter]] = []
@@ -158,16 +131,7 @@ def trainable_groups(
 
 
 def remap_onto_flat(opt: torch.optim.Optimizer, masters: Sequence[torch.Tensor]) -> None:
-    """Point each of ``opt``'s groups at its one flat master tensor (options untouched).
-
-    Args:
-        opt: A torch optimizer without state, or with only the state its constructor made
-            (re-made for the masters).
-        masters: One flat tensor per group, in group order.
-
-    Raises:
-        ValueError: the number of masters differs from the number of groups.
-    """
+    """Point each of ``opt``'s groups at its one flat master tensor (options untouched)."""
     if len(masters) != len(opt.param_groups):
         raise ValueError(f"{len(masters)} flat tensors for {len(opt.param_groups)} param groups")
     for group, master in zip(opt.param_groups, masters):

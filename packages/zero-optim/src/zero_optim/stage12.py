@@ -6,29 +6,6 @@ partition ``r`` of it — exactly the :class:`~zero_optim.flat.Segment` of stage
 stage splits each parameter, its optimizer state and its checkpoint pieces alike at a given
 world size (stage 3 only orders its persistent parameters first in the flat buffers:
 :meth:`~zero_optim.Stage3Partitioning.flat_order`).
-
-The stages differ by two small components:
-
-* :class:`ReplicaPartitioning` (a :class:`~zero_optim.core.Partitioning`): which partition
-  this rank owns and, after each step, an all-gather of the updated partitions back into
-  the whole parameters (coalesced, ``allgather_bucket_size`` elements per collective).
-  Stage 0 is the same component over a one-rank partition world: each rank owns every
-  element, the full optimizer runs on every rank, and "gathering" is a local copy.
-* a gradient reduction (a :class:`GradientReduction`):
-
-  - stage 0: :class:`BoundaryReduction` with :class:`AllReduceInto` — the whole gradients,
-    accumulated by autograd over the micro-steps, are averaged by coalesced all-reduces
-    (``reduce_bucket_size`` buckets) at the accumulation boundary: DDP;
-  - stage 1: :class:`BackwardReduction` with :class:`ReduceScatterInPlace` (or
-    :class:`ReduceScatterInto` with offload) — the same buckets, reduce-scattered so each rank
-    keeps only its fp32 partition, issued during the boundary micro-step's backward as soon
-    as each bucket's gradients are accumulated (bit-identical to reducing after backward);
-  - stage 2: :class:`HookedReduction` — post-accumulate-grad hooks hand each gradient to a
-    :class:`~zero_optim.buckets.BucketedReducer` that reduce-scatters full buckets during
-    backward (asynchronously with ``overlap_comm``) and frees the full gradients. As in
-    DeepSpeed stage 2, with ``gradient_accumulation_steps > 1`` every micro-step is
-    reduced into the fp32 partition (which accumulates), so no full gradient outlives its
-    bucket; the cost is one reduce-scatter per micro-step instead of one per step.
 """
 
 from __future__ import annotations
@@ -73,26 +50,7 @@ def _world_and_rank(group: ProcessGroup | None) -> tuple[int, int]:
 
 
 class ReplicaPartitioning:
-    """Whole parameters on every rank, this rank owning partition ``rank`` of each (a ``Partitioning``).
-
-    Args:
-        world: Ranks the optimizer state is partitioned over (1 for stage 0).
-        rank: This rank's index among them.
-        group: Process group of those ranks (``None``: the world; unused when ``world`` is 1).
-        allgather_bucket_size: Full (padded) parameter elements per all-gather after a step.
-        grads_in_place: Stage 1: keep the whole fp32 gradients in one flat buffer (each
-            ``param.grad`` a view of it) whose partition views are the gradient partition,
-            reduced in place (see :meth:`grad_views`).
-        bound_grads: Every plain gradient reduce-scatter carries a sideband whose sum tells
-            every rank whether any rank's gradients are non-finite (:attr:`grad_bound`).
-
-    Attributes:
-        grad_bound: The summed sidebands since the gradients were zeroed (``None`` without
-            ``bound_grads``); :meth:`release_grads` restarts it.
-
-    Raises:
-        ValueError: ``rank`` outside ``[0, world)`` or a bucket size below 1.
-    """
+    """Whole parameters on every rank, this rank owning partition ``rank`` of each (a ``Partitioning``)."""
 
     __slots__ = (
         "_bound",
@@ -149,15 +107,7 @@ class ReplicaPartitioning:
     def working_views(
         self, params: Sequence[nn.Parameter], dtype: torch.dtype, device: torch.device
     ) -> list[torch.Tensor] | None:
-        """Move the whole parameters into one flat buffer; return this rank's partition of each.
-
-        Each parameter is padded to ``world * local_numel`` elements in the buffer and its
-        ``.data`` becomes a view of it, so the partition views hold this rank's working
-        values: in fp32 the parameters are the optimizer's master copy, and the all-gather
-        after a step writes the other ranks' partitions into the same buffer. A one-rank
-        world (stage 0) returns ``None`` (:meth:`bind` makes the parameters views of the
-        flat group's buffer instead).
-        """
+        """Move the whole parameters into one flat buffer; return this rank's partition of each."""
         if self.world == 1:
             return None
         sizes = [self.local_numel(p) for p in params]
@@ -176,14 +126,7 @@ class ReplicaPartitioning:
     def grad_views(
         self, params: Sequence[nn.Parameter], dtype: torch.dtype, device: torch.device
     ) -> list[torch.Tensor] | None:
-        """With ``grads_in_place`` in fp32: whole gradients in one flat buffer; this rank's partition of each.
-
-        The regions are padded like the parameter buffer and managed by :attr:`grads` (an
-        :class:`~zero_optim.in_place_grads.InPlaceGrads`): the first gradient of a window is
-        copied in, later ones accumulate in place, and :class:`ReduceScatterInPlace` writes
-        the averaged partition into the returned view. No fp32 gradient partition exists
-        beside the whole gradients. ``None`` otherwise.
-        """
+        """With ``grads_in_place`` in fp32: whole gradients in one flat buffer; this rank's partitions."""
         if not self.grads_in_place or self.world == 1 or dtype != torch.float32:
             return None
         return self._grads.allocate(params, [self.local_numel(p) for p in params], device)
@@ -376,15 +319,7 @@ class ReduceScatterInto:
         _check_plain(self.partitioning, self.strategy)
 
     def __call__(self, params: Sequence[nn.Parameter], *, async_op: bool = False) -> ReduceHandle:
-        """Reduce-scatter the ``.grad`` of ``params`` (``None`` = zeros) and free them.
-
-        Gradient partitions that lie back to back in a flat gradient take the reduced
-        partitions with one ``add_`` per run instead of one per parameter. Buckets run in
-        reverse registration order and the flat gradients in registration order, so the
-        collective is issued in the order with fewer runs (given, reversed, or the partitions'
-        place in their storage: ``zero_comm.adjacent_runs.in_fewer_runs``) — the same on every rank, since
-        adjacency is judged within one storage, whose layout all ranks share.
-        """
+        """Reduce-scatter the ``.grad`` of ``params`` (``None`` = zeros) and free them."""
         with profile_range("zero.optim.reduce_scatter_grads"):
             params, targets, runs = _in_fewer_runs(params, self.partitioning)
             grads = _take_grads(params)
@@ -401,14 +336,7 @@ class ReduceScatterInto:
             )
 
     def open_bucket(self, params: Sequence[nn.Parameter]) -> _StagedBucket | None:
-        """A staging buffer for one bucket, filled as each gradient arrives (``None``: a strategy is set).
-
-        :class:`~zero_optim.buckets.BucketedReducer` puts each gradient in as soon as it is
-        ready and frees it, so a bucket costs its staging buffer instead of its gradients
-        plus their staging copy (see ``zero_comm.StagedReduceScatter``); the results are
-        bit-identical to :meth:`__call__`. A cast or quantized strategy stages its own way,
-        and a bucket of one unpadded gradient is sent as it is (no staging at all).
-        """
+        """A staging buffer for one bucket, filled as each gradient arrives (``None``: a strategy is set)."""
         if self.strategy is not None or not params:
             return None
         if len(params) == 1 and params[0].numel() % self.partitioning.world == 0:
@@ -469,19 +397,7 @@ class _StagedBucket:
 
 @dataclasses.dataclass(frozen=True)
 class ReduceScatterInPlace:
-    """``reduce_fn`` of stage 1 with in-place gradients: average whole gradients into their own partition.
-
-    The whole gradients live in one flat buffer (:meth:`ReplicaPartitioning.grad_views`, an
-    :class:`~zero_optim.in_place_grads.InPlaceGrads`); each bucket is reduce-scattered
-    (coalesced, averaged) so that the result lands in this rank's partition of the same
-    buffer, and its regions are marked reduced. The other rows are left as they are: they
-    are zeroed only if more gradient accumulates into the same window (:meth:`carry`), and
-    ``zero_grad`` releases the regions without writing them.
-
-    Attributes:
-        partitioning: A partitioning built with ``grads_in_place``.
-        strategy: The reduce-scatter over the partitioning's group (``None``: the plain one).
-    """
+    """``reduce_fn`` of stage 1 with in-place gradients: average whole gradients into their own partition."""
 
     partitioning: ReplicaPartitioning
     strategy: zero_comm.ReduceScatterStrategy | None = None
@@ -553,16 +469,7 @@ def _keep_own_partition(regions: Sequence[torch.Tensor], reduced: Sequence[torch
 
 @dataclasses.dataclass(frozen=True)
 class AllReduceInto:
-    """``reduce_fn`` of stage 0: average full gradients with one all-reduce per bucket, add them whole.
-
-    Attributes:
-        partitioning: A one-rank-world partitioning (each gradient partition is the whole gradient).
-        group: The data-parallel group to average over (``None``: the world).
-        strategy: An all-reduce strategy over ``group`` (``None``: the plain
-            ``zero_comm.all_reduce``; e.g. ``zero_comm.CastAllReduce``). One wider than the
-            gradients (fp32 for bf16: ``communication_data_type``) reduces them in that dtype and
-            adds the result unrounded to the (fp32) gradient partitions.
-    """
+    """``reduce_fn`` of stage 0: average full gradients with one all-reduce per bucket, add them whole."""
 
     partitioning: ReplicaPartitioning
     group: ProcessGroup | None = None
@@ -605,43 +512,7 @@ def replicated_optimizer(
     reduce_strategy: zero_comm.ReduceScatterStrategy | None = None,
     all_reduce_strategy: zero_comm.CastAllReduce | None = None,
 ) -> tuple[PartitionedOptimizer, GradientReduction]:
-    """Build the optimizer and gradient reduction of ZeRO stage 0, 1 or 2 for a whole model.
-
-    Args:
-        model: The model, its parameters whole and of ``working_dtype``, the same values on
-            every rank.
-        optimizer: A callable ``params -> torch optimizer``, a torch optimizer without state,
-            or ``None`` (``torch.optim.AdamW``).
-        stage: 0 (DDP: full optimizer on every rank), 1 (optimizer state partitioned) or 2
-            (gradients partitioned too, reduced during backward).
-        config: Gradient bucketing (``reduce_bucket_size``; ``overlap_comm`` for stage 2).
-        allgather_bucket_size: Elements per all-gather of the updated parameters.
-        working_dtype: The parameters' dtype (fp32 masters are kept in any case).
-        group: The data-parallel group (``None``: the world).
-        offload: Offload the optimizer state (``zero_offload.OptimizerOffloadConfig``), or ``None``.
-        sub_group_size: Elements of the flat partition stepped at once (bounds the step's
-            temporaries; see :class:`zero_optim.PartitionedOptimizer`).
-        reduce_strategy: Stages 1 and 2: the gradient reduce-scatter over ``group`` (``None``:
-            ``zero_comm.reduce_scatter_coalesced``; ``zero_comm.CastReduceScatter`` for
-            ``communication_data_type``).
-        all_reduce_strategy: Stage 0: the gradient all-reduce over ``group`` (``None``:
-            ``zero_comm.all_reduce``; ``zero_comm.CastAllReduce`` for ``communication_data_type``).
-
-    Stages 1 and 2 with the plain reduce-scatter in fp32 or bf16 carry the inf / nan check in
-    it (:attr:`ReplicaPartitioning.grad_bound`, :mod:`zero_comm.grad_bound`): the engine reads
-    it instead of all-reducing a flag.
-
-    Stages 1 and 2 (without offload) move the whole parameters into one flat buffer per
-    parameter group (``param.data`` becomes a view of it; see
-    :meth:`ReplicaPartitioning.working_views`): in fp32 the parameters are the master copy.
-
-    Returns:
-        ``(optimizer, reduction)``: call ``reduction.at_boundary()`` before
-        ``optimizer.step()``.
-
-    Raises:
-        ValueError: an unknown stage or a trainable parameter not of ``working_dtype``.
-    """
+    """Build the optimizer and gradient reduction of ZeRO stage 0, 1 or 2 for a whole model."""
     if stage not in (0, 1, 2):
         raise ValueError(
             f"replicated_optimizer builds stages 0, 1 and 2, got stage {stage}; use stage3_optimizer"

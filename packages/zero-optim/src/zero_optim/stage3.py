@@ -1,29 +1,4 @@
-"""ZeRO stage 3: the partitioned optimizer over ``zero_params`` shards.
-
-State ownership (fp32 training):
-
-* the optimizer's flat fp32 master of each group *is* the storage of every parameter's
-  shard (``ShardedParam.shard`` is bound to a view of it): one fp32 copy of the
-  parameters per rank, and the next all-gather serves the updated values directly;
-* the flat fp32 gradient buffer holds every ``ShardedParam.grad_partition`` (bound views),
-  which ``zero_params.reduce_scatter_grads`` accumulates into;
-* the torch optimizer's state (e.g. AdamW's ``exp_avg`` / ``exp_avg_sq``) is one flat
-  tensor per group, allocated by torch at the first step.
-
-Persistent parameters (``stage3_param_persistence_threshold``) follow ``zero_params``'
-semantics: whole on every rank, their gradients averaged by the same reduce-scatter, their
-optimizer state partitioned like every other parameter's, and their whole value refreshed
-from the updated shards after each step by ``zero_params.commit_shards``. They lie first in
-the flat buffers, so a step reaches them first: :class:`PersistentRefresh` issues their
-refresh as soon as they are stepped, and it travels while the optimizer steps the rest.
-
-Parameter offload (``param_offload``, a ``zero_offload.ParamOffloadConfig``): after the
-flat buffers are built, the shards of the trainable non-persistent parameters are handed to
-a ``zero_params.OffloadedShards`` (host memory or swap files). The shards are then no longer
-views of the working buffer but separate copies owned by the swapper, refreshed from the
-working buffer after each step (:meth:`Stage3Partitioning.after_step`). The flat fp32
-master stays with the optimizer (and goes to host memory or NVMe with ``offload_optimizer``).
-"""
+"""ZeRO stage 3: the partitioned optimizer over ``zero_params`` shards."""
 
 from __future__ import annotations
 
@@ -51,19 +26,7 @@ __all__ = ["PersistentRefresh", "RefreshPlan", "Stage3Partitioning", "offloaded_
 
 
 class Stage3Partitioning:
-    """Binds ``zero_params`` shards and gradient partitions to the flat buffers (a :class:`Partitioning`).
-
-    Args:
-        working_dtype: The parameters' dtype, which the flat working buffer has.
-
-    Attributes:
-        grad_bound: The inf / nan check the gradient reduce-scatters carry (``None``: the step
-            all-reduces a flag); set by :func:`stage3_optimizer`, restarted by :meth:`release_grads`.
-
-    Raises:
-        TypeError: from :meth:`local_numel`, for a parameter that is not partitioned.
-        ValueError: from :meth:`local_numel`, for a parameter of another dtype than ``working_dtype``.
-    """
+    """Binds ``zero_params`` shards and gradient partitions to the flat buffers (a :class:`Partitioning`)."""
 
     __slots__ = ("_refresh_plan", "grad_bound", "offloaded", "working_dtype")
 
@@ -85,14 +48,7 @@ class Stage3Partitioning:
         return state.partition_numel
 
     def flat_order(self, params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
-        """The persistent parameters first, then the gathered ones, each in the group's order.
-
-        A prefetch window gathers consecutive non-persistent parameters; with the small
-        persistent ones (biases, norms) elsewhere, their shards lie back to back in the flat
-        buffer and the collective sends them as they lie instead of concatenating them. Laid
-        out first, the persistent ones are also stepped first, and their refresh travels while
-        the optimizer steps the rest (:class:`PersistentRefresh`).
-        """
+        """The persistent parameters first, then the gathered ones, each in the group's order."""
         persistent = [p for p in params if zero_params.state_of(p).persistent]
         return persistent + [p for p in params if not zero_params.state_of(p).persistent]
 
@@ -152,15 +108,7 @@ class Stage3Partitioning:
 
 @dataclasses.dataclass(frozen=True)
 class RefreshPlan:
-    """What :class:`PersistentRefresh` refreshes, worked out once for a set of flat groups.
-
-    Attributes:
-        groups: The flat groups, in stepping order.
-        ends: Per group, the flat offset where its leading persistent segments end (0: none).
-        persistent: Per group, its persistent parameters.
-        names: Per group, their names (for the watchdog's note).
-        rest: Every other parameter of the groups (committed after the step).
-    """
+    """What :class:`PersistentRefresh` refreshes, worked out once for a set of flat groups."""
 
     groups: tuple[FlatGroup, ...]
     ends: tuple[int, ...]
@@ -188,22 +136,7 @@ class RefreshPlan:
 
 
 class PersistentRefresh:
-    """Stage 3's publish during a step: the persistent parameters' refresh travels while the rest is stepped.
-
-    A ``zero_optim.publish.StepPublisher``. Each group's persistent parameters lie first in
-    its flat buffers (:meth:`Stage3Partitioning.flat_order`). As soon as the optimizer has
-    stepped them, their working values are published (16-bit working copies) and
-    ``zero_params.commit_shards`` issues their refresh asynchronously; the optimizer steps
-    the group's other shards meanwhile. :meth:`finish` commits the other parameters (which
-    invalidates their hpZ secondary shards and refreshes any still gathered, synchronously)
-    and waits for the refreshes. The collectives are those of :meth:`Stage3Partitioning.after_step`
-    split by group and persistence; a refresh copies the shards exactly, so the parameters
-    hold the same values.
-
-    Args:
-        plan: The groups' :class:`RefreshPlan` (:meth:`Stage3Partitioning.step_publisher`
-            makes it once).
-    """
+    """Stage 3's publish during a step: the persistent parameters' refresh travels while the rest steps."""
 
     __slots__ = ("_handles", "_issued", "_published", "plan")
 
@@ -273,41 +206,7 @@ def stage3_optimizer(
     sub_group_size: int = 1_000_000_000,
     bound_grads: bool = False,
 ) -> tuple[PartitionedOptimizer, BucketedReducer]:
-    """Build the ZeRO-3 optimizer of a partitioned model and its gradient sink.
-
-    Args:
-        model: A model whose trainable parameters are partitioned (``zero_params.partition``
-            or ``zero_params.Init``).
-        optimizer: A callable ``params -> torch optimizer``, a torch optimizer without state,
-            or ``None`` (``torch.optim.AdamW``).
-        config: Gradient bucketing policy.
-        working_dtype: The parameters' dtype. ``torch.float32``: the shards are views of the
-            fp32 master; a 16-bit dtype: views of a 16-bit working buffer refreshed from the
-            fp32 master after each step.
-        offload: Offload the optimizer state (``zero_offload.OptimizerOffloadConfig``), or ``None``.
-        param_offload: Offload the parameter shards (``zero_offload.ParamOffloadConfig``), or
-            ``None``; the :class:`zero_params.OffloadedShards` is then
-            ``optimizer.partitioning.offloaded`` (see :func:`offloaded_shards`).
-        sub_group_size: Elements of the flat partition stepped at once (bounds the step's
-            temporaries; see :class:`zero_optim.PartitionedOptimizer`).
-        bound_grads: Carry the inf / nan check in every gradient reduce-scatter
-            (``optimizer.partitioning.grad_bound``, a ``zero_comm.GradientBound``): fp32 or
-            bf16, each trained parameter reduced by a plain ``zero_comm.AllToAllReduceScatter``
-            over one group whose ranks together hold every element (not MiCS).
-
-    Gradients of parameters inside ``zero_coord`` leaf modules (mark them before calling
-    this) are reduced at the end of each backward, so ranks may route data differently
-    inside a leaf (see :mod:`zero_optim.buckets`).
-
-    Returns:
-        ``(optimizer, sink)``: step and zero the first; hand the second to the
-        ``zero_coord.Coordinator`` as its ``grad_sink``.
-
-    Raises:
-        TypeError: a trainable parameter is not partitioned.
-        ValueError: a trainable parameter is not of ``working_dtype``, the shards live on
-            different devices, or ``bound_grads`` with another dtype or reduce strategy.
-    """
+    """Build the ZeRO-3 optimizer of a partitioned model and its gradient sink."""
     devices = {
         zero_params.state_of(p).shard.device for p in model.parameters() if zero_params.is_partitioned(p)
     }

@@ -1,20 +1,4 @@
-"""Stepping a torch optimizer over a flat partition in sub-groups of ``sub_group_size`` elements.
-
-A torch optimizer's step allocates intermediates the size of the tensors it steps (torch's
-AdamW computes ``exp_avg_sq.sqrt() / bias_correction`` for the whole tensor, for example), so
-stepping one flat partition at once costs extra memory proportional to the model. The
-:class:`SubGroupStepper` steps the partition ``sub_group_size`` elements at a time (DeepSpeed's
-``sub_group_size``): for each sub-group the group's ``params`` is temporarily the sub-group's
-master pieces (:meth:`zero_optim.flat.FlatGroup.pieces`), each with its gradient piece as
-``.grad`` and, as its state, views of the group's flat per-element state (scalars such as
-Adam's ``step`` are copied per sub-group, so every sub-group sees the same step count). The
-torch optimizer, its ``param_groups`` dicts (learning rates, LR schedulers) and its state keyed
-by the flat master stay what the user and checkpoints see; per-element state that the
-optimizer creates at its first step is moved into flat tensors as each sub-group is stepped.
-
-Works for optimizers whose state is per element (tensors shaped like the parameter) or
-scalar: SGD, Adam, AdamW, Adagrad, RMSprop, ... — the same set the flat layout supports.
-"""
+"""Stepping a torch optimizer over a flat partition in sub-groups of ``sub_group_size`` elements."""
 
 from __future__ import annotations
 
@@ -31,16 +15,7 @@ __all__ = ["SubGroupStepper"]
 
 
 class SubGroupStepper:
-    """Steps ``optimizer`` over each group's flat partition, ``sub_group_size`` elements at a time.
-
-    Args:
-        optimizer: The torch optimizer, one flat master per group (``group.master``).
-        groups: The flat groups, in ``param_groups`` order.
-        sub_group_size: Elements stepped at once (a bound on the step's temporaries).
-
-    Raises:
-        ValueError: ``sub_group_size`` below 1.
-    """
+    """Steps ``optimizer`` over each group's flat partition, ``sub_group_size`` elements at a time."""
 
     __slots__ = ("_views", "groups", "optimizer", "sub_group_size")
 
@@ -60,15 +35,7 @@ class SubGroupStepper:
         cuts: Sequence[Sequence[int]] | None = None,
         after: Callable[[int, int], None] | None = None,
     ) -> None:
-        """One optimizer step of every group, sub-group by sub-group.
-
-        Args:
-            cuts: Per group, flat offsets where a stepped range must also end (e.g. where an
-                all-gather bucket ends), beside every ``sub_group_size`` elements. Stepping
-                in smaller ranges gives the same values: the optimizers supported act per element.
-            after: Called as ``after(group_index, stop)`` once flat elements ``[0, stop)`` of
-                that group are stepped (``stop`` 0 for an empty group), in order.
-        """
+        """One optimizer step of every group, sub-group by sub-group."""
         opt = self.optimizer
         saved = [pg["params"] for pg in opt.param_groups]
         try:

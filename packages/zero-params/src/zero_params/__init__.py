@@ -1,18 +1,5 @@
 """Partitioned parameters for ZeRO-3: the ShardedParam state, partition / gather / release,
 Init and GatheredParameters.
-
-* :class:`ShardedParam` (``param._zero``), :class:`ParamStatus`, :func:`state_of`,
-  :func:`is_partitioned`, :func:`full_shape`: the per-parameter state.
-* :func:`partition`, :func:`gather`, :func:`release`, :func:`reduce_scatter_grads`,
-  :func:`commit_shards`, :func:`invalidate_secondary`: the operations (coalesced,
-  strategy-driven collectives from ``zero_comm``); :class:`GatherPlan`: one gather of fixed
-  parameters, planned once and issued again and again.
-* :class:`Init`: partition while constructing; :class:`GatheredParameters`: whole
-  parameters inside a block; :func:`register_external_parameter`: parameters a module
-  uses but does not own.
-* :class:`OffloadedShards`: shards kept in host memory or on NVMe (``offload_param``).
-* :func:`quantize_frozen`, :class:`FrozenInt8Store`, :class:`FrozenInt8Gather`: frozen
-  parameters' shards kept as int8 codes (ZeRO++ ``zero_quantized_nontrainable_weights``).
 """
 
 from zero_params.commit import commit_shards

@@ -17,23 +17,7 @@ __all__ = ["commit_shards"]
 
 
 def commit_shards(params: nn.Parameter | Iterable[nn.Parameter], *, async_op: bool = False) -> GatherHandle:
-    """Publish shards that were updated in place (e.g. by an optimizer step).
-
-    Invalidates hpZ secondary shards, and re-gathers the full value of every parameter
-    that is whole right now — persistent parameters and any still gathered — into its
-    existing storage (one coalesced all-gather per strategy; a strategy with an ``exact``
-    attribute, such as the quantized ``zero_comm.QuantizedAllGather``, refreshes through that
-    exact twin, so whole parameters hold exactly their shards' values). ``NOT_AVAILABLE`` parameters
-    need nothing: their next gather reads the new shards.
-
-    Args:
-        params: The parameters whose shards changed, the same on every rank.
-        async_op: Return before the refresh completes (call ``wait()`` before using them).
-
-    Raises:
-        PartitionedParameterError: a parameter is ``INFLIGHT`` (a gather of the old shards is
-            in flight; wait for it before changing shards).
-    """
+    """Publish shards that were updated in place (e.g. by an optimizer step)."""
     with record_function("zero.params.commit_shards"):
         buckets: dict[tuple[Any, ...], tuple[AllGatherStrategy, list[Item]]] = {}
         for p, state in iter_states(params):

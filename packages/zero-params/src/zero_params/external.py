@@ -51,9 +51,6 @@ def register_external_parameter(module: nn.Module, param: nn.Parameter) -> None:
     Under ZeRO-3 the parameter is then gathered before ``module``'s forward and backward,
     like the module's own parameters (e.g. an output layer reading the tied embedding
     weight, or any weight read in another module's forward). Registering twice is a no-op.
-
-    Raises:
-        TypeError: ``module`` is not an ``nn.Module`` or ``param`` not an ``nn.Parameter``.
     """
     if not isinstance(param, nn.Parameter):
         raise TypeError(

@@ -1,23 +1,8 @@
 """Frozen parameters stored as int8 shards (ZeRO++ ``zero_quantized_nontrainable_weights``).
 
-:func:`quantize_frozen` turns the shard of every partitioned, non-persistent parameter with
-``requires_grad=False`` into int8 blockwise codes + one fp32 scale per group (zero_comm's qwZ
-quantizer, groups of 2048 counted from the start of the shard), once. From then on:
-
-* the parameter's values ARE the dequantized ones (the quantization is lossy once, at this
-  call, as in DeepSpeed); every reader sees them: gathers, ``GatheredParameters``, checkpoints,
-  ``copy.deepcopy``;
-* its shard costs 1 byte per element + 4 bytes per 2048 (instead of 2 or 4 bytes per element):
-  :attr:`ShardedParam.shard` is an empty placeholder and :attr:`ShardedParam.offload` is the
-  :class:`FrozenInt8Store` holding the codes (a :class:`~zero_params.ShardHome`);
-* a gather moves the codes and scales (one ``all_gather_single`` per bucket, no re-quantization)
-  and dequantizes them into the parameter's unsharded storage in its working dtype; release
-  frees that storage as for any parameter;
-* writing new values (``GatheredParameters(..., modifier_rank=r)``, a checkpoint load,
-  ``zero_full.from_pretrained``) re-quantizes the new shard through :meth:`FrozenInt8Store.replace`.
-
-Trainable parameters are not touched. Needs the optional extra ``pip install zero-params[quantized]``
-(the ``zero-kernels`` package; ``zero-full`` installs it).
+Each shard becomes int8 blockwise codes + one fp32 scale per 2048 elements, once (lossy, as in
+DeepSpeed); a gather moves the codes and dequantizes them, a write re-quantizes. Needs the
+optional extra ``pip install zero-params[quantized]``.
 """
 
 from __future__ import annotations
@@ -131,12 +116,6 @@ def _reencode_exact(values: torch.Tensor, codes: torch.Tensor, scales: torch.Ten
     """Where a group of ``values`` is exactly ``code * scale`` for some int8 codes (values that were
     dequantized before, e.g. read back from a checkpoint), store those codes instead of ``codes`` /
     ``scales`` (in place).
-
-    The quantizer maps a group's absmax to ``128 * scale`` and clamps it to code 127, so quantizing
-    dequantized values again would shrink them; the scale they came from is ``absmax / 127`` (top
-    code 127 or -127) or ``absmax / 128`` (code -128). A group is re-encoded only when the
-    candidate reproduces every value bit for bit in their dtype; the others keep the plain
-    quantization.
     """
     n = values.numel()
     rows = scales.numel()
@@ -162,10 +141,6 @@ class FrozenInt8Gather:
     :meth:`all_gather_states` is what ``zero_params.gather`` calls (no re-quantization);
     :meth:`all_gather_coalesced` (given working-precision shards) and :attr:`exact` are the plain
     gather over the same group, for callers that bring values (``commit_shards``' refresh).
-
-    Args:
-        store: The store holding the codes.
-        group: The parameters' shard group (``None``: the world).
     """
 
     __slots__ = ("exact", "group", "group_rank", "group_size", "store")
@@ -199,22 +174,11 @@ class FrozenInt8Gather:
 def quantize_frozen(
     params: nn.Module | Iterable[nn.Parameter], store: FrozenInt8Store | None = None
 ) -> FrozenInt8Store | None:
-    """Store the shards of frozen partitioned parameters as int8 codes (see the module docstring).
+    """Store the shards of frozen partitioned parameters as int8 codes.
 
     Parameters that are trainable, persistent (kept whole), not floating point, not partitioned,
     already offloaded (``offload_param``) or already int8 are left as they are. Local, no
     communication; every rank must pass the same parameters (their shard groups must agree).
-
-    Args:
-        params: A module or parameters.
-        store: Add to this store (default: a new one).
-
-    Returns:
-        The store, or ``None`` when no parameter was quantized.
-
-    Raises:
-        PartitionedParameterError: a frozen parameter is gathered or being gathered right now
-            (release it first).
     """
     store = store if store is not None else FrozenInt8Store()
     gathers: dict[tuple[int, ...], FrozenInt8Gather] = {}

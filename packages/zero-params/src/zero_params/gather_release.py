@@ -18,6 +18,7 @@ from torch.distributed import ProcessGroup
 from zero_comm import AllGatherHandle, AllGatherStrategy, group_ranks
 from zero_comm.profiling import profile_range
 from zero_params.hpz import build_secondary
+from zero_params.ops_handle import OpsHandle
 from zero_params.selection import Item, bucket_key, iter_states
 from zero_params.state import ParamStatus, ShardedParam, ShardHome, UnshardedStorage
 from zero_params.transitions import make_available, make_not_available, unsharded_dest, unsharded_view
@@ -68,29 +69,14 @@ class _GatherOp:
         return self.comm is None or self.comm.is_completed()
 
 
-class GatherHandle:
+class GatherHandle(OpsHandle):
     """The all-gathers one :func:`gather` (or :func:`commit_shards`) call issued or joined.
 
     ``wait()`` completes them: the parameters become ``AVAILABLE`` views into their
     gathered buffers. Waiting twice is a no-op.
     """
 
-    __slots__ = ("_ops",)
-
-    def __init__(self, ops: list[_GatherOp]) -> None:
-        self._ops = ops
-
-    def __repr__(self) -> str:
-        return f"GatherHandle(collectives={len(self._ops)}, completed={self.is_completed()})"
-
-    def wait(self) -> None:
-        """Block until every gather of this handle completed and the parameters are ``AVAILABLE``."""
-        for op in self._ops:
-            op.wait()
-
-    def is_completed(self) -> bool:
-        """Whether ``wait()`` would not block on communication."""
-        return all(op.is_completed() for op in self._ops)
+    __slots__ = ()
 
 
 def gather(
@@ -100,36 +86,7 @@ def gather(
     secondary: bool = False,
     group: ProcessGroup | None = None,
 ) -> GatherHandle:
-    """All-gather the ``NOT_AVAILABLE`` parameters among ``params``, coalesced.
-
-    One collective per distinct (gather strategy, dtype, device) among the parameters that
-    need it. Strategies are compared with ``==`` (identity for zero_comm's strategies
-    today), so partition a model with one call, one :class:`Init`, or by passing the same
-    strategy objects, and every gather is a single collective. Parameters become
-    ``INFLIGHT``, then on ``wait()`` ``AVAILABLE`` views (full shape) of their own
-    :class:`UnshardedStorage`, which the collective fills directly (one copy per element
-    out of the rank-major gathered buffer, none for a lone unpadded parameter).
-    ``AVAILABLE`` (and persistent) parameters cost nothing; ``INFLIGHT`` ones join the
-    existing collective (the returned handle waits for it) — no duplicate traffic.
-    Non-partitioned parameters are ignored.
-
-    With ``secondary=True`` (hpZ, e.g. for backward), parameters holding a valid
-    secondary shard are gathered over their secondary group only; the others fall back to
-    the primary group (and build their secondary shard). Secondary shards are built on
-    every primary gather and invalidated by :func:`commit_shards` / :func:`invalidate_secondary`.
-
-    Args:
-        params: Parameters (or one parameter), the same on every rank, in the same order.
-        async_op: Return before the communication completes (call ``wait()``).
-        secondary: Use the hpZ secondary shards where valid.
-        group: If given, every partitioned parameter must be partitioned over exactly this group.
-
-    Returns:
-        A :class:`GatherHandle` (already waited for when ``async_op=False``).
-
-    Raises:
-        ValueError: a parameter is partitioned over another group than ``group``.
-    """
+    """All-gather the ``NOT_AVAILABLE`` parameters among ``params``, coalesced."""
     with profile_range("zero.params.gather"):
         want = group_ranks(group) if group is not None else None
         joined: list[_GatherOp] = []
@@ -215,27 +172,7 @@ def _upload_shards(items: list[tuple[nn.Parameter, ShardedParam]], use_secondary
 
 
 class GatherPlan:
-    """:func:`gather` of one fixed list of parameters, planned once and issued again and again.
-
-    A coordinator gathers the same windows of parameters step after step. :func:`gather`
-    finds each parameter's state, buckets them by strategy, checks the shards and the
-    destinations and makes their views on every call; a plan does that once, with the
-    strategy's own plan of the collective (``plan_gather_into``, e.g.
-    :meth:`zero_comm.FlatAllGather.plan_gather_into`), and :meth:`issue` then refills the
-    storages, issues the collective and marks the parameters ``INFLIGHT``.
-
-    Each :meth:`issue` first checks, by identity, that nothing the plan was made from
-    changed: every parameter ``NOT_AVAILABLE``, with the same shard tensor, unsharded storage
-    and gather strategy. When anything did (a parameter gathered by other means, a shard
-    rebound, a new geometry), or the parameters are not a plain case (one strategy that can
-    plan, no offloaded or hpZ shards, nothing persistent), the call is exactly
-    :func:`gather`, and the next one plans again. Results are the same either way.
-
-    Args:
-        params: Partitioned parameters, the same on every rank, in the same order.
-        secondary: Gather over the hpZ secondary shards where valid (such a plan always
-            takes :func:`gather`'s path).
-    """
+    """:func:`gather` of one fixed list of parameters, planned once and issued again and again."""
 
     __slots__ = ("_comm", "_dests", "_items", "_keys", "_sizes", "_views", "params", "secondary")
 
@@ -314,16 +251,7 @@ def _plannable(state: ShardedParam, strategy: AllGatherStrategy) -> bool:
 
 
 def release(params: nn.Parameter | Iterable[nn.Parameter]) -> None:
-    """Drop the full data of gathered parameters: back to ``NOT_AVAILABLE``.
-
-    Each parameter's unsharded storage is resized to 0 bytes: the memory is freed at once,
-    also where autograd saved views of the parameter for backward (they read the storage
-    again once a gather refilled it — the coordinator's backward hooks do that).
-    ``INFLIGHT`` parameters are waited for first; persistent, ``NOT_AVAILABLE`` and
-    non-partitioned parameters are left alone. Edits made to the full data are discarded
-    (use :class:`GatheredParameters` with ``modifier_rank`` to keep them). Local, no
-    communication.
-    """
+    """Drop the full data of gathered parameters: back to ``NOT_AVAILABLE``."""
     with profile_range("zero.params.release"), torch._C.DisableTorchFunction():
         for p, state in iter_states(params):
             if state.persistent:

@@ -29,37 +29,6 @@ class GatheredParameters:
     per group) and ``INFLIGHT`` ones waited for; on exit, exactly the ``NOT_AVAILABLE`` ones
     are released again — parameters that were already whole or being gathered by someone
     else (e.g. a prefetch), and persistent ones, stay as they were.
-
-    ``modifier_rank=r`` keeps in-place edits: on exit, the full values of group rank ``r``
-    are broadcast to the whole group (one coalesced broadcast per group and dtype) and every
-    rank re-partitions them into its shard, e.g. for a custom weight initialisation::
-
-        with GatheredParameters(model.head.weight, modifier_rank=0):
-            if torch.distributed.get_rank() == 0:
-                model.head.weight.normal_(0.0, 0.02)
-
-    With ``modifier_rank=None`` (the default) nothing is communicated on exit and edits are
-    discarded: the parameters this block gathered are released, and persistent parameters
-    (small by definition) are restored from a copy taken on entry. Parameters that were
-    already gathered on entry by someone else (e.g. the engine's hooks) are not owned by
-    the block: edits to them are not undone, not written to the shards, and vanish when
-    their owner releases them — use ``modifier_rank`` to keep edits.
-
-    Like any collective, every rank of the group must enter and leave the block. If the
-    block raises, nothing is broadcast (other ranks may not be in the block any more): the
-    gathered parameters are released and the exception propagates.
-
-    Args:
-        params: A parameter, or an iterable of parameters. Non-partitioned parameters are
-            accepted and left alone.
-        modifier_rank: Group rank whose edits are kept (see above), or ``None``.
-        fwd_module: If given, the parameters are registered as external parameters of this
-            module for the duration of the block (so module hooks gather them with it).
-        enabled: ``False`` makes the block a no-op.
-
-    Raises:
-        ValueError: ``modifier_rank`` is outside ``[0, group size)``, or the parameters are
-            partitioned over groups of different ranks while ``modifier_rank`` is given.
     """
 
     def __init__(

@@ -19,6 +19,7 @@ from zero_comm import (
 )
 from zero_comm.adjacent_runs import add_in_runs, adjacent_runs, in_fewer_runs
 from zero_comm.profiling import profile_range
+from zero_params.ops_handle import OpsHandle
 from zero_params.selection import bucket_key
 from zero_params.state import ShardedParam, state_of
 
@@ -50,6 +51,9 @@ class _ReduceOp:
         self.comm = None
         self.targets, self.runs = [], []
 
+    def is_completed(self) -> bool:
+        return self.comm is None or self.comm.is_completed()
+
 
 class _PairPartitions:
     """:class:`zero_comm.adjacent_runs.GradPartitions` of ``(state, grad)`` pairs: the (ensured) partition."""
@@ -60,28 +64,13 @@ class _PairPartitions:
         return item[0].ensure_grad_partition()
 
 
-class GradReduceHandle:
+class GradReduceHandle(OpsHandle):
     """The reduce-scatters of one :func:`reduce_scatter_grads` call.
 
     ``wait()`` accumulates the averaged partitions into each parameter's gradient partition.
     """
 
-    __slots__ = ("_ops",)
-
-    def __init__(self, ops: list[_ReduceOp]) -> None:
-        self._ops = ops
-
-    def __repr__(self) -> str:
-        return f"GradReduceHandle(collectives={len(self._ops)})"
-
-    def wait(self) -> None:
-        """Block until done; the gradient partitions then hold the accumulated averages."""
-        for op in self._ops:
-            op.wait()
-
-    def is_completed(self) -> bool:
-        """Whether ``wait()`` would not block on communication."""
-        return all(op.comm is None or op.comm.is_completed() for op in self._ops)
+    __slots__ = ()
 
 
 def reduce_scatter_grads(
@@ -90,33 +79,7 @@ def reduce_scatter_grads(
     async_op: bool = False,
     bound: GradientBound | None = None,
 ) -> GradReduceHandle:
-    """Average the full ``.grad`` of ``params`` over their shard groups, keep this rank's partition.
-
-    One coalesced reduce-scatter per distinct (reduce strategy, gradient dtype, device).
-    The averaged partition is *added* to :attr:`ShardedParam.grad_partition` (allocated
-    zero-filled on first use, or the view an optimizer bound with
-    :meth:`ShardedParam.bind_grad_partition`), so successive micro-steps accumulate; zero it
-    (or the optimizer's flat buffer) after the step. Each ``.grad`` is set to ``None`` when
-    the collective is issued, so a following backward starts a fresh gradient. Persistent
-    parameters take part like the others. A parameter whose ``.grad`` is ``None`` (unused
-    in this micro-step) contributes zeros, so every rank issues the same collective.
-
-    Args:
-        params: Partitioned parameters, the same on every rank, in the same order.
-        async_op: Return before the communication completes (call ``wait()``).
-        bound: Carry the inf / nan check in each collective (``zero_comm.GradientBound``: one
-            more tensor of ``bound.world`` elements, summed into the bound); every parameter's
-            reduce strategy must then be a plain ``zero_comm.AllToAllReduceScatter`` over
-            ``bound.world`` ranks.
-
-    Returns:
-        A :class:`GradReduceHandle` (already waited for when ``async_op=False``).
-
-    Raises:
-        TypeError: a parameter is not partitioned.
-        ValueError: a ``.grad`` does not have the parameter's full number of elements, or
-            ``bound`` is given for a parameter reduced another way.
-    """
+    """Average the full ``.grad`` of ``params`` over their shard groups, keep this rank's partition."""
     with profile_range("zero.params.reduce_scatter_grads"), torch._C.DisableTorchFunction():
         buckets: dict[tuple[Any, ...], tuple[ReduceScatterStrategy, list[tuple[ShardedParam, torch.Tensor]]]]
         buckets = {}
@@ -155,12 +118,6 @@ def _issue(
 ) -> _ReduceOp:
     """One collective over ``pairs``, so that ``wait()`` adds each adjacent run of gradient
     partitions with one ``add_``.
-
-    For a strategy whose results do not depend on the order (:data:`_ORDER_FREE`) the order
-    with fewer runs is used (given, reversed, or the partitions' place in their storage; see
-    ``zero_comm.adjacent_runs.in_fewer_runs``): buckets run in backward order, flat gradient buffers in
-    registration order. Runs are judged by storage layout, which the ranks share, so every rank
-    issues the same collective.
     """
     if isinstance(strategy, _ORDER_FREE):
         pairs, targets, runs = in_fewer_runs(pairs, _PairPartitions())

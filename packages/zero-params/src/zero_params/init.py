@@ -70,64 +70,9 @@ class Init:
         with zero_params.Init():
             model = GPT2LMHeadModel(config)   # every parameter is partitioned on exit
 
-    Technique (no monkeypatching of torch or of ``nn.Module``):
-
-    * ``torch.nn.modules.module.register_module_parameter_registration_hook`` records the
-      modules that register parameters inside the block (only those are touched: modules
-      built outside stay as they are, even when attached to one built inside);
-    * ``register_module_module_registration_hook`` fires when a finished child module is
-      assigned to its parent: the child's direct parameters are partitioned then (its
-      constructor and ``reset_parameters`` ran on whole tensors, exactly as without Init).
-      Parameters registered on a module that was already attached are partitioned at once.
-      On exit, what is left (top-level modules, modules never attached) is partitioned,
-      and parameter names are completed to their qualified names;
-    * a ``TorchFunctionMode`` active inside the block makes partitioned parameters behave
-      like whole ones for code that runs after partitioning — e.g. HuggingFace
-      ``post_init()``, which re-initialises every module once all submodules exist.
-      Shape queries (``size()``, ``dim()``, ``shape``, ``numel()``) report the full
-      shape; ``p.data`` returns an alias that later ops resolve to ``p``. Any other op on
-      a ``NOT_AVAILABLE`` parameter first *materialises* it: ops that overwrite every
-      element (``normal_``, ``uniform_``, ``zero_``, ``fill_``, ``copy_``, the
-      ``torch.nn.init`` functions, ...) get an uninitialised local full buffer — no
-      communication, and every rank runs the same RNG calls on a tensor of the same shape,
-      so the RNG stream advances exactly as in a plain build; any op that reads the value
-      (``mul_``, indexing, ``clamp_``, ...) gets the current value by an all-gather (every
-      rank runs the same constructor code, so all ranks join it). The op then runs on the
-      whole parameter. Materialised parameters are written back to their shards and
-      released at the next op on another partitioned parameter, at the next module
-      assignment, and on exit — so at most the parameters of one op are whole at a time.
-
-    Hence the same seed gives bit-identical weights with and without ``Init`` (for
-    ``dtype=None``), including models that re-initialise weights after construction.
-    Writes through a view of a materialised parameter (``init.zeros_(w[pad_idx])``) land
-    as long as the view is used before the write-back point, which is how init code uses
-    them. Constructors of other threads are not seen by the mode.
-
-    Parameters created on the ``meta`` device (``with torch.device("meta"), Init(): ...``, or
-    ``transformers``' ``from_pretrained``, which builds on meta) are partitioned without ever
-    being allocated whole: their shards are zero-filled and they are uninitialised (zero)
-    until a loader fills them (``zero_full.from_pretrained`` reads each rank's byte ranges)
-    or init code running inside the block overwrites them as described above.
-
-    Nested ``Init`` blocks are fine: the innermost one owns the modules built while it is
-    innermost. ``enabled=False`` makes the block a no-op.
-
-    Args:
-        group: Shard group (``None``: the world).
-        dtype: Cast floating-point parameters to this dtype when partitioning (``None``: keep).
-            Init ops after partitioning then run in this dtype, so bit-identity with a plain
-            build followed by a cast is only guaranteed for ``dtype=None``.
-        remote_device: Where shards live: ``None`` (with the parameter) or ``"cpu"``.
-        param_persistence_threshold: Parameters with ``numel`` at most this stay whole
-            (see :func:`zero_params.partition`).
-        enabled: ``False``: do nothing.
-        gather_strategy: All-gather strategy (default ``FlatAllGather(group)``).
-        reduce_strategy: Reduce-scatter strategy (default ``AllToAllReduceScatter(group)``).
-        secondary_strategy: hpZ secondary all-gather strategy (default none).
-
-    Raises:
-        RuntimeError: entering without an initialised ``torch.distributed``, or re-entering
-            the same ``Init`` object.
+    The same seed gives bit-identical weights with and without ``Init`` (``dtype=None``), also
+    for models that re-initialise weights after construction; parameters created on ``meta``
+    are partitioned without ever being allocated whole. How it works: the zero-params docs page.
     """
 
     def __init__(

@@ -1,21 +1,4 @@
-"""Parameter offload: partitioned shards kept by a ``zero_offload.ParamSwapper`` (host memory or NVMe).
-
-:class:`OffloadedShards` takes over the shards of partitioned parameters: their values go
-to a :class:`zero_offload.ParamSwapper` and :attr:`ShardedParam.shard` becomes the swapper's
-host tensor (``cpu``) or an empty placeholder (``nvme``: the values are in swap files and in
-host memory only between swap-in and eviction). :attr:`ShardedParam.offload` points at the
-:class:`OffloadedShards`, so every reader goes through it:
-
-* :func:`zero_params.gather` asks it for the shards (:meth:`OffloadedShards.upload`: one
-  swap-in request for all the shards of one gather, waited for together, copied to the
-  gather device);
-* a coordinator calls :meth:`OffloadedShards.prefetch` with the parameters of upcoming
-  modules (from its trace) so their swap-ins run while earlier modules compute;
-* an optimizer hands each step's updated values to :meth:`OffloadedShards.store_all`;
-* ``GatheredParameters(modifier_rank=...)`` writes edits back with :meth:`OffloadedShards.replace`.
-
-Persistent parameters (whole on every rank) are not offloaded.
-"""
+"""Parameter offload: partitioned shards kept by a ``zero_offload.ParamSwapper`` (host memory or NVMe)."""
 
 from __future__ import annotations
 
@@ -32,19 +15,7 @@ __all__ = ["OffloadedShards"]
 
 
 class OffloadedShards:
-    """The shards of ``params`` moved into a :class:`zero_offload.ParamSwapper` (a :class:`ShardHome`).
-
-    Args:
-        params: Partitioned parameters (non-partitioned and persistent ones are skipped;
-            each parameter once). Their current shard values are what is offloaded.
-        config: :class:`zero_offload.ParamOffloadConfig`.
-        rank: Names the swap directory (default: this process's rank).
-        names: Parameter -> qualified name, for keys and messages (default: the states' names).
-
-    Raises:
-        ValueError: a parameter is offloaded already; ``nvme``: a shard larger than ``buffer_size``.
-        zero_offload.SwapError: the ``nvme_path`` directory is unusable or too small.
-    """
+    """The shards of ``params`` moved into a :class:`zero_offload.ParamSwapper` (a :class:`ShardHome`)."""
 
     def __init__(
         self,
@@ -147,15 +118,7 @@ class OffloadedShards:
     # ------------------------------------------------------------------ training hooks
 
     def prefetch(self, upcoming: Iterable[tuple[nn.Parameter, bool]]) -> int:
-        """Start swap-ins of offloaded shards ahead of their gather (a ``zero_coord.ShardPrefetcher``).
-
-        Args:
-            upcoming: ``(param, swap_in)`` in the order of their next gather (consumed lazily;
-                see :meth:`zero_offload.ParamSwapper.prefetch`): ``swap_in=False`` only keeps
-                a resident shard from being evicted for later ones.
-
-        Returns the number of swap-ins started (0 for ``cpu``).
-        """
+        """Start swap-ins of offloaded shards ahead of their gather (a ``zero_coord.ShardPrefetcher``)."""
         if not self.swapper.nvme:
             return 0
         return self.swapper.prefetch(self._keys_of(upcoming))

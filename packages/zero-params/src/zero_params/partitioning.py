@@ -30,40 +30,7 @@ def partition(
     secondary_strategy: AllGatherStrategy | None = None,
     remote_device: str | torch.device | None = None,
 ) -> list[ShardedParam]:
-    """Partition parameters over ``group``: keep this rank's shard, free the rest.
-
-    Each parameter is flattened, zero-padded to a multiple of the group size and cut into
-    equal partitions; group rank ``r`` keeps partition ``r`` in its :class:`ShardedParam`
-    (``param._zero``) and the parameter's storage becomes empty (its class switches to
-    :class:`PartitionedParameter` until it is gathered). No communication: every rank must
-    hold the same full values (same seed, or broadcast first).
-
-    Parameters with ``numel <= persistence_threshold`` (DeepSpeed's
-    ``stage3_param_persistence_threshold``) stay whole and ``AVAILABLE`` on every rank and are
-    never gathered or released; their shard is a view into a padded copy of the whole
-    parameter. Their gradients go through the same coalesced reduce-scatter as all others
-    (:func:`reduce_scatter_grads`), so the optimizer sees one uniform kind of gradient
-    partition; :func:`commit_shards` all-gathers their updated shards after a step.
-
-    Args:
-        params: A module (names come from ``named_parameters()``), parameters, or
-            ``(name, parameter)`` pairs. Already partitioned parameters are returned as they are.
-        group: The shard group (``None``: the world group).
-        persistence_threshold: See above (a numel; 0 keeps only empty parameters whole).
-        gather_strategy: All-gather strategy over ``group`` (default ``FlatAllGather(group)``).
-            Parameters sharing a strategy object are gathered with one collective.
-        reduce_strategy: Reduce-scatter strategy over ``group`` (default ``AllToAllReduceScatter(group)``).
-        secondary_strategy: hpZ: all-gather strategy over a smaller group (e.g. over
-            ``Topology.intra_node_group()``) for :func:`gather` with ``secondary=True``.
-        remote_device: Where shards live (``None``: with the parameter; ``"cpu"``).
-
-    Returns:
-        The states of the given parameters, in order, duplicates removed.
-
-    Raises:
-        TypeError: an element is not an ``nn.Parameter`` (or is a parameter subclass).
-        ValueError: a parameter is already partitioned over another group; invalid options.
-    """
+    """Partition parameters over ``group``: keep this rank's shard, free the rest."""
     spec = ShardingSpec.create(
         group,
         persistence_threshold=persistence_threshold,
@@ -138,14 +105,7 @@ def meta_target_device() -> torch.device:
 
 
 def _partition_one(spec: ShardingSpec, name: str, p: nn.Parameter) -> ShardedParam:
-    """Partition one plain parameter (torch function handling disabled by the caller).
-
-    A parameter on the ``meta`` device (built under ``torch.device("meta")``) has no values:
-    its shard is allocated zero-filled on :func:`meta_target_device` (or ``remote_device``)
-    and it gathers to that device; a persistent one is allocated whole (zeros). It stays
-    zero until a loader fills the shards (``zero_full.from_pretrained``) or init code run
-    under ``Init`` overwrites it. The full parameter is never allocated.
-    """
+    """Partition one plain parameter (torch function handling disabled by the caller)."""
     _check_param(name, p)
     data = p.data
     if spec.dtype is not None and data.is_floating_point() and data.dtype != spec.dtype:

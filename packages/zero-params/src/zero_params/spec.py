@@ -25,18 +25,6 @@ class ShardingSpec:
     :class:`zero_params.Init` apply to every parameter they partition).
 
     Build it with :meth:`create`, which fills in defaults and validates.
-
-    Attributes:
-        group: The shard group (``None``: the world, torch's default group).
-        group_ranks: Its global ranks, in group-rank order.
-        group_size: Ranks in the group.
-        group_rank: This rank's position in it.
-        gather_strategy: Forward all-gather over ``group``.
-        reduce_strategy: Gradient reduce-scatter over ``group``.
-        secondary_strategy: hpZ all-gather over the secondary (e.g. intra-node) group, or ``None``.
-        persistence_threshold: Parameters with ``numel <= persistence_threshold`` stay whole.
-        remote_device: Where shards live (``None``: with the parameter).
-        dtype: Cast floating-point parameters to this dtype when partitioning (``None``: keep).
     """
 
     group: ProcessGroup | None

@@ -6,42 +6,6 @@ A partitioned ``nn.Parameter`` keeps its identity (optimizers, tied modules and
 ``module._parameters`` keep pointing at the same Python object) and carries exactly one
 reference to its state, the attribute ``param._zero`` holding a :class:`ShardedParam`.
 Nothing else is stored on the parameter.
-
-The parameter's *class* tells whether its data is here:
-
-* while the full data is on this rank (``AVAILABLE``: gathered, or persistent) it is a
-  plain ``nn.Parameter`` — plain PyTorch code runs on it with zero overhead;
-* while it is not (``NOT_AVAILABLE`` / ``INFLIGHT``) its class is switched to
-  :class:`PartitionedParameter`, an ``nn.Parameter`` subclass whose ``__torch_function__``
-  lets metadata queries through and turns any other use (``F.linear(x, p)``, ``p.sum()``,
-  ``p.data`` ...) into a :class:`PartitionedParameterError` that names the parameter and
-  says how to gather it, and whose ``repr`` shows the full shape instead of
-  ``torch.Size([0])``.
-
-Why this and not the alternatives: a registry (``WeakKeyDictionary``) needs an owner every
-caller can reach, i.e. a module global or a context threaded through every call; a
-subclass that stays on while the data is available costs a Python ``__torch_function__``
-call on every op of the hot path (measured on this machine, 16x16 ``F.linear``: 13.4 us
-with the subclass kept on vs 6.6-8.0 us for a plain or a gathered parameter, i.e. no
-overhead once the class is switched back). Switching ``__class__`` between two
-layout-identical ``nn.Parameter`` classes keeps identity, needs no global state, and the
-check only exists while it can fire.
-
-Where the gathered data lives
------------------------------
-Each partitioned parameter owns one full-size storage for its whole life
-(:attr:`ShardedParam.unsharded`, an :class:`UnshardedStorage`): a gather resizes it to full
-size and the all-gather writes into it, release resizes it to 0 bytes. Autograd saves views
-of the weights it needs in backward (``F.linear`` saves ``weight.t()``); a view pins its
-storage *object*, not its bytes, so release frees the memory anyway and backward's gather
-refills the very storage the saved views read.
-
-Why not one flat buffer per gather (what this module had first): a saved view of any one
-parameter kept the whole buffer alive until backward, so after forward a rank held ~the
-whole model (measured: 89% of a 6-layer stack), and backward gathered into new buffers on top.
-Why not a Function that saves the parameter instead of its data (DeepSpeed wraps
-``F.linear``): it only covers the ops it wraps, while any module a user brings (HF
-``Conv1D``, norms, attention projections, tied heads) saves views of its own.
 """
 
 from __future__ import annotations
@@ -94,35 +58,7 @@ class PartitionedParameterError(RuntimeError):
 
 @dataclasses.dataclass(eq=False, slots=True)
 class UnshardedStorage:
-    """The one full-size storage of a partitioned parameter, kept for its whole life.
-
-    Every gather of the parameter writes into this storage and the gathered parameter is a
-    view of it; release resizes the storage to 0 bytes and the next gather resizes it back
-    before the all-gather writes into it. The storage object itself never changes, so every
-    tensor that aliases it follows: in particular the views of the weight autograd saved in
-    forward (``F.linear`` saves ``weight.t()``, HF ``Conv1D``'s ``addmm`` the weight, layer
-    norms and embeddings theirs). Releasing after forward therefore really frees the memory
-    — autograd's references keep an empty storage alive, not the gathered bytes — and
-    backward's gather refills the same memory the saved views read.
-
-    The gather writes through :attr:`flat`, a tensor we own with its own version counter,
-    not through the parameter: the saved views share the parameter's counter, which stays
-    unchanged, so autograd does not report them as modified in place.
-
-    Why one storage per parameter and not one per gather: which parameters are gathered
-    together changes (forward prefetch buckets, backward's, a recomputation's, a
-    ``GatheredParameters`` block), while a saved view is tied to one storage for good.
-
-    A saved view must never be read while its storage is empty: zero_coord's backward hooks
-    gather every parameter of a module (its own and its registered external ones) before that
-    module's backward runs. Code that releases parameters itself must gather them again
-    before running a backward through ops that saved them.
-
-    Attributes:
-        flat: 1-D tensor over the storage, ``None`` until the first gather: the padded size of
-            the gather (the parameter is its first ``numel`` elements).
-        fills: How many times the storage was (re)filled by a gather, for diagnostics and tests.
-    """
+    """The one full-size storage of a partitioned parameter, kept for its whole life."""
 
     flat: torch.Tensor | None = None
     fills: int = 0
@@ -158,23 +94,7 @@ class UnshardedStorage:
 
 
 class SavedTensorGuard:
-    """Names the parameter when autograd reads a saved view of a released gathered storage.
-
-    Autograd saves views of the gathered weights in forward; release empties their storage
-    (:class:`UnshardedStorage`) and zero_coord's backward hooks refill it before the module's
-    backward reads them. Code that escapes those hooks (a hook of the user's running ops on
-    the saved graph, a checkpointed region whose recomputation is bypassed) would otherwise
-    fail deep in autograd with an opaque ``setStorage ... out of bounds for storage of size
-    0``, or worse. Inside ``with guard:`` every tensor autograd saves passes through
-    ``torch.autograd.graph.saved_tensors_hooks``; the pack hook keeps the tensor as it is (no
-    copy, no lookup) and the unpack hook raises :class:`PartitionedParameterError`, naming
-    the parameter, when the tensor has elements but its storage holds no bytes. Nested
-    ``saved_tensors_hooks`` (non-reentrant checkpointing's own) take precedence inside them.
-
-    Args:
-        states: Called on the error path only: the states that may own the storage (e.g.
-            every parameter a coordinator manages).
-    """
+    """Names the parameter when autograd reads a saved view of a released gathered storage."""
 
     __slots__ = ("_hooks", "_states")
 
@@ -263,40 +183,6 @@ class ShardedParam:
     The parameter is flattened, zero-padded to :attr:`padded_numel` (a multiple of the
     group size) and cut into ``group_size`` partitions of :attr:`partition_numel`
     elements; group rank ``r`` keeps partition ``r`` in :attr:`shard`.
-
-    Attributes:
-        id: Process-unique id (``id`` of the state object; not comparable across ranks —
-            use :attr:`name` for that).
-        name: Qualified parameter name when known (``""`` otherwise).
-        shape: Full shape.
-        dtype: Working dtype (of the shard and of the gathered parameter).
-        device: Device the full parameter lives on when gathered.
-        numel: Full number of elements.
-        group: Process group the parameter is partitioned over.
-        group_ranks: Global ranks of ``group`` in group-rank order.
-        group_size: ``len(group_ranks)``.
-        group_rank: This rank's position in ``group``.
-        shard: This rank's partition (1-D, :attr:`partition_numel` elements, zero padded;
-            may live on a remote device, e.g. CPU).
-        gather_strategy: All-gather strategy over ``group`` used for forward gathers.
-        reduce_strategy: Reduce-scatter strategy over ``group`` used for gradients.
-        persistent: Below the persistence threshold: the parameter stays whole on every
-            rank and is never gathered or released. Its shard is still this rank's
-            partition (the optimizer updates it; :func:`zero_params.commit_shards` refreshes
-            the whole parameter from the shards).
-        status: See :class:`ParamStatus`.
-        handle: The in-flight gather (``INFLIGHT`` only).
-        unsharded: The parameter's persistent full storage (see :class:`UnshardedStorage`):
-            filled while ``AVAILABLE`` from a gather, empty otherwise.
-        secondary_strategy: hpZ: all-gather strategy over the smaller secondary group.
-        secondary_shard: hpZ: this rank's partition over the secondary group.
-        secondary_valid: Whether :attr:`secondary_shard` matches the current shards.
-        grad_partition: Gradient partition (fp32, or fp64 for fp64 parameters;
-            :attr:`partition_numel` elements) that :func:`zero_params.reduce_scatter_grads`
-            accumulates into. ``None`` until first needed; an optimizer may bind it to a
-            view of its flat buffer with :meth:`bind_grad_partition`.
-        offload: The :class:`ShardHome` holding the shard when parameters are offloaded
-            (``offload_param``), else ``None``.
     """
 
     id: int
@@ -367,10 +253,6 @@ class ShardedParam:
 
         The current accumulated values (if any) are copied into ``view``; later
         :func:`zero_params.reduce_scatter_grads` calls accumulate into it in place.
-
-        Raises:
-            ValueError: ``view`` is not a contiguous 1-D tensor of :attr:`partition_numel`
-                elements of :attr:`grad_dtype`.
         """
         _check_view(view, self.partition_numel, self.grad_dtype, f"grad partition of {self.display_name}")
         if self.grad_partition is not None and self.grad_partition is not view:
@@ -382,11 +264,6 @@ class ShardedParam:
 
         The current shard values are copied into ``view``. After an in-place update of
         the shard, call :func:`zero_params.commit_shards`.
-
-        Raises:
-            ValueError: ``view`` is not a contiguous 1-D tensor of :attr:`partition_numel`
-                elements of :attr:`dtype`.
-            PartitionedParameterError: the parameter is being gathered (``INFLIGHT``).
         """
         _check_view(view, self.partition_numel, self.dtype, f"shard of {self.display_name}")
         if self.status is ParamStatus.INFLIGHT:

@@ -1,15 +1,4 @@
-"""(internal) Multi-process gloo test fixtures shared by every zero test suite.
-
-* :class:`DistributedPool` / :class:`PoolRegistry`: live gloo ranks that run test
-  functions, with failures and hangs reported as one clear pytest failure naming the rank.
-* the ``dist`` pytest fixture (registered as a pytest plugin): ``dist.run(world_size, fn,
-  *args, ranks_per_node=...)``.
-* comparison helpers (:func:`assert_tensors_close`, :func:`assert_losses_close`, ...)
-  and :func:`measure_wire_bytes` for the physical bytes a rank writes;
-* :func:`captured_logs` and :func:`raised_message`: what a logger says and which error a
-  call raises, inside a rank;
-* :func:`failing_adamw`: an optimizer factory that raises :class:`InjectedFailure` mid-step.
-"""
+"""(internal) Multi-process gloo test fixtures shared by every zero test suite."""
 
 from zero_testing.capture import captured_logs, raised_message
 from zero_testing.compare import (

@@ -6,21 +6,6 @@ bridge; each node is joined to the bridge by a veth pair whose node end is calle
 each node is shaped in both directions with a token bucket (``tc qdisc ... tbf``) at
 :class:`LinkShape`'s rate. ``netem`` (delay) is not available on every kernel; the shape has no
 delay field: only the rate is shaped.
-
-:func:`run_on_cluster` starts the ranks: rank ``r`` runs on node ``r // ranks_per_node``, enters
-that node's namespace (``setns``) before it opens any socket, sets ``GLOO_SOCKET_IFNAME`` to the
-node's interface and joins a gloo process group through a file store. Ranks of one node then
-talk to each other through the node's own address, which the kernel routes over loopback (fast,
-not counted on the veth); ranks of different nodes go through the shaped veth links, whose
-counters (:meth:`SimulatedCluster.tx_bytes`) give the physical inter-node bytes. With
-``cluster=None`` the same ranks run in the current namespace over ``lo`` (the reference run).
-
-Every name includes the creating process id and a counter, so parallel runs do not collide;
-everything is removed by :meth:`SimulatedCluster.close`: on context manager exit (also after an
-exception or Ctrl-C), at interpreter exit (``atexit``) and on SIGTERM (turned into ``SystemExit``
-while the cluster is up). What a SIGKILLed run left behind is removed by the next cluster
-(:func:`remove_stale_namespaces`). It needs root and iproute2:
-:func:`cluster_unavailable_reason` says why a cluster cannot be made here (skip with it).
 """
 
 from __future__ import annotations
@@ -356,16 +341,7 @@ def interface_counters(ifname: str = NODE_IFNAME) -> LinkCounters:
 
 
 def retransmitted_bytes() -> int:
-    """TCP payload bytes this network namespace has sent again to other addresses, so far.
-
-    The sum of ``bytes_retrans`` (``tcp_info``, via ``ss -ti``) over the established sockets
-    whose peer address is not their own, i.e. the inter-node sockets of a node namespace. Which
-    of them an interface counted depends on where the first copy was lost: a segment the shaped
-    link's queue dropped never reached the veth's counters (only its retransmission does), but a
-    segment sent again because its acknowledgement came late (a loaded machine delays the
-    receiver) crosses the veth twice. Around a window, an interface's payload therefore lies
-    between what the node sent once and that plus the difference of this counter.
-    """
+    """TCP payload bytes this network namespace has sent again to other addresses, so far."""
     out = subprocess.run(
         ["ss", "-tinH", "state", "established"], capture_output=True, text=True, check=True
     ).stdout
@@ -427,18 +403,7 @@ def run_on_cluster(
     ranks_per_node: int,
     timeout: float = 300.0,
 ) -> list[Any]:
-    """Run ``fn(rank_info, *args)`` on ``world_size`` fresh gloo ranks; per-rank results in rank order.
-
-    Rank ``r`` lives on node ``r // ranks_per_node`` of ``cluster`` (``None``: all ranks in this
-    namespace, over ``lo``). ``fn`` is a module-level function; it receives a
-    :class:`~zero_testing.RankInfo`. A failure on any rank is a :class:`~zero_testing.RankFailure`
-    naming it; ranks still running ``timeout`` seconds after the start are killed
-    (:class:`~zero_testing.RankTimeout`).
-
-    Raises:
-        ValueError: ``ranks_per_node`` does not divide ``world_size``, or the cluster has a
-            different number of nodes.
-    """
+    """Run ``fn(rank_info, *args)`` on ``world_size`` fresh gloo ranks; per-rank results in rank order."""
     if ranks_per_node < 1 or world_size % ranks_per_node:
         raise ValueError(f"ranks_per_node={ranks_per_node} must be >= 1 and divide world_size={world_size}")
     nodes = world_size // ranks_per_node

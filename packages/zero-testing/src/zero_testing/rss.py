@@ -66,15 +66,7 @@ class RestAndPeak:
 def rest_and_peak(
     step: Callable[[], object], baseline: int, warmup: int = 2, readings: int = 3
 ) -> RestAndPeak:
-    """Run ``step`` ``warmup`` times, read the RSS at rest, then the peak of one more ``step``.
-
-    The RSS at rest is the lowest of ``readings`` readings, one after each of the last steps
-    (the warm-up's last and ``readings - 1`` more): memory a step freed that the allocator has
-    not handed back yet (another thread's arena, a heap top not trimmed) sometimes sits in one
-    reading of one rank (+24 MiB seen once in a few runs), while what the process keeps between
-    steps is in every reading. ``baseline`` is :func:`resident_bytes` taken before the model
-    was built (the runtime's own).
-    """
+    """Run ``step`` ``warmup`` times, read the RSS at rest, then the peak of one more ``step``."""
     if warmup < 1 or readings < 1:
         raise ValueError(f"rest_and_peak needs warmup >= 1 and readings >= 1, got {warmup}, {readings}")
     for _ in range(warmup):

@@ -1,20 +1,4 @@
-"""Who sends what to whom: rank-pair bytes of recorded collectives, and the inter-node share.
-
-A :class:`~zero_comm.CommLedger` classifies a whole group as inter-node when it spans nodes and
-counts ring-ideal bytes per rank. This module counts independently, per rank pair, the way gloo
-moves the data (measured on this machine against veth counters, see
-``benchmarks/results/cluster.md``):
-
-* ``all_gather``, ``quantized_all_gather``, ``all_reduce``: a ring in group-rank order; each rank
-  sends all its wire bytes to the next member of the group;
-* ``all_to_all``, ``reduce_scatter`` (zero-comm runs it as one ``all_to_all_single`` plus a
-  local sum), ``quantized_all_to_all``: each rank sends an equal block to every other member;
-* ``broadcast``: the source sends the whole tensor to every other member.
-
-A pair crosses nodes when its two ranks sit on different nodes (node = rank // ranks_per_node).
-Records are anything with ``op``, ``group_ranks``, ``payload_bytes`` and ``wire_bytes``
-attributes (a ``CommRecord``) or the same four values as a tuple.
-"""
+"""Who sends what to whom: rank-pair bytes of recorded collectives, and the inter-node share."""
 
 from __future__ import annotations
 
