@@ -1,17 +1,4 @@
-"""``engine.gathered_for_inference()``: gather every parameter once, run many forwards.
-
-Under stage 3 each forward gathers every layer and releases it again; ``model.generate``
-runs one forward per token, so a 64-token generation gathers the whole model 64 times.
-Inside this context the partitioned parameters are gathered once on entry (one coalesced
-all-gather per gather strategy, dtype and device — ``zero_params.gather``), the
-coordinator's hooks are paused (:meth:`zero_coord.Coordinator.pause`: installed, doing
-nothing), ``torch.no_grad()`` is on, and everything is released on exit.
-
-Budget: the gathered parameters need ``sum(numel * itemsize)`` bytes on every rank. With
-``budget_bytes`` smaller than that the context raises before gathering anything, naming
-the bytes needed: generate without the context (per-layer gathering by the hooks, bounded
-by ``stage3_max_live_parameters``) when the whole model does not fit.
-"""
+"""``engine.gathered_for_inference()``: gather every parameter once, run many forwards."""
 
 from __future__ import annotations
 
@@ -49,16 +36,7 @@ def gathered_bytes(module: nn.Module) -> int:
 def gathered_for_inference(
     module: nn.Module, coordinator: Coordinator | None, budget_bytes: int | None = None
 ) -> Iterator[None]:
-    """See the module docstring. Collective on entry and exit: every rank enters it.
-
-    Args:
-        module: The engine's model.
-        coordinator: Its parameter coordinator (``None`` below stage 3: nothing to gather).
-        budget_bytes: The most bytes the gathered parameters may take (``None``: no limit).
-
-    Raises:
-        ValueError: ``budget_bytes`` is smaller than the gathered model (the message names both).
-    """
+    """See the module docstring. Collective on entry and exit: every rank enters it."""
     if coordinator is None:  # stages 0-2: parameters are whole already
         with torch.no_grad():
             yield

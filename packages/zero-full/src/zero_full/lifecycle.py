@@ -1,19 +1,4 @@
-"""What an engine holds beyond tensors, and the one way to let it go.
-
-Lifecycle of :class:`EngineResources`:
-
-1. ``initialize`` creates it with the watchdog (heartbeat thread) and the bounded process-group
-   timeouts (:class:`zero_comm.BoundedTimeouts`), then :meth:`EngineResources.adopt` hands it the
-   stage pieces (coordinator hooks and gathered parameters, gradient-reduction hooks, the
-   optimizer's offload files);
-2. :meth:`EngineResources.close` releases all of it, in that order, each part even when an
-   earlier one failed (after a failed collective a part may raise): ``engine.close()``, leaving
-   ``with initialize(...) as engine:``, or — for a program that never closes its engine — at
-   interpreter exit, through the ``weakref.finalize`` :func:`track` registers, before the
-   interpreter tears down the process group; no zero thread or hook outlives it.
-
-Closing is idempotent and issues no collective, so it is safe on a rank whose peers are gone.
-"""
+"""What an engine holds beyond tensors, and the one way to let it go."""
 
 from __future__ import annotations
 

@@ -1,29 +1,4 @@
-"""Reading a checkpoint that DeepSpeed wrote (ZeRO stages 1, 2 and 3) into a zero run.
-
-DeepSpeed 0.19's layout of ``DIR/TAG/`` at data-parallel world size ``W`` (no tensor or
-pipeline parallelism)::
-
-    mp_rank_00_model_states.pt                     stages 1 / 2: the module's state dict,
-                                                   parameter names and shapes per optimizer
-                                                   group, buffer names, step counters
-    zero_pp_rank_{r}_mp_rank_00_model_states.pt    stage 3: the same, one per rank
-    zero_pp_rank_{r}_mp_rank_00_optim_states.pt    every stage, one per rank (``bf16_`` prefix
-                                                   under bf16): rank ``r``'s fp32 partition of
-                                                   each group and the torch optimizer's state
-
-At stages 1 / 2 each optimizer group is one flat vector (parameters in order, each followed by
-its alignment padding) cut into ``W`` equal partitions; at stage 3 every parameter is cut into
-``W`` pieces of ``ceil(numel / W)`` elements and a rank's flat partition is its pieces in order.
-:class:`DeepSpeedLayout` turns either into the per-parameter element ranges each file holds,
-and :func:`load_deepspeed_checkpoint` copies the overlap with this rank's
-:func:`~zero_full.checkpoint.layout.local_pieces` (fp32 masters and element-wise optimizer
-state) at any world size, then sets the optimizer's scalar state and the step counters.
-
-Files are read with ``torch.load(weights_only=True)``: no pickled code runs. DeepSpeed's own
-objects inside them (its config, loss scaler, stage enum) are replaced by inert records
-(:class:`_Inert`) through an allow-list naming each of them; a file that needs any other
-global is refused, naming the file and the global.
-"""
+"""Reading a checkpoint that DeepSpeed wrote (ZeRO stages 1, 2 and 3) into a zero run."""
 
 from __future__ import annotations
 
@@ -140,19 +115,7 @@ class Fragment:
 
 @dataclasses.dataclass(frozen=True)
 class DeepSpeedLayout:
-    """Where every parameter of a DeepSpeed checkpoint lies in its files.
-
-    Attributes:
-        path: The tag directory.
-        stage: ZeRO stage (1, 2 or 3).
-        world: Data-parallel world size that wrote it.
-        groups: Per optimizer group, ``(name, shape)`` of its parameters in flat order.
-        paddings: Per group, the alignment padding after each parameter (stages 1 / 2).
-        frozen: ``name -> shape`` of parameters the optimizer does not own.
-        model_files: Model-states file names (one at stages 1 / 2, one per rank at stage 3).
-        optim_files: Optimizer-states file name of each rank.
-        global_steps: Optimizer steps DeepSpeed had taken.
-    """
+    """Where every parameter of a DeepSpeed checkpoint lies in its files."""
 
     path: Path
     stage: int
@@ -547,17 +510,6 @@ def load_deepspeed_checkpoint(
 ) -> Path:
     """Restore ``state`` from a checkpoint DeepSpeed wrote in ``directory/tag`` (``tag=None``: the
     one ``directory/latest`` names), at any world size.
-
-    The fp32 master weights, the element-wise optimizer state (Adam's ``exp_avg`` and
-    ``exp_avg_sq``), its scalar state (``step``) and hyperparameters, the buffers and the step
-    counter are restored; RNG states, the learning-rate scheduler and the loss scale are not
-    (DeepSpeed keeps them outside its ZeRO files or in its own classes). Every file is read
-    and checked on every rank before anything is written, so a failure leaves the run as it was.
-
-    Raises:
-        CheckpointError: a rank's file is missing or an unexpected one is there; a file's pickle
-            needs a global outside the allow-list; the checkpoint does not match the model or
-            the optimizer (every mismatch listed); a rank did not take part within ``timeout``.
     """
     directory = Path(directory)
     wait = state.timeout if timeout is None else timeout

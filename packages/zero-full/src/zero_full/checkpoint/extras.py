@@ -1,12 +1,4 @@
-"""The run's state beside the model in a checkpoint: LR scheduler, client state, excluded parameters.
-
-Rank 0 writes one file, ``extras.pt``, listed in the manifest with its sha256 like every
-other file: the LR scheduler's ``state_dict()``, the caller's ``client_state`` (a dict of
-plain values and tensors: it is read back with ``weights_only=True``, never by executing
-pickled code) and the names of frozen parameters the save left out
-(``exclude_frozen_parameters``). Checkpoints written before this file existed have none;
-reading them gives :data:`EMPTY`.
-"""
+"""The run's state beside the model in a checkpoint: LR scheduler, client state, excluded parameters."""
 
 from __future__ import annotations
 
@@ -29,13 +21,7 @@ EXTRAS_FILE = "extras.pt"
 
 @dataclasses.dataclass(frozen=True)
 class Extras:
-    """What ``extras.pt`` holds.
-
-    Attributes:
-        lr_scheduler: The scheduler's ``state_dict()`` at the save; ``None`` without a scheduler.
-        client_state: The caller's ``client_state`` (``{}`` when none was given).
-        excluded_frozen: Frozen parameters the save left out (their values are not in it).
-    """
+    """What ``extras.pt`` holds."""
 
     lr_scheduler: dict[str, Any] | None = None
     client_state: dict[str, Any] = dataclasses.field(default_factory=dict)

@@ -1,19 +1,4 @@
-"""Checkpoint hygiene: leftovers of interrupted saves, free space, and I/O errors that name the file.
-
-* :func:`remove_stale` deletes ``DIR/TAG.tmp-*`` directories (and ``.latest.tmp-*`` files)
-  that saves which did not complete left behind (a rank killed mid-save). It is called by
-  rank 0 only, after an exchange in which every rank reported that it entered the current
-  save or load, and removes an entry only when its writer provably cannot complete it: the
-  writer recorded in the entry's lock (:class:`~zero_full.checkpoint.safety.WriterLock`) is
-  this process or a dead process of this host. Another job's save in progress (a trainer's,
-  while an evaluator loads ``latest``), another host's and unlocked entries are kept and
-  named in a log line.
-* :func:`check_free_space` compares the bytes this host's ranks are about to write with the
-  free space of the file system, before writing anything.
-* :func:`write_error` turns an ``OSError`` (or torch's serializer error after a short write)
-  into a :class:`~zero_full.checkpoint.io.CheckpointError` naming the file, the rank and the OS
-  error, with ``ENOSPC`` said as "disk full".
-"""
+"""Checkpoint hygiene: leftovers of interrupted saves, free space, and I/O errors that name the file."""
 
 from __future__ import annotations
 
@@ -53,8 +38,9 @@ def remove_stale(directory: Path, keep: str = "") -> list[tuple[Path, int]]:
     """Delete leftovers of saves that did not complete; return what was removed and its size.
 
     Call on one rank (rank 0) after a barrier of the current save or load. ``keep`` is the
-    current save's own temporary name. Only entries whose writer is gone are removed (see
-    the module docstring); each removal is logged as a warning with its size.
+    current save's own temporary name. Only entries whose writer is gone are removed (the
+    entry's lock names this process or a dead process of this host); each removal is logged
+    as a warning with its size.
     """
     removed: list[tuple[Path, int]] = []
     if not directory.is_dir():
@@ -99,14 +85,7 @@ def tensor_bytes(obj: object) -> int:
 
 
 def check_free_space(directory: Path, need: int, rank: int, what: str) -> None:
-    """Raise :class:`CheckpointError` unless ``directory``'s file system has ``need`` bytes free (+ margin).
-
-    Args:
-        directory: Where the files go.
-        need: Bytes this host's ranks are about to write there.
-        rank: This rank (named in the message).
-        what: The checkpoint being saved (named in the message).
-    """
+    """Raise :class:`CheckpointError` unless ``directory``'s file system has ``need`` bytes free (+ margin)."""
     free = shutil.disk_usage(directory).free
     if free < need + need // 100 + _MARGIN:
         raise CheckpointError(

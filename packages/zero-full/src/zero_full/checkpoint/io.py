@@ -1,19 +1,4 @@
-"""Files of a sharded checkpoint: manifest, shard files, hashes, atomic writes.
-
-On-disk layout of one checkpoint ``DIR/TAG/``::
-
-    manifest.json        written by rank 0 last: format, config, world size, stage, counters,
-                         parameters and their partitioning, optimizer hyperparameters and
-                         scalar state, loss-scaler state, and every file with size + sha256
-    rank00000.pt ...     one per rank (``torch.save``): the rank's pieces of every parameter
-                         it writes (fp32 master + per-element optimizer state, or the frozen
-                         value) keyed by parameter name with the element range they cover,
-                         and the rank's RNG states
-    buffers.pt           written by rank 0: the model's buffers (whole)
-
-``DIR/latest`` holds the newest complete tag (the manifest's schema is
-:class:`zero_full.checkpoint.manifest.Manifest`). This module has no process-group logic.
-"""
+"""Files of a sharded checkpoint: manifest, shard files, hashes, atomic writes."""
 
 from __future__ import annotations
 

@@ -1,19 +1,4 @@
-"""Which elements of each parameter this rank holds, in a stage-independent form.
-
-A checkpoint is written from and read into *pieces*: for every parameter, the contiguous
-range ``[start, stop)`` of its flattened (unpadded) elements that a rank holds. Every
-stage uses the same per-parameter layout (``zero_comm.shard_range`` of the parameter's
-``numel`` over a partition world), so a piece is described by ``(numel, world, rank)``
-alone, whatever stage wrote it:
-
-* stage 3: the ``zero_params`` shard of the parameter over its group;
-* stages 1 / 2: the optimizer's partition over the data-parallel world;
-* stage 0 and whole (non-partitioned) tensors: one piece ``[0, numel)`` (partition world 1).
-
-:func:`local_pieces` lists this rank's pieces with views of the live tensors they live in
-(the fp32 master partition and each element-wise optimizer state for trainable
-parameters, the shard or the whole tensor for frozen ones).
-"""
+"""Which elements of each parameter this rank holds, in a stage-independent form."""
 
 from __future__ import annotations
 
@@ -37,24 +22,7 @@ __all__ = ["LocalPiece", "covered_prefix", "elementwise_state", "local_pieces"]
 
 @dataclasses.dataclass(frozen=True)
 class LocalPiece:
-    """This rank's part of one parameter.
-
-    Attributes:
-        name: Qualified parameter name (``model.named_parameters()``).
-        shape: Full shape.
-        dtype: The parameter's (working) dtype.
-        numel: Full number of elements.
-        world: Ranks the parameter is partitioned over (1: whole on every rank).
-        rank: This rank's index among them.
-        group: Their process group (``None``: the default group; unused when ``world`` is 1).
-        start: First element of the flattened parameter held here.
-        stop: One past the last (``stop - start`` may be 0 on the last ranks).
-        padded: The 1-D local tensor of ``partition_numel(numel, world)`` elements (fp32 master
-            view for trainable parameters, the shard / whole working tensor for frozen ones);
-            its first ``stop - start`` elements are the real ones.
-        optimizer_group: Index of the optimizer parameter group (``None``: frozen).
-        offset: First element of the piece in the group's flat buffers (trainable only).
-    """
+    """This rank's part of one parameter."""
 
     name: str
     shape: tuple[int, ...]

@@ -1,11 +1,4 @@
-"""Restoring a checkpoint at any world size and stage: :func:`load_checkpoint`.
-
-The checkpoint is checked against the model first (every mismatch at once); then each rank
-reads only the saved pieces overlapping its own partition of each parameter, after verifying
-each file it reads against its sha256, and the optimizer publishes the loaded masters.
-:class:`LoadOptions` narrows what is restored (DeepSpeed's ``load_module_strict``,
-``load_optimizer_states``, ``load_lr_scheduler_states``, ``load_module_only``).
-"""
+"""Restoring a checkpoint at any world size and stage: :func:`load_checkpoint`."""
 
 from __future__ import annotations
 
@@ -36,18 +29,7 @@ logger = logging.getLogger("zero.checkpoint")
 
 @dataclasses.dataclass(frozen=True)
 class LoadOptions:
-    """What a load restores.
-
-    Attributes:
-        strict: Every parameter and buffer of the model must be in the checkpoint and the
-            checkpoint must hold no other; ``False`` keeps the current values of the missing
-            ones and ignores the unexpected ones (shapes must still match).
-        optimizer_states: Restore the optimizer state (moments, step counts, hyperparameters);
-            ``False`` loads the weights and keeps the optimizer state as it is.
-        lr_scheduler_states: Restore the LR scheduler's state when both have one.
-        module_only: Restore the weights and buffers only: no optimizer state, LR scheduler,
-            step counters or RNG states.
-    """
+    """What a load restores."""
 
     strict: bool = True
     optimizer_states: bool = True
@@ -74,27 +56,6 @@ def load_checkpoint(
     partition of each parameter. At the world size it was saved at, every rank's RNG states
     are restored too (at another world size they are left alone: per-rank streams do not
     map). Gradients accumulated before the save are not part of a checkpoint.
-
-    Args:
-        state: The engine's train state (``engine.train_state()``); its counters are set.
-        directory: The checkpoint root.
-        tag: The checkpoint; ``None`` reads ``directory/latest``.
-        timeout: Seconds to wait for the other ranks; default ``robustness.comm_timeout``.
-        options: What to restore (:class:`LoadOptions`; default everything, strictly).
-
-    Returns:
-        The checkpoint directory that was loaded.
-
-    Every rank loads the same tag: the one rank 0 resolved (``latest`` read once); ranks that
-    asked for different tags all raise. Every error — a corrupt or hostile file included — is
-    raised on every rank as a :class:`CheckpointError` naming the file.
-
-    Raises:
-        CheckpointError: no such checkpoint; it does not match the model (every missing,
-            unexpected or misshaped parameter and buffer listed) or the optimizer; a file is
-            missing, truncated or corrupt (named); a rank did not take part within
-            ``timeout``. After a failure while copying, the engine is in an undefined state:
-            build a new one.
     """
     directory = Path(directory)
     options = options if options is not None else LoadOptions()

@@ -1,11 +1,4 @@
-"""The manifest of a checkpoint (``DIR/TAG/manifest.json``) as typed, frozen objects.
-
-:class:`Manifest` is what rank 0 writes last and what loading, ``zero consolidate`` and the
-safetensors export read. :meth:`Manifest.to_json` writes the on-disk JSON (``indent=1``);
-format version 2 ends with ``manifest_sha256``, the sha256 of the same JSON without that key, which
-:meth:`Manifest.from_json` verifies like the shard files' digests (a flipped bit in the
-learning rate or a step counter is refused, not restored). Version 1 (no digest) is still read.
-"""
+"""The manifest of a checkpoint (``DIR/TAG/manifest.json``) as typed, frozen objects."""
 
 from __future__ import annotations
 
@@ -69,15 +62,7 @@ class _FlatRecord:
 
 @dataclasses.dataclass(frozen=True)
 class FileEntry(_FlatRecord):
-    """One file of a checkpoint as the manifest lists it.
-
-    Attributes:
-        name: File name inside the tag directory.
-        size: Bytes.
-        sha256: Hex digest of the whole file.
-        rank: The rank that wrote it.
-        pieces: ``(param name, start, stop)`` element ranges of the pieces it holds.
-    """
+    """One file of a checkpoint as the manifest lists it."""
 
     name: str
     size: int
@@ -90,18 +75,7 @@ class FileEntry(_FlatRecord):
 
 @dataclasses.dataclass(frozen=True)
 class SavedParam:
-    """One parameter as saved: its shape and how it was partitioned when written.
-
-    Attributes:
-        name: Canonical parameter name (``model.named_parameters()``).
-        shape: Its shape.
-        dtype: Its dtype name (``"float32"``); the pieces are saved in fp32 when trainable.
-        numel: Elements.
-        trainable: Whether it had an optimizer state (else its value alone is saved).
-        optimizer_group: The optimizer group index, ``None`` when frozen.
-        partition_numel: Elements per rank of its partitioning (informational).
-        world: Ranks it was partitioned over (informational).
-    """
+    """One parameter as saved: its shape and how it was partitioned when written."""
 
     name: str
     shape: tuple[int, ...]
@@ -169,13 +143,7 @@ class StateDictKey(_FlatRecord):
 
 @dataclasses.dataclass(frozen=True)
 class SavedOptimizerGroup(_FlatRecord):
-    """One torch optimizer group: hyperparameters, scalar state and the per-element state's dtypes.
-
-    Attributes:
-        hyperparameters: The group dict without ``params`` (JSON values).
-        scalar_state: Per key, ``{"tensor": bool, "value": ..., "dtype": ...}`` (e.g. Adam's ``step``).
-        elementwise_state: Per key of the per-element state (``exp_avg``, ...), its dtype name.
-    """
+    """One torch optimizer group: hyperparameters, scalar state and the per-element state's dtypes."""
 
     hyperparameters: dict[str, Any]
     scalar_state: dict[str, dict[str, Any]]
@@ -186,27 +154,7 @@ class SavedOptimizerGroup(_FlatRecord):
 
 @dataclasses.dataclass(frozen=True)
 class Manifest:
-    """Everything a checkpoint holds besides the tensors, and where those are.
-
-    Attributes:
-        tag: The checkpoint's directory name.
-        created_unix: When it was written (seconds since the epoch).
-        torch_version: ``torch.__version__`` of the writer.
-        world_size: Ranks that wrote it.
-        stage: ZeRO stage it was written under.
-        partition_layout: How partitions relate to ranks (``{"kind": "zero" | "mics", ...}``).
-        global_steps: Optimizer steps taken.
-        micro_steps: ``step()`` calls.
-        gradient_accumulation_steps: Micro-steps per optimizer step when written.
-        config: The writer's config (``ZeroConfig.model_dump(mode="json")``).
-        params: Every parameter, in ``named_parameters()`` order.
-        buffers: Every persistent buffer.
-        state_dict_keys: ``model.state_dict()``'s keys in order.
-        optimizer_type: The torch optimizer's class name.
-        optimizer_groups: One entry per optimizer group.
-        loss_scaler: The fp16 loss scaler's ``state_dict()``, ``None`` without one.
-        files: Every file of the checkpoint with size and sha256.
-    """
+    """Everything a checkpoint holds besides the tensors, and where those are."""
 
     tag: str
     created_unix: float

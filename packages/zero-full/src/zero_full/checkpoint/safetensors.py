@@ -1,15 +1,4 @@
-"""Offline consolidation: a sharded checkpoint -> one ``.safetensors`` file, streamed.
-
-The safetensors format is written here directly (no dependency): an 8-byte little-endian
-header length, a JSON header mapping each tensor name to its dtype, shape and
-``data_offsets`` (relative to the end of the header), padded with spaces to a multiple of
-8 bytes, then the raw little-endian tensor bytes in header order. Because every shape is
-known from the manifest, the header is written first and each tensor is then assembled
-from the shard pieces and written on its own: peak memory is one full parameter (the
-shard files are memory-mapped; only the pieces being copied are read).
-
-No process group is needed: :func:`consolidate_checkpoint` backs ``zero consolidate``.
-"""
+"""Offline consolidation: a sharded checkpoint -> one ``.safetensors`` file, streamed."""
 
 from __future__ import annotations
 
@@ -68,16 +57,7 @@ class _Entry:
 
 
 class SafetensorsWriter:
-    """Writes a safetensors file tensor by tensor, in the order declared up front.
-
-    Args:
-        f: A binary file open for writing, positioned at its start.
-        entries: ``(name, dtype, shape)`` of every tensor, in write order.
-        metadata: String-to-string ``__metadata__``.
-
-    Raises:
-        ValueError: a dtype safetensors cannot hold, a duplicate name, or a big-endian host.
-    """
+    """Writes a safetensors file tensor by tensor, in the order declared up front."""
 
     __slots__ = ("_entries", "_f", "_next")
 
@@ -141,15 +121,7 @@ class SafetensorsWriter:
 
 @dataclasses.dataclass(frozen=True)
 class ConsolidateResult:
-    """What :func:`consolidate_checkpoint` wrote.
-
-    Attributes:
-        path: The safetensors file.
-        tag: The checkpoint tag read.
-        tensors: Number of tensors written.
-        nbytes: Tensor bytes written.
-        max_tensor_bytes: The largest single tensor (the peak working memory).
-    """
+    """What :func:`consolidate_checkpoint` wrote."""
 
     path: Path
     tag: str
@@ -165,16 +137,6 @@ def consolidate_checkpoint(
 
     Keys are ``model.state_dict()``'s (tied parameters appear under each key). The output
     is written to a temporary name and renamed when complete.
-
-    Args:
-        directory: The checkpoint root (the one passed to ``save_checkpoint``).
-        out: The ``.safetensors`` file to write.
-        tag: The tag; ``None`` reads ``directory/latest``.
-        verify: Check every file's sha256 against the manifest first.
-
-    Raises:
-        CheckpointError: no such checkpoint, a missing or corrupt file, or a parameter whose
-            pieces do not cover it.
     """
     out = Path(out)
     reader = CheckpointReader(directory, tag, verify=verify)
@@ -206,16 +168,7 @@ Entry = tuple[str, torch.dtype, tuple[int, ...], StateDictKey]
 
 
 class CheckpointReader:
-    """A saved checkpoint read offline, one full tensor at a time (no process group).
-
-    Opens the manifest of ``directory/tag`` (``None``: ``directory/latest``), optionally
-    verifies every file's sha256, and assembles full parameters from their saved pieces,
-    memory-mapping each shard file once. Used by ``zero consolidate`` (one safetensors file)
-    and ``zero consolidate --hf`` (:mod:`zero_full.hf.save`).
-
-    Raises:
-        CheckpointError: no such checkpoint, or a missing or corrupt file.
-    """
+    """A saved checkpoint read offline, one full tensor at a time (no process group)."""
 
     def __init__(self, directory: str | Path, tag: str | None = None, *, verify: bool = True) -> None:
         directory = Path(directory)

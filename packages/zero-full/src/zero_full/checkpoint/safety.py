@@ -1,16 +1,4 @@
-"""What a checkpoint may name, and whose leftovers may be removed.
-
-* :func:`validate_tag`: a tag is one plain directory name — the same rule on save, on load and
-  for the content of ``latest`` (a tag with surrounding spaces, a path separator, ``..`` or a
-  temporary suffix is refused, naming it).
-* :func:`inside`: every path a checkpoint names (a manifest's file, ``latest``'s tag) resolves
-  inside the checkpoint root; ``../x``, absolute paths and symlinks leading out are refused.
-* :class:`WriterLock`: each save's temporary directory holds ``.writer`` (pid, host, start
-  time of the writing process). :func:`owner_is_gone` says whether the save that left a
-  temporary entry provably cannot complete any more (its writer is this process, or a dead
-  process of this host); only those are removed (:mod:`zero_full.checkpoint.hygiene`), so an
-  evaluator loading ``latest`` never removes a trainer's save in progress.
-"""
+"""What a checkpoint may name, and whose leftovers may be removed."""
 
 from __future__ import annotations
 

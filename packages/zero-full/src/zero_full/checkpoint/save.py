@@ -1,17 +1,4 @@
-"""Writing a sharded, atomic checkpoint: :func:`save_checkpoint`.
-
-Every rank writes its own shard file (its pieces of every parameter: fp32 master +
-per-element optimizer state, keyed by parameter name with the element range of the
-flattened parameter they cover, and its RNG states); rank 0 writes the buffers and, once
-every rank reported success, the :class:`~zero_full.checkpoint.manifest.Manifest`. Everything
-is written into ``DIR/TAG.tmp-<random>`` and renamed to ``DIR/TAG`` only when complete;
-``DIR/latest`` moves after that. A save that fails (or dies) on any rank leaves the previous
-checkpoints and ``latest`` untouched and no ``DIR/TAG``. Saving under an existing tag with
-``overwrite=True`` swaps the complete new directory with the old one in one atomic rename
-(Linux ``renameat2(RENAME_EXCHANGE)``), so ``DIR/TAG`` is always a complete checkpoint.
-Rank 0 also writes ``extras.pt`` (:mod:`zero_full.checkpoint.extras`): the LR scheduler's
-state, the caller's ``client_state`` and the frozen parameters a save left out.
-"""
+"""Writing a sharded, atomic checkpoint: :func:`save_checkpoint`."""
 
 from __future__ import annotations
 
@@ -48,16 +35,7 @@ __all__ = ["SaveOptions", "save_checkpoint"]
 
 @dataclasses.dataclass(frozen=True)
 class SaveOptions:
-    """How a save treats what is beside the sharded model state.
-
-    Attributes:
-        client_state: The caller's dict saved with the checkpoint (read back with
-            :func:`zero_full.checkpoint.extras.read_client_state`).
-        save_latest: Point ``DIR/latest`` at the new tag.
-        exclude_frozen_parameters: Leave parameters with ``requires_grad=False`` out (a load
-            then keeps their current values).
-        overwrite: Replace an existing tag atomically instead of refusing.
-    """
+    """How a save treats what is beside the sharded model state."""
 
     client_state: Mapping[str, Any] | None = None
     save_latest: bool = True
@@ -88,27 +66,9 @@ def save_checkpoint(
 ) -> Path:
     """Write a sharded checkpoint of ``state`` to ``directory/tag`` (call on every rank).
 
-    Args:
-        state: The engine's train state (``engine.train_state()``).
-        directory: The checkpoint root (created if missing).
-        tag: Sub-directory name; default ``global_step{N}``.
-        timeout: Seconds to wait for the other ranks at each exchange; default the config's
-            ``robustness.comm_timeout``.
-        options: Client state, ``latest``, frozen parameters, replacing a tag (see
-            :class:`SaveOptions`; default: refuse an existing tag, move ``latest``).
-
-    Returns:
-        The checkpoint directory ``directory/tag``.
-
-    Raises:
-        CheckpointError: an invalid tag (the rule of loading: a plain directory name), the
-            ranks named different tags, ``directory/tag`` exists already (without
-            ``overwrite``, and was published in ``latest``; one a save renamed into place but
-            never published is replaced), the client state cannot be saved safely, writing
-            failed on some rank, or a rank did not take part within ``timeout`` (every rank
-            raises, naming the failing ranks; nothing is left under ``tag``).
-
-    Saving between accumulation boundaries warns (the accumulated gradients are not saved).
+    ``tag`` defaults to ``global_step{N}``; an existing published tag is refused unless
+    ``options.overwrite``. Returns ``directory/tag``. Raises :class:`CheckpointError` on every
+    rank, naming the failing ranks, when a save cannot complete (nothing is left under ``tag``).
     """
     directory = Path(directory)
     options = options if options is not None else SaveOptions()
@@ -182,16 +142,7 @@ def _warn_if_accumulating(state: TrainState, rank: int) -> None:
 
 
 def _begin(directory: Path, tag: str, overwrite: bool) -> tuple[str, bool]:
-    """Rank 0: create the save's temporary directory (with its writer lock).
-
-    Returns:
-        Its name, and whether it will replace ``directory/tag``: with ``overwrite``, or a
-        complete checkpoint that an earlier save renamed into place but never published in
-        ``latest`` (it died in between).
-
-    Raises:
-        CheckpointError: ``directory/tag`` exists and was published (without ``overwrite``).
-    """
+    """Rank 0: create the save's temporary directory (with its writer lock)."""
     directory.mkdir(parents=True, exist_ok=True)
     replaces = False
     if overwrite and (directory / tag).exists():

@@ -24,13 +24,7 @@ class LRSchedulerLike(Protocol):
 
 @dataclasses.dataclass
 class StepCounters:
-    """The training loop's counters (the engine's, restored by a checkpoint load).
-
-    Attributes:
-        gradient_accumulation_steps: Micro-steps per optimizer step.
-        micro_steps: ``step()`` calls so far.
-        global_steps: Optimizer steps taken so far.
-    """
+    """The training loop's counters (the engine's, restored by a checkpoint load)."""
 
     gradient_accumulation_steps: int
     micro_steps: int = 0
@@ -51,19 +45,7 @@ class StepCounters:
 
 @dataclasses.dataclass(frozen=True)
 class TrainState:
-    """Everything of a training run a checkpoint touches, owned by the engine and passed in.
-
-    Attributes:
-        module: The model (partitioned under stage 3).
-        optimizer: The partitioned optimizer (fp32 masters, optimizer state).
-        config: The validated configuration (its ``robustness.comm_timeout`` bounds every
-            checkpoint collective).
-        counters: The step counters (mutable: a load sets them).
-        scaler: The fp16 loss scaler, ``None`` in fp32 / bf16.
-        mics: The MiCS groups, ``None`` without MiCS (recorded in the manifest's layout).
-        lr_scheduler: The LR scheduler whose ``state_dict()`` is saved and restored, ``None``
-            without one.
-    """
+    """Everything of a training run a checkpoint touches, owned by the engine and passed in."""
 
     module: nn.Module
     optimizer: PartitionedOptimizer

@@ -1,12 +1,4 @@
-"""Environment and backend check behind ``zero report``.
-
-:func:`collect_report` gathers versions (Python, torch, Triton, every zero package),
-the machine, the ``torch.distributed`` backends and the accelerator, and runs
-:func:`gloo_smoke_check`: two local processes (:func:`zero_comm.launch.launch`) meet through a
-file store in a temporary directory and do one ``all_reduce`` over gloo. The check is
-bounded by its timeout (the processes are killed when it expires), so it never hangs. A
-requirement of an installed zero package that is not installed is listed (and fails the check).
-"""
+"""Environment and backend check behind ``zero report``."""
 
 from __future__ import annotations
 
@@ -38,13 +30,7 @@ _SMOKE_WORLD = 2
 
 @dataclasses.dataclass(frozen=True)
 class SmokeResult:
-    """Outcome of :func:`gloo_smoke_check`.
-
-    Attributes:
-        ok: Every rank got the expected all-reduce result.
-        detail: What was checked, or the error (with the failing rank).
-        seconds: Wall time of the whole check, process start-up included.
-    """
+    """Outcome of :func:`gloo_smoke_check`."""
 
     ok: bool
     detail: str
@@ -53,25 +39,7 @@ class SmokeResult:
 
 @dataclasses.dataclass(frozen=True)
 class EnvironmentReport:
-    """What ``zero report`` prints; every field is plain data.
-
-    Attributes:
-        python: Python version and implementation.
-        executable: The interpreter's path.
-        platform: Operating system and machine.
-        cpu_count: Logical CPUs (``os.cpu_count()``).
-        torch: torch version.
-        distributed: Whether ``torch.distributed`` is available.
-        backends: Backend name -> available (gloo, nccl, mpi, ucc, xccl).
-        accelerator: ``torch.accelerator`` device type, or ``None`` (CPU only).
-        accelerator_count: Number of accelerator devices.
-        cuda: CUDA runtime version torch was built with, or ``None``.
-        triton: Triton version, ``None`` when not importable.
-        packages: Distribution name -> installed version, or ``None`` when not installed.
-        smoke: The gloo smoke check, or ``None`` when skipped.
-        missing: Requirements of the installed zero packages that are not installed
-            (``"zero-full needs numpy>=1.24"``); optional extras are not counted.
-    """
+    """What ``zero report`` prints; every field is plain data."""
 
     python: str
     executable: str
@@ -144,15 +112,7 @@ def _missing_requirements() -> tuple[str, ...]:
 
 
 def collect_report(smoke: bool = True, smoke_timeout: float = 30.0) -> EnvironmentReport:
-    """Gather the environment report.
-
-    Args:
-        smoke: Run the 2-process gloo smoke check.
-        smoke_timeout: Its time limit in seconds.
-
-    Returns:
-        The report.
-    """
+    """Gather the environment report."""
     import torch
     import torch.distributed as dist
 
@@ -187,15 +147,7 @@ def _smoke_rank(ctx: RankContext) -> float:
 
 
 def gloo_smoke_check(timeout: float = 30.0) -> SmokeResult:
-    """All-reduce over gloo between 2 spawned local processes (:func:`zero_comm.launch.launch`).
-
-    Args:
-        timeout: Seconds for the whole check (start-up included) and for the process group.
-
-    Returns:
-        ``ok`` when both ranks got ``1 + 2 = 3``; otherwise the first error, or which ranks
-        did not answer in time (they are then killed).
-    """
+    """All-reduce over gloo between 2 spawned local processes (:func:`zero_comm.launch.launch`)."""
     start = time.monotonic()
     expected = float(sum(range(1, _SMOKE_WORLD + 1)))
     try:

@@ -120,15 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the ``zero`` command.
-
-    Args:
-        argv: Arguments without the program name (default: ``sys.argv[1:]``).
-
-    Returns:
-        The exit status: 0 on success, 1 when a check failed. Usage errors exit with 2
-        (``SystemExit``, as argparse does).
-    """
+    """Run the ``zero`` command."""
     args = build_parser().parse_args(argv)
     return args.handler(args)
 

@@ -1,22 +1,4 @@
-"""``"auto"`` values of Hugging Face Trainer configs, filled in from the model and the batch settings.
-
-The rules are the Trainer integration's (``transformers.integrations.deepspeed``), where they can
-be derived without a Trainer:
-
-* ``zero_optimization.reduce_bucket_size`` = ``hidden * hidden``;
-  ``stage3_prefetch_bucket_size`` = ``0.9 * hidden * hidden``;
-  ``stage3_param_persistence_threshold`` = ``10 * hidden``, with ``hidden`` the model config's
-  ``hidden_size`` (or the largest of ``hidden_sizes``, ``d_model``, ``n_embd``);
-* batch keys from each other (``train_batch_size = micro * accumulation * world``, DeepSpeed's rule
-  for a key left out; accumulation 1 when only one is known);
-* the optimizer's ``lr``, ``betas``, ``eps``, ``weight_decay`` and ``gradient_clipping``: the
-  Trainer's defaults (``TrainingArguments``: 5e-5, [0.9, 0.999], 1e-8, 0.0, 1.0);
-  ``scheduler.params.warmup_min_lr`` 0 and ``warmup_max_lr`` the optimizer's ``lr``;
-* ``fp16.enabled`` / ``bf16.enabled``: false (the Trainer's default).
-
-Every value filled in is reported. An ``"auto"`` that cannot be derived (the scheduler's step
-counts, a model without a hidden size) is an error naming the key.
-"""
+"""``"auto"`` values of Hugging Face Trainer configs, filled in from the model and the batch settings."""
 
 from __future__ import annotations
 
@@ -117,20 +99,7 @@ def _resolve_one(raw: dict[str, Any], path: tuple[str, ...], model: nn.Module) -
 def resolve_auto(
     raw: dict[str, Any], model: nn.Module, world_size: int
 ) -> tuple[dict[str, Any], ConfigReport]:
-    """``raw`` with every ``"auto"`` filled in, and the report of what was filled in.
-
-    Args:
-        raw: A DeepSpeed-style config (not modified).
-        model: The model being trained (its ``config`` gives the hidden size).
-        world_size: The number of data-parallel ranks (for the batch keys).
-
-    Returns:
-        The resolved copy and one finding per resolved key.
-
-    Raises:
-        ConfigError: an ``"auto"`` that cannot be derived (every one named), or batch keys
-            that are all ``"auto"``.
-    """
+    """``raw`` with every ``"auto"`` filled in, and the report of what was filled in."""
     resolved = copy.deepcopy(raw)
     findings, missing = [], []
     for path in _auto_paths(raw):

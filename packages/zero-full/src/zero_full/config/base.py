@@ -1,16 +1,4 @@
-"""The base of every config section: DeepSpeed-style key checks, and what a given config's keys amount to.
-
-:class:`Section` runs its key check before pydantic's own validation: an unknown key is
-reported with its full DeepSpeed path (``zero_optimization.stage3_prefetch_bucket_sz``) and
-the closest accepted name (or the :class:`~zero_full.config.types.Rejected` reason for a
-DeepSpeed key zero does not take), a value of ``"auto"`` (Hugging Face Trainer configs) is
-reported by key, and two spellings of one knob (``stage3_prefetch_bucket_size`` /
-``prefetch_bucket_size``) with different values are a conflict.
-
-:func:`key_report` walks a validated config and reads each field's
-:class:`~zero_full.config.types.Key`: the keys given that have no effect, and the values
-zero refuses. ``ZeroConfig.ignored_keys()`` and ``unsupported_features()`` are built on it.
-"""
+"""The base of every config section: DeepSpeed-style key checks, and what a given config's keys amount to."""
 
 from __future__ import annotations
 
@@ -64,8 +52,6 @@ class Section(BaseModel):
       documented one first (e.g. ``prefetch_bucket_size`` -> ``stage3_prefetch_bucket_size``);
       the list may name the field itself first when that is the documented spelling.
     * ``_REJECTED``: DeepSpeed keys that are not accepted but that users bring, with what to do.
-
-    Every field declares a :class:`~zero_full.config.types.Key` in its ``Annotated`` type.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", hide_input_in_errors=True)
@@ -108,16 +94,7 @@ class Section(BaseModel):
     def key_problems(
         cls, data: Mapping[str, Any], loc: tuple[str, ...] = (), prefix: tuple[str, ...] | None = None
     ) -> list[InitErrorDetails]:
-        """Unknown keys, ``"auto"`` values and alias conflicts in ``data`` and its sub-sections.
-
-        Args:
-            data: The raw section.
-            loc: Location of ``data`` below the section where the check started.
-            prefix: DeepSpeed path of that starting section (default: this class's path).
-
-        Returns:
-            One pydantic error per problem, located at ``loc`` + key.
-        """
+        """Unknown keys, ``"auto"`` values and alias conflicts in ``data`` and its sub-sections."""
         prefix = cls._PATH if prefix is None else prefix
         problems: list[InitErrorDetails] = []
         accepted = cls.accepted_keys()
@@ -286,13 +263,7 @@ def json_text(value: Any) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class KeyFinding:
-    """One key of a validated config that is ignored or refused.
-
-    Attributes:
-        path: Full DeepSpeed path, e.g. ``zero_optimization.stage3_max_live_parameters``.
-        value: Its value.
-        reason: Why it has no effect, or what the refused feature is.
-    """
+    """One key of a validated config that is ignored or refused."""
 
     path: str
     value: Any
@@ -325,21 +296,7 @@ def _unused_because(key: Key, section: Section, parent: Section | None, stage: i
 
 
 def key_report(section: Section, stage: int) -> KeyReport:
-    """The keys of ``section`` (and the sections below it) given without effect, and refused values.
-
-    A key is ignored when given while unused (its stages do not include ``stage``, or its
-    ``when`` condition is false; the keys of an unused section are not looked at), or when its
-    status is :class:`~zero_full.config.types.Ignored` and the value given is not the one zero
-    behaves as. A value is refused when the key is used, its status is
-    :class:`~zero_full.config.types.Refused` and the value is not the supported one.
-
-    Args:
-        section: A validated section (usually the whole ``ZeroConfig``).
-        stage: The ZeRO stage the config runs.
-
-    Returns:
-        Both lists, in declaration order (depth first).
-    """
+    """The keys of ``section`` (and the sections below it) given without effect, and refused values."""
     ignored: list[KeyFinding] = []
     refused: list[KeyFinding] = []
 

@@ -1,13 +1,4 @@
-"""DeepSpeed keys that no zero section declares, each declared once here with what zero does with it.
-
-Every key of DeepSpeed's configuration documentation is either a field of a zero section (see
-the section modules) or listed here as a :class:`Known`: a value that changes nothing is
-accepted silently, another value is reported (key, value, why) or, when it would change training
-in a way zero cannot honour, refused with what to do instead. Whole sections of features zero
-does not have (pipeline, MoE, compression, ...) are refused unless they say ``"enabled": false``.
-:func:`zero_full.config.compat.accept_deepspeed` applies this table; the configuration page
-renders it.
-"""
+"""DeepSpeed keys that no zero section declares, each declared once here with what zero does with it."""
 
 from __future__ import annotations
 
@@ -31,15 +22,7 @@ def _disabled(value: Any) -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class Known:
-    """A DeepSpeed key without a zero field.
-
-    Attributes:
-        why: What zero does instead (the report and the page say it).
-        silent: ``silent(value)``: the value changes nothing; accepted without a report.
-        refuses: ``refuses(value)``: the value would change training in a way zero cannot honour.
-        rewrite: For deprecated spellings: ``rewrite(section, value)`` writes the zero form into
-            the (cleaned) section holding the key.
-    """
+    """A DeepSpeed key without a zero field."""
 
     why: str
     silent: Callable[[Any], bool] = _never

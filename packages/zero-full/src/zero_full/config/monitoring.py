@@ -91,15 +91,7 @@ class CommsLoggerConfig(Section):
 
 
 class FlopsProfilerConfig(Section):
-    """``flops_profiler``: the forward's floating-point operations at one step (``torch.utils.flop_counter``).
-
-    On rank 0, every forward of optimizer step ``profile_step`` runs under torch's
-    ``FlopCounterMode``; after that step one report is printed (or written to ``output_file``):
-    forward FLOPs and time, the forward + backward estimate (backward = 2 x forward, plus
-    ``recompute_fwd_factor`` x forward for recomputed activations), the parameters, and the FLOPs per
-    module down to ``module_depth``. torch counts matrix products and convolutions (the
-    operations that dominate); DeepSpeed's profiler also counts element-wise operations.
-    """
+    """``flops_profiler``: the forward's floating-point operations at one step (``torch.utils.flop_counter``)."""
 
     _PATH: ClassVar[tuple[str, ...]] = ("flops_profiler",)
 

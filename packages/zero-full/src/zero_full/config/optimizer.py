@@ -69,13 +69,7 @@ _ADAM_ONLY = UsedWhen("the optimizer type is `Adam`", lambda _, opt: opt.type is
 
 
 class AdamParams(Section):
-    """``optimizer.params`` of ``Adam`` / ``AdamW`` with DeepSpeed's defaults.
-
-    DeepSpeed builds its Adam(W) with ``weight_decay=0.0`` unless told otherwise (torch's
-    ``AdamW`` defaults to 0.01): this config follows DeepSpeed, since its users bring
-    DeepSpeed configs. Likewise DeepSpeed's ``Adam`` applies *decoupled* weight decay
-    (AdamW) unless ``adam_w_mode`` is ``false``; ``AdamW`` always does.
-    """
+    """``optimizer.params`` of ``Adam`` / ``AdamW`` with DeepSpeed's defaults."""
 
     _PATH = ("optimizer", "params")
     _REJECTED: ClassVar[dict[str, Rejected]] = {"max_grad_norm": _NO_MAX_GRAD_NORM}
@@ -148,14 +142,7 @@ class AdagradParams(Section):
 
 
 class LambParams(Section):
-    """``optimizer.params`` of ``Lamb`` (DeepSpeed's ``FusedLamb``: names, defaults and update).
-
-    Adam's moments without bias correction in the update, ``u = m / (sqrt(v) + eps) + weight_decay
-    * p``, scaled by the trust ratio ``||p|| / ||u||`` clipped to ``[min_coeff, max_coeff]`` (1
-    when either norm is 0), with step size ``lr * sqrt(1 - beta2^t) / (1 - beta1^t)``. The norms
-    are those of the tensor the optimizer steps: at stages 1-3 each rank's flat partition of a
-    parameter group (as DeepSpeed's ZeRO steps its Lamb), at stage 0 each parameter.
-    """
+    """``optimizer.params`` of ``Lamb`` (DeepSpeed's ``FusedLamb``: names, defaults and update)."""
 
     _PATH = ("optimizer", "params")
     _REJECTED: ClassVar[dict[str, Rejected]] = {

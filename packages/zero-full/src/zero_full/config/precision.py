@@ -19,15 +19,7 @@ _DYNAMIC = UsedWhen(
 
 
 class FP16Config(Section):
-    """``fp16``: half precision with loss scaling (DeepSpeed's names and defaults).
-
-    ``loss_scale`` 0 means dynamic loss scaling (DeepSpeed's rule): start at
-    ``2**initial_scale_power``; a step whose gradients overflow is skipped, and once
-    ``hysteresis`` overflows have been absorbed the scale halves (never below
-    ``min_loss_scale``); every ``loss_scale_window`` overflow-free steps the scale doubles
-    and the hysteresis budget refills (with ``consecutive_hysteresis``, every overflow-free
-    step refills it). A positive ``loss_scale`` is a static scale.
-    """
+    """``fp16``: half precision with loss scaling (DeepSpeed's names and defaults)."""
 
     _PATH = ("fp16",)
 

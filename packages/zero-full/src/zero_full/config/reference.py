@@ -1,19 +1,4 @@
-"""The configuration reference, rendered from the config sections themselves.
-
-:func:`config_keys` walks :class:`~zero_full.config.ZeroConfig` and its sections and
-describes every key a config accepts: its DeepSpeed path, the other accepted spellings,
-the type and range its validator enforces, the default, and what the field declares in its
-:class:`~zero_full.config.types.Key` (the stages that use it, its condition, whether it is
-implemented, ignored or refused) with its description (the docstring under the field).
-:func:`render_markdown` turns that into the documentation site's configuration page (a
-mkdocs hook inserts it at build time), so the page cannot drift from the code.
-
->>> keys = {k.path: k for k in config_keys()}
->>> keys["zero_optimization.stage3_prefetch_bucket_size"].spellings
-('stage3_prefetch_bucket_size', 'prefetch_bucket_size')
->>> keys["zero_optimization.stage3_prefetch_bucket_size"].stages
-(3,)
-"""
+"""The configuration reference, rendered from the config sections themselves."""
 
 from __future__ import annotations
 
@@ -57,19 +42,7 @@ ALL_STAGES: tuple[int, ...] = (0, 1, 2, 3)
 
 @dataclasses.dataclass(frozen=True)
 class ConfigKey:
-    """One accepted key of the configuration.
-
-    Attributes:
-        section: Path of the section holding it (``("zero_optimization",)``; ``()``: top level).
-        field: The attribute name on the validated section object.
-        spellings: Every accepted spelling, DeepSpeed's documented one first.
-        type: What the validator accepts (``"int >= 1"``, ``"bool"``, ``"object"``, ...).
-        default: The default value (``None`` for "not given"); ``PydanticUndefined`` when required.
-        default_text: The default as shown on the page.
-        stages: The ZeRO stages that use the key (the others ignore it).
-        description: Markdown text: the field's docstring, then its condition and status.
-        status: Its declared status: implemented, ignored (with the reason) or refused.
-    """
+    """One accepted key of the configuration."""
 
     section: tuple[str, ...]
     field: str
@@ -94,15 +67,7 @@ class ConfigKey:
 
 @dataclasses.dataclass(frozen=True)
 class SectionDoc:
-    """One section of the configuration and its keys.
-
-    Attributes:
-        path: Where it sits (``()``: top level).
-        title: Heading text.
-        cls: The pydantic section class.
-        intro: Markdown paragraph describing the section.
-        keys: Its keys, in declaration order.
-    """
+    """One section of the configuration and its keys."""
 
     path: tuple[str, ...]
     title: str
@@ -360,17 +325,7 @@ def _status_table(hashes: str) -> list[str]:
 
 
 def render_markdown(heading_level: int = 2) -> str:
-    """The configuration reference as markdown: one table per section, then refused keys.
-
-    Args:
-        heading_level: Level of the section headings (2: ``##``).
-
-    Returns:
-        Markdown text: for each section a heading, its description and a table of its keys
-        (key and other spellings, type, default, stages, description), then a table of the
-        keys without effect or not implemented yet, then one of the DeepSpeed keys zero does
-        not accept, with the reason given in the error.
-    """
+    """The configuration reference as markdown: one table per section, then refused keys."""
     hashes = "#" * heading_level
     out: list[str] = []
     refused: dict[str, str] = {}

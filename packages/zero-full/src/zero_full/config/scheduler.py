@@ -120,11 +120,6 @@ _CYCLES_MOMENTUM = UsedWhen("`cycle_momentum` is true", lambda params, _: params
 class OneCycleParams(Section):
     """``scheduler.params`` of ``OneCycle``: one triangular cycle of the learning rate (and, inversely,
     of ``beta1``), then an optional decay.
-
-    The learning rate rises from ``cycle_min_lr`` to ``cycle_max_lr`` over
-    ``cycle_first_step_size`` steps and falls back over ``cycle_second_step_size``; after the
-    cycle it is ``cycle_min_lr / (1 + decay_lr_rate * k / decay_step_size)`` at the ``k``-th step.
-    Momentum is cycled only for optimizers with ``betas`` (DeepSpeed's rule).
     """
 
     _PATH = _PATH

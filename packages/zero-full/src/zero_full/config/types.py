@@ -1,21 +1,4 @@
-"""Value types of the config sections and the declaration each key carries.
-
-Two things every field of a section in :mod:`zero_full.config` section module uses:
-
-* **Value types** (``Int(1)``, ``Real(0, lo_open=True)``, :data:`Flag`, :data:`OptionalPath`,
-  ``Choice(OffloadDevice)``, :data:`Betas`): ``Annotated`` types whose validator accepts what
-  DeepSpeed configs write (``5e8`` for an integer) and whose message names the accepted range.
-* **The key's declaration**, :class:`Key`, put beside the type:
-  ``reduce_scatter: Annotated[Flag, Key(Ignored("...", behaves_as=True))] = True``. It says which
-  ZeRO stages use the key, under which condition (:class:`UsedWhen`), and its status:
-  :data:`IMPLEMENTED`, :class:`Ignored` (accepted, no effect, listed by
-  ``ZeroConfig.ignored_keys()``) or :class:`Refused` (accepted and validated, but
-  ``initialize`` refuses it: listed by ``ZeroConfig.unsupported_features()``). DeepSpeed keys a
-  section does not accept at all carry a :class:`Rejected` reason (the validation error says it).
-
-The description of a key is the docstring under its field. ``ignored_keys()``,
-``unsupported_features()`` and the configuration reference page are all derived from these.
-"""
+"""Value types of the config sections and the declaration each key carries."""
 
 from __future__ import annotations
 
@@ -201,13 +184,7 @@ IMPLEMENTED = Implemented()
 
 @dataclasses.dataclass(frozen=True)
 class Ignored:
-    """Accepted for DeepSpeed compatibility, with no effect in zero.
-
-    Attributes:
-        reason: Why, as the page and the engine's log say it (what zero does instead).
-        behaves_as: The value zero always behaves as; giving exactly this value is not
-            reported. ``None``: reported whenever the key is given.
-    """
+    """Accepted for DeepSpeed compatibility, with no effect in zero."""
 
     reason: str
     behaves_as: bool | int | None = None
@@ -243,13 +220,7 @@ class Rejected:
 
 @dataclasses.dataclass(frozen=True)
 class UsedWhen:
-    """A condition, besides the stage, under which a key is used (else a given key is ignored).
-
-    Attributes:
-        text: The condition in words, for the page ("fp16 is enabled").
-        test: ``test(section, parent)``: the validated section holding the key and the section
-            holding that one (``None`` at the top).
-    """
+    """A condition, besides the stage, under which a key is used (else a given key is ignored)."""
 
     text: str
     test: Callable[[Any, Any], bool]
@@ -257,15 +228,7 @@ class UsedWhen:
 
 @dataclasses.dataclass(frozen=True)
 class Key:
-    """The declaration of one config key, in its field's ``Annotated`` type.
-
-    Attributes:
-        status: :data:`IMPLEMENTED`, :class:`Ignored` or :class:`Refused`.
-        stages: The ZeRO stages that use the key; under another stage a given key is listed
-            by ``ignored_keys()`` (and a section's keys are not looked at).
-        when: A further condition for the key to be used, if any.
-        default_text: The default as the page shows it, when the section computes it.
-    """
+    """The declaration of one config key, in its field's ``Annotated`` type."""
 
     status: Implemented | Ignored | Refused
     stages: frozenset[int] = ALL_STAGES

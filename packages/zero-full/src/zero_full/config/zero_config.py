@@ -1,27 +1,4 @@
-"""The zero configuration: a DeepSpeed-style JSON dict, validated into one frozen object.
-
->>> cfg = ZeroConfig.model_validate({
-...     "train_micro_batch_size_per_gpu": 4,
-...     "gradient_accumulation_steps": 2,
-...     "bf16": {"enabled": True},
-...     "zero_optimization": {"stage": 3, "stage3_prefetch_bucket_size": 5e7},
-... })
->>> cfg.precision, cfg.stage, cfg.zero_optimization.prefetch_bucket_size
-(<Precision.BF16: 'bf16'>, 3, 50000000)
->>> cfg.resolve_batch(world_size=2).train_batch_size
-16
-
-Keys and defaults follow DeepSpeed. Differences a DeepSpeed user may meet:
-
-* Unknown keys are errors (naming the full key path and the closest valid name), where
-  DeepSpeed ignores most of them.
-* ``"auto"`` values (Hugging Face Trainer configs) are errors naming the key: resolve
-  them before passing the config.
-* Features that are accepted and validated but not implemented yet are listed by
-  :meth:`ZeroConfig.unsupported_features`; the engine refuses to run with any of them.
-* Keys that the chosen stage or mode does not use are listed by
-  :meth:`ZeroConfig.ignored_keys` (DeepSpeed ignores them silently).
-"""
+"""The zero configuration: a DeepSpeed-style JSON dict, validated into one frozen object."""
 
 from __future__ import annotations
 
@@ -191,20 +168,7 @@ class ZeroConfig(Section):
 
     @classmethod
     def from_json(cls, path: str | os.PathLike[str]) -> ZeroConfig:
-        """Load and validate a DeepSpeed-style JSON config file.
-
-        Args:
-            path: The file.
-
-        Returns:
-            The validated config.
-
-        Raises:
-            FileNotFoundError: no such file (the message names the path).
-            ConfigFileError: not valid JSON (path, line and column), a key repeated in one
-                object, or a top level that is not an object.
-            pydantic.ValidationError: invalid content; the title names the file.
-        """
+        """Load and validate a DeepSpeed-style JSON config file."""
         path = pathlib.Path(path)
         data = cls.read_json(path)
         try:
@@ -236,15 +200,7 @@ class ZeroConfig(Section):
 
     @classmethod
     def coerce(cls, config: ZeroConfig | Mapping[str, Any] | str | os.PathLike[str] | None) -> ZeroConfig:
-        """Turn what a user passes as ``config=`` into a :class:`ZeroConfig`.
-
-        Args:
-            config: A ``ZeroConfig`` (returned as is), a DeepSpeed-style mapping, a path to a
-                JSON file, or ``None`` (every default: stage 0, fp32).
-
-        Raises:
-            TypeError: anything else.
-        """
+        """Turn what a user passes as ``config=`` into a :class:`ZeroConfig`."""
         if config is None:
             return cls()
         if isinstance(config, ZeroConfig):
@@ -279,17 +235,6 @@ class ZeroConfig(Section):
         * all three given: they must satisfy ``train = micro * accumulation * world``;
         * two given: the third is derived and must come out whole;
         * only ``train_batch_size`` or only the micro batch: accumulation is 1.
-
-        Args:
-            world_size: Number of data-parallel ranks.
-
-        Returns:
-            The three consistent numbers.
-
-        Raises:
-            ValueError: the numbers are inconsistent or do not divide (the message names the
-                three numbers and the world size), or neither the global nor the micro
-                batch size is given.
         """
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"resolve_batch: world_size must be an integer >= 1, got {world_size!r}")
@@ -346,9 +291,6 @@ class ZeroConfig(Section):
         only when the chosen stage would use the key (a stage-3 knob under stage 2 is in
         :meth:`ignored_keys` instead). The engine refuses to start when this list is not
         empty; nothing is silently dropped.
-
-        Returns:
-            One line per feature: the key, its value and what it is.
         """
         found = [f"{f.path} = {f.value_text()} ({f.reason})" for f in self.key_report().refused]
         z = self.zero_optimization
@@ -367,17 +309,7 @@ class ZeroConfig(Section):
         return found
 
     def ignored_keys(self) -> list[str]:
-        """Full paths of keys that were given but have no effect with this config.
-
-        Keys the chosen stage does not use (stage-3 knobs under stage 1/2, stage-1/2 knobs
-        under stage 3, ``offload_optimizer`` under stage 0), keys whose condition does not
-        hold (``nvme_path`` without the nvme device, ``fp16`` settings while fp16 is off,
-        dynamic-scaling settings with a static ``loss_scale``, ``adam_w_mode`` on ``AdamW``),
-        and keys declared :class:`~zero_full.config.types.Ignored` (DeepSpeed switches zero has
-        no use for, such as ``reduce_scatter = false`` or ``memory_breakdown``). DeepSpeed
-        accepts them too; the engine logs this list once, with the reasons
-        (:meth:`key_report`).
-        """
+        """Full paths of keys that were given but have no effect with this config."""
         return [f.path for f in self.key_report().ignored]
 
 

@@ -1,12 +1,4 @@
-"""``deepspeed.checkpointing``: activation checkpointing through ``torch.utils.checkpoint``.
-
-``checkpoint(function, *args)`` recomputes ``function``'s activations in the backward
-(non-reentrant, the mode torch recommends). DeepSpeed's partitioned or CPU-offloaded
-activations are not offered: :func:`configure` refuses them by name, given as arguments or in
-the ``activation_checkpointing`` section of ``deepspeed_config`` (a dict or a JSON file); the
-section's other keys (``contiguous_memory_optimization``, ``number_checkpoints``,
-``synchronize_checkpoint_boundary``, ``profile``) change no number and are accepted.
-"""
+"""``deepspeed.checkpointing``: activation checkpointing through ``torch.utils.checkpoint``."""
 
 from __future__ import annotations
 

@@ -1,13 +1,4 @@
-"""``DeepSpeedEngine``: zero's :class:`~zero_full.Engine` under DeepSpeed's member names.
-
-A thin layer, built by :func:`zero_full.deepspeed.initialize`: the training step, the
-checkpoints and the model are zero's engine's (``engine.zero_engine``); this class gives
-them DeepSpeed's names, signatures and return values (``train_batch_size()`` is a method,
-``load_checkpoint`` returns ``(path, client_state)``, ``save_checkpoint`` replaces an
-existing tag) and prints DeepSpeed's progress line every ``steps_per_print`` steps. A
-DeepSpeed member that zero cannot give its meaning raises ``AttributeError`` naming the zero
-way.
-"""
+"""``DeepSpeedEngine``: zero's :class:`~zero_full.Engine` under DeepSpeed's member names."""
 
 from __future__ import annotations
 
@@ -46,13 +37,7 @@ _ZERO_WAY: dict[str, str] = {
 
 
 class DeepSpeedEngine:
-    """A model trained by zero, reached with DeepSpeed's member names.
-
-    Attributes:
-        zero_engine: zero's own engine (every zero feature: ``memory_report()``,
-            ``save_pretrained()``, ``stats``, ...).
-        training_dataloader: The loader ``initialize`` built from ``training_data`` (or ``None``).
-    """
+    """A model trained by zero, reached with DeepSpeed's member names."""
 
     def __init__(self, engine: Engine, training_dataloader: Any = None) -> None:
         self.zero_engine = engine
@@ -319,12 +304,6 @@ class DeepSpeedEngine:
 
         Without a tag and without ``load_dir/latest`` nothing is loaded and ``(None, None)``
         is returned, as DeepSpeed does. Collective: every rank.
-
-        Raises:
-            ValueError: ``custom_load_fn`` (load the weights with
-                ``engine.zero_engine.load_pretrained`` instead).
-            zero_full.CheckpointError: the checkpoint does not match the model (every
-                mismatch named; nothing is loaded), or a file is missing or corrupt.
         """
         if custom_load_fn is not None:
             raise ValueError(

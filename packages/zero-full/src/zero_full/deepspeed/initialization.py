@@ -1,22 +1,4 @@
-"""``deepspeed.initialize``: DeepSpeed's signature and 4-tuple over :func:`zero_full.initialize`.
-
-What DeepSpeed does at ``initialize``, done with zero's pieces:
-
-* the config comes from ``config`` / ``config_params`` (dict or JSON path) or from
-  ``args.deepspeed_config``;
-* DeepSpeed's defaults apply where zero's differ (``gradient_clipping`` 1.0 when not given);
-* the process group is created from the launcher's environment when it does not exist
-  (:func:`zero_full.deepspeed.init_distributed`);
-* the optimizer is the config's ``optimizer`` section (built over ``model_parameters`` when
-  those are parameter groups), the ``optimizer`` argument (a torch optimizer or a callable
-  taking ``model_parameters``), or zero's default;
-* the LR scheduler is the ``lr_scheduler`` argument (a scheduler, or a callable taking the
-  torch optimizer) or, when the config has a ``scheduler`` section, the one it describes;
-  zero's engine steps it after each applied optimizer step and checkpoints it;
-* ``training_data`` becomes a loader of ``train_micro_batch_size_per_gpu`` samples per rank
-  over a ``DistributedSampler`` (shuffled with seed 0, the same order every epoch, as
-  DeepSpeed's loader; read in the training process, without worker processes).
-"""
+"""``deepspeed.initialize``: DeepSpeed's signature and 4-tuple over :func:`zero_full.initialize`."""
 
 from __future__ import annotations
 
@@ -56,33 +38,7 @@ def initialize(
     mesh_param: Any = None,
     config_params: Any = None,
 ) -> tuple[DeepSpeedEngine, Any, DataLoader[Any] | None, Any]:
-    """Wrap ``model`` for ZeRO training; returns ``(engine, optimizer, training_dataloader, lr_scheduler)``.
-
-    Args:
-        args: An ``argparse`` namespace; its ``deepspeed_config`` is the config when
-            ``config`` is not given.
-        model: The model (built whole, or under ``deepspeed.zero.Init``).
-        optimizer: A torch optimizer, a callable ``model_parameters -> optimizer``, or
-            ``None`` (the config's ``optimizer`` section, else AdamW).
-        model_parameters: The parameters (or parameter groups) to optimize.
-        training_data: A dataset to build the distributed training loader from.
-        lr_scheduler: A torch LR scheduler, or a callable ``optimizer -> scheduler``.
-        distributed_port: ``MASTER_PORT`` when only MPI variables are set.
-        mpu: Refused (zero has no model parallelism).
-        dist_init_required: ``False``: do not create the process group.
-        collate_fn: The training loader's ``collate_fn``.
-        config: The DeepSpeed config: a dict, a JSON path or a :class:`ZeroConfig`.
-        mesh_param: Refused (no device mesh parallelism).
-        config_params: DeepSpeed's older name of ``config``.
-
-    Returns:
-        ``(engine, engine.optimizer, loader or None, scheduler or None)``.
-
-    Raises:
-        ValueError: no model, no config, two configs, ``mpu`` / ``mesh_param``, or a
-            ``training_data`` that is not a dataset.
-        RuntimeError: no process group and no launcher environment (names the command).
-    """
+    """Wrap ``model`` for ZeRO training; returns ``(engine, optimizer, training_dataloader, lr_scheduler)``."""
     if model is None:
         raise ValueError("deepspeed.initialize: model is required")
     if mpu is not None or mesh_param is not None:

@@ -1,11 +1,4 @@
-"""``init_distributed`` and ``add_config_arguments``: how a DeepSpeed script starts.
-
-:func:`init_distributed` creates the default process group from the environment a launcher
-sets (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``: torchrun,
-the ``deepspeed`` launcher, Slurm's ``srun`` through torchrun, or Open MPI's ``OMPI_COMM_WORLD_*``
-variables), with the backend of the process's device. Without a launcher it raises, naming
-the command to use, instead of torch's bare "RANK expected".
-"""
+"""``init_distributed`` and ``add_config_arguments``: how a DeepSpeed script starts."""
 
 from __future__ import annotations
 
@@ -54,24 +47,7 @@ def init_distributed(
     rank: int = -1,
     world_size: int = -1,
 ) -> None:
-    """Create the default process group as DeepSpeed does (nothing if it exists already).
-
-    Args:
-        dist_backend: ``"gloo"``, ``"nccl"``, ...; ``None``: the device's default.
-        auto_mpi_discovery: Read Open MPI's ``OMPI_COMM_WORLD_*`` variables when the
-            launcher's are absent (``MASTER_ADDR`` then defaults to ``localhost``).
-        distributed_port: ``MASTER_PORT`` when only MPI variables are present.
-        verbose: Print the rank and backend on rank 0.
-        timeout: The process group's collective timeout.
-        init_method: A torch ``init_method`` URL (then ``rank`` and ``world_size`` are needed).
-        dist_init_required: ``False``: do nothing.
-        config: Accepted for DeepSpeed's signature; not used.
-        rank: This process's rank, instead of ``RANK``.
-        world_size: The number of processes, instead of ``WORLD_SIZE``.
-
-    Raises:
-        RuntimeError: no launcher environment (the message names the command to run).
-    """
+    """Create the default process group as DeepSpeed does (nothing if it exists already)."""
     if dist_init_required is False or (dist.is_available() and dist.is_initialized()):
         return
     if init_method is None and (rank < 0 or world_size < 0):

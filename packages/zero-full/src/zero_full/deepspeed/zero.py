@@ -19,26 +19,7 @@ __all__ = ["GatheredParameters", "Init", "register_external_parameter"]
 
 
 class Init(_ZeroInit):
-    """Partition every parameter as the model is constructed (``with deepspeed.zero.Init(...):``).
-
-    Args:
-        module: Refused: zero partitions a model built whole when ``initialize`` wraps it.
-        data_parallel_group: The process group to partition over (default: the world).
-        mem_efficient_linear: Accepted; zero's Linear is torch's.
-        remote_device: ``"cpu"`` / ``"nvme"`` to keep the shards there (as zero_params.Init).
-        pin_memory: Accepted; zero pins host shards itself where it helps.
-        config_dict_or_path: The DeepSpeed config (dict or JSON path): stage, persistence
-            threshold, working dtype.
-        config: The same, DeepSpeed's older name.
-        enabled: ``False``: construct whole parameters (``True``: partition when the config
-            selects stage 3, or always without a config).
-        dtype: The dtype to partition in (default: the config's working dtype).
-        mpu: Refused: zero has no model parallelism.
-        **kwargs: Further DeepSpeed options; each one given is refused by name.
-
-    Raises:
-        ValueError: ``module``, ``mpu`` or an option zero does not have.
-    """
+    """Partition every parameter as the model is constructed (``with deepspeed.zero.Init(...):``)."""
 
     def __init__(
         self,

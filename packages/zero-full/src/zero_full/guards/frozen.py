@@ -1,13 +1,4 @@
-"""Which parameters train is fixed at ``initialize``: a later ``requires_grad`` change is refused.
-
-The engine builds its optimizer over the parameters that require grad when it is created:
-their fp32 masters, optimizer state and gradient partitions exist, the others' do not. A
-parameter frozen afterwards would still be stepped and decayed (its zero gradient still feeds
-Adam's moments), one unfrozen afterwards would never be. Rather than train something other
-than what the user asked for, :class:`TrainableSet` compares the parameters that require
-grad with those at ``initialize`` on every forward (with grad) and backward, and raises
-:class:`RequiresGradChangedError` naming each changed parameter and how to freeze with zero.
-"""
+"""Which parameters train is fixed at ``initialize``: a later ``requires_grad`` change is refused."""
 
 from __future__ import annotations
 

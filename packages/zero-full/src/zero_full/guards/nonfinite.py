@@ -10,11 +10,6 @@ an inf / nan gradient on one rank would otherwise turn every weight on every ran
   read the bound their gradient reduce-scatter carried (``zero_comm.GradientBound``: no
   collective of its own);
 * otherwise one all-reduce (max) of a local inf/nan flag (``zero_optim.found_overflow``).
-
-Only when that global check fired, a cheap local scan finds this rank's first non-finite
-parameter and one more exchange tells every rank which rank holds which, so the message
-names it. The policy (``robustness.nonfinite_gradients``) skips the step on every rank with
-one warning (rank 0) or raises :class:`NonFiniteGradientError` on every rank.
 """
 
 from __future__ import annotations
@@ -41,15 +36,7 @@ class NonFiniteGradientError(FloatingPointError):
 
 
 class NonFiniteGuard:
-    """The fp32 / bf16 non-finite gradient check and its policy.
-
-    Args:
-        policy: ``skip`` or ``raise``.
-        group: The ranks whose gradient partitions together hold every element (``None``: world).
-
-    Attributes:
-        skipped_steps: Steps skipped because of non-finite gradients.
-    """
+    """The fp32 / bf16 non-finite gradient check and its policy."""
 
     __slots__ = ("group", "policy", "skipped_steps")
 
@@ -74,15 +61,6 @@ class NonFiniteGuard:
         """The global check fired: find and name the culprit, then skip (count, warn) or raise.
 
         Collective: every rank calls it after the same global answer.
-
-        Args:
-            optimizer: The optimizer whose gradient partitions are scanned for the culprit.
-            step: Optimizer steps taken so far.
-            overflowed: What the check summed, named when no element is inf / nan (the sum
-                itself overflowed).
-
-        Raises:
-            NonFiniteGradientError: the policy is ``raise``.
         """
         with record_function("zero.optim.nonfinite_scan"):
             local = _first_nonfinite(optimizer)

@@ -37,19 +37,7 @@ def _fill_if_auto(section: dict[str, Any], key: str, value: Any) -> None:
 def fill_from_training_args(
     config: Mapping[str, Any] | str | os.PathLike[str], args: Any, world_size: int, hidden_size: int | None
 ) -> dict[str, Any]:
-    """A copy of ``config`` with ``"auto"`` (and missing trainer-owned) values taken from ``args``.
-
-    Args:
-        config: A DeepSpeed-style dict or a JSON path.
-        args: The ``transformers.TrainingArguments``.
-        world_size: Ranks training together.
-        hidden_size: The model's ``config.hidden_size`` (``None``: bucket sizes stay ``"auto"``,
-            which validation then names as an error).
-
-    Raises:
-        ValueError: a value disagrees with ``args``; a ``scheduler`` section (the Trainer's own
-            ``lr_scheduler_type`` / warm-up schedule is stepped).
-    """
+    """A copy of ``config`` with ``"auto"`` (and missing trainer-owned) values taken from ``args``."""
     raw = copy.deepcopy(dict(config)) if isinstance(config, Mapping) else json.loads(Path(config).read_text())
     if "scheduler" in raw:
         raise ValueError(

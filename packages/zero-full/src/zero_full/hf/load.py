@@ -1,25 +1,4 @@
-"""Hugging Face checkpoints straight into ZeRO shards (and whole parameters for stages 0/1/2).
-
-:func:`from_pretrained` builds the model without allocating its full weights — every
-parameter is registered on the ``meta`` device (a public
-``register_module_parameter_registration_hook`` swaps it as the constructor registers it;
-buffers stay real, so computed non-persistent buffers such as rotary frequencies are
-right) and, at stage 3, partitioned by :class:`zero_full.Init` as it is built — then fills
-each rank's part of every tensor from the checkpoint's safetensors files: one
-``model.safetensors`` or a sharded checkpoint with ``model.safetensors.index.json``.
-
-Each rank reads only the element range it keeps (``safe_open(...).get_slice``, memory
-mapped; the file is reopened per tensor so the mapped pages are dropped after each read),
-converts the dtype while copying into place, and frees the read. Peak extra memory per
-rank: about one tensor's shard (a whole tensor for parameters that stay whole).
-
-Key conventions follow ``transformers``' own ``from_pretrained`` for the class given: a tied
-parameter (``lm_head.weight`` tied to the input embedding) is read from whichever of its
-names the file holds; a checkpoint of the base model loads into a model with a head (and
-the other way round) by adding / stripping ``base_model_prefix``; the class's
-``_keys_to_ignore_on_load_missing`` / ``_keys_to_ignore_on_load_unexpected`` patterns are
-honoured.
-"""
+"""Hugging Face checkpoints straight into ZeRO shards (and whole parameters for stages 0/1/2)."""
 
 from __future__ import annotations
 
@@ -61,18 +40,7 @@ _ST_DTYPES = {name: dtype for dtype, name in SAFETENSORS_DTYPES.items()}  # head
 
 @dataclasses.dataclass(frozen=True)
 class LoadReport:
-    """What a load read and what did not match.
-
-    Attributes:
-        loaded: State-dict keys filled from the checkpoint (one per distinct tensor; a tied
-            parameter is listed under the key it was read from).
-        missing: Model keys the checkpoint does not hold (tied aliases of a loaded
-            parameter and ignored patterns are not missing).
-        unexpected: Checkpoint keys the model has no place for.
-        mismatched: ``"key: model [shape] vs checkpoint [shape]"`` for tensors of another shape.
-        max_read_bytes: The largest single read (bytes, in the file's dtype): this rank's
-            peak extra memory while loading.
-    """
+    """What a load read and what did not match."""
 
     loaded: tuple[str, ...]
     missing: tuple[str, ...]
@@ -163,15 +131,7 @@ def _check_entry(path: Path, key: str, meta: Any, data: int) -> None:
 
 
 def checkpoint_index(path: str | os.PathLike[str]) -> dict[str, _TensorInfo]:
-    """Every tensor of a safetensors checkpoint: key -> file, dtype, shape (headers only).
-
-    Args:
-        path: A directory with ``model.safetensors`` or ``model.safetensors.index.json``, or
-            one ``.safetensors`` file.
-
-    Raises:
-        CheckpointError: no safetensors checkpoint there; a file the index names is missing.
-    """
+    """Every tensor of a safetensors checkpoint: key -> file, dtype, shape (headers only)."""
     path = Path(path)
     if path.is_file():
         files = [path]
@@ -386,18 +346,6 @@ def load_safetensors_into(
     persistent parameters, whole parameters and persistent buffers of unpartitioned
     modules. No communication. For a model inside an :class:`~zero_full.Engine` use
     :meth:`Engine.load_pretrained` (it also refreshes the optimizer's fp32 master).
-
-    Args:
-        model: The model (e.g. built under :class:`zero_full.Init`).
-        path: A ``save_pretrained`` directory (single or sharded safetensors) or one file.
-        strict: Raise on any missing / unexpected / misshaped tensor (``False``: load what
-            matches, warn, and return the problems in the report).
-
-    Returns:
-        The :class:`LoadReport`.
-
-    Raises:
-        CheckpointError: no checkpoint at ``path``; with ``strict``, every mismatch named.
     """
     return _fill(model, _model_slots(model), path, strict=strict)
 
@@ -434,23 +382,7 @@ def load_into_state(state: TrainState, path: str | os.PathLike[str], *, strict: 
 
 
 class MetaParameters:
-    """Inside the block, every parameter a module registers is replaced by a ``meta`` one.
-
-    Uses ``torch.nn.modules.module.register_module_parameter_registration_hook`` (a hook
-    may return the parameter to register). The constructor's own ``torch.empty`` is
-    replaced at registration, before its init runs, so the init touches no memory.
-    Buffers are left real. Parameters already on ``meta`` or already partitioned (a tied
-    parameter registered again) are left alone. Enter it before :class:`zero_full.Init` so
-    that Init partitions the meta parameters (zero-filled shards, see
-    ``zero_params.partitioning._partition_one``).
-
-    Args:
-        skip_hf_init: Mark each module that registers a parameter as initialised the way
-            ``transformers`` marks the modules it loads (``module._is_hf_initialized``), so a
-            ``PreTrainedModel``'s ``post_init`` does not initialise weights the loader is about
-            to overwrite (under ``Init`` that would materialise each one whole in turn).
-            Modules without parameters (rotary embeddings) are initialised as usual.
-    """
+    """Inside the block, every parameter a module registers is replaced by a ``meta`` one."""
 
     def __init__(self, skip_hf_init: bool = False) -> None:
         self.skip_hf_init = skip_hf_init
@@ -521,38 +453,9 @@ def from_pretrained(
 ) -> nn.Module:
     """Build a model and load a safetensors checkpoint straight into this rank's shards.
 
-    The model is built with its parameters on ``meta`` (no full weight is ever allocated);
-    at stage 3 (``config``) each parameter becomes a partitioned parameter as it is built
-    (:class:`zero_full.Init`, persistence threshold, MiCS groups and working dtype from the
-    config) and each rank then reads only its shards; at stages 0/1/2 the parameters get
-    whole storage and are read whole. Pass the result to :func:`zero_full.initialize`.
-
-    Parameters the checkpoint does not fill (``strict=False``) keep zeros (stage 3) or
-    uninitialised memory (stages 0-2); init code the constructor runs after a parameter was
-    partitioned (e.g. HF ``post_init``) runs on it as under :class:`zero_full.Init`, and
-    is then overwritten by the checkpoint.
-
-    Args:
-        model_class_or_callable: A ``transformers`` model class (built as
-            ``cls(cls.config_class.from_pretrained(path))``, or ``cls(model_config)``), an
-            ``AutoModel...`` class (``cls.from_config(AutoConfig.from_pretrained(path))``), or a
-            callable returning the model (called with ``model_config`` when given, else
-            without arguments).
-        path: A ``save_pretrained`` directory (``model.safetensors`` or sharded with
-            ``model.safetensors.index.json``) or one ``.safetensors`` file.
-        config: The zero config (:class:`zero_full.ZeroConfig`, dict or JSON path); ``None``
-            loads whole parameters.
-        model_config: The model's own config (e.g. a ``PretrainedConfig``) instead of the one
-            saved at ``path``.
-        strict: See :func:`load_safetensors_into`.
-
-    Returns:
-        The model, in ``eval()`` mode like ``transformers``' ``from_pretrained`` (call
-        ``engine.train()`` to fine-tune).
-
-    Raises:
-        CheckpointError: no checkpoint; with ``strict``, every missing / unexpected /
-            misshaped tensor named.
+    The model is built on ``meta`` (no full weight is ever allocated); at stage 3 each parameter
+    is partitioned as it is built (:class:`zero_full.Init`) and each rank reads only its shards.
+    Returns the model in ``eval()`` mode; pass it to :func:`zero_full.initialize`.
     """
     path = Path(path)
     with record_function("zero.pretrained.build"):

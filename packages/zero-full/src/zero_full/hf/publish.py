@@ -1,19 +1,7 @@
 """Publishing a Hugging Face weight save: the directory ends holding exactly the new weights.
 
-A directory written by an earlier save may hold weight files the new save does not write: a
-single ``model.safetensors`` next to new shards (``transformers`` prefers it and would load
-the stale weights), shards of another count, an index, ``pytorch_model*.bin``.
-:func:`publish_weights` takes the new weight files, written completely under temporary names,
-and
-
-1. removes every earlier weight file and index (except a ``model.safetensors`` the new single
-   file replaces in one ``os.replace``);
-2. renames the new weight files into place;
-3. writes the new index last (sharded saves), through a temporary file and ``os.replace``.
-
-No loader ever sees old and new weights together: until step 3 completes a sharded save has
-no index, so an interrupted publish fails to load instead of loading a mix. Files that are
-not weights (tokenizer, README, adapters) are left alone.
+Earlier weight files are removed, the new ones renamed into place and the index written last:
+no loader ever sees old and new weights together. Files that are not weights are left alone.
 """
 
 from __future__ import annotations

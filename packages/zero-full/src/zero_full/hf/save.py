@@ -1,18 +1,8 @@
 """``engine.save_pretrained(dir)``: the trained weights in the Hugging Face layout, streamed.
 
-Writes ``config.json`` (and ``generation_config.json``) when the model has a
-``transformers`` config, and the weights as ``model.safetensors`` — or, above
-``max_shard_size``, as ``model-0000x-of-0000y.safetensors`` plus
-``model.safetensors.index.json`` — so that ``AutoModelForCausalLM.from_pretrained(dir)`` in
-a plain process gives exactly the trained weights.
-
-Every rank joins one all-gather per parameter (its group's, as
-:func:`zero_full.checkpoint.consolidated_state_dict` does); rank 0 writes each tensor as soon
-as it is gathered (:class:`zero_full.checkpoint.safetensors.SafetensorsWriter`: the header is
-written first from the known shapes), so the peak extra memory is one full tensor on
-rank 0 and one on each rank while it is gathered. Tied parameters are saved once, under
-their first ``state_dict`` key (``transformer.wte.weight``, not ``lm_head.weight``), as
-``transformers`` saves them.
+``config.json`` and ``model.safetensors`` (sharded with an index above ``max_shard_size``), so
+that ``from_pretrained(dir)`` in a plain process gives exactly the trained weights. Every rank
+joins one all-gather per parameter; rank 0 writes each tensor as soon as it is gathered.
 """
 
 from __future__ import annotations
@@ -98,15 +88,7 @@ def shard_file_names(count: int) -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class SavedPretrained:
-    """What :func:`save_pretrained` wrote (the same on every rank).
-
-    Attributes:
-        directory: The output directory.
-        files: The weight files written, in order.
-        tensors: Tensors written (tied parameters once).
-        nbytes: Tensor bytes written.
-        max_tensor_bytes: The largest tensor (the writing rank's peak extra memory).
-    """
+    """What :func:`save_pretrained` wrote (the same on every rank)."""
 
     directory: Path
     files: tuple[str, ...]
@@ -146,17 +128,6 @@ def save_pretrained(
     """Write the engine's weights (and the model's HF config) to ``directory`` in the HF layout.
 
     Collective: call on every rank. See the module docstring.
-
-    Args:
-        state: The engine's :class:`~zero_full.checkpoint.TrainState` (module and optimizer).
-        directory: Created if missing; it ends holding exactly this save's weight files (an
-            earlier save's weights and index are removed: see :mod:`zero_full.hf.publish`).
-        max_shard_size: Bytes per weight file (int, or ``"5GB"`` style); default 5 GB.
-        dtype: Save floating-point parameters in this dtype (default fp32: the optimizer's
-            master values, i.e. exactly the trained weights).
-
-    Returns:
-        :class:`SavedPretrained`.
     """
     directory = Path(directory)
     limit = parse_size(max_shard_size)
@@ -270,18 +241,7 @@ def consolidate_checkpoint_hf(
     max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     verify: bool = True,
 ) -> SavedPretrained:
-    """``zero consolidate --hf``: a sharded zero checkpoint -> a Hugging Face model directory, offline.
-
-    Like :func:`zero_full.checkpoint.safetensors.consolidate_checkpoint` (no process group; one full
-    parameter in memory at a time, assembled from the memory-mapped shard files), but written
-    in the HF layout: weight files split at ``max_shard_size`` with an index, tied parameters
-    once (under their first ``state_dict`` key), and ``config.json`` copied from ``config``
-    (a ``config.json`` file or a directory holding one, e.g. the checkpoint the model was
-    fine-tuned from) so that ``AutoModelForCausalLM.from_pretrained(out)`` loads it.
-
-    Raises:
-        CheckpointError: see ``consolidate_checkpoint``; ``config`` has no ``config.json``.
-    """
+    """``zero consolidate --hf``: a sharded zero checkpoint -> a Hugging Face model directory, offline."""
     checkpoint, out = Path(checkpoint), Path(out)
     cfg_file = None
     if config is not None:

@@ -1,26 +1,4 @@
-"""Model-state memory per rank for each ZeRO stage, from the ZeRO paper's formulas.
-
-For ``Ψ`` parameters trained with Adam on ``N`` data-parallel ranks:
-
-=========  ====================  ====================
-stage      mixed precision       fp32
-=========  ====================  ====================
-0 (DDP)    16Ψ                   16Ψ
-1          4Ψ + 12Ψ/N            8Ψ + 8Ψ/N
-2          2Ψ + 14Ψ/N            4Ψ + 12Ψ/N
-3          16Ψ/N                 16Ψ/N
-=========  ====================  ====================
-
-MiCS with partition groups of ``p`` ranks holds ``16Ψ/p`` (ZeRO-3 over ``p`` ranks instead of
-``N``; the ``N/p`` replicas each hold the same partition).
-
-Mixed precision keeps 16-bit parameters and gradients (2 bytes each) and K = 12 bytes of
-optimizer state per parameter (fp32 master weights, momentum, variance); fp32 training
-keeps 4-byte parameters and gradients and 8 bytes of Adam moments (one fp32 copy of the
-parameters). Stage 1 partitions the optimizer state, stage 2 also the gradients, stage 3
-also the parameters. Values are the formula's: the padding of partitions (at most
-``N - 1`` elements per tensor) and activations, buffers and fragmentation are not counted.
-"""
+"""Model-state memory per rank for each ZeRO stage, from the ZeRO paper's formulas."""
 
 from __future__ import annotations
 
@@ -75,21 +53,7 @@ _FORMULAS: Mapping[EstimatePrecision, tuple[str, ...]] = types.MappingProxyType(
 
 @dataclasses.dataclass(frozen=True)
 class StageMemory:
-    """Model-state bytes one rank holds at one stage (formula values, may be fractional).
-
-    Attributes:
-        stage: 0 (plain data parallelism, DDP) to 3.
-        params_bytes: Parameters (working precision).
-        gradients_bytes: Gradients.
-        optimizer_bytes: Optimizer state (with the fp32 master weights in mixed precision).
-        shard_size: MiCS partition-group size (stage 3 sharded over ``shard_size`` ranks
-            only); ``None`` for plain ZeRO.
-        hpz_size: ZeRO++ hpZ secondary-group size (stage 3 plus a secondary shard of
-            ``Ψ/hpz_size`` parameters in the working precision); ``None`` without hpZ.
-        frozen_int8: ZeRO++ ``zero_quantized_nontrainable_weights``: how many of the Ψ
-            parameters are frozen and kept as int8 shards (no gradient, no optimizer state,
-            ``(1 + 4/2048)`` bytes per element over ``N``); ``None`` otherwise.
-    """
+    """Model-state bytes one rank holds at one stage (formula values, may be fractional)."""
 
     stage: int
     params_bytes: float
@@ -134,14 +98,7 @@ class StageMemory:
 
 @dataclasses.dataclass(frozen=True)
 class MemoryEstimate:
-    """Result of :func:`estimate_model_states`.
-
-    Attributes:
-        num_params: Ψ, the number of parameters.
-        world_size: N, the number of data-parallel ranks.
-        precision: Mixed precision or fp32.
-        stages: One entry per requested stage, in increasing stage order.
-    """
+    """Result of :func:`estimate_model_states`."""
 
     num_params: int
     world_size: int
@@ -190,26 +147,6 @@ def estimate_model_states(
     MiCS group when ``mics_shard_size`` is given (``N`` becomes ``S``), and the int8-frozen entry
     includes MiCS's group and hpZ's secondary shard when given. The last entry is therefore the
     configuration with every option asked for.
-
-    Args:
-        num_params: Ψ, ``>= 1``.
-        world_size: N, ``>= 1``.
-        precision: ``"mixed"`` (16-bit params/grads, K = 12) or ``"fp32"``.
-        stages: Stages to report, each 0 (DDP) to 3.
-        mics_shard_size: Also report MiCS with partition groups of this many ranks (stage 3
-            over ``S = mics_shard_size`` ranks, ``16Ψ/S``).
-        hpz_partition_size: Also report ZeRO-3 with ZeRO++ hpZ over this many ranks (``n``):
-            ``16Ψ/N`` plus the secondary shard, ``2Ψ/n`` mixed or ``4Ψ/n`` fp32.
-        frozen_int8_params: Also report ZeRO-3 where this many of the Ψ parameters (``F``) are
-            frozen and stored as int8 shards (``zero_quantized_nontrainable_weights``):
-            ``16T/N`` for the ``T = Ψ - F`` trainable ones plus ``F (1 + 4/2048) / N``.
-
-    Returns:
-        The per-stage breakdown (the MiCS entry, then the hpZ entry, then the int8-frozen entry, last).
-
-    Raises:
-        ValueError: a count below 1, an unknown precision or stage, or a MiCS shard size
-            or hpZ partition size that does not divide the world size.
     """
     for what, value in (("num_params", num_params), ("world_size", world_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

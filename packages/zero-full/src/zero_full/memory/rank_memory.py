@@ -1,24 +1,4 @@
-"""Real memory of this rank, read from the process and the accelerator (not from our own counters).
-
-* :func:`read_process_memory` -> :class:`ProcessMemory`: resident set size (RSS) now and its
-  peak. On Linux both come from ``/proc/self/status`` (``VmRSS``, ``VmHWM``) and
-  :func:`reset_process_peak` resets the peak to the current RSS (writes ``5`` to
-  ``/proc/self/clear_refs``), so the peak of one training step can be read. Without
-  ``/proc`` (macOS, BSD) the only figure is ``resource.getrusage``'s ``ru_maxrss``: the
-  peak since the process started, which cannot be reset, and no current RSS
-  (:attr:`ProcessMemory.source` says which).
-* :func:`read_device_memory` -> :class:`DeviceMemory` (or ``None`` without an accelerator):
-  bytes held by tensors on the current ``torch.accelerator`` device and their peak, through
-  the device-generic ``torch.accelerator`` memory API (CUDA, XPU, MPS, ... alike);
-  :func:`reset_device_peak` resets that peak.
-
-On CPU, RSS is what the operating system charges the process: the runtime itself (torch
-and a gloo process group: about 220 MiB before any model), every live tensor, and whatever
-the C allocator keeps after tensors are freed. glibc keeps freed blocks below its mmap
-threshold for reuse; start the process with ``MALLOC_MMAP_THRESHOLD_=1048576`` so every
-block of 1 MiB or more is returned to the kernel when freed and the RSS follows the live
-tensor bytes (benchmarks do).
-"""
+"""Real memory of this rank, read from the process and the accelerator (not from our own counters)."""
 
 from __future__ import annotations
 
@@ -56,15 +36,7 @@ class MemorySource(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class ProcessMemory:
-    """One reading of this process's resident memory.
-
-    Attributes:
-        rss_bytes: Resident set size now; ``None`` when the source cannot tell (getrusage).
-        peak_rss_bytes: Highest RSS since the last :func:`reset_process_peak` (or since the
-            process started, when :attr:`peak_resettable` is false).
-        source: Where the figures come from.
-        peak_resettable: Whether :func:`reset_process_peak` can reset the peak here.
-    """
+    """One reading of this process's resident memory."""
 
     rss_bytes: int | None
     peak_rss_bytes: int
@@ -74,14 +46,7 @@ class ProcessMemory:
 
 @dataclasses.dataclass(frozen=True)
 class DeviceMemory:
-    """Bytes held by tensors on one accelerator device (``torch.accelerator`` memory API).
-
-    Attributes:
-        device: The device, e.g. ``cuda:0``.
-        allocated_bytes: Bytes occupied by live tensors now.
-        peak_allocated_bytes: Highest :attr:`allocated_bytes` since the last :func:`reset_device_peak`.
-        reserved_bytes: Bytes the caching allocator holds (live tensors + cached free blocks).
-    """
+    """Bytes held by tensors on one accelerator device (``torch.accelerator`` memory API)."""
 
     device: str
     allocated_bytes: int

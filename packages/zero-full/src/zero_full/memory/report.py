@@ -8,9 +8,6 @@ A :class:`MemoryReport` holds, for one rank at one moment:
 * the model-state bytes counted from the engine's own storages (a second figure: what the
   engine believes it holds, not what the process holds);
 * the ZeRO formula's bytes for this stage, precision and partition group size.
-
-Reset the peaks at the start of each step with ``engine.reset_peak_memory()`` (or
-``engine.memory_report(reset_peak=True)`` at its end) so that the peak is one step's.
 """
 
 from __future__ import annotations
@@ -42,19 +39,7 @@ __all__ = ["MemoryReport", "build_memory_report", "model_state_bytes", "reset_pe
 
 @dataclasses.dataclass(frozen=True)
 class MemoryReport:
-    """One rank's memory at one moment (see :meth:`zero_full.Engine.memory_report`).
-
-    Attributes:
-        rank: The global rank.
-        global_steps: Optimizer steps the engine had taken.
-        process: RSS and peak RSS of the process (the evidence on CPU).
-        device: Allocated and peak bytes on the accelerator; ``None`` on CPU.
-        model_state_bytes: Parameters + gradients + optimizer state counted from the engine's
-            storages (``engine.model_state_bytes()``): a second figure, not the evidence.
-        formula_bytes: The ZeRO formula's model-state bytes per rank for this stage.
-        formula: The formula in words, e.g. ``ZeRO-3 16P/N (fp32, N = 2)``.
-        num_params: P, the model's parameters (each shared tensor once).
-    """
+    """One rank's memory at one moment (see :meth:`zero_full.Engine.memory_report`)."""
 
     rank: int
     global_steps: int
@@ -128,14 +113,7 @@ def _formula(state: TrainState, num_params: int, world: int) -> tuple[float, str
 
 
 def build_memory_report(state: TrainState, rank: int, world: int) -> MemoryReport:
-    """Read this rank's memory now (no collective: every rank reads its own).
-
-    Args:
-        state: The engine's :class:`~zero_full.checkpoint.TrainState` (module, optimizer,
-            config, step counters).
-        rank: This rank.
-        world: The world size (the formula's N).
-    """
+    """Read this rank's memory now (no collective: every rank reads its own)."""
     num_params = _num_params(state.module)
     formula_bytes, formula = _formula(state, num_params, world)
     return MemoryReport(

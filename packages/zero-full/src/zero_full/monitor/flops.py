@@ -1,12 +1,4 @@
-"""``flops_profiler``: the forwards of one optimizer step counted with torch's ``FlopCounterMode`` (rank 0).
-
-While the engine's optimizer-step counter equals ``profile_step``, each forward of the model runs
-under ``torch.utils.flop_counter.FlopCounterMode`` (the engine's forward enters
-:meth:`FlopsProfiler.counting`) and is timed. :meth:`FlopsProfiler.report` then gives one
-report: forward FLOPs and time, the forward + backward estimate (backward = 2 x forward, as
-DeepSpeed's, plus ``recompute_fwd_factor`` x forward), the parameters, and the FLOPs of the
-modules down to ``module_depth`` (``top_modules`` per level, most first).
-"""
+"""``flops_profiler``: the forwards of one optimizer step counted with torch's ``FlopCounterMode`` (rank 0)."""
 
 from __future__ import annotations
 

@@ -1,23 +1,4 @@
-"""The engine's monitor: what one optimizer step reports, and to whom (rank 0, as DeepSpeed).
-
-:class:`TrainingMonitor` is built once per engine from the config. Each backward hands it the
-micro-batch's loss (:meth:`~TrainingMonitor.record_loss`); after each optimizer step
-(:meth:`~TrainingMonitor.after_step`) it writes the step's events to every writer:
-
-* ``Train/Samples/train_loss``: the mean loss of the step's micro-batches on rank 0;
-* ``Train/Samples/lr``: the first parameter group's learning rate after the step;
-* ``Train/Samples/loss_scale``: the fp16 loss scale (fp16 only, as DeepSpeed);
-* ``Train/Samples/grad_norm``: the global gradient norm, when the step measured it (clipping);
-* ``Train/Samples/step_time_ms``: wall time since the previous optimizer step ended;
-* ``Train/Samples/rss_bytes`` and ``Train/Samples/peak_rss_bytes``: the process's memory;
-* ``Train/Samples/comm_bytes_sent``: bytes rank 0 sent in the step's collectives (ring-ideal).
-
-Every ``steps_per_print`` optimizer steps it logs a progress line at INFO (logger
-``zero.monitor``; ``zero_full.deepspeed``'s engine prints DeepSpeed's own line).
-
-The step of every event is the number of samples seen (``global_steps x train_batch_size``), as
-DeepSpeed's; without batch keys in the config, the optimizer step count.
-"""
+"""The engine's monitor: what one optimizer step reports, and to whom (rank 0, as DeepSpeed)."""
 
 from __future__ import annotations
 
@@ -48,13 +29,7 @@ _PREFIX = "Train/Samples/"
 
 
 class TrainingMonitor:
-    """The writers, collective table and FLOP profiler a config asks for, on rank 0 (nothing elsewhere).
-
-    Attributes:
-        writers: The enabled backends (empty on other ranks and without monitoring sections).
-        comms: The ``comms_logger`` table, or ``None``.
-        flops: The ``flops_profiler``, or ``None``.
-    """
+    """The writers, collective table and FLOP profiler a config asks for, on rank 0 (nothing elsewhere)."""
 
     def __init__(self, config: ZeroConfig, module: nn.Module, state: TrainState) -> None:
         rank0 = dist.get_rank() == 0

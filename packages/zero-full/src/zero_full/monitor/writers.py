@@ -4,9 +4,6 @@
   ``output_path/job_name``, named after the event with ``/`` as ``_``, header ``step,<last part>``;
 * :class:`TensorBoardWriter` (``tensorboard``): ``SummaryWriter(output_path/job_name).add_scalar``;
 * :class:`WandbWriter` (``wandb``): ``wandb.init(project, group, entity=team)`` and ``wandb.log``.
-
-A section whose package is not installed is skipped with one WARNING naming the package; the
-config is never refused for it.
 """
 
 from __future__ import annotations

@@ -9,10 +9,6 @@ hand to the layers below:
   working dtype; the sums and the average are computed in the working dtype after the cast back;
 * parameters, stage 3: :class:`zero_comm.CastAllGather` only when the communication dtype is
   narrower than the working dtype (a wider gather would move more bytes for the same values).
-
-Without a cast, stages 1-3 reduce gradients with the backend's choice
-(:func:`zero_comm.reduce_scatter_strategy`): the native ``reduce_scatter_tensor`` on NCCL
-(half types reduced in fp32), the plain exchange (``None``) elsewhere.
 """
 
 from __future__ import annotations
@@ -34,14 +30,7 @@ __all__ = ["CommStrategies", "comm_strategies"]
 
 @dataclasses.dataclass(frozen=True)
 class CommStrategies:
-    """The collectives ``communication_data_type`` selects (``None``: the plain one).
-
-    Attributes:
-        dtype: The communication dtype (``None``: the working dtype, nothing cast).
-        gather: Stage-3 parameter all-gather.
-        reduce_scatter: Gradient reduce-scatter (stages 1, 2, 3).
-        all_reduce: Gradient all-reduce (stage 0).
-    """
+    """The collectives ``communication_data_type`` selects (``None``: the plain one)."""
 
     dtype: torch.dtype | None = None
     gather: zero_comm.CastAllGather | None = None

@@ -1,15 +1,4 @@
-"""``torch.compile`` and the engine: what works, and the errors where it cannot.
-
-* ``engine.compile(**kwargs)`` (or ``model.compile(...)`` on the model given to
-  ``initialize``) compiles the model in place after the engine installed its hooks. Under
-  stage 3 the coordinator's module hooks run eagerly (``torch.compiler.disable``): each
-  module's own computation is compiled, with a graph break at every hooked module boundary,
-  where parameters are gathered and released. Stages 0-2 install no module hooks.
-* A module returned by ``torch.compile(model)`` (an ``OptimizedModule``) is refused by
-  ``initialize``: its parameters are named ``_orig_mod.*`` and the compiled wrapper would
-  be traced before the engine's hooks exist.
-* ``fullgraph=True`` under stage 3 is refused: the hooks are graph breaks by design.
-"""
+"""``torch.compile`` and the engine: what works, and the errors where it cannot."""
 
 from __future__ import annotations
 
@@ -44,16 +33,7 @@ def check_not_precompiled(model: nn.Module) -> None:
 
 
 def compile_model(model: nn.Module, stage: int, **kwargs: Any) -> None:
-    """``model.compile(**kwargs)`` in place, refusing what cannot work.
-
-    Args:
-        model: The engine's model (hooks installed).
-        stage: The ZeRO stage.
-        **kwargs: ``torch.compile`` options (``backend``, ``mode``, ``dynamic``, ...).
-
-    Raises:
-        ValueError: ``fullgraph=True`` under stage 3.
-    """
+    """``model.compile(**kwargs)`` in place, refusing what cannot work."""
     if stage == 3 and kwargs.get("fullgraph"):
         raise ValueError(_FULLGRAPH)
     model.compile(**kwargs)

@@ -1,16 +1,4 @@
-"""MiCS wiring: the shard and replicate groups and the gather strategy a config asks for.
-
-MiCS (``zero_optimization.mics_shard_size = p``) is a configuration of the stage-3 path,
-not a separate engine: parameters are partitioned over a *shard group* of ``p``
-consecutive ranks (``zero_comm.Topology.shard_group``) instead of the whole world, and
-replicated across the ``N / p`` shard groups; the ranks at the same position of every
-shard group form the *replicate group*. Gathers and reduce-scatters stay inside the shard
-group; the gradient partitions are averaged across the replicate group once per
-optimizer step (``zero_optim.ReplicaGradientSync``).
-
-With ``mics_hierarchical_params_gather`` a shard group spanning several nodes gathers in
-two hops (``zero_comm.HierarchicalAllGather``: inter-node, then intra-node).
-"""
+"""MiCS wiring: the shard and replicate groups and the gather strategy a config asks for."""
 
 from __future__ import annotations
 
@@ -37,17 +25,7 @@ __all__ = ["MicsGroups", "build_mics_groups", "check_mics_layout", "sync_replica
 
 @dataclasses.dataclass(frozen=True)
 class MicsGroups:
-    """The process groups and gather strategy of one MiCS configuration on this rank.
-
-    Attributes:
-        shard_size: Ranks per shard group (``mics_shard_size``).
-        replicas: Number of shard groups (``world_size / shard_size``).
-        shard: This rank's shard group (parameters, gradients and optimizer state are
-            partitioned over it).
-        replicate: This rank's replicate group (the ranks holding the same partition).
-        gather_strategy: Flat or hierarchical all-gather over the shard group.
-        hierarchical: Whether the gather runs in two hops.
-    """
+    """The process groups and gather strategy of one MiCS configuration on this rank."""
 
     shard_size: int
     replicas: int
@@ -68,19 +46,7 @@ class MicsGroups:
 
 
 def check_mics_layout(shard_size: int, hierarchical: bool, world_size: int, ranks_per_node: int) -> None:
-    """Validate a MiCS layout against the world (what ``initialize`` / ``Init`` check first).
-
-    Args:
-        shard_size: ``mics_shard_size``.
-        hierarchical: ``mics_hierarchical_params_gather``.
-        world_size: Ranks in the default process group.
-        ranks_per_node: Ranks per node (``zero_comm.Topology.ranks_per_node``).
-
-    Raises:
-        ValueError: the shard size is below 1 or does not divide the world size; hierarchical
-            gather with a shard group on a single node, or a shard group that does not cover
-            whole nodes. Each message names the numbers and the fix.
-    """
+    """Validate a MiCS layout against the world (what ``initialize`` / ``Init`` check first)."""
     if shard_size < 1:
         raise ValueError(
             f"mics_shard_size={shard_size} is not a valid shard group size: use an integer >= 1 "

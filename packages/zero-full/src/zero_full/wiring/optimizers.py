@@ -1,11 +1,4 @@
-"""The torch optimizer an ``optimizer`` section describes, and the two torch lacks (Lamb, Lion).
-
-:func:`build_optimizer` follows DeepSpeed's choices: ``Adam`` with ``adam_w_mode`` (its default)
-is ``torch.optim.AdamW``; ``Adagrad`` and ``SGD`` are torch's; ``Lamb`` and ``Lion`` are
-:class:`Lamb` and :class:`Lion` here, with the update of DeepSpeed's fused kernels (see their
-docstrings). The engine passes ``functools.partial(build_optimizer, config.optimizer)`` as the
-optimizer factory, so the partitioned optimizer builds it over its flat partitions.
-"""
+"""The torch optimizer an ``optimizer`` section describes, and the two torch lacks (Lamb, Lion)."""
 
 from __future__ import annotations
 
@@ -37,8 +30,6 @@ class Lamb(torch.optim.Optimizer):
         u = m / (sqrt(v) + eps) + weight_decay * p        # sqrt(v + eps) with eps_inside_sqrt
         r = clip(||p|| / ||u||, min_coeff, max_coeff)      # 1 when either norm is 0
         p = p - step_size * r * u,  step_size = lr * sqrt(1 - beta2^t) / (1 - beta1^t)
-
-    (``step_size = lr`` without ``bias_correction``). State: ``step``, ``exp_avg``, ``exp_avg_sq``.
     """
 
     def __init__(
@@ -114,8 +105,6 @@ class Lion(torch.optim.Optimizer):
 
         p = p * (1 - lr * weight_decay) - lr * sign(beta1 * m + (1 - beta1) * g)
         m = beta2 * m + (1 - beta2) * g
-
-    ``sign(0)`` is 0, as in the paper. State: ``exp_avg``.
     """
 
     def __init__(
@@ -156,18 +145,7 @@ def _adam(section: OptimizerConfig, p: AdamParams, params: Iterable[Any]) -> tor
 
 
 def build_optimizer(section: OptimizerConfig, params: Iterable[Any]) -> torch.optim.Optimizer:
-    """Create the torch optimizer ``section`` describes over ``params``.
-
-    Args:
-        section: The validated ``optimizer`` section.
-        params: Parameters or parameter groups, as for any torch optimizer.
-
-    Returns:
-        ``torch.optim.AdamW`` / ``Adam`` / ``SGD`` / ``Adagrad``, or :class:`Lamb` / :class:`Lion`.
-
-    Raises:
-        ValueError: ``bias_correction = false`` on Adam, which torch's Adam cannot do.
-    """
+    """Create the torch optimizer ``section`` describes over ``params``."""
     p = section.params
     kind = section.type
     if kind in (OptimizerType.ADAM, OptimizerType.ADAMW) and isinstance(p, AdamParams):

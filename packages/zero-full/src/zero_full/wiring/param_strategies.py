@@ -23,13 +23,7 @@ __all__ = ["ParamStrategies", "param_strategies"]
 
 @dataclasses.dataclass(frozen=True)
 class ParamStrategies:
-    """The strategies one config selects for partitioned parameters on this rank.
-
-    Attributes:
-        mics: The MiCS groups (``None`` without MiCS).
-        comm: The ``communication_data_type`` strategies (empty with MiCS).
-        zeropp: The ZeRO++ strategies (``None`` without ZeRO++).
-    """
+    """The strategies one config selects for partitioned parameters on this rank."""
 
     mics: MicsGroups | None = None
     comm: CommStrategies = CommStrategies()
@@ -70,17 +64,7 @@ def param_strategies(
     *,
     mics: bool = True,
 ) -> ParamStrategies:
-    """Build the strategies (and MiCS / hpZ groups: collective when it makes groups).
-
-    Args:
-        config: The validated configuration (MiCS and ``communication_data_type`` at stage 3).
-        topology: Nodes and cached groups (default: a new one, made only when needed).
-        group: The shard group the caller partitions over (``None``: the world, or MiCS's).
-        mics: Build the MiCS groups when configured (``False``: the caller chose ``group``).
-
-    Raises:
-        ValueError: an invalid MiCS or ZeRO++ layout for this world.
-    """
+    """Build the strategies (and MiCS / hpZ groups: collective when it makes groups)."""
     z = config.zero_optimization
     stage3 = config.stage == 3
     use_mics = mics and stage3 and z.mics_enabled

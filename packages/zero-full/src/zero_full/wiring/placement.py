@@ -1,12 +1,4 @@
-"""The engine's device: chosen at ``initialize``, the model moved to it, mismatches refused.
-
-The device is ``initialize(..., device=...)`` when given, else the current accelerator when
-the process group serves its type (``nccl``: CUDA), else the CPU — as DeepSpeed and FSDP2 move
-a model built on the CPU to the accelerator. Parameters and buffers not partitioned yet move
-there; a model spread over several devices, a parameter on ``meta`` or a shard made by
-``zero_full.Init`` on another accelerator device is refused with an error naming the parameter and both
-devices, on every rank, before any collective.
-"""
+"""The engine's device: chosen at ``initialize``, the model moved to it, mismatches refused."""
 
 from __future__ import annotations
 
@@ -21,15 +13,10 @@ __all__ = ["engine_device", "place_model"]
 
 
 def engine_device(requested: str | torch.device | None = None, example: str = "") -> torch.device:
-    """The device the engine computes and keeps its shards on (see the module docstring).
+    """The device the engine computes and keeps its shards on.
 
     ``example`` (``"parameter 'a.weight' is on cpu"``) opens the error message, naming a
     parameter where the group serves no device it could train on.
-
-    Raises:
-        ValueError: ``requested`` is a device type the default process group does not serve, or
-            nothing was requested and the group serves neither the CPU nor an accelerator
-            available here.
     """
     served = zero_comm.served_device_types()
     current = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
@@ -56,14 +43,7 @@ def engine_device(requested: str | torch.device | None = None, example: str = ""
 
 
 def place_model(model: nn.Module, requested: str | torch.device | None = None) -> torch.device:
-    """Choose the engine's device (:func:`engine_device`), move ``model`` there and return it.
-
-    Raises:
-        ValueError: see :func:`engine_device`;
-        ValueError: parameters or buffers on two devices (names one of each), one on ``meta``,
-            or a parameter partitioned by ``zero_full.Init`` on another device (names it and
-            both devices).
-    """
+    """Choose the engine's device (:func:`engine_device`), move ``model`` there and return it."""
     with record_function("zero.engine.place_model"):
         named = [*model.named_parameters(), *model.named_buffers()]
         example = f"parameter {named[0][0]!r} is on {named[0][1].device}" if named else ""

@@ -1,15 +1,4 @@
-"""DeepSpeed's learning-rate schedules as torch ``LRScheduler`` objects, built from the ``scheduler`` section.
-
-Each schedule computes the learning rate of optimizer step ``t`` with DeepSpeed's formulas, in
-DeepSpeed's order of operations (so the trajectory is the same to the last bit), and follows
-DeepSpeed's indexing: constructing it (``last_batch_iteration = -1``) sets the learning rate of
-iteration -1, and every ``step()`` advances one iteration. The engine calls ``step()`` once per
-optimizer step, at gradient-accumulation boundaries. ``state_dict()`` is DeepSpeed's
-(``{"last_batch_iteration": t}``), so a checkpoint written by either carries it.
-
-torch's ``LRScheduler.__init__`` is not called: it steps once at construction and wraps the
-optimizer's ``step``; DeepSpeed's schedules do neither.
-"""
+"""DeepSpeed's learning-rate schedules as torch ``LRScheduler`` objects, built from the ``scheduler`` section."""
 
 from __future__ import annotations
 
@@ -418,19 +407,7 @@ def _kwargs(params: Any) -> dict[str, Any]:
 
 
 def build_scheduler(config: ZeroConfig, optimizer: torch.optim.Optimizer) -> DeepSpeedSchedule | None:
-    """The schedule the ``scheduler`` section describes, over ``optimizer`` (``None`` without the section).
-
-    Args:
-        config: The validated config.
-        optimizer: The torch optimizer whose parameter groups the schedule sets.
-
-    Returns:
-        A torch ``LRScheduler`` (one of this module's classes), constructed as DeepSpeed does:
-        it has already set the learning rate of iteration -1.
-
-    Raises:
-        ValueError: a per-group list whose length is not the number of parameter groups.
-    """
+    """The schedule the ``scheduler`` section describes, over ``optimizer`` (``None`` without the section)."""
     section = config.scheduler
     if section is None:
         return None

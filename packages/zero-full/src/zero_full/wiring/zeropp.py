@@ -1,21 +1,4 @@
-"""ZeRO++ (qwZ, hpZ, qgZ, quantized frozen weights) as strategy objects chosen from the config.
-
-:func:`check_zeropp_layout` validates the ZeRO++ keys against the world (before any process
-group is made); :func:`build_zeropp` turns them into the gather / secondary / reduce strategies
-that ``zero_params.partition`` (and ``zero_full.Init``) store in every parameter's state:
-
-* ``zero_quantized_weights`` (qwZ): ``zero_comm.QuantizedAllGather`` over the shard group — int8
-  codes + fp32 scales on the wire, dequantized into each parameter's unsharded storage. Whole
-  (persistent) parameters are refreshed after a step through its exact twin, and the fp32
-  masters and the optimizer never see quantized values.
-* ``zero_hpz_partition_size`` (hpZ): a ``zero_comm.FlatAllGather`` over the node-local group of
-  that many consecutive ranks as the secondary strategy: each forward gather leaves a secondary
-  shard, backward gathers read it inside the node; the optimizer's ``commit_shards`` invalidates it.
-* ``zero_quantized_gradients`` (qgZ): ``zero_comm.QuantizedReduceScatter`` over the world
-  (int4, intra-node then inter-node all-to-all), or ``zero_comm.ErrorFeedbackReduceScatter``
-  with ``zeropp_loco_param``.
-* ``zero_quantized_nontrainable_weights``: see :mod:`zero_params.frozen`.
-"""
+"""ZeRO++ (qwZ, hpZ, qgZ, quantized frozen weights) as strategy objects chosen from the config."""
 
 from __future__ import annotations
 
@@ -37,14 +20,7 @@ logger = logging.getLogger("zero.engine")
 
 @dataclasses.dataclass(frozen=True)
 class ZeroppStrategies:
-    """The collective strategies of one ZeRO++ configuration on this rank (``None``: the default).
-
-    Attributes:
-        gather: Forward / backward all-gather over the shard group (qwZ: quantized).
-        secondary: hpZ all-gather over the node-local secondary group.
-        reduce: Gradient reduce-scatter over the world (qgZ: quantized, maybe with error feedback).
-        hpz_size: Ranks of the secondary group (1: no hpZ).
-    """
+    """The collective strategies of one ZeRO++ configuration on this rank (``None``: the default)."""
 
     gather: AllGatherStrategy | None = None
     secondary: AllGatherStrategy | None = None
@@ -64,19 +40,7 @@ def env_ranks_per_node(world_size: int) -> int:
 
 
 def check_zeropp_layout(z: ZeroOptimizationConfig, world_size: int, ranks_per_node: int) -> None:
-    """Refuse ZeRO++ settings that do not fit this world, or each other (every rank, no communication).
-
-    Args:
-        z: The ``zero_optimization`` section.
-        world_size: Ranks in the default process group.
-        ranks_per_node: Ranks per node (``LOCAL_WORLD_SIZE``).
-
-    Raises:
-        ValueError: ``zero_hpz_partition_size`` not dividing the world size, larger than a node
-            or not dividing the ranks per node; qgZ on a world that is not whole nodes; hpZ or
-            qgZ together with MiCS; qwZ with MiCS's hierarchical gather. Each message names the
-            key, the value and the rule.
-    """
+    """Refuse ZeRO++ settings that do not fit this world, or each other (every rank, no communication)."""
     if z.stage != 3:
         return
     hpz = z.zero_hpz_partition_size
@@ -136,17 +100,7 @@ def _check_with_mics(z: ZeroOptimizationConfig) -> None:
 def build_zeropp(
     z: ZeroOptimizationConfig, topology: Topology, shard_group: ProcessGroup | None
 ) -> ZeroppStrategies:
-    """Validate and create this rank's ZeRO++ strategies (collective when it makes groups).
-
-    Args:
-        z: The ``zero_optimization`` section.
-        topology: Nodes and cached groups (the world's).
-        shard_group: The primary shard group (``None``: the world; MiCS: the shard group).
-
-    Raises:
-        ValueError: see :func:`check_zeropp_layout`.
-        ImportError: qwZ / qgZ without the zero-kernels package.
-    """
+    """Validate and create this rank's ZeRO++ strategies (collective when it makes groups)."""
     check_zeropp_layout(z, topology.world_size, topology.ranks_per_node)
     if not z.zeropp_enabled:
         return ZeroppStrategies()

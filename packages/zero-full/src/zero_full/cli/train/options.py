@@ -85,11 +85,6 @@ def build_config(opts: TrainOptions) -> dict[str, Any]:
     Without a file: stage 3, AdamW (lr 3e-3), micro-batch 4, and persistence, prefetch, live
     and reuse bounds scaled to the small model. ``--stage`` and ``--micro-batch`` override the file; a file
     without an ``optimizer`` section gets the AdamW one.
-
-    Raises:
-        FileNotFoundError, zero_full.config.zero_config.ConfigFileError, pydantic.ValidationError: a bad
-            file (validated with :meth:`ZeroConfig.from_json`, which names path and key).
-        ValueError: inconsistent batch sizes for ``--world``.
     """
     if opts.config is not None:
         ZeroConfig.from_json(opts.config)  # the file's own errors, with path and key

@@ -34,25 +34,7 @@ CRASH_EXIT_CODE = 17  # the exit code of --crash-rank's rank
 
 @dataclasses.dataclass(frozen=True)
 class RankResult:
-    """What one rank measured.
-
-    Attributes:
-        rank: The rank.
-        num_params: P, parameters of the model (each tied tensor once).
-        model_state_bytes: ``engine.model_state_bytes()`` after the last step.
-        losses: Loss of every optimizer step, averaged over the ranks.
-        comm: zero-comm collectives of every step, summed (calls, payload, ring-ideal wire bytes).
-        params: Coordinator statistics summed over the micro-steps after the first optimizer
-            step (the first records the trace).
-        peak_live_elements: Most gathered parameter elements alive at once, over every step.
-        seconds: Wall time of the training loop.
-        tokens: Tokens this rank trained on.
-        runtime_rss_bytes: RSS before the model was built (torch, gloo, zero_full, transformers).
-        rest_rss_bytes: RSS after the last step (at rest: between steps).
-        step_peak_rss_bytes: Largest per-step peak RSS (peak reset before each step; steps after
-            the first, which also creates the optimizer state, unless there is only one).
-        peak_resettable: Whether the peak could be reset per step (else: since the process started).
-    """
+    """What one rank measured."""
 
     rank: int
     num_params: int

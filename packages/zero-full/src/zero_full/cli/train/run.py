@@ -1,14 +1,4 @@
-"""``zero train``'s launch: the ranks, their progress bar, their failures.
-
-:func:`run_training` validates the options, builds the config, launches ``world`` local gloo
-ranks with :func:`zero_comm.launch.launch` (one thread each, a file store in a temporary
-directory, ``MALLOC_MMAP_THRESHOLD_`` so freed tensors leave the RSS) running
-:func:`zero_full.cli.train.rank.train_rank`, draws a progress bar from rank 0's reports (loss averaged
-over the ranks, tokens per second) and returns a :class:`~zero_full.cli.train.summary.TrainSummary`.
-A rank that dies or raises stops the run at once (the others are killed) with a
-:class:`TrainError` naming it; a run whose ranks all stay silent for ``timeout`` + 60 s is
-stopped the same way, and every distributed wait is bounded by ``timeout``.
-"""
+"""``zero train``'s launch: the ranks, their progress bar, their failures."""
 
 from __future__ import annotations
 
@@ -32,13 +22,7 @@ _SILENCE_MARGIN_S = 60.0  # ranks bound each distributed wait by the timeout; lo
 
 
 class TrainError(RuntimeError):
-    """A rank failed, died or stopped reporting; ``rank`` is the first culprit.
-
-    Attributes:
-        rank: The rank that failed first (a rank that died is preferred over ranks whose
-            collectives then failed because their peer was gone).
-        traceback: That rank's traceback, or ``""`` when it died without one.
-    """
+    """A rank failed, died or stopped reporting; ``rank`` is the first culprit."""
 
     def __init__(self, message: str, rank: int, traceback_text: str = "") -> None:
         super().__init__(message)
@@ -161,17 +145,7 @@ class _Watch:
 
 
 def run_training(opts: TrainOptions) -> TrainSummary:
-    """Train the demo model on ``opts.world`` launched local ranks.
-
-    Returns:
-        Every rank's measurements.
-
-    Raises:
-        ValueError: a bad option or an inconsistent config (before any process starts).
-        ModuleNotFoundError: ``transformers`` is missing (``pip install zero-full[demo]``).
-        TrainError: a rank raised (e.g. the engine refusing the config), died, or stopped
-            reporting; the message names the rank, and every other rank has been stopped.
-    """
+    """Train the demo model on ``opts.world`` launched local ranks."""
     opts.validate()
     require_transformers()
     config = build_config(opts)

@@ -1,14 +1,4 @@
-"""The GPT-2 workload: config, model and synthetic batches, the same in every process.
-
-One builder for ``zero train``, the benchmarks and the integration tests: a :class:`GPT2Workload`
-names the shape (sizes are fields) and the seed; :meth:`~GPT2Workload.build_model` makes a
-``transformers`` GPT-2 language model from a config (random weights, nothing downloaded, no
-dropout, embeddings tied to the output head); :meth:`~GPT2Workload.markov_batch` draws learnable
-token sequences (a seeded Markov chain: the loss can fall) and :meth:`~GPT2Workload.uniform_batch`
-uniform random ones. Every batch is a pure function of the seed and its index.
-
-``transformers`` comes with ``pip install zero-full[demo]``.
-"""
+"""The GPT-2 workload: config, model and synthetic batches, the same in every process."""
 
 from __future__ import annotations
 
@@ -40,9 +30,6 @@ def enable_hf_checkpointing(model: nn.Module, *, use_reentrant: bool) -> None:
     ``activation_checkpointing_enable`` where ``transformers`` has it (5.x: the older
     ``gradient_checkpointing_enable`` is a deprecated alias that warns), else through
     ``gradient_checkpointing_enable`` (4.x).
-
-    Raises:
-        TypeError: ``model`` is not a ``transformers`` model that supports checkpointing.
     """
     kwargs = {"use_reentrant": use_reentrant}
     enable = getattr(model, "activation_checkpointing_enable", None)
@@ -60,18 +47,7 @@ def enable_hf_checkpointing(model: nn.Module, *, use_reentrant: bool) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class GPT2Workload:
-    """A GPT-2 shape, its seed and its data.
-
-    Attributes:
-        layers: Transformer blocks (``n_layer``).
-        hidden: Hidden size (``n_embd``); a multiple of ``heads``.
-        heads: Attention heads (``n_head``).
-        vocab: Vocabulary size.
-        seq: Tokens per sequence of the batches.
-        seed: Seed of the weights (``torch.manual_seed`` before the model is built) and of the
-            data; ``None`` builds from torch's RNG as it is (the caller seeded it).
-        positions: Position embeddings (``n_positions``); ``None``: ``seq``.
-    """
+    """A GPT-2 shape, its seed and its data."""
 
     layers: int = 2
     hidden: int = 128
