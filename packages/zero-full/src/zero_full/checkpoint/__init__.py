@@ -2,6 +2,12 @@
 
 The engine hands its :class:`TrainState` (module, optimizer, config, step counters, loss
 scaler, MiCS groups) to these functions; nothing here imports the engine.
+
+:func:`save_checkpoint` writes one shard file per rank into a temporary directory renamed into
+place only when complete (a failed save leaves earlier checkpoints and ``latest`` untouched);
+:func:`load_checkpoint` reads at any world size and stage, each rank only the pieces of its own
+partition; :func:`load_deepspeed_checkpoint` reads DeepSpeed's; :func:`consolidated_state_dict`
+gathers the full weights. Exchanges wait at most ``robustness.comm_timeout`` seconds.
 """
 
 from zero_full.checkpoint.consolidate import consolidated_state_dict, iter_consolidated

@@ -1,4 +1,10 @@
-"""The zero configuration: a DeepSpeed-style JSON dict, validated into one frozen object."""
+"""The zero configuration: a DeepSpeed-style JSON dict, validated into one frozen object.
+
+Keys and defaults follow DeepSpeed. Unlike DeepSpeed, unknown keys and ``"auto"`` values are
+errors naming the key; features accepted but not implemented are listed by
+:meth:`ZeroConfig.unsupported_features` (the engine refuses them) and keys without effect by
+:meth:`ZeroConfig.ignored_keys`.
+"""
 
 from __future__ import annotations
 
@@ -168,7 +174,11 @@ class ZeroConfig(Section):
 
     @classmethod
     def from_json(cls, path: str | os.PathLike[str]) -> ZeroConfig:
-        """Load and validate a DeepSpeed-style JSON config file."""
+        """Load and validate a DeepSpeed-style JSON config file.
+
+        Errors name the file: :class:`ConfigFileError` for invalid JSON (line and column) or a
+        repeated key, ``pydantic.ValidationError`` for invalid content.
+        """
         path = pathlib.Path(path)
         data = cls.read_json(path)
         try:
@@ -200,7 +210,11 @@ class ZeroConfig(Section):
 
     @classmethod
     def coerce(cls, config: ZeroConfig | Mapping[str, Any] | str | os.PathLike[str] | None) -> ZeroConfig:
-        """Turn what a user passes as ``config=`` into a :class:`ZeroConfig`."""
+        """Turn what a user passes as ``config=`` into a :class:`ZeroConfig`.
+
+        Takes a ``ZeroConfig`` (returned as is), a mapping, a JSON file path, or ``None`` (every
+        default: stage 0, fp32); anything else is a ``TypeError``.
+        """
         if config is None:
             return cls()
         if isinstance(config, ZeroConfig):

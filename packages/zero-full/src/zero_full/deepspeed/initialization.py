@@ -1,4 +1,10 @@
-"""``deepspeed.initialize``: DeepSpeed's signature and 4-tuple over :func:`zero_full.initialize`."""
+"""``deepspeed.initialize``: DeepSpeed's signature and 4-tuple over :func:`zero_full.initialize`.
+
+As DeepSpeed: the config comes from ``config`` / ``config_params`` or ``args.deepspeed_config``,
+the process group is created from the launcher's environment when missing, the optimizer and LR
+scheduler come from the arguments or the config's sections, and ``training_data`` becomes a
+loader over a ``DistributedSampler``.
+"""
 
 from __future__ import annotations
 
@@ -38,7 +44,11 @@ def initialize(
     mesh_param: Any = None,
     config_params: Any = None,
 ) -> tuple[DeepSpeedEngine, Any, DataLoader[Any] | None, Any]:
-    """Wrap ``model`` for ZeRO training; returns ``(engine, optimizer, training_dataloader, lr_scheduler)``."""
+    """Wrap ``model`` for ZeRO training; returns ``(engine, optimizer, training_dataloader, lr_scheduler)``.
+
+    ``mpu`` and ``mesh_param`` are refused (no model or mesh parallelism); without a process
+    group and a launcher environment the error names the command to run.
+    """
     if model is None:
         raise ValueError("deepspeed.initialize: model is required")
     if mpu is not None or mesh_param is not None:
