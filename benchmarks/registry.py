@@ -54,7 +54,12 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark("quantized", "quantized", "ZeRO++ quantized collectives: time, bytes across nodes, error"),
     Benchmark("mics", "mics", "MiCS against ZeRO-3: step time and bytes across the shard groups"),
     Benchmark("generate", "generate", "generation with a sharded model: tokens per second"),
-    Benchmark("watchdog_overhead", "watchdog_overhead", "the collective watchdog's cost per step"),
+    Benchmark(
+        "watchdog_overhead",
+        "watchdog_overhead",
+        "the collective watchdog's cost per step; --check calls: the divergence check's",
+        runs=(NoxRun(), NoxRun(("--check", "calls"))),
+    ),
     Benchmark("offload", "offload", "CPU Adam, swap-file throughput, offloaded step time", deepspeed=True),
     Benchmark(
         "memory",

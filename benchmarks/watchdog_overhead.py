@@ -13,6 +13,11 @@ alternating (on-off, off-on, ...) so neither always runs first. Each step is tim
 step the slowest rank counts (the ranks start it together after a barrier; an all-reduce of
 the time after the step, outside the window: :func:`benchmarks.kit.measure.timed_across_ranks`).
 
+With ``--check calls`` both engines run the watchdog and only the engine-call check differs:
+``on`` is the default (``robustness.check_calls = true``: one 56-byte all-gather at each
+forward, backward and step), ``off`` sets it ``false``; results go to
+``divergence_check_overhead.json`` / ``.md`` (goal <= 1%).
+
 Reported: the median step of each, the overhead ``median(on) / median(off) - 1`` (goal <= 2%),
 and the median of the per-pair ratios. Writes ``watchdog_overhead.json`` and ``.md``
 into ``--out``. The 1-minute load average is recorded: a figure measured on a loaded machine says so.
@@ -38,10 +43,11 @@ from benchmarks.kit.report import Report, command_line, environment, markdown_ta
 from benchmarks.kit.workloads import Workload, adamw, build_model, global_batch, loss_of, rank_slice
 
 
-def _engine(w: Workload, watchdog: bool) -> Any:
+def _engine(w: Workload, on: bool, check: str) -> Any:
     import zero_full
 
-    config = {"zero_optimization": zero_section(3, w), "robustness": {"watchdog": watchdog}}
+    robustness = {"watchdog": on} if check == "watchdog" else {"check_calls": on}
+    config = {"zero_optimization": zero_section(3, w), "robustness": robustness}
     return zero_full.initialize(build_model(w), config=config, optimizer=adamw)
 
 
@@ -52,7 +58,7 @@ def _step(engine: Any, w: Workload, batch: dict[str, torch.Tensor]) -> None:
 
 def _rank_main(rank: int, args: argparse.Namespace, store: str, results: Any) -> None:
     w = Workload(kind=args.workload, layers=args.layers, hidden=args.hidden, micro_batch=args.micro_batch)
-    engines = {"on": _engine(w, True), "off": _engine(w, False)}
+    engines = {"on": _engine(w, True, args.check), "off": _engine(w, False, args.check)}
     steps = args.warmup + args.pairs
     batches = [rank_slice(global_batch(w, s % 8, args.world), rank, args.world) for s in range(8)]
     times: dict[str, list[float]] = {"on": [], "off": []}
@@ -62,17 +68,34 @@ def _rank_main(rank: int, args: argparse.Namespace, store: str, results: Any) ->
             took = timed_across_ranks(partial(_step, engines[name], w, batches[s % len(batches)])).wall_s
             if s >= args.warmup:
                 times[name].append(took)
+    if args.check == "calls":  # the check alone, as often as the pairs: its direct cost
+        check = partial(engines["on"].watchdog.check_call, "benchmark", 0, 0)
+        times["check"] = [timed_across_ranks(check).wall_s for _ in range(args.pairs)]
     for engine in engines.values():
         engine.close()
     if rank == 0:
         results.put({"workload": w.describe(), "times": times})
 
 
+_NAMES = {
+    "watchdog": ("watchdog_overhead", "Watchdog"),
+    "calls": ("divergence_check_overhead", "Divergence check (robustness.check_calls)"),
+}
+
+
 def summarize(times: dict[str, list[float]]) -> dict[str, float]:
-    """Medians, the overhead of ``on`` over ``off`` and the median per-pair ratio."""
+    """Medians, the overhead of ``on`` over ``off`` and the median per-pair ratio.
+
+    With the check timed alone (``times["check"]``): its median and the share of the median
+    ``off`` step that three of them (forward, backward, step) take.
+    """
     on, off = statistics.median(times["on"]), statistics.median(times["off"])
     pairs = [a / b for a, b in zip(times["on"], times["off"]) if b > 0]
-    return {
+    direct = {}
+    if times.get("check"):
+        one = statistics.median(times["check"])
+        direct = {"median_check_s": one, "checks_per_step": 3, "direct_share": 3 * one / off}
+    return direct | {
         "median_on_s": on,
         "median_off_s": off,
         "overhead": on / off - 1.0,
@@ -95,6 +118,12 @@ def build_parser() -> BenchmarkParser:
     )
     parser.add_argument("--workload", choices=("gpt2", "mlp", "linear"), default="gpt2")
     parser.add_argument("--timeout", type=float, default=3600.0)
+    parser.add_argument(
+        "--check",
+        choices=("watchdog", "calls"),
+        default="watchdog",
+        help="what on / off toggles: the watchdog, or the engine-call check (robustness.check_calls)",
+    )
     return parser
 
 
@@ -105,11 +134,12 @@ def main(argv: Sequence[str]) -> None:
     summary = summarize(found["times"])
     loaded = env["load_average_1m"] > 0.5 * (env["cpus"] or 1)
     label = " (LOADED machine: not a valid timing)" if loaded else ""
+    name, what = _NAMES[args.check]
     text = (
-        f"# Watchdog overhead, zero-3, world {args.world}{label}\n\n{found['workload']}; "
+        f"# {what} overhead, zero-3, world {args.world}{label}\n\n{found['workload']}; "
         f"load average {env['load_average_1m']:.1f} on {env['cpus']} cpus\n\n"
         + markdown_table(
-            ["watchdog", "median step (ms)", "overhead", "median per-pair ratio", "pairs"],
+            [args.check, "median step (ms)", "overhead", "median per-pair ratio", "pairs"],
             [
                 ["off", f"{summary['median_off_s'] * 1e3:.1f}", "", "", summary["pairs"]],
                 [
@@ -122,8 +152,13 @@ def main(argv: Sequence[str]) -> None:
             ],
         )
     )
+    if "direct_share" in summary:
+        text += (
+            f"\n\nThe check alone: median {summary['median_check_s'] * 1e3:.2f} ms; three per step "
+            f"(forward, backward, step) = {summary['direct_share'] * 100:.2f}% of the median step (off).\n"
+        )
     print(text)
     settings = vars(args) | {"out": str(args.out)}
     result = {"environment": env, "loaded": loaded, "args": settings, **summary}
     result["times"] = found["times"]
-    Report("watchdog_overhead", result, text, command_line("watchdog_overhead", argv)).write(args.out)
+    Report(name, result, text, command_line("watchdog_overhead", argv)).write(args.out)

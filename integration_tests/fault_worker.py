@@ -7,7 +7,10 @@ records the sha256 of every file of it in ``OUT_DIR/saved.json``. At step 2:
 
 * ``stop``: rank 1 SIGSTOPs itself (a process frozen by the OS);
 * ``stuck``: rank 1 sleeps 120 s in Python (alive, heartbeats on, never joins);
-* ``early``: rank 1 has one batch less: it stops after 2 steps, closes its engine and exits 0;
+* ``early``: rank 1 has one batch less: after 3 steps it saves a checkpoint (rank 0 runs step 4);
+* ``consolidate``: after step 1 rank 0 alone calls ``engine.consolidated_state_dict()``;
+* ``backward``: rank 1's backward raises at step 2; rank 1 catches it and calls ``step()``;
+* ``paths_one``: ``robustness.check_paths`` on rank 0 only (fails at ``initialize``);
 * ``ok`` / ``noclose`` / ``context``: nothing fails; the engine is closed by ``close()``, not at
   all (the interpreter-exit path) or by leaving ``with initialize(...) as engine``.
 
@@ -45,8 +48,23 @@ class Net(nn.Module):
         self.mid = nn.Linear(33, 33)
         self.out = nn.Linear(33, 2)
 
+        self.boom = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(self.mid(torch.tanh(self.inp(x)))).pow(2).mean()
+        h = self.mid(torch.tanh(self.inp(x)))
+        if self.boom:  # its backward raises after `out`'s gradients were reduced
+            h = _Boom.apply(h)
+        return self.out(h).pow(2).mean()
+
+
+class _Boom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: object, h: torch.Tensor) -> torch.Tensor:
+        return h.view_as(h)
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        raise ValueError("a failure in this rank's backward")
 
 
 CONFIG = {
@@ -73,19 +91,28 @@ def _hashes(root: Path) -> dict[str, str]:
 def _train(engine: zero_full.Engine, rank: int, report: dict) -> None:
     steps = STEPS - 1 if (MODE == "early" and rank == 1) else STEPS
     for step in range(steps):
+        engine.module.boom = MODE == "backward" and rank == 1 and step == 2
         if step == 2 and rank == 1 and MODE == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)
         if step == 2 and rank == 1 and MODE == "stuck":
             time.sleep(120)
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1000 * step + rank))
         loss = engine(x)
-        engine.backward(loss)
+        try:
+            engine.backward(loss)
+        except ValueError:
+            if not engine.module.boom:
+                raise  # the failure is on purpose only in mode "backward"
         engine.step()
         report["losses"].append(loss.item())
         if engine.global_steps == 1:
             engine.save_checkpoint(CKPT)
             if rank == 0:
                 _write("saved.json", _hashes(CKPT))
+            if rank == 0 and MODE == "consolidate":
+                engine.consolidated_state_dict()
+    if MODE == "early" and rank == 1:
+        engine.save_checkpoint(CKPT)
 
 
 def main() -> None:
@@ -97,7 +124,10 @@ def main() -> None:
             with zero_full.initialize(Net(), CONFIG) as engine:
                 _train(engine, rank, report)
         else:
-            engine = zero_full.initialize(Net(), CONFIG)
+            config = CONFIG
+            if MODE == "paths_one":
+                config = {**CONFIG, "robustness": {**CONFIG["robustness"], "check_paths": rank == 0}}
+            engine = zero_full.initialize(Net(), config)
             _train(engine, rank, report)
             if MODE != "noclose":
                 engine.close()

@@ -15,3 +15,11 @@ def test_overhead_is_the_ratio_of_the_medians_and_pairs_are_matched_in_order():
     assert found["overhead"] == pytest.approx(0.035)
     assert found["median_pair_ratio"] == pytest.approx(1.035)  # the 5x outlier pair does not move it
     assert found["pairs"] == 4
+
+
+def test_the_check_timed_alone_gives_its_share_of_the_step():
+    times = {"on": [0.1, 0.1], "off": [0.1, 0.1], "check": [0.0002, 0.0001, 0.0009]}
+    found = summarize(times)
+    assert found["median_check_s"] == pytest.approx(0.0002)
+    assert found["direct_share"] == pytest.approx(3 * 0.0002 / 0.1)  # forward, backward, step
+    assert "direct_share" not in summarize({"on": [0.1], "off": [0.1]})

@@ -17,6 +17,8 @@ A :class:`CommWatchdog` lives as long as the engine that created it. It
   (call 41) while rank 0 reduce-scatters the gradients of `out` (call 40): ranks took
   different paths"), or when the communication library reports a failure (a peer that died
   is named as a rank, not as a socket);
+* **checks engine calls** (:meth:`CommWatchdog.check_call`, :mod:`zero_comm.call_sites`) and
+  stops a rank whose engine call failed alone (:meth:`CommWatchdog.abandon`), peers naming it;
 * **checks departures**: a rank about to leave the module order the others follow (the stage-3
   coordinator knows it from its recorded trace, before it gathers) compares notes with the
   other ranks through the store (:meth:`CommWatchdog.diverged`, no collective) and, when it
@@ -29,6 +31,7 @@ asynchronously under it (a synchronous call waits through the watchdog before re
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import hashlib
@@ -42,6 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zero_comm.call_sites import FIELDS, calls_differ, mismatch_text, signature
 from zero_comm.completion import wait_polled
 from zero_comm.devices import control_device
 from zero_comm.torch_compat import all_gather_single
@@ -106,8 +110,10 @@ class RankPosition:
         waiting: Whether the rank is blocked in a wait.
         diverged: ``(call, digest)`` of the rank's last few departures from its recorded module
             order (:meth:`CommWatchdog.diverged`), oldest first.
-        broken: Set when the rank raised :class:`RanksDivergedError` at such a departure: where
-            it stopped (``"rank 1 runs `mid` (forward) ..."``); peers waiting for it raise too.
+        broken: Set when the rank raised :class:`RanksDivergedError` at such a departure, or
+            left the path with an error (:meth:`CommWatchdog.abandon`): where it stopped
+            (``"rank 1 runs `mid` (forward) ..."``); peers waiting for it raise too.
+        closed: The rank closed its watchdog (its engine): it issues no more collectives.
     """
 
     rank: int
@@ -119,6 +125,7 @@ class RankPosition:
     waiting: bool = False
     diverged: tuple[tuple[int, int], ...] = ()
     broken: str = ""
+    closed: bool = False
 
     def describe(self) -> str:
         """``rank 1 gathers `mid` (call 41)``."""
@@ -142,6 +149,8 @@ class CommWatchdog:
             every rank of the group at the first difference. Costs one small collective per
             collective; it catches diverged paths before a size mismatch aborts the process
             inside the communication library (gloo's "Received data size doesn't match").
+        check_calls: Make :meth:`check_call` compare engine calls across ranks (one small
+            all-gather per engine call; ``False``: :meth:`check_call` does nothing).
 
     Attributes:
         timings: Set to a :class:`~zero_comm.WaitTimings` to record when each collective was
@@ -155,6 +164,7 @@ class CommWatchdog:
         "_beat",
         "_broken",
         "_call",
+        "_closed",
         "_departures",
         "_label",
         "_position",
@@ -163,6 +173,7 @@ class CommWatchdog:
         "_stop",
         "_store_lock",
         "_thread",
+        "check_calls",
         "check_paths",
         "heartbeat_interval",
         "rank",
@@ -181,6 +192,7 @@ class CommWatchdog:
         timeout: float = 300.0,
         heartbeat_interval: float = 2.0,
         check_paths: bool = False,
+        check_calls: bool = False,
     ) -> None:
         if not timeout > 0 or not heartbeat_interval > 0:
             raise ValueError(
@@ -192,6 +204,8 @@ class CommWatchdog:
         self.timeout = float(timeout)
         self.heartbeat_interval = float(heartbeat_interval)
         self.check_paths = check_paths
+        self.check_calls = check_calls
+        self._closed = False
         self.timings: WaitTimings | None = None
         self._recording = False
         self._call = 0
@@ -227,7 +241,11 @@ class CommWatchdog:
         return 5 * self.heartbeat_interval
 
     def close(self) -> None:
-        """Stop the heartbeat thread (idempotent)."""
+        """Stop the heartbeat thread (idempotent); the last record says closed (a peer waiting raises)."""
+        if not self._closed and self.store is not None and self.world_size > 1:
+            self._closed = True
+            with contextlib.suppress(Exception):  # the store is gone (interpreter exit): nothing to tell
+                self.publish()
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * self.heartbeat_interval)
@@ -275,6 +293,7 @@ class CommWatchdog:
                 "waiting": waiting,
                 "diverged": self._departures,
                 "broken": self._broken,
+                "closed": self._closed,
             }
             self.store.set(_KEY.format(self.rank), json.dumps(record))
 
@@ -313,6 +332,7 @@ class CommWatchdog:
         """Between polls of a wait: raise when a peer broke off, went silent, or ``timeout`` passed."""
         peers = self.peers()
         self._raise_if_broken(peers)
+        self._raise_if_closed(peers)
         silent = self._silent_peers(peers)
         if silent:
             raise CollectiveTimeoutError(self._dead_message(silent))
@@ -382,6 +402,65 @@ class CommWatchdog:
             "ranks only, or a different number of times). Make every rank run the same forward / backward"
         )
 
+    def check_call(self, site: str, step: int, micro: int, group: Any = None) -> None:
+        """Start engine call ``site`` (e.g. ``"engine.step"``) at ``step`` / ``micro``: all-gather its
+        signature over ``group`` (:mod:`zero_comm.call_sites`; with ``check_calls`` off, no collective).
+
+        Raises:
+            RanksDivergedError: the ranks' calls, steps or micro-steps differ (every rank's call
+                site, on every rank), or this rank left the path earlier (:meth:`abandon`).
+        """
+        self.refuse_if_broken(f"calls {site}")
+        if not self.check_calls:
+            return
+        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world_size))
+        if len(ranks) == 1:
+            return
+        with torch.profiler.record_function("zero.watchdog.check_call"):
+            label, self._label = self._label, f"enters {site}"
+            call = self.issued("all_gather")
+            device = control_device(group)
+            sig = signature(site, step, micro, call - 1).to(device)
+            out = torch.empty(len(ranks) * FIELDS, dtype=torch.int64, device=device)
+            try:
+                self.wait(all_gather_single(out, sig, group=group, async_op=True))
+            finally:
+                self._label = label
+            rows = out.cpu().view(len(ranks), FIELDS)
+        if calls_differ(rows):
+            raise RanksDivergedError(mismatch_text(rows, ranks))
+
+    @property
+    def broken(self) -> str:
+        """Where this rank left the others' path (``""``: it did not); see :meth:`abandon`."""
+        return self._broken
+
+    def abandon(self, what: str) -> None:
+        """This rank left the path with an error (``what``: ``"raised ValueError in engine.backward ..."``).
+
+        Peers waiting in a collective raise :class:`RanksDivergedError` naming it within one
+        heartbeat interval; this rank's next collective or :meth:`check_call` raises instead of
+        issuing a collective the peers would pair with one of another size.
+        """
+        if self._broken:
+            return
+        self._broken = f"rank {self.rank} {what}"
+        if self.store is not None and self.world_size > 1:
+            with contextlib.suppress(Exception):  # the store is gone: the peers see the heartbeat stop
+                self.publish()
+
+    def refuse_if_broken(self, doing: str) -> None:
+        """Raise :class:`RanksDivergedError` if this rank left the path (``doing``: ``"calls x"``)."""
+        if not self._broken:
+            return
+        others = [p.describe() for p in self.peers().values() if p is not None]
+        meanwhile = f"; meanwhile {', '.join(others)}" if others else ""
+        raise RanksDivergedError(
+            f"rank {self.rank} {doing} after it left the other ranks' path ({self._broken}){meanwhile}. "
+            "The job cannot continue once one rank's engine call failed on that rank alone: stop "
+            "every rank and restart from the last checkpoint"
+        )
+
     def diverged(self, what: str) -> None:
         """This rank left its recorded module order: go on only if every rank leaves it alike.
 
@@ -449,6 +528,16 @@ class CommWatchdog:
             lines = {self.rank: self.position().describe()} | {p.rank: p.broken for p in broken}
             raise RanksDivergedError(_diverged_text(lines)) from cause
 
+    def _raise_if_closed(self, peers: dict[int, RankPosition | None]) -> None:
+        """Raise :class:`RanksDivergedError` when a peer closed before issuing the collective awaited."""
+        gone = [p for p in peers.values() if p is not None and p.closed and p.call < self._call]
+        if gone:
+            closed = {
+                p.rank: f"rank {p.rank} closed its engine after call {p.call} (ran fewer steps)" for p in gone
+            }
+            lines = {self.rank: self.position().describe()} | closed
+            raise RanksDivergedError(_diverged_text(lines))
+
     def peers(self) -> dict[int, RankPosition | None]:
         """Every other rank's last published position (``None``: never published)."""
         found: dict[int, RankPosition | None] = {}
@@ -472,7 +561,7 @@ class CommWatchdog:
         diverged = tuple((int(c), int(h)) for c, h in d.get("diverged", ()))
         broken = d.get("broken", "")
         head = (d["op"], d["call"], d["what"], d["since"], d["beat"], d["waiting"])
-        return RankPosition(r, *head, diverged, broken)
+        return RankPosition(r, *head, diverged, broken, bool(d.get("closed", False)))
 
     def _silent_peers(
         self, peers: dict[int, RankPosition | None] | None = None
@@ -522,10 +611,18 @@ class CommWatchdog:
         absent = [r for r, p in peers.items() if p is None]
         lines = [p.describe() for p in others]
         diverged = [p for p in others if (p.op, p.call, p.what) != (me.op, me.call, me.what)]
+        stuck = [p for p in diverged if not p.waiting and not p.closed and p.call < me.call]
         if absent:
             verdict = (
                 f"rank(s) {absent} never reached zero (it died early, is still starting, or took "
                 "another path before initialize)"
+            )
+        elif stuck and len(stuck) == len(diverged):
+            verdict = "; ".join(
+                f"rank {p.rank} is stuck outside any collective: alive (heartbeats on) but it issued "
+                f"no collective for {max(time.time() - p.since, 0.0):.0f} s (blocked in Python code, "
+                "I/O or a long computation between two collectives)"
+                for p in stuck
             )
         elif diverged:
             verdict = (
@@ -680,6 +777,8 @@ def watched_call(
     wd = active_watchdog()
     if wd is None:
         return fn(*args, async_op=async_op, **kwargs)
+    if wd.broken:
+        wd.refuse_if_broken(f"issues a collective ({kind})")
     call = wd.issued(kind)
     if wd.paths_checked:
         wd.check_same_path(kind, call, kwargs.get("group"))

@@ -44,7 +44,8 @@ from zero_full.checkpoint import LoadOptions, LRSchedulerLike, SaveOptions, Step
 from zero_full.config.compat import ConfigReport
 from zero_full.config.prepare import key_findings, log_config_report, prepare_config
 from zero_full.config.zero_config import ZeroConfig
-from zero_full.guards.agreement import check_agreement
+from zero_full.guards.agreement import agree_on_robustness, check_agreement
+from zero_full.guards.calls import CallGuard
 from zero_full.guards.frozen import TrainableSet
 from zero_full.hf import load as hf_load
 from zero_full.hf import save as hf_save
@@ -172,7 +173,10 @@ class Engine:
         self.watchdog: CommWatchdog | None = _watchdog(config)  # every collective below runs under it
         self._resources = EngineResources(self.watchdog)  # bounds the process groups' timeouts
         self._ledger = CommLedger(Topology(), watchdog=self.watchdog)
+        self._calls = CallGuard(self.watchdog, self.counters)  # armed once ranks agree on robustness
         with self._ledger, record_function("zero.engine.initialize"), _closes_on_error(self._resources):
+            agree_on_robustness(config)  # first: the checks it turns on add collectives
+            self._calls.arm(config.robustness)
             if config.robustness.check_rank_agreement:  # before any collective whose sizes could differ
                 check_agreement(model, config)
             _sync_whole_tensors(model)
@@ -213,7 +217,13 @@ class Engine:
         """
         if torch.is_grad_enabled():
             self._trainable.check()
-        with self._ledger, profile_range("zero.engine.forward"), self._monitor.counting_forward():
+        site = "engine.forward" if torch.is_grad_enabled() else "engine.forward (no grad)"
+        with (
+            self._ledger,
+            self._calls.call(site),
+            profile_range("zero.engine.forward"),
+            self._monitor.counting_forward(),
+        ):
             try:
                 return self.module(*args, **kwargs)
             except Exception as exc:
@@ -256,7 +266,7 @@ class Engine:
                 "pass the loss computed by engine(...) with grad enabled"
             )
         self._trainable.check()
-        with self._ledger, profile_range("zero.engine.backward"):
+        with self._ledger, self._calls.call("engine.backward"), profile_range("zero.engine.backward"):
             if self._pipeline.pieces.reduction is not None:
                 self._pipeline.pieces.reduction.begin_micro_step(self.is_gradient_accumulation_boundary())
             self._pipeline.pieces.begin_backward()
@@ -294,6 +304,7 @@ class Engine:
             zero_full.NonFiniteGradientError: fp32 / bf16 inf / nan gradients with
                 ``robustness.nonfinite_gradients = "raise"`` (on every rank).
         """
+        self._calls.refuse("engine.step")  # this rank's backward failed alone: name it, not the counters
         if not self._backward_since_step:
             raise RuntimeError(
                 f"engine.step() called with no engine.backward(loss) since the last step() (micro-step "
@@ -305,6 +316,7 @@ class Engine:
         self.micro_steps += 1
         if not boundary:
             return
+        self._calls.check("engine.step")
         with self._ledger, profile_range("zero.engine.step"):
             self.last_step_applied = self._pipeline.run(self.global_steps)
             if self.last_step_applied and self.lr_scheduler is not None:
@@ -360,6 +372,7 @@ class Engine:
         """
         mics = self.mics
         if mics is not None:
+            self._calls.check("engine.check_replicas_consistent")
             check_replicas_consistent(self.optimizer, mics.replicate)
 
     # ------------------------------------------------------------------ checkpoints
@@ -407,6 +420,7 @@ class Engine:
         :func:`zero_full.checkpoint.save_checkpoint` and :class:`~zero_full.checkpoint.SaveOptions`.
         """
         options = SaveOptions(client_state, save_latest, exclude_frozen_parameters, overwrite)
+        self._calls.check("engine.save_checkpoint")
         return _checkpoint.save_checkpoint(self.train_state(), directory, tag, options=options)
 
     def load_checkpoint(
@@ -426,6 +440,7 @@ class Engine:
         checkpoint DeepSpeed wrote is recognised and read by
         :func:`zero_full.checkpoint.load_deepspeed_checkpoint` (the keywords do not apply).
         """
+        self._calls.check("engine.load_checkpoint")
         if _checkpoint.is_deepspeed_checkpoint(directory, tag):
             return _checkpoint.load_deepspeed_checkpoint(self.train_state(), directory, tag)
         options = LoadOptions(strict, load_optimizer_states, load_lr_scheduler_states, load_module_only)
@@ -437,6 +452,7 @@ class Engine:
         Collective: call on every rank; gathers one parameter at a time. See
         :func:`zero_full.checkpoint.consolidated_state_dict`.
         """
+        self._calls.check("engine.consolidated_state_dict")
         return _checkpoint.consolidated_state_dict(self.train_state())
 
     # ------------------------------------------------------------------ Hugging Face checkpoints
@@ -454,6 +470,7 @@ class Engine:
         ``max_shard_size``; streamed one tensor at a time. Collective: call on every rank.
         See :func:`zero_full.hf.save.save_pretrained`.
         """
+        self._calls.check("engine.save_pretrained")
         return hf_save.save_pretrained(
             self.train_state(), directory, max_shard_size=max_shard_size, dtype=dtype
         )
@@ -465,6 +482,7 @@ class Engine:
         working tensor of frozen parameters); the optimizer state is left as it is.
         Collective: call on every rank. Returns a :class:`zero_full.LoadReport`.
         """
+        self._calls.check("engine.load_pretrained")
         return hf_load.load_into_state(self.train_state(), path, strict=strict)
 
     def gathered_for_inference(
@@ -477,6 +495,7 @@ class Engine:
         released on exit. ``budget_bytes`` smaller than the gathered model raises (naming
         the bytes needed) before gathering. Collective. See :mod:`zero_full.inference`.
         """
+        self._calls.check("engine.gathered_for_inference")
         return gathered_for_inference(self.module, self.coordinator, budget_bytes)
 
     # ------------------------------------------------------------------ measurements
@@ -607,8 +626,7 @@ def _watchdog(config: ZeroConfig) -> CommWatchdog | None:
         dist.get_world_size(),
         timeout=r.comm_timeout,
         heartbeat_interval=r.heartbeat_interval,
-        check_paths=r.check_paths,
-    )
+    )  # its checks are armed once every rank agreed on them (CallGuard.arm)
 
 
 def _accumulation_steps(config: ZeroConfig, world_size: int) -> int:

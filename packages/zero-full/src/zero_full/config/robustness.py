@@ -50,14 +50,24 @@ class RobustnessConfig(Section):
     the first non-finite parameter and the rank holding it; ``raise``: every rank raises
     ``zero_full.NonFiniteGradientError`` naming it. fp16 keeps its loss-scaler rule (skip and
     lower the scale)."""
+    check_calls: Annotated[Flag, _USED] = True
+    """Start every engine call that communicates (forward, backward, step, checkpoint save /
+    load, ``consolidated_state_dict``, ``save_pretrained``, ...) with one all-gather of a 56-byte
+    signature (call, optimizer step, micro-step) and raise ``zero_comm.RanksDivergedError`` on
+    every rank when they differ, naming each rank's call site: a call made on some ranks only
+    (``if rank == 0: engine.consolidated_state_dict()``), a rank with one batch less. A rank
+    whose forward or backward raised stops issuing collectives and its peers raise naming it.
+    Needs the watchdog. On by default (cost: see the benchmarks page); ``false`` turns off the
+    signature exchange only."""
     check_paths: Annotated[Flag, _USED] = False
     """Before every collective of every step, all-gather a small signature (operation, call
     number, what it is for) and raise ``zero_comm.RanksDivergedError`` on every rank at the first
     difference, naming each rank's position. Off by default: it adds one small collective per
-    collective. Without it, stage 3 checks this way only while a step records its module order
-    (the first step), and afterwards catches a rank that leaves the recorded order before its
-    gather (through the store, no collective). Turn it on for collectives outside the model's
-    modules; with gloo mismatched sizes otherwise abort the process in C++ ("Received data size
+    collective. Without it, engine calls are still compared (``check_calls``), stage 3 checks
+    this way while a step records its module order (the first step), and afterwards catches a
+    rank that leaves the recorded order before its gather (through the store, no collective).
+    Turn it on for collectives that differ inside one engine call (your own code between
+    modules); with gloo mismatched sizes otherwise abort the process in C++ ("Received data size
     doesn't match expected size"), before any timeout could fire."""
     check_rank_agreement: Annotated[Flag, _USED] = True
     """At ``initialize``, compare every rank's parameter names, shapes, dtypes, ``requires_grad``

@@ -31,7 +31,7 @@ import zero_comm
 import zero_params
 from zero_full.config.zero_config import ZeroConfig
 
-__all__ = ["RankMismatchError", "agreement_items", "check_agreement", "exchange_json"]
+__all__ = ["RankMismatchError", "agree_on_robustness", "agreement_items", "check_agreement", "exchange_json"]
 
 
 class RankMismatchError(RuntimeError):
@@ -120,6 +120,38 @@ def check_agreement(model: nn.Module, config: ZeroConfig) -> None:
             return
         details = exchange_json({"params": params, "config": cfg})
     raise RankMismatchError(_describe(details))
+
+
+def agree_on_robustness(config: ZeroConfig) -> None:
+    """Raise :class:`RankMismatchError` on every rank unless all ranks have the same ``robustness``.
+
+    Always run, first, whatever the section says (``check_rank_agreement`` included): the
+    checks it configures (``check_calls``, ``check_paths``, the watchdog) add collectives, and a
+    check on one rank only would pair its collective with another rank's different one. One
+    all-gather of one int64 digest per key (the same count on every rank); on a mismatch one
+    more exchange of the values, so every rank names the same keys and values.
+
+    Raises:
+        RankMismatchError: names each differing ``robustness`` key and every rank's value.
+    """
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    with record_function("zero.engine.agreement"):
+        items = list(_flatten("robustness", config.robustness.model_dump(mode="json")))
+        mine = torch.tensor([_digest(f"{k}={v}") for k, v in items], dtype=torch.int64)
+        (flat,) = zero_comm.all_gather_coalesced([mine.to(zero_comm.control_device())], None)
+        rows = flat.cpu().view(dist.get_world_size(), len(items))
+        if bool((rows == rows[0]).all()):
+            return
+        values = [dict(r) for r in exchange_json(items)]
+    differ = [k for k, _ in items if len({json.dumps(v.get(k)) for v in values}) > 1]
+    lines = "\n  ".join(
+        f"{k}: " + ", ".join(f"rank {r}: {v.get(k)}" for r, v in enumerate(values)) for k in differ
+    )
+    raise RankMismatchError(
+        f"ranks disagree at initialize on robustness key(s) {', '.join(differ)}:\n  {lines}\n"
+        "pass the same config to every rank (the checks it turns on are collectives every rank must make)"
+    )
 
 
 def _describe(details: list[dict[str, list[list[str]]]]) -> str:

@@ -1,0 +1,126 @@
+"""Engine-call signatures, a rank that left the path, a closed peer and a stuck peer.
+
+Signatures are checked as rows; the watchdog paths run on watchdog objects sharing a
+``HashStore`` in this process, with a collective that never completes (the all-gather itself
+runs in the fault suite, integration_tests/test_integration_faults.py).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from zero_comm import CommWatchdog, RanksDivergedError
+from zero_comm.call_sites import FIELDS, calls_differ, describe_call, mismatch_text, signature
+from zero_comm.watchdog import CollectiveTimeoutError
+
+
+class _NeverDone:
+    def is_completed(self):
+        return False
+
+    def wait(self, timeout=None):
+        raise AssertionError("polled, never waited on")
+
+
+def _pair(timeout=0.6, interval=0.05):
+    store = dist.HashStore()
+    me = CommWatchdog(store, 0, 2, timeout=timeout, heartbeat_interval=interval)
+    peer = CommWatchdog(store, 1, 2, timeout=timeout, heartbeat_interval=interval)
+    return me, peer
+
+
+@pytest.mark.parametrize("site", ["engine.forward", "engine.consolidated_state_dict", "é" * 16, ""])
+def test_a_signature_carries_the_call_exactly(site):
+    row = signature(site, 7, 29, 1234)
+    assert row.dtype == torch.int64 and row.numel() == FIELDS
+    assert (
+        describe_call(3, row) == f"rank 3 calls {site} at optimizer step 7, micro-step 29 (after call 1234)"
+    )
+
+
+def test_a_long_site_is_cut_to_32_bytes():
+    row = signature("engine." + "x" * 40, 0, 0, 0)
+    assert (
+        describe_call(0, row)
+        == "rank 0 calls engine." + "x" * 25 + " at optimizer step 0, micro-step 0 (after call 0)"
+    )
+
+
+def test_calls_differ_on_site_step_or_micro_step_not_on_the_collective_count():
+    base = signature("engine.step", 3, 6, 40)
+    assert not calls_differ(torch.stack([base, signature("engine.step", 3, 6, 41)]))
+    for other in (signature("engine.save_checkpoint", 3, 6, 40), signature("engine.step", 4, 6, 40)):
+        assert calls_differ(torch.stack([base, other]))
+    assert calls_differ(torch.stack([base, base, signature("engine.step", 3, 7, 40)]))
+
+
+def test_the_mismatch_names_every_ranks_call_site():
+    rows = torch.stack(
+        [signature("engine.consolidated_state_dict", 1, 1, 14), signature("engine.forward", 1, 1, 14)]
+    )
+    text = mismatch_text(rows, [0, 1])
+    assert text.startswith(
+        "rank 0 calls engine.consolidated_state_dict at optimizer step 1, micro-step 1 (after call 14) "
+        "while rank 1 calls engine.forward at optimizer step 1, micro-step 1 (after call 14): "
+        "ranks took different paths"
+    )
+
+
+def test_a_rank_that_abandons_is_named_by_the_peer_waiting_and_refuses_its_own_next_call():
+    me, peer = _pair(timeout=30)
+    try:
+        me.note("reduces the gradients of `out`")
+        me.issued("reduce_scatter")
+        peer.abandon("raised ValueError in engine.backward at optimizer step 2, micro-step 2 (boom)")
+        start = time.monotonic()
+        with pytest.raises(RanksDivergedError) as info:
+            me.wait(_NeverDone())
+        assert time.monotonic() - start < 5  # one poll, not the 30 s timeout
+        assert (
+            "rank 0 reduces the gradients of `out` (call 1) while rank 1 raised ValueError in "
+            "engine.backward at optimizer step 2" in str(info.value)
+        )
+        with pytest.raises(
+            RanksDivergedError, match=r"rank 1 calls engine.step after it left the other ranks"
+        ):
+            peer.check_call("engine.step", 2, 2)  # no collective: refused before any
+        assert peer.position().call == 0
+    finally:
+        me.close()
+        peer.close()
+
+
+def test_a_peer_that_closed_before_the_collective_is_named_at_once():
+    me, peer = _pair(timeout=30)
+    try:
+        peer.issued("all_gather")
+        me.issued("all_gather")
+        me.issued("all_gather")  # the peer never issues this one: it closed
+        peer.close()
+        with pytest.raises(
+            RanksDivergedError, match=r"rank 1 closed its engine after call 1 \(ran fewer steps\)"
+        ):
+            me.wait(_NeverDone())
+    finally:
+        me.close()
+
+
+def test_a_live_peer_outside_any_collective_is_named_stuck_not_diverged():
+    me, peer = _pair(timeout=0.5)
+    try:
+        peer.issued("all_gather")
+        peer.publish()
+        me.issued("all_gather")
+        me.issued("all_gather")
+        with pytest.raises(CollectiveTimeoutError) as info:
+            me.wait(_NeverDone())
+        message = str(info.value)
+        assert "rank 1 is stuck outside any collective: alive (heartbeats on)" in message, message
+        assert "ranks took different paths" not in message
+    finally:
+        me.close()
+        peer.close()

@@ -1,0 +1,100 @@
+"""Engine calls compared across ranks; a rank whose forward or backward failed alone is stopped.
+
+Ranks that make different engine calls (``engine.consolidated_state_dict()`` under ``if rank
+== 0:``, a save after one batch less, a backward that raised on one rank and was caught)
+would issue collectives of different sizes, which gloo answers with a C++ abort naming
+nothing. :class:`CallGuard` starts each engine call that communicates with
+:meth:`zero_comm.CommWatchdog.check_call` (one all-gather of a fixed 56-byte signature, so the
+first differing call meets the peers' signature, never a payload of another size) and, when a
+forward or backward raises, tells the peers through the watchdog (:meth:`~zero_comm.CommWatchdog.abandon`):
+they raise naming this rank's call site, and this rank issues no further collective.
+
+Why at engine calls and not inside each collective's payload: a payload signature is read
+only after the payloads met, and with gloo a size mismatch aborts before that; a signature
+before every collective (``robustness.check_paths``) doubles the collective count. Engine
+calls are where ranks' paths split in practice (user code between calls); inside one call
+the stage-3 coordinator checks departures from its recorded module order.
+
+The watchdog's checks are armed only after the ranks agreed on the ``robustness`` section
+(:func:`zero_full.guards.agreement.agree_on_robustness`), so a check configured on one rank only
+is named, never paired with another rank's different collective.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Protocol
+
+from zero_comm import CollectiveTimeoutError, CommWatchdog
+from zero_full.config.robustness import RobustnessConfig
+
+__all__ = ["CallGuard"]
+
+
+class _Counters(Protocol):
+    global_steps: int
+    micro_steps: int
+
+
+class CallGuard:
+    """The engine's call checks: one per engine, over its watchdog and step counters.
+
+    Args:
+        watchdog: The engine's watchdog (``None``: nothing is checked).
+        counters: The engine's step counters (their values go into each signature).
+    """
+
+    __slots__ = ("counters", "watchdog")
+
+    def __init__(self, watchdog: CommWatchdog | None, counters: _Counters) -> None:
+        self.watchdog = watchdog
+        self.counters = counters
+
+    def __repr__(self) -> str:
+        armed = self.watchdog is not None and self.watchdog.check_calls
+        return f"CallGuard(check_calls={armed})"
+
+    def arm(self, robustness: RobustnessConfig) -> None:
+        """Turn on the configured checks (after every rank agreed on them)."""
+        if self.watchdog is not None:
+            self.watchdog.check_calls = robustness.check_calls
+            self.watchdog.check_paths = robustness.check_paths
+
+    def check(self, site: str) -> None:
+        """Compare engine call ``site`` (``"engine.save_checkpoint"``) across ranks (collective).
+
+        Raises:
+            zero_comm.RanksDivergedError: the ranks make different calls (every rank's call
+                site, step and position, on every rank), or this rank's call failed earlier.
+        """
+        if self.watchdog is not None:
+            c = self.counters
+            self.watchdog.check_call(site, c.global_steps, c.micro_steps)
+
+    def refuse(self, site: str) -> None:
+        """Raise if this rank's earlier call failed alone (no collective); see :meth:`check`."""
+        if self.watchdog is not None:
+            self.watchdog.refuse_if_broken(f"calls {site}")
+
+    @contextlib.contextmanager
+    def call(self, site: str) -> Iterator[None]:
+        """:meth:`check`, then run the call; if it raises, tell the peers this rank left the path.
+
+        For calls that run user code (forward, backward): an error there may strike one rank
+        only, leaving the peers waiting in collectives this rank will never issue.
+        """
+        self.check(site)
+        try:
+            yield
+        except CollectiveTimeoutError:  # raised on every rank already
+            raise
+        except BaseException as exc:
+            if self.watchdog is not None:
+                c = self.counters
+                text = str(exc).splitlines()[0][:200] if str(exc) else ""
+                self.watchdog.abandon(
+                    f"raised {type(exc).__name__} in {site} at optimizer step {c.global_steps}, "
+                    f"micro-step {c.micro_steps} ({text})"
+                )
+            raise
