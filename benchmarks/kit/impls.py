@@ -74,7 +74,7 @@ def stage_of(impl: str) -> int:
         return 0
     if impl == "fsdp2":
         return 3
-    return int(impl.removesuffix("-compiled").rsplit("-", 1)[1])
+    return int(impl.split("-")[1])  # zero-3, zero-3-compiled, zero-3-unset, deepspeed-2
 
 
 def formula_state_bytes(impl: str, psi: int, world: int) -> float:
