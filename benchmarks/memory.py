@@ -8,7 +8,9 @@ For each workload (a stack of bias-free ``Linear`` layers where parameters domin
 ``transformers`` GPT-2 of comparable size; ``--quick``: small ones), each world size
 (``--worlds``, default 2 and 4) and each implementation (``ddp``, ``fsdp2``, ``deepspeed-1/2/3``,
 ``zero-1/2/3``, ``zero-3+ckpt``, zero stage 3 with activation checkpointing of every block, and
-``zero-3+leaf``, zero stage 3 gathering each GPT-2 block as one leaf, as the speed benchmarks do; GPT-2 only),
+``zero-3+leaf``, zero stage 3 gathering each GPT-2 block as one leaf, as the speed benchmarks do; GPT-2 only;
+``zero-1/2/3+defaults``, an empty ``zero_optimization`` section but for the stage, zero's defaults sized
+from the model; ``zero-3+dsdefaults``, the same with DeepSpeed's default sizes given explicitly),
 the launcher spawns ``W`` FRESH gloo ranks (``benchmarks.kit.measure.spawn_ranks``) with
 ``MALLOC_MMAP_THRESHOLD_=1048576`` (glibc returns every freed block of 1 MiB or more to the
 kernel, so the RSS follows the live tensors) and ``OMP_NUM_THREADS=1``. On each rank:
@@ -78,6 +80,12 @@ WORKLOADS = {
     "linear": Workload("linear", layers=6, hidden=4096, micro_batch=2),
     # GPT-2 of comparable size: 8 blocks x 12 x 1024^2 + embeddings = 109M, one 64-token sequence.
     "gpt2": Workload("gpt2", layers=8, hidden=1024, heads=16, vocab=8192, seq=64, micro_batch=1),
+}
+# ``--medium``: a few minutes per implementation pair on two cores; each layer above 2**20
+# elements, so zero's defaults sized from the model are not its floor.
+MEDIUM_WORKLOADS = {
+    "linear": Workload("linear", layers=5, hidden=2048, micro_batch=2),
+    "gpt2": Workload("gpt2", layers=4, hidden=512, heads=8, vocab=8192, seq=64, micro_batch=1),
 }
 QUICK_WORKLOADS = {
     "linear": Workload("linear", layers=4, hidden=1024, micro_batch=2),
@@ -168,6 +176,11 @@ def markdown(result: dict[str, Any]) -> str:
         "and engine after backward (a second figure). Stage 3 (zero, DeepSpeed): persistence",
         "threshold 0, prefetch 1 block, at most 2 blocks live, reuse distance 0. Every stage (zero",
         "and DeepSpeed): reduce and all-gather buckets of 1 block, sub_group_size 1 block.",
+        "Rows '+defaults': only the stage given (zero's defaults: sizes from the model's largest",
+        "parameter, persistence threshold 1e5); '+dsdefaults': the stage and DeepSpeed's default",
+        "sizes given (reduce/all-gather buckets 5e8, sub_group_size 1e9, prefetch 5e7, live",
+        "parameters and reuse distance 1e9). FSDP2: fully_shard on each block and the root, its",
+        "defaults; DDP: gradient_as_bucket_view=True.",
     ]
     lines.append(" ".join(notes))
     runs = _runs(result["rows"])
@@ -312,6 +325,9 @@ def build_parser() -> BenchmarkParser:
     parser.add_argument("--workloads", nargs="+", choices=tuple(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+    parser.add_argument(
+        "--medium", action="store_true", help="5 x 2048^2 Linear stack, 4-block GPT-2 of width 512"
+    )
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds any one run may take")
@@ -344,7 +360,7 @@ def main(argv: Sequence[str]) -> None:
         dropped = [i for i in impls if i.startswith("deepspeed")]
         impls = [i for i in impls if not i.startswith("deepspeed")]
         print(f"deepspeed is not installed: skipping {dropped}", file=sys.stderr)
-    table_of = QUICK_WORKLOADS if args.quick else WORKLOADS
+    table_of = QUICK_WORKLOADS if args.quick else MEDIUM_WORKLOADS if args.medium else WORKLOADS
     workloads = {name: table_of[name] for name in args.workloads}
     command = command_line("memory", argv)  # as typed: the benchmark sets MEASURED_ENV itself
     os.environ.update(MEASURED_ENV)  # inherited by every spawned rank (glibc reads it at start-up)

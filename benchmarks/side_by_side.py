@@ -59,7 +59,13 @@ import torch.distributed as dist
 
 from benchmarks.kit.cli import BenchmarkParser
 from benchmarks.kit.docs import DocsBlock
-from benchmarks.kit.impls import IMPLEMENTATIONS, formula_state_bytes, model_state_bytes, ring_ideal_bytes
+from benchmarks.kit.impls import (
+    DEFAULT_SIZES,
+    IMPLEMENTATIONS,
+    formula_state_bytes,
+    model_state_bytes,
+    ring_ideal_bytes,
+)
 from benchmarks.kit.measure import read_wchar, thread_minor_faults
 from benchmarks.kit.report import Report, command_line, environment, markdown_table, pyplot, save_figure
 from benchmarks.kit.workloads import (
@@ -74,6 +80,8 @@ from benchmarks.kit.workloads import (
 from zero_comm.launch import RankContext, launch
 
 DISTRIBUTED = [name for name in IMPLEMENTATIONS if name != "single"]
+# what runs without --impls: every distributed one but the default-size comparisons (chosen by name)
+BY_DEFAULT = [name for name in DISTRIBUTED if name not in DEFAULT_SIZES]
 BLOCK = DocsBlock("benchmarks.md", "side-by-side")
 
 
@@ -465,7 +473,7 @@ def build_parser() -> BenchmarkParser:
     )
     parser.add_argument("--workload", choices=("gpt2", "mlp"), default="gpt2")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--impls", nargs="+", default=DISTRIBUTED, choices=DISTRIBUTED)
+    parser.add_argument("--impls", nargs="+", default=BY_DEFAULT, choices=DISTRIBUTED)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds any one run may take")
     parser.add_argument("--name", default="side_by_side", help="result file stem (default side_by_side)")
     layout = parser.add_mutually_exclusive_group()

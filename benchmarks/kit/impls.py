@@ -74,7 +74,7 @@ def stage_of(impl: str) -> int:
         return 0
     if impl == "fsdp2":
         return 3
-    return int(impl.removesuffix("-compiled").rsplit("-", 1)[1])
+    return int(impl.split("-")[1])  # zero-3, zero-3-compiled, zero-3-unset, deepspeed-2
 
 
 def formula_state_bytes(impl: str, psi: int, world: int) -> float:
@@ -215,6 +215,11 @@ class ImplOptions:
             gradient buckets whose reduction may be in flight at once; ``None`` leaves the key
             out (zero's default, 1). Stage 3 keeps 1: more reductions in flight queue its
             gathers behind them in gloo (measured: slower).
+        sizes: ``"blocks"``: the section the options above describe; ``"unset"``: only the
+            stage (every other key left to the implementation's defaults: zero sizes them from
+            the model); ``"deepspeed"``: the stage and DeepSpeed's default sizes given
+            explicitly (:data:`DEEPSPEED_SIZES`: what an empty section meant before zero sized
+            its defaults from the model).
     """
 
     persistence_threshold: int = 4096
@@ -227,6 +232,18 @@ class ImplOptions:
     overlap_comm: bool | None = True
     leaf_blocks: bool = True
     reduce_max_inflight: int | None = 4
+    sizes: str = "blocks"
+
+
+# DeepSpeed's default sizes (elements) and the stages that read them.
+DEEPSPEED_SIZES: dict[str, tuple[int, tuple[int, ...]]] = {
+    "reduce_bucket_size": (500_000_000, (1, 2, 3)),
+    "allgather_bucket_size": (500_000_000, (1, 2)),
+    "sub_group_size": (1_000_000_000, (1, 2, 3)),
+    "stage3_prefetch_bucket_size": (50_000_000, (3,)),
+    "stage3_max_live_parameters": (1_000_000_000, (3,)),
+    "stage3_max_reuse_distance": (1_000_000_000, (3,)),
+}
 
 
 def _model(w: Workload, options: ImplOptions) -> nn.Module:
@@ -341,6 +358,11 @@ def leaf_threshold(w: Workload, options: ImplOptions) -> int | None:
 
 def zero_section(stage: int, w: Workload, options: ImplOptions = ImplOptions()) -> dict[str, Any]:
     """The ``zero_optimization`` section shared by DeepSpeed and zero (sizes in elements)."""
+    if options.sizes == "unset":
+        return {"stage": stage}
+    if options.sizes == "deepspeed":
+        given = {k: v for k, (v, stages) in DEEPSPEED_SIZES.items() if stage in stages}
+        return {"stage": stage, **given}
     block = block_numel(w)
     section: dict[str, Any] = {
         "stage": stage,
@@ -371,7 +393,7 @@ def zero_own_section(stage: int, w: Workload, options: ImplOptions = ImplOptions
     """zero's ``zero_optimization`` section: :func:`zero_section` plus zero's own keys (stages 1, 2:
     ``reduce_max_inflight``)."""
     section = zero_section(stage, w, options)
-    if stage in (1, 2) and options.reduce_max_inflight is not None:
+    if stage in (1, 2) and options.reduce_max_inflight is not None and options.sizes == "blocks":
         section["reduce_max_inflight"] = options.reduce_max_inflight
     return section
 
@@ -425,10 +447,12 @@ def _deepspeed(stage: int) -> Callable[..., Runner]:
     return build
 
 
-def _zero(stage: int, compiled: bool = False) -> Callable[..., Runner]:
+def _zero(stage: int, compiled: bool = False, sizes: str | None = None) -> Callable[..., Runner]:
     def build(w: Workload, world: int, options: ImplOptions = ImplOptions()) -> Runner:
         import zero_full
 
+        if sizes is not None:
+            options = dataclasses.replace(options, sizes=sizes)
         model = _model(w, options)
         section = zero_own_section(stage, w, options)
         engine = zero_full.initialize(model, config={"zero_optimization": section}, optimizer=adamw)
@@ -446,4 +470,9 @@ IMPLEMENTATIONS: dict[str, Callable[..., Runner]] = {
     **{f"deepspeed-{k}": _deepspeed(k) for k in (1, 2, 3)},
     **{f"zero-{k}": _zero(k) for k in (1, 2, 3)},
     "zero-3-compiled": _zero(3, compiled=True),
+    # an empty section (zero's defaults, sized from the model) and DeepSpeed's default sizes given
+    "zero-3-unset": _zero(3, sizes="unset"),
+    "zero-3-dsdefaults": _zero(3, sizes="deepspeed"),
 }
+DEFAULT_SIZES = ("zero-3-unset", "zero-3-dsdefaults")
+"""Implementations that compare default sizes: chosen by name only (not in default lists)."""

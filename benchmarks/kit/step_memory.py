@@ -40,10 +40,22 @@ IMPLS = (
     "zero-3",
     "zero-3+ckpt",
     "zero-3+leaf",
+    "zero-1+defaults",
+    "zero-2+defaults",
+    "zero-3+defaults",
+    "zero-3+dsdefaults",
 )
 # What a suffix of an implementation's name changes in RELEASE: activation checkpointing of every
 # block; each GPT-2 block gathered as one leaf (the side-by-side's stage3_module_granularity_threshold).
-VARIANTS = {"+ckpt": {"checkpointing": True}, "+leaf": {"leaf_blocks": True}}
+# "+defaults": an empty zero_optimization section (the stage only: zero's defaults, sized from the
+# model); "+dsdefaults": DeepSpeed's default sizes given explicitly (an empty section before zero
+# sized its defaults).
+VARIANTS = {
+    "+ckpt": {"checkpointing": True},
+    "+leaf": {"leaf_blocks": True},
+    "+defaults": {"sizes": "unset"},
+    "+dsdefaults": {"sizes": "deepspeed"},
+}
 # Stage 3 (zero and DeepSpeed) really releases: nothing persists, one block prefetched, two live.
 # Every stage (zero and DeepSpeed alike) bounds its transients by the config: reduce / all-gather
 # buckets of one block and an optimizer that steps one block's elements at a time; overlap_comm

@@ -24,6 +24,7 @@ def test_formulas_per_stage():
         2,
         3,
     ]
+    assert [stage_of(i) for i in ("zero-3-compiled", "zero-3-unset", "zero-3-dsdefaults")] == [3, 3, 3]
     assert formula_state_bytes("ddp", psi, n) == 16 * psi
     assert formula_state_bytes("zero-1", psi, n) == 8 * psi + 8 * psi / n
     assert formula_state_bytes("deepspeed-2", psi, n) == 4 * psi + 12 * psi / n

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from benchmarks.kit.impls import block_numel, zero_section
+from benchmarks.kit.impls import block_numel, zero_own_section, zero_section
 from benchmarks.kit.step_memory import (
     RELEASE,
     failed_row,
@@ -52,6 +52,23 @@ def test_split_impl_names_the_base_implementation_and_its_options():
     base, leaf = split_impl("zero-3+leaf")
     assert (base, leaf) == ("zero-3", dataclasses.replace(RELEASE, leaf_blocks=True))
     assert not RELEASE.leaf_blocks  # the other rows gather per module
+
+
+def test_the_defaults_rows_give_the_stage_only_or_deepspeeds_sizes():
+    w = Workload("linear", layers=3, hidden=64)
+    for stage in (1, 2, 3):
+        base, options = split_impl(f"zero-{stage}+defaults")
+        assert base == f"zero-{stage}" and zero_own_section(stage, w, options) == {"stage": stage}
+    _, ds = split_impl("zero-3+dsdefaults")
+    assert zero_section(3, w, ds) == {
+        "stage": 3,
+        "reduce_bucket_size": 500_000_000,
+        "sub_group_size": 1_000_000_000,
+        "stage3_prefetch_bucket_size": 50_000_000,
+        "stage3_max_live_parameters": 1_000_000_000,
+        "stage3_max_reuse_distance": 1_000_000_000,
+    }
+    assert zero_section(2, w, ds)["allgather_bucket_size"] == 500_000_000
 
 
 def test_the_leaf_row_runs_on_gpt2_only():

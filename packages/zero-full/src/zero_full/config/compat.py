@@ -36,6 +36,7 @@ class FindingKind(str, enum.Enum):
     UNKNOWN = "unknown"  # neither zero nor DeepSpeed knows the key
     RESOLVED = "resolved"  # "auto", or a deprecated spelling, given its value
     AUTO = "auto"  # "auto" set aside, resolved at initialize
+    SIZED = "sized"  # left unset, sized from the model at initialize (config/sizing.py)
 
 
 class ConfigError(ValueError):

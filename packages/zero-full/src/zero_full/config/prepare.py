@@ -3,8 +3,10 @@
 :func:`prepare_config` reads the config (a dict or a JSON file), applies
 :func:`~zero_full.config.compat.accept_deepspeed` (DeepSpeed keys without a zero field, unknown
 keys), fills in ``"auto"`` values (:func:`~zero_full.config.auto.resolve_auto`), validates the
-result into a :class:`~zero_full.config.ZeroConfig`, and returns it with one report of every key
-that did not simply take effect (the engine's ignored keys included), which the engine logs once.
+result into a :class:`~zero_full.config.ZeroConfig`, sizes the ``zero_optimization`` sizes left
+unset from the model (:func:`~zero_full.config.sizing.size_defaults`), and returns it with one
+report of every key that did not simply take effect (the engine's ignored keys included), which
+the engine logs once.
 :func:`validate_deepspeed` does the same without a model: ``"auto"`` values are left to
 ``initialize`` (reported), the rest is validated.
 """
@@ -21,6 +23,7 @@ from torch import nn
 
 from zero_full.config.auto import resolve_auto
 from zero_full.config.compat import ConfigReport, Finding, FindingKind, accept_deepspeed, is_auto
+from zero_full.config.sizing import size_defaults
 from zero_full.config.zero_config import ZeroConfig
 
 __all__ = ["ConfigLike", "key_findings", "log_config_report", "prepare_config", "validate_deepspeed"]
@@ -106,19 +109,30 @@ def prepare_config(
     raw = _raw(config)
     if raw is None:
         cfg = ZeroConfig.coerce(config)
-        return cfg, key_findings(cfg)
+        sized_cfg, sized = size_defaults(cfg, model)
+        return sized_cfg, key_findings(cfg) + sized
     clean, report = accept_deepspeed(raw, ZeroConfig, strict=strict)
     resolved, filled = resolve_auto(clean, model, world_size)
     cfg = ZeroConfig.model_validate(resolved)
     kept = ConfigReport(tuple(f for f in report.findings if f.kind is not FindingKind.AUTO))
-    return cfg, kept + filled + key_findings(cfg)
+    sized_cfg, sized = size_defaults(cfg, model)
+    return sized_cfg, kept + filled + key_findings(cfg) + sized
 
 
 def log_config_report(report: ConfigReport, logger: logging.Logger) -> None:
-    """Log ``report`` once, at WARNING, as one table (call it on rank 0 only)."""
-    if report.findings:
+    """Log ``report`` once (call it on rank 0 only): the sizes chosen from the model in one INFO
+    line, every other finding at WARNING in one table."""
+    sized = report.of_kind(FindingKind.SIZED)
+    if sized:
+        logger.info(
+            "zero: sizes left unset, chosen from the model: %s (%s)",
+            ", ".join(f"{f.path.rpartition('.')[2]}={f.value_text()}" for f in sized),
+            sized[0].why.partition(": ")[2],
+        )
+    rest = ConfigReport(tuple(f for f in report.findings if f.kind is not FindingKind.SIZED))
+    if rest.findings:
         logger.warning(
             "zero: %d config keys did not simply take effect (unknown keys may be typos):\n%s",
-            len(report.findings),
-            report.table(),
+            len(rest.findings),
+            rest.table(),
         )

@@ -201,6 +201,11 @@ def _stage3(status: Refused | Ignored | None = None, default_text: str | None = 
     return Key(status or IMPLEMENTED, stages=_STAGE3, default_text=default_text)
 
 
+def _sized(value: str, deepspeed: str) -> str:
+    """The page's default of a size sized from the model when left unset (``config/sizing.py``)."""
+    return f"`min({value}, {deepspeed})`, sized from the model (`u`: its largest parameter, at least 2^20)"
+
+
 _ALWAYS_RS = "stages 1-3 always reduce-scatter gradients, stage 0 (DDP) all-reduces them"
 _SAVE_16BIT = (
     "zero has no save_16bit_model: engine.save_pretrained(dir, dtype=torch.bfloat16) always gathers the "
@@ -262,7 +267,7 @@ class ZeroOptimizationConfig(Section):
     """DeepSpeed: copy gradients into a contiguous buffer as they are produced."""
     reduce_scatter: Annotated[Flag, Key(Ignored(_ALWAYS_RS, behaves_as=True))] = True
     """DeepSpeed: reduce gradients with reduce-scatter (``false``: all-reduce)."""
-    reduce_bucket_size: Annotated[Int(1), _USED] = 500_000_000
+    reduce_bucket_size: Annotated[Int(1), Key(IMPLEMENTED, default_text=_sized("u", "5e8"))] = 500_000_000
     """Gradient elements reduced in one bucket (one collective) during backward."""
     reduce_max_inflight: Annotated[Int(1), Key(IMPLEMENTED, when=_REDUCES_ASYNC)] = 1
     """Not a DeepSpeed key. Gradient buckets whose reduction may be in flight at once before
@@ -284,7 +289,9 @@ class ZeroOptimizationConfig(Section):
         ),
     ] = True
     """DeepSpeed: all-gather the updated partitions after the step (``false``: a broadcast per rank)."""
-    allgather_bucket_size: Annotated[Int(1), Key(IMPLEMENTED, stages=_STAGE12)] = 500_000_000
+    allgather_bucket_size: Annotated[
+        Int(1), Key(IMPLEMENTED, stages=_STAGE12, default_text=_sized("u", "5e8"))
+    ] = 500_000_000
     """Elements of whole parameters all-gathered in one collective after the step."""
     round_robin_gradients: Annotated[
         Flag,
@@ -296,7 +303,7 @@ class ZeroOptimizationConfig(Section):
         ),
     ] = False
     """DeepSpeed: place gradient partitions round-robin (balancing its CPU-offload copies)."""
-    sub_group_size: Annotated[Int(0), _USED] = 1_000_000_000
+    sub_group_size: Annotated[Int(0), Key(IMPLEMENTED, default_text=_sized("u", "1e9"))] = 1_000_000_000
     """Every stage: elements of a flat optimizer partition stepped at once (and, with
     `offload_optimizer`, swapped at once). The optimizer's temporaries (e.g. AdamW's
     per-element intermediates, up to ~2 fp32 tensors of this size) are bounded by it, not by
@@ -311,7 +318,7 @@ class ZeroOptimizationConfig(Section):
         True
     )
     """Let parameters receive no gradient in a step (``false``: fail when one does not)."""
-    prefetch_bucket_size: Annotated[Int(0), _stage3()] = 50_000_000
+    prefetch_bucket_size: Annotated[Int(0), _stage3(default_text=_sized("u", "5e7"))] = 50_000_000
     """Elements of upcoming modules' parameters gathered ahead of use, from the recorded trace;
     0 turns prefetching off."""
     param_persistence_threshold: Annotated[Int(0), _stage3()] = 100_000
@@ -328,10 +335,10 @@ class ZeroOptimizationConfig(Section):
         ),
     ] = sys.maxsize
     """DeepSpeed: a cap on the total elements of the parameters kept whole."""
-    max_live_parameters: Annotated[Int(0), _stage3()] = 1_000_000_000
+    max_live_parameters: Annotated[Int(0), _stage3(default_text=_sized("2u", "1e9"))] = 1_000_000_000
     """Bound on gathered or in-flight elements that prefetching and reuse may keep alive (the
     running module's parameters are always gathered)."""
-    max_reuse_distance: Annotated[Int(0), _stage3()] = 1_000_000_000
+    max_reuse_distance: Annotated[Int(0), _stage3(default_text=_sized("u", "1e9"))] = 1_000_000_000
     """A parameter used again within this many gathered elements (in the trace) stays gathered
     after its module."""
     module_granularity_threshold: Annotated[Int(0), _stage3()] = 0
