@@ -16,16 +16,14 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from trainer_models import build_gpt2, token_data
 
-import zero_full
 import zero_params
 
 
 class LitGPT2(pl.LightningModule):
-    def __init__(self, lr: float, init_weights: str | None) -> None:
+    def __init__(self, lr: float, sharded: bool) -> None:
         super().__init__()
         self.lr = lr
-        self.init_weights = init_weights
-        self.net = None if init_weights else build_gpt2()
+        self.net = None if sharded else build_gpt2()
         self.records: list[dict[str, float]] = []
         self.partitioned = False
 
@@ -33,8 +31,6 @@ class LitGPT2(pl.LightningModule):
         if self.net is None:  # inside zero_full.Init under the zero strategies
             self.net = build_gpt2()
             self.partitioned = all(zero_params.is_partitioned(p) for p in self.net.parameters())
-            # transformers' weight init does not reach partitioned parameters: take the reference's
-            zero_full.load_safetensors_into(self.net, self.init_weights)
 
     def training_step(self, batch, batch_idx):
         (ids,) = batch
@@ -97,11 +93,7 @@ def main() -> None:
         enable_checkpointing=bool(args.ckpt_dir),
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )  # fmt: skip
-    init_weights = None
-    if zero:  # each rank its own copy of the reference's initial weights
-        init_weights = f"{args.out}.init{os.environ['RANK']}"
-        build_gpt2().save_pretrained(init_weights)
-    model = LitGPT2(lr=1e-3, init_weights=init_weights)
+    model = LitGPT2(lr=1e-3, sharded=zero)
     trainer.fit(model, train_dataloaders=loader(data), ckpt_path=args.resume)
     result = {"records": model.records, "partitioned": model.partitioned}
     if args.validate:
