@@ -68,10 +68,11 @@ def main() -> None:
     ap.add_argument("--ckpt-dir", default=None)
     ap.add_argument("--resume", default=None)
     ap.add_argument("--validate", action="store_true")
+    ap.add_argument("--config", default=None, help="a zero config as JSON: ZeroStrategy(config=...)")
     args = ap.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    zero = args.strategy.startswith("zero")
+    zero = args.strategy.startswith("zero") or args.config is not None
     if zero:
         import zero_full.lightning  # noqa: F401  registers the strategy names
     data = token_data()
@@ -83,11 +84,16 @@ def main() -> None:
         sampler = DistributedSampler(dataset, world, int(os.environ.get("RANK", "0")), shuffle=False)
         return DataLoader(dataset, batch_size=args.batch, sampler=sampler)
 
+    strategy = args.strategy
+    if args.config:
+        from zero_full.lightning import ZeroStrategy
+
+        strategy = ZeroStrategy(config=json.loads(args.config))
     callbacks = []
     if args.ckpt_dir:
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, every_n_epochs=1, save_top_k=-1))
     trainer = pl.Trainer(
-        strategy=args.strategy, accelerator="cpu", devices=world, max_epochs=args.epochs,
+        strategy=strategy, accelerator="cpu", devices=world, max_epochs=args.epochs,
         accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip, precision=args.precision,
         callbacks=callbacks, logger=False, use_distributed_sampler=False,
         enable_checkpointing=bool(args.ckpt_dir),
@@ -96,6 +102,10 @@ def main() -> None:
     model = LitGPT2(lr=1e-3, sharded=zero)
     trainer.fit(model, train_dataloaders=loader(data), ckpt_path=args.resume)
     result = {"records": model.records, "partitioned": model.partitioned}
+    engine = getattr(trainer.strategy, "engine", None)
+    if engine is not None:  # the settings the engine ran with
+        result["zero_optimization"] = engine.config.zero_optimization.model_dump(mode="json", by_alias=True)
+        result["mics"] = engine.mics is not None
     if args.validate:
         val = loader(data[:16])
         result["val_loss"] = trainer.validate(model, dataloaders=val, verbose=False)[0]["val_loss"]

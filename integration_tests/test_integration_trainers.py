@@ -201,3 +201,27 @@ def test_hf_trainer_lora_on_a_sharded_frozen_base_and_generate(tmp_path):
     merged_ref = reference.merge_and_unload().state_dict()
     for name, t in merged.items():
         assert max_rel_to_magnitude(t, merged_ref[name]) <= 1e-5, name
+
+
+ZERO_CONFIGS = {  # ZeroStrategy(config=...): (the zero_optimization section, loss tolerance)
+    "offload": ({"stage": 3, "offload_optimizer": {"device": "cpu"}}, RTOL),
+    "mics": ({"stage": 3, "mics_shard_size": 1}, RTOL),
+    # quantized gathers (int8 + one scale per block): within the stated ZeRO++ tolerance
+    "zeropp": ({"stage": 3, "zero_hpz_partition_size": 1, "zero_quantized_weights": True}, 0.02),
+}
+
+
+@pytest.mark.parametrize("setup", sorted(ZERO_CONFIGS))
+def test_lightning_fit_with_a_zero_config(setup, lightning_reference, tmp_path):
+    """MiCS, ZeRO++ and optimizer offload through ``ZeroStrategy(config=...)`` at world 2."""
+    section, rtol = ZERO_CONFIGS[setup]
+    config = json.dumps({"zero_optimization": section})
+    got = _run("lightning_worker.py", tmp_path / "out.json", "--config", config, "--validate")
+    ran = got["zero_optimization"]
+    assert all(ran[k] == v or ran[k] == {**ran[k], **v} for k, v in section.items()), ran
+    assert got["mics"] == (setup == "mics")
+    ref, zero = lightning_reference["records"], got["records"]
+    _close([r["loss"] for r in ref], [r["loss"] for r in zero], rtol)
+    assert [r["lr"] for r in zero] == [r["lr"] for r in ref]
+    assert got["partitioned"]
+    _close([lightning_reference["val_loss"]], [got["val_loss"]], rtol)
