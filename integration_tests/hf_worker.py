@@ -106,6 +106,8 @@ def main() -> None:
                 "zero_optimization": {"stage": args.stage},
             }
         )
+        if args.lora:  # shard every frozen tensor of the tiny model (none kept whole)
+            config["zero_optimization"].setdefault("stage3_param_persistence_threshold", 0)
         trainer = ZeroTrainer(
             model=model,
             args=targs,
@@ -123,7 +125,11 @@ def main() -> None:
         import zero_params
 
         frozen = [p for p in model.parameters() if not p.requires_grad]
-        result["frozen_partitioned"] = all(zero_params.is_partitioned(p) for p in frozen)
+        # sharded: partitioned and not kept whole as persistent
+        sharded = [zero_params.is_partitioned(p) and not zero_params.state_of(p).persistent for p in frozen]
+        result["frozen_sharded"] = [sum(sharded), len(sharded)]
+        int8 = [isinstance(zero_params.state_of(p).offload, zero_params.FrozenInt8Store) for p in frozen]
+        result["frozen_int8"] = [sum(int8), len(int8)]
     if args.generate:
         prompt = token_data(3)[:, :5]
         kw = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}

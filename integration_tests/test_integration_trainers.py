@@ -188,7 +188,18 @@ def test_lightning_resumes_exactly_from_model_checkpoint(tmp_path):
     assert resumed["records"] == full["records"][epoch:]
 
 
-def test_hf_trainer_lora_on_a_sharded_frozen_base_and_generate(tmp_path):
+@pytest.fixture(scope="module")
+def lora_reference(tmp_path_factory) -> tuple[dict, Path]:
+    """Single-process PEFT LoRA training with the plain Trainer: its log and saved adapter."""
+    d = tmp_path_factory.mktemp("lora_ref")
+    ref = _run(
+        "hf_worker.py", d / "ref.json", "--lora", "--generate", "--batch", "8", "--output-dir", str(d / "r"),
+        "--save-model", str(d / "adapter"), world=1,
+    )  # fmt: skip
+    return ref, d / "adapter"
+
+
+def test_hf_trainer_lora_on_a_sharded_frozen_base_and_generate(lora_reference, tmp_path):
     """PEFT LoRA at stage 3: adapters train, the frozen base stays sharded, the adapter is saved
     in the PEFT format; greedy ``trainer.generate`` equals plain peft's on the saved adapter."""
     from peft import PeftModel
@@ -198,22 +209,20 @@ def test_hf_trainer_lora_on_a_sharded_frozen_base_and_generate(tmp_path):
     from zero_testing.compare import max_rel_to_magnitude
 
     common = ("--lora", "--generate")
-    ref = _run(
-        "hf_worker.py", tmp_path / "ref.json", *common, "--batch", "8", "--output-dir", str(tmp_path / "r"),
-        "--save-model", str(tmp_path / "ref_adapter"), world=1,
-    )  # fmt: skip
+    ref, ref_adapter = lora_reference
     got = _run(
         "hf_worker.py", tmp_path / "out.json", *common, "--stage", "3", "--output-dir", str(tmp_path / "z"),
         "--save-model", str(tmp_path / "adapter"),
     )  # fmt: skip
     assert got["trainable"] == ref["trainable"] and all(".lora_" in n for n in got["trainable"])
-    assert got["frozen_partitioned"]  # the base is sharded, not replicated
+    sharded, frozen = got["frozen_sharded"]
+    assert frozen > 0 and sharded == frozen  # the base is sharded, not replicated
     ref_log, zero_log = _train_logs(ref), _train_logs(got)
     _close([e["loss"] for e in ref_log], [e["loss"] for e in zero_log])
     _close([e["grad_norm"] for e in ref_log], [e["grad_norm"] for e in zero_log])
     assert [e["grad_norm"] for e in zero_log] == [s["grad_norm"] for s in got["engine"]]
     saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
-    expected = load_file(tmp_path / "ref_adapter" / "adapter_model.safetensors")
+    expected = load_file(ref_adapter / "adapter_model.safetensors")
     assert saved.keys() == expected.keys() and saved
     for name, t in saved.items():  # Adam: parameters compared loosely (see the yardstick)
         assert max_rel_to_magnitude(t, expected[name]) <= 1e-4, name
@@ -227,10 +236,28 @@ def test_hf_trainer_lora_on_a_sharded_frozen_base_and_generate(tmp_path):
     tokens = plain.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert got["tokens"] == tokens.tolist()
     merged = plain.merge_and_unload().state_dict()
-    reference = PeftModel.from_pretrained(build_gpt2(), tmp_path / "ref_adapter")
+    reference = PeftModel.from_pretrained(build_gpt2(), ref_adapter)
     merged_ref = reference.merge_and_unload().state_dict()
     for name, t in merged.items():
         assert max_rel_to_magnitude(t, merged_ref[name]) <= 1e-5, name
+
+
+def test_hf_trainer_lora_with_the_frozen_base_stored_int8(lora_reference, tmp_path):
+    """``zero_quantized_nontrainable_weights``: the frozen base's shards are int8 codes; LoRA
+    training stays within the ZeRO++ tolerance (2%) of single-process PEFT training."""
+    config = tmp_path / "zero.json"
+    section = {"stage": 3, "stage3_param_persistence_threshold": 0}
+    section["zero_quantized_nontrainable_weights"] = True
+    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "zero_optimization": section}))
+    got = _run(
+        "hf_worker.py", tmp_path / "out.json", "--lora", "--stage", "3", "--config", str(config),
+        "--output-dir", str(tmp_path / "z"), "--save-model", str(tmp_path / "adapter"),
+    )  # fmt: skip
+    ref, _ = lora_reference
+    int8, frozen = got["frozen_int8"]
+    assert frozen > 0 and int8 == frozen, got["frozen_int8"]
+    _close([e["loss"] for e in _train_logs(ref)], [e["loss"] for e in _train_logs(got)], 0.02)
+    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
 
 
 ZERO_CONFIGS = {  # ZeroStrategy(config=...): (the zero_optimization section, loss tolerance)

@@ -165,6 +165,13 @@ class ZeroTrainer(Trainer):
             self.model_wrapped = _EngineModule(self.engine)
         return self.engine
 
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
+        """Once the engine exists, the module the Trainer drives is its wrapper: Accelerate never
+        prepares (moves or wraps) the engine's model, whose stage-3 parameters are shards."""
+        if self.engine is not None:
+            return self.model_wrapped
+        return super()._wrap_model(model, training, dataloader)
+
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """Build the engine; the Trainer's optimizer is its step-only view."""
         self.optimizer = _EngineStep(self.zero_engine())
