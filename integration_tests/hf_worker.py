@@ -106,8 +106,8 @@ def main() -> None:
                 "zero_optimization": {"stage": args.stage},
             }
         )
-        if args.lora:  # shard every frozen tensor of the tiny model (none kept whole)
-            config["zero_optimization"].setdefault("stage3_param_persistence_threshold", 0)
+        if args.stage == 3 and not args.config:  # shard every tensor of the tiny model (none kept whole)
+            config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
         trainer = ZeroTrainer(
             model=model,
             args=targs,
