@@ -255,7 +255,7 @@ def kernels(session: nox.Session) -> None:
     _pytest(session, ROOT / "kernels/tests", env)
 
 
-INTEGRATION_PEERS = ["deepspeed==0.19.8", "ninja", "accelerate>=1.0", "lightning>=2.4"]
+INTEGRATION_PEERS = ["deepspeed==0.19.8", "ninja", "accelerate>=1.0", "lightning>=2.4", "peft>=0.13"]
 
 
 @nox.session(tags=["ci"])
@@ -266,8 +266,8 @@ def integration(session: nox.Session) -> None:
     _install(session, "zero-full", "zero-testing")
     # DeepSpeed: the peer the DeepSpeed-script and DeepSpeed-checkpoint tests run the same code under
     # (on the CPU it JIT-builds its shared-memory collective with ninja at its first run); grimp: the
-    # import graph that test_integration_import_graph.py checks (import-linter's own); accelerate and
-    # lightning: the trainer integrations' tests.
+    # import graph that test_integration_import_graph.py checks (import-linter's own); accelerate,
+    # lightning and peft: the trainer integrations' tests.
     _pip(session, "-c", CONSTRAINTS, "pytest>=8", "transformers>=4.45", "grimp>=3.4", *INTEGRATION_PEERS)
     if not _has_tests(tests_dir):
         session.log("integration_tests: none yet")

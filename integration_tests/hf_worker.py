@@ -3,7 +3,8 @@
 ``torchrun --nproc_per_node 2 hf_worker.py OUT.json --stage 3`` trains with ``ZeroTrainer``;
 without ``--stage`` it is the single-process reference (plain ``Trainer``, the whole global
 batch per device). Rank 0 writes the Trainer's log history and, under zero, the learning
-rate and gradient norm the engine used at each step.
+rate and gradient norm the engine used at each step. ``--lora`` trains PEFT LoRA adapters on
+the frozen model; ``--generate`` records the greedy tokens ``generate`` gives after training.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import json
 import os
 
 import torch
-from trainer_models import build_gpt2, token_data
+from trainer_models import BUILDERS, token_data
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 
@@ -51,6 +52,9 @@ def main() -> None:
     ap.add_argument("--output-dir", default="hf_out")
     ap.add_argument("--resume", default=None)
     ap.add_argument("--save-model", default=None)
+    ap.add_argument("--model", default="gpt2", choices=sorted(BUILDERS))
+    ap.add_argument("--lora", action="store_true", help="train LoRA adapters on the frozen model")
+    ap.add_argument("--generate", action="store_true", help="record greedy tokens after training")
     ap.add_argument("--config", default=None, help="a zero config JSON (default: the stage with auto values)")
     args = ap.parse_args()
 
@@ -75,7 +79,14 @@ def main() -> None:
         optim="adamw_torch",
         per_device_eval_batch_size=args.batch,
     )
-    model = build_gpt2()
+    model = BUILDERS[args.model]()
+    if args.lora:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(99)
+        targets = ["c_attn", "c_fc"] if args.model == "gpt2" else ["q_proj", "v_proj", "up_proj"]
+        lora = LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0)
+        model = get_peft_model(model, lora)
     data = TokenDataset(token_data())
     recorder = EngineRecorder()
     if args.stage is None:
@@ -95,6 +106,8 @@ def main() -> None:
                 "zero_optimization": {"stage": args.stage},
             }
         )
+        if args.stage == 3 and not args.config:  # shard every tensor of the tiny model (none kept whole)
+            config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
         trainer = ZeroTrainer(
             model=model,
             args=targs,
@@ -107,6 +120,21 @@ def main() -> None:
     trainer.train(resume_from_checkpoint=args.resume)
     result = {"log": trainer.state.log_history, "engine": recorder.steps}
     result["eval_loss"] = trainer.evaluate()["eval_loss"]
+    result["trainable"] = [n for n, p in model.named_parameters() if p.requires_grad]
+    if args.stage == 3:
+        import zero_params
+
+        frozen = [p for p in model.parameters() if not p.requires_grad]
+        # sharded: partitioned and not kept whole as persistent
+        sharded = [zero_params.is_partitioned(p) and not zero_params.state_of(p).persistent for p in frozen]
+        result["frozen_sharded"] = [sum(sharded), len(sharded)]
+        int8 = [isinstance(zero_params.state_of(p).offload, zero_params.FrozenInt8Store) for p in frozen]
+        result["frozen_int8"] = [sum(int8), len(int8)]
+    if args.generate:
+        prompt = token_data(3)[:, :5]
+        kw = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+        tokens = trainer.generate(prompt, **kw) if args.stage else trainer.model.eval().generate(prompt, **kw)
+        result["tokens"] = tokens.tolist()
     if args.save_model:
         trainer.save_model(args.save_model)
     if int(os.environ.get("RANK", "0")) == 0:

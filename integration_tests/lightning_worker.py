@@ -16,16 +16,14 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from trainer_models import build_gpt2, token_data
 
-import zero_full
 import zero_params
 
 
 class LitGPT2(pl.LightningModule):
-    def __init__(self, lr: float, init_weights: str | None) -> None:
+    def __init__(self, lr: float, sharded: bool) -> None:
         super().__init__()
         self.lr = lr
-        self.init_weights = init_weights
-        self.net = None if init_weights else build_gpt2()
+        self.net = None if sharded else build_gpt2()
         self.records: list[dict[str, float]] = []
         self.partitioned = False
 
@@ -33,8 +31,6 @@ class LitGPT2(pl.LightningModule):
         if self.net is None:  # inside zero_full.Init under the zero strategies
             self.net = build_gpt2()
             self.partitioned = all(zero_params.is_partitioned(p) for p in self.net.parameters())
-            # transformers' weight init does not reach partitioned parameters: take the reference's
-            zero_full.load_safetensors_into(self.net, self.init_weights)
 
     def training_step(self, batch, batch_idx):
         (ids,) = batch
@@ -72,10 +68,11 @@ def main() -> None:
     ap.add_argument("--ckpt-dir", default=None)
     ap.add_argument("--resume", default=None)
     ap.add_argument("--validate", action="store_true")
+    ap.add_argument("--config", default=None, help="a zero config as JSON: ZeroStrategy(config=...)")
     args = ap.parse_args()
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    zero = args.strategy.startswith("zero")
+    zero = args.strategy.startswith("zero") or args.config is not None
     if zero:
         import zero_full.lightning  # noqa: F401  registers the strategy names
     data = token_data()
@@ -87,23 +84,28 @@ def main() -> None:
         sampler = DistributedSampler(dataset, world, int(os.environ.get("RANK", "0")), shuffle=False)
         return DataLoader(dataset, batch_size=args.batch, sampler=sampler)
 
+    strategy = args.strategy
+    if args.config:
+        from zero_full.lightning import ZeroStrategy
+
+        strategy = ZeroStrategy(config=json.loads(args.config))
     callbacks = []
     if args.ckpt_dir:
         callbacks.append(pl.callbacks.ModelCheckpoint(dirpath=args.ckpt_dir, every_n_epochs=1, save_top_k=-1))
     trainer = pl.Trainer(
-        strategy=args.strategy, accelerator="cpu", devices=world, max_epochs=args.epochs,
+        strategy=strategy, accelerator="cpu", devices=world, max_epochs=args.epochs,
         accumulate_grad_batches=args.accumulate, gradient_clip_val=args.clip, precision=args.precision,
         callbacks=callbacks, logger=False, use_distributed_sampler=False,
         enable_checkpointing=bool(args.ckpt_dir),
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )  # fmt: skip
-    init_weights = None
-    if zero:  # each rank its own copy of the reference's initial weights
-        init_weights = f"{args.out}.init{os.environ['RANK']}"
-        build_gpt2().save_pretrained(init_weights)
-    model = LitGPT2(lr=1e-3, init_weights=init_weights)
+    model = LitGPT2(lr=1e-3, sharded=zero)
     trainer.fit(model, train_dataloaders=loader(data), ckpt_path=args.resume)
     result = {"records": model.records, "partitioned": model.partitioned}
+    engine = getattr(trainer.strategy, "engine", None)
+    if engine is not None:  # the settings the engine ran with
+        result["zero_optimization"] = engine.config.zero_optimization.model_dump(mode="json", by_alias=True)
+        result["mics"] = engine.mics is not None
     if args.validate:
         val = loader(data[:16])
         result["val_loss"] = trainer.validate(model, dataloaders=val, verbose=False)[0]["val_loss"]

@@ -1,6 +1,6 @@
 """The tiny language model and data of the Lightning and Hugging Face Trainer integration tests.
 
-A GPT-2 built from a config (no download), dropout off, a fixed token dataset: the
+A GPT-2 and a LLaMA built from configs (no download), dropout off, a fixed token dataset: the
 reference (one process, the whole global batch) and each zero rank see the same model
 and the same global batches.
 """
@@ -29,6 +29,27 @@ def build_gpt2():
 
     torch.manual_seed(1234)
     return GPT2LMHeadModel(gpt2_config())
+
+
+def llama_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=24, intermediate_size=40, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=VOCAB, max_position_embeddings=SEQ, tie_word_embeddings=False,
+        bos_token_id=0, eos_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+
+
+def build_llama():
+    """The LLaMA variant (grouped-query attention, untied head), its weights a pure function of the seed."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(1234)
+    return LlamaForCausalLM(llama_config())
+
+
+BUILDERS = {"gpt2": build_gpt2, "llama": build_llama}
 
 
 def token_data(samples: int = SAMPLES) -> torch.Tensor:

@@ -14,7 +14,11 @@ of ``Trainer(...)``. Lifecycle:
    the optimizer step (at the accumulation boundary) is ``engine.step()``: reduction,
    ``gradient_clipping`` (from ``max_grad_norm``), the update. ``grad_norm`` in the logs is
    the engine's (``loss_scale`` too under fp16); ``learning_rate`` is the one the step used.
-4. Checkpoints (``save_strategy``): the model in the Hugging Face layout
+4. ``generate``: the engine's model with every parameter gathered once for the whole
+   generation (:meth:`zero_full.Engine.gathered_for_inference`), not once per token.
+5. ``save_model``: the Hugging Face layout through ``engine.save_pretrained``; a PEFT model
+   (LoRA adapters on a frozen base) writes its adapter in the PEFT format instead.
+6. Checkpoints (``save_strategy``): the model in the Hugging Face layout
    (``engine.save_pretrained``), zero's sharded checkpoint in ``zero_checkpoint/``, and the
    Trainer's scheduler, RNG and trainer state; ``train(resume_from_checkpoint=...)`` reads
    them back and the Trainer skips the data already seen.
@@ -161,6 +165,13 @@ class ZeroTrainer(Trainer):
             self.model_wrapped = _EngineModule(self.engine)
         return self.engine
 
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
+        """Once the engine exists, the module the Trainer drives is its wrapper: Accelerate never
+        prepares (moves or wraps) the engine's model, whose stage-3 parameters are shards."""
+        if self.engine is not None:
+            return self.model_wrapped
+        return super()._wrap_model(model, training, dataloader)
+
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """Build the engine; the Trainer's optimizer is its step-only view."""
         self.optimizer = _EngineStep(self.zero_engine())
@@ -223,6 +234,21 @@ class ZeroTrainer(Trainer):
         self.zero_engine()
         return super().predict(*args, **kwargs)
 
+    def generate(self, *args: Any, budget_bytes: int | None = None, **kwargs: Any) -> Any:
+        """``model.generate(...)`` with the parameters gathered once for the whole generation.
+
+        Collective: every rank calls it (with its own inputs). ``budget_bytes``: see
+        :meth:`zero_full.Engine.gathered_for_inference`.
+        """
+        engine = self.zero_engine()
+        was_training = engine.module.training
+        engine.eval()
+        try:
+            with engine.gathered_for_inference(budget_bytes):
+                return engine.module.generate(*args, **kwargs)
+        finally:
+            engine.train(was_training)
+
     # ------------------------------------------------------------------ saving
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -230,7 +256,12 @@ class ZeroTrainer(Trainer):
         if self.engine is None:
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        self.engine.save_pretrained(output_dir)
+        if _is_peft_model(self.engine.module):
+            state = self.engine.consolidated_state_dict()  # collective; rank 0 holds it
+            if self.args.process_index == 0:
+                self.engine.module.save_pretrained(output_dir, state_dict=state)
+        else:
+            self.engine.save_pretrained(output_dir)
         if self.args.should_save:
             if self.processing_class is not None:
                 self.processing_class.save_pretrained(output_dir)
@@ -259,6 +290,15 @@ class ZeroTrainer(Trainer):
                 "checkpoint written by ZeroTrainer"
             )
         # the weights are read with the optimizer state from zero's checkpoint
+
+
+def _is_peft_model(module: nn.Module) -> bool:
+    """A ``peft.PeftModel`` (its ``save_pretrained`` writes the adapter only)."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(module, PeftModel)
 
 
 def _refuse_unsupported(args: TrainingArguments) -> None:
