@@ -106,6 +106,10 @@ def main() -> None:
     if engine is not None:  # the settings the engine ran with
         result["zero_optimization"] = engine.config.zero_optimization.model_dump(mode="json", by_alias=True)
         result["mics"] = engine.mics is not None
+        # sharded: partitioned and not kept whole as a persistent parameter
+        params = list(model.net.parameters())
+        kept = [zero_params.is_partitioned(p) and not zero_params.state_of(p).persistent for p in params]
+        result["sharded"] = [sum(kept), len(params)]
     if args.validate:
         val = loader(data[:16])
         result["val_loss"] = trainer.validate(model, dataloaders=val, verbose=False)[0]["val_loss"]

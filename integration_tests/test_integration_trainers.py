@@ -260,11 +260,12 @@ def test_hf_trainer_lora_with_the_frozen_base_stored_int8(lora_reference, tmp_pa
     assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
 
 
+SHARD_ALL = {"stage": 3, "stage3_param_persistence_threshold": 0}  # every tensor of the tiny model split
 ZERO_CONFIGS = {  # ZeroStrategy(config=...): (the zero_optimization section, loss tolerance)
-    "offload": ({"stage": 3, "offload_optimizer": {"device": "cpu"}}, RTOL),
-    "mics": ({"stage": 3, "mics_shard_size": 1}, RTOL),
+    "offload": ({**SHARD_ALL, "offload_optimizer": {"device": "cpu"}}, RTOL),
+    "mics": ({**SHARD_ALL, "mics_shard_size": 1}, RTOL),
     # quantized gathers (int8 + one scale per block): within the stated ZeRO++ tolerance
-    "zeropp": ({"stage": 3, "zero_hpz_partition_size": 1, "zero_quantized_weights": True}, 0.02),
+    "zeropp": ({**SHARD_ALL, "zero_hpz_partition_size": 1, "zero_quantized_weights": True}, 0.02),
 }
 
 
@@ -275,10 +276,13 @@ def test_lightning_fit_with_a_zero_config(setup, lightning_reference, tmp_path):
     config = json.dumps({"zero_optimization": section})
     got = _run("lightning_worker.py", tmp_path / "out.json", "--config", config, "--validate")
     ran = got["zero_optimization"]
-    assert all(ran[k] == v or ran[k] == {**ran[k], **v} for k, v in section.items()), ran
+    asked = {k.removeprefix("stage3_"): v for k, v in section.items()}  # the engine's own key names
+    assert all(ran[k] == v or ran[k] == {**ran[k], **v} for k, v in asked.items()), ran
     assert got["mics"] == (setup == "mics")
     ref, zero = lightning_reference["records"], got["records"]
     _close([r["loss"] for r in ref], [r["loss"] for r in zero], rtol)
     assert [r["lr"] for r in zero] == [r["lr"] for r in ref]
     assert got["partitioned"]
+    sharded, total = got["sharded"]
+    assert total > 0 and sharded == total  # really split, so teardown and validate meet shards
     _close([lightning_reference["val_loss"]], [got["val_loss"]], rtol)

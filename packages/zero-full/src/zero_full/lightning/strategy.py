@@ -190,6 +190,19 @@ class ZeroStrategy(DDPStrategy):
         self.setup_precision_plugin()
         self.barrier()
 
+    def teardown(self) -> None:
+        """Lightning's teardown, except that the module and its optimizer state stay where they are.
+
+        Their tensors are the engine's shards (a partitioned parameter refuses ``.cpu()``), and a
+        later ``validate`` / ``fit`` reuses the engine.
+        """
+        if self.cluster_environment is not None:
+            self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        if self.accelerator is not None:
+            self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
     def setup_optimizers(self, trainer: pl.Trainer) -> None:
         """Nothing: :meth:`setup` calls ``configure_optimizers`` and hands the optimizer to the engine."""
 
