@@ -41,6 +41,8 @@ COMPILED_TRITON_ON_CPU = textwrap.dedent(
     """
 )
 
+pytestmark = pytest.mark.smoke
+
 
 @pytest.mark.skipif(not zero_kernels.HAS_TRITON, reason="needs triton importable to reach the device check")
 def test_compiled_triton_refuses_cpu_tensors():
