@@ -17,8 +17,6 @@ from zero_testing import (
     measure_wire_bytes,
 )
 
-pytestmark = pytest.mark.smoke
-
 
 def _sum_of_ranks(rank):
     t = torch.tensor([float(rank.rank)])
@@ -67,6 +65,7 @@ def test_the_worlds_of_the_suites_keep_their_pools_between_calls(dist):
     assert again == first
 
 
+@pytest.mark.smoke
 def test_a_failing_rank_is_named_and_the_pool_recovers(dist):
     with pytest.raises(RankFailure, match=r"rank\(s\) \[1\][\s\S]*boom on purpose"):
         dist.run(2, _fail_on_rank_one)
@@ -79,6 +78,7 @@ def test_a_hanging_rank_is_killed_and_reported(dist):
     assert dist.run(2, _sum_of_ranks)[0][3] == 1.0
 
 
+@pytest.mark.smoke
 def test_wire_bytes_see_a_ring_all_gather(dist):
     written = dist.run(2, _wire_bytes_of_all_gather)
     ideal = 250_000 * 4  # world 2: each rank sends its shard once
@@ -86,6 +86,7 @@ def test_wire_bytes_see_a_ring_all_gather(dist):
         assert 0.9 * ideal <= w <= 1.3 * ideal, (w, ideal)
 
 
+@pytest.mark.smoke
 def test_compare_helpers_fail_when_they_should():
     a = torch.tensor([1.0, 2.0, 4.0])
     assert_tensors_close(a, a.clone(), rel=0.0)
