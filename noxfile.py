@@ -275,7 +275,6 @@ def torch_smoke(session: nox.Session, release: str) -> None:
     of integration_tests/test_integration_stages.py.
     """
     _pip(session, release)
-    session.run("python", "-c", "import torch; print('torch', torch.__version__)")
     _pip(
         session,
         release,
@@ -284,6 +283,7 @@ def torch_smoke(session: nox.Session, release: str) -> None:
         "safetensors>=0.4",
         *(arg for d in PACKAGE_DIRS.values() for arg in ("-e", str(ROOT / d))),
     )
+    session.run("python", "-c", "import torch; print('torch', torch.__version__)")
     pytest = ("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=5")
     for package_dir in PACKAGE_DIRS.values():  # one run each: its own pytest config and conftest
         session.run(*pytest, "-m", "smoke", str(ROOT / package_dir / "tests"), env=TEST_ENV)
