@@ -14,11 +14,13 @@ import zero_kernels
 from zero_kernels import resolve_backend
 
 
+@pytest.mark.smoke
 def test_auto_uses_the_reference_on_cpu():
     assert resolve_backend("auto", torch.zeros(1)) == "torch"
     assert resolve_backend("torch", torch.zeros(1)) == "torch"
 
 
+@pytest.mark.smoke
 def test_unknown_backend_is_named():
     with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'torch', 'triton'\), got 'cuda'"):
         resolve_backend("cuda", torch.zeros(1))
@@ -40,8 +42,6 @@ COMPILED_TRITON_ON_CPU = textwrap.dedent(
     print("ok")
     """
 )
-
-pytestmark = pytest.mark.smoke
 
 
 @pytest.mark.skipif(not zero_kernels.HAS_TRITON, reason="needs triton importable to reach the device check")
