@@ -5,6 +5,7 @@
                               holding only that package, its declared dependencies and torch
     nox -s kernels            Triton kernels vs their torch twins under TRITON_INTERPRET=1
     nox -s integration        multi-process end-to-end trainings (gloo on CPU)
+    nox -s torch_smoke        the smoke set on the oldest and the newest supported torch
     nox -s lint               ruff + import-linter layer contracts
     nox -s docs               mkdocs build --strict (prints where the site is); -- serve: serve it
     nox -s build              every package's wheel and sdist into dist/
@@ -253,6 +254,46 @@ def kernels(session: nox.Session) -> None:
     check = "import triton, triton.language; print('triton', triton.__version__)"
     session.run("python", "-c", check, env=env)
     _pytest(session, ROOT / "kernels/tests", env)
+
+
+# The torch releases the package metadata allows, at both ends (``torch>=2.9,<3``): the smoke set
+# runs on each. The whole suite runs on ``TORCH`` (the pin).
+TORCH_RANGE = {"oldest": "torch==2.9.0", "newest": "torch==2.15.0"}
+# A stage-1/2/3 run of zero-full against one process on the whole batch (world 2).
+SMOKE_PARITY = "mlp-stage1-w2 or mlp-stage2-w2 or mlp-stage3-w2"
+SMOKE = "pytest.mark.smoke"
+
+
+@nox.session(name="torch_smoke")
+@_venv_discarded
+@nox.parametrize("release", list(TORCH_RANGE.values()), ids=list(TORCH_RANGE))
+def torch_smoke(session: nox.Session, release: str) -> None:
+    """The smoke set on the oldest and the newest torch zero supports (``-s "torch_smoke(oldest)"``).
+
+    That torch is installed from the index in the session's own venv (not the pin: no
+    constraints file), then every zero package editable; the tests marked ``smoke`` of every
+    package run (each package's main paths, a few minutes in all), then the stage 1/2/3 parity run
+    of integration_tests/test_integration_stages.py.
+    """
+    _pip(session, release)
+    _pip(
+        session,
+        release,
+        "pytest>=8",
+        "hypothesis>=6",
+        "safetensors>=0.4",
+        *(arg for d in PACKAGE_DIRS.values() for arg in ("-e", str(ROOT / d))),
+    )
+    session.run("python", "-c", "import torch; print('torch', torch.__version__)")
+    pytest = ("python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=5")
+    for package_dir in PACKAGE_DIRS.values():  # one run each: its own pytest config and conftest
+        # Only the files holding smoke tests: others may import the test extras' peers (lightning).
+        files = [
+            str(f) for f in sorted((ROOT / package_dir / "tests").glob("test_*.py")) if SMOKE in f.read_text()
+        ]
+        session.run(*pytest, "-m", "smoke", *files, env=TEST_ENV)
+    stages = str(ROOT / "integration_tests/test_integration_stages.py")
+    session.run(*pytest, stages, "-k", SMOKE_PARITY, env=TEST_ENV)
 
 
 INTEGRATION_PEERS = ["deepspeed==0.19.8", "ninja", "accelerate>=1.0", "lightning>=2.4", "peft>=0.13"]

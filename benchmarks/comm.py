@@ -37,6 +37,7 @@ from benchmarks.kit.cli import BenchmarkParser, benchmark_parser
 from benchmarks.kit.measure import ResultSink, spawn_ranks, time_and_count
 from benchmarks.kit.report import Report, command_line, environment, markdown_table
 from zero_comm import Topology, all_gather_coalesced, partition_numel, reduce_scatter_coalesced
+from zero_comm.torch_compat import all_gather_single, reduce_scatter_single
 
 
 def tensor_sizes(count: int, total: int, seed: int = 0) -> list[int]:
@@ -66,7 +67,7 @@ def gather_variants(sizes: list[int], topo: Topology) -> dict[str, tuple[Callabl
 
     def loop() -> None:
         for o, s in zip(outs, shards):
-            dist.all_gather_single(o, s)
+            all_gather_single(o, s)
 
     variants = {
         "all_gather_coalesced": (lambda: all_gather_coalesced(shards), ideal),
@@ -75,7 +76,7 @@ def gather_variants(sizes: list[int], topo: Topology) -> dict[str, tuple[Callabl
             ideal,
         ),
         "per-tensor all_gather_single loop": (loop, ideal),
-        "one all_gather_single, pre-flattened": (lambda: dist.all_gather_single(flat_out, flat_in), ideal),
+        "one all_gather_single, pre-flattened": (lambda: all_gather_single(flat_out, flat_in), ideal),
     }
     if topo.num_nodes > 1 and topo.ranks_per_node > 1:
         hops = topo.hierarchical_groups(world)
@@ -97,13 +98,13 @@ def reduce_scatter_variants(sizes: list[int], world: int) -> dict[str, tuple[Cal
         for t, p, o in zip(tensors, parts, outs):
             buf = torch.zeros(world * p)
             buf[: t.numel()] = t
-            dist.reduce_scatter_single(o, buf)
+            reduce_scatter_single(o, buf)
 
     return {
         "reduce_scatter_coalesced": (lambda: reduce_scatter_coalesced(tensors, op="sum"), ideal),
         "per-tensor reduce_scatter_single loop": (loop, ideal),
         "one reduce_scatter_single, pre-flattened": (
-            lambda: dist.reduce_scatter_single(flat_out, flat_in),
+            lambda: reduce_scatter_single(flat_out, flat_in),
             ideal,
         ),
     }

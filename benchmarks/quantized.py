@@ -62,6 +62,7 @@ from zero_comm.quantized import (
     all_to_all_quant_reduce,
     quantized_all_gather_coalesced,
 )
+from zero_comm.torch_compat import all_gather_single
 from zero_kernels import (
     QuantConfig,
     dequant_reduce,
@@ -185,7 +186,7 @@ def _rank_main(rank: int, args: argparse.Namespace, store: str, results: ResultS
     topo = Topology(ranks_per_node=args.ranks_per_node)
     pid = torch.tensor([os.getpid()])
     pids = torch.zeros(args.world, dtype=torch.long)
-    dist.all_gather_single(pids, pid)
+    all_gather_single(pids, pid)
     pid_list = pids.tolist()
     gen = torch.Generator().manual_seed(rank)
     world = args.world

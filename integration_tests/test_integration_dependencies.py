@@ -35,16 +35,19 @@ else:  # pragma: no cover
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def package_dirs() -> dict[str, str]:
-    """Each package's folder, as ``noxfile.py`` declares them in ``PACKAGE_DIRS`` (read, not imported:
-    nox need not be installed here), so a package CI tests is a package this test checks."""
+def nox_literal(name: str):
+    """A literal constant of ``noxfile.py`` (read, not imported: nox need not be installed here)."""
     for node in ast.parse((ROOT / "noxfile.py").read_text()).body:
         names = [getattr(t, "id", None) for t in getattr(node, "targets", ())]
-        if names == ["PACKAGE_DIRS"]:
+        if names == [name]:
             return ast.literal_eval(node.value)
-    raise RuntimeError(
-        f"{ROOT / 'noxfile.py'} has no literal PACKAGE_DIRS = {{...}}: declare the packages there"
-    )
+    raise RuntimeError(f"{ROOT / 'noxfile.py'} has no literal {name} = ...: declare it there")
+
+
+def package_dirs() -> dict[str, str]:
+    """Each package's folder, as ``noxfile.py`` declares them in ``PACKAGE_DIRS``, so a package CI
+    tests is a package this test checks."""
+    return nox_literal("PACKAGE_DIRS")
 
 
 PACKAGE_DIRS = package_dirs()
@@ -205,3 +208,24 @@ def test_tensor_numpy_call_and_torch_import_need_numpy(monkeypatch: pytest.Monke
     assert problems("zero-kernels", found, "") == [
         "zero-kernels: numpy is needed by torch (['m.py', 'n.py']) but not a dependency"
     ]
+
+
+def test_every_package_allows_the_torch_releases_the_smoke_set_runs_on() -> None:
+    """One torch range in every package's metadata, from the oldest release ``torch_smoke`` runs on."""
+    tested = nox_literal("TORCH_RANGE")
+    oldest = tested["oldest"].removeprefix("torch==").split(".")
+    newest = tested["newest"].removeprefix("torch==").split(".")
+    expected = f"torch>={oldest[0]}.{oldest[1]},<3"
+    assert newest[0] == "2", f"torch_smoke's newest release {tested['newest']} is outside {expected}"
+    for dist in PACKAGE_DIRS:
+        declared = [r for r in project(dist)["dependencies"] if requirement(r)[0] == "torch"]
+        assert declared == [expected], f"{dist}: torch requirement {declared}, expected [{expected!r}]"
+
+
+@pytest.mark.parametrize("dist", list(PACKAGE_DIRS))
+def test_every_package_has_smoke_tests(dist: str) -> None:
+    """``torch_smoke`` runs each package's ``-m smoke`` selection: none would fail it (no tests ran)."""
+    tests = ROOT / PACKAGE_DIRS[dist] / "tests"
+    assert any("pytest.mark.smoke" in f.read_text() for f in tests.glob("test_*.py")), dist
+    config = (ROOT / PACKAGE_DIRS[dist] / "pyproject.toml").read_text()
+    assert "smoke:" in config, f"{dist}: the smoke marker is not registered in its pytest config"

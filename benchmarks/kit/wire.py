@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zero_comm.torch_compat import all_gather_single
+
 __all__ = ["SWEEP_BYTES", "comm_sweep", "fit_cost", "slowest"]
 
 SWEEP_BYTES = (1 << 16, 1 << 18, 1 << 20, 1 << 22)  # bytes per rank's input
@@ -35,7 +37,7 @@ def comm_sweep(world: int, repeats: int) -> list[dict[str, Any]]:
         gathered = torch.empty(world * n)
         send, recv = torch.randn(n * world), torch.empty(n * world)
         calls = (
-            ("all_gather", dist.all_gather_single, (gathered, shard)),
+            ("all_gather", all_gather_single, (gathered, shard)),
             ("all_to_all", dist.all_to_all_single, (recv, send)),
         )
         for op, fn, fn_args in calls:

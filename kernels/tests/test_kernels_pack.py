@@ -9,6 +9,8 @@ from hypothesis import strategies as st
 
 from zero_kernels import pack_int4, unpack_int4
 
+pytestmark = pytest.mark.smoke
+
 
 def test_layout_low_nibble_first():
     codes = torch.tensor([-8, -1, 0, 7, 3, -5, 1], dtype=torch.int8)

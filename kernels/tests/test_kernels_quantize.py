@@ -57,6 +57,7 @@ def test_config_defaults_and_frozen():
 
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("numel", [4096, 10007])
+@pytest.mark.smoke
 def test_payload_matches_reference_formula(bits, numel):
     """Payload = numel*b/8 + 4 bytes per group (padded to whole groups)."""
     cfg = QuantConfig(bits, 2048)
@@ -100,6 +101,7 @@ def test_quantize_rejects_bad_input():
 @over_dtypes
 @over_sizes
 @pytest.mark.parametrize("group_size", [2048, 64])
+@pytest.mark.smoke
 def test_round_trip_within_reference_bound(bits, dtype, numel, group_size):
     x = sample(numel, dtype, seed=numel)
     cfg = QuantConfig(bits, group_size)

@@ -11,11 +11,12 @@ from comm_cases import DTYPES, ODD_SIZES, over_worlds, rank_tensor, result_of, r
 
 from zero_comm import CommLedger, FlatAllGather, Topology, all_gather_coalesced
 from zero_comm.coalesced import adjacent_flat_view
+from zero_comm.torch_compat import all_gather_single
 
 
 def _reference(shard: torch.Tensor, group=None) -> torch.Tensor:
     out = torch.empty(tdist.get_world_size(group) * shard.numel(), dtype=shard.dtype)
-    tdist.all_gather_single(out, shard, group=group)
+    all_gather_single(out, shard, group=group)
     return out
 
 
@@ -48,6 +49,7 @@ def _gather_cases(rank):
 
 
 @over_worlds
+@pytest.mark.smoke
 def test_matches_per_tensor_all_gather_for_odd_shapes_and_dtypes(dist, spec):
     assert set(run_on(dist, spec, _gather_cases)) == {12}
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as tdist
 from comm_cases import DTYPES, ODD_SIZES, over_worlds, rank_tensor
@@ -9,11 +10,12 @@ from torch.profiler import ProfilerActivity, profile
 
 from zero_comm import Topology, all_gather_coalesced, all_gather_coalesced_into
 from zero_comm.pairwise import gather_rows, gathers_pairwise
+from zero_comm.torch_compat import all_gather_single
 
 
 def _reference(send: torch.Tensor, group=None) -> torch.Tensor:
     out = torch.empty(tdist.get_world_size(group) * send.numel(), dtype=send.dtype)
-    tdist.all_gather_single(out, send, group=group)
+    all_gather_single(out, send, group=group)
     return out
 
 
@@ -41,6 +43,7 @@ def _rows_cases(rank):
 
 
 @over_worlds
+@pytest.mark.smoke
 def test_gather_rows_matches_all_gather_single(dist, spec):
     world, rpn = spec
     if world == 1:

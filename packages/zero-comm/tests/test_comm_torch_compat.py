@@ -1,4 +1,4 @@
-"""torch_compat: the collectives zero calls by their torch 2.13 names, on older torch too."""
+"""torch_compat: the collectives zero calls by their torch 2.13 names, on every supported torch (2.9 on)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as torch_dist
+from torch.torch_version import TorchVersion
 
 from zero_comm import torch_compat
+
+pytestmark = pytest.mark.smoke
 
 
 def test_the_older_name_is_taken_where_the_newer_one_is_missing():
@@ -16,6 +19,16 @@ def test_the_older_name_is_taken_where_the_newer_one_is_missing():
     assert torch_compat.newest(older, "all_gather_single", "all_gather_into_tensor") is len
     both = SimpleNamespace(all_gather_single=max, all_gather_into_tensor=len)
     assert torch_compat.newest(both, "all_gather_single", "all_gather_into_tensor") is max
+
+
+@pytest.mark.parametrize(
+    "name,older",
+    [("all_gather_single", "all_gather_into_tensor"), ("reduce_scatter_single", "reduce_scatter_tensor")],
+)
+def test_this_torch_gets_its_own_function(name, older):
+    """The newer function where this torch has it (2.13 on), the older one before."""
+    newer_torch = TorchVersion(torch.__version__) >= (2, 13)
+    assert getattr(torch_compat, name) is getattr(torch_dist, name if newer_torch else older)
 
 
 def _older_against_newer(rank):

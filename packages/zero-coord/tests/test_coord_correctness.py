@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from coord_cases import (
     OddMLP,
@@ -52,6 +53,7 @@ def _mlp_matches_reference(rank, config_name: str, steps: int):
 
 
 @over_worlds
+@pytest.mark.smoke
 def test_odd_mlp_outputs_and_gradient_partitions_match(dist, world):
     for config_name in CONFIGS:
         results = dist.run(world, _mlp_matches_reference, config_name, 3)

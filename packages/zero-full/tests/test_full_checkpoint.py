@@ -93,6 +93,7 @@ def _save_and_describe(rank, root):
     return {"path": str(path), "sd": sd, "pieces": pieces, "groups": groups}
 
 
+@pytest.mark.smoke
 def test_manifest_describes_the_checkpoint_and_files_hold_their_ranges(dist, tmp_path):
     res = dist.run(2, _save_and_describe, str(tmp_path))
     path = Path(res[0]["path"])

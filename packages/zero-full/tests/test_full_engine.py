@@ -141,6 +141,7 @@ def _reference(accumulation, steps=2, make_optimizer=_sgd):
 
 
 @pytest.mark.parametrize("world,accumulation", [(1, 3), (2, 2)])
+@pytest.mark.smoke
 def test_steps_only_at_the_boundary_and_scales_the_loss(dist, world, accumulation):
     results = dist.run(world, _accumulate, accumulation)
     ref = _reference(accumulation)

@@ -44,6 +44,7 @@ def _steps(ref_params, ref, grads, off, steps, seed=0):
 
 @pytest.mark.parametrize("device", list(OffloadTarget), ids=lambda d: d.value)
 @pytest.mark.parametrize("pipeline_read,pipeline_write", PIPES)
+@pytest.mark.smoke
 def test_offloaded_steps_are_bit_identical_to_torch_adamw(tmp_path, device, pipeline_read, pipeline_write):
     cfg = OptimizerOffloadConfig(
         device=device,
@@ -77,6 +78,7 @@ def test_offloaded_steps_are_bit_identical_to_torch_adamw(tmp_path, device, pipe
 
 
 @pytest.mark.parametrize("device", list(OffloadTarget), ids=lambda d: d.value)
+@pytest.mark.smoke
 def test_import_then_continue_equals_uninterrupted(tmp_path, device):
     """export -> new optimizer -> import -> steps equals the same steps without the round trip."""
     cfg = OptimizerOffloadConfig(

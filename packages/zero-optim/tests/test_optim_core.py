@@ -104,6 +104,7 @@ def test_low_precision_working_copy_is_refreshed_after_the_step():
     ],
     ids=["adamw", "sgd-nesterov", "adam-amsgrad", "rmsprop"],
 )
+@pytest.mark.smoke
 def test_one_flat_step_equals_the_torch_optimizer_over_each_parameter(make_opt):
     ref, ref_opt, model, opt = _pair(make_opt)
     _train(ref, ref_opt, 5, zero=lambda: ref_opt.zero_grad(set_to_none=False))
@@ -179,6 +180,7 @@ def test_frozen_parameters_stay_out_of_the_flat_buffers():
     assert torch.equal(model.ps[1], frozen)
 
 
+@pytest.mark.smoke
 def test_state_dict_round_trip_continues_identically():
     def make(ps):
         return torch.optim.AdamW(ps, lr=1e-2)

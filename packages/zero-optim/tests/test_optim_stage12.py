@@ -153,6 +153,7 @@ def _state_dict_round_trip(rank, stage):
 
 
 @pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.smoke
 def test_a_stage_1_state_dict_loads_into_stage_2_and_back(dist, stage):
     assert dist.run(2, _state_dict_round_trip, stage) == [True, True]
 

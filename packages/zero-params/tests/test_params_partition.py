@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -102,6 +103,7 @@ def _coalesced_and_deduplicated():
     return ledger.count(op="all_gather"), inflight, expected, held_all, held_after, fills
 
 
+@pytest.mark.smoke
 def test_gathering_twice_issues_one_collective(dist, world):
     results = run(dist, world, _coalesced_and_deduplicated)
     for count, inflight, expected, held_all, held_after, fills in results:
@@ -136,6 +138,7 @@ def _one_collective_per_group():
     return ledger.count(op="all_gather"), same, message, zp.state_of(b.weight).group_size
 
 
+@pytest.mark.smoke
 def test_gather_coalesces_per_strategy_and_rejects_another_group(dist, world):
     for count, same, message, bsize in run(dist, world, _one_collective_per_group):
         assert same and bsize == max(world // 2, 1)

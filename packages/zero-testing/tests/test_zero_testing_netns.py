@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from zero_comm.torch_compat import all_gather_single
 from zero_testing.netns import (
     ClusterState,
     LinkShape,
@@ -132,7 +133,7 @@ def _collectives(rank) -> dict[str, tuple[int, int, list]]:
     shard, full = torch.ones(n), torch.ones(n * world)
     out = torch.empty(n * world)
     calls = {
-        "all_gather": (lambda: dist.all_gather_single(out, shard), n * 4 * (world - 1), n * 4),
+        "all_gather": (lambda: all_gather_single(out, shard), n * 4 * (world - 1), n * 4),
         "all_to_all": (lambda: dist.all_to_all_single(out, full), n * 4 * (world - 1), n * 4 * world),
         "all_reduce": (lambda: dist.all_reduce(full), 2 * n * 4 * (world - 1), full.numel() * 4),
         "broadcast": (lambda: dist.broadcast(full, 0), 0, full.numel() * 4 if rank.rank == 0 else 0),

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist_
 
+from zero_comm.torch_compat import all_gather_single
 from zero_testing import (
     RankFailure,
     RankTimeout,
@@ -41,7 +42,7 @@ def _wire_bytes_of_all_gather():
     shard = torch.ones(250_000)
     out = torch.empty(world * shard.numel())
     with measure_wire_bytes() as w:
-        dist_.all_gather_single(out, shard)
+        all_gather_single(out, shard)
     return w.written
 
 
@@ -64,6 +65,7 @@ def test_the_worlds_of_the_suites_keep_their_pools_between_calls(dist):
     assert again == first
 
 
+@pytest.mark.smoke
 def test_a_failing_rank_is_named_and_the_pool_recovers(dist):
     with pytest.raises(RankFailure, match=r"rank\(s\) \[1\][\s\S]*boom on purpose"):
         dist.run(2, _fail_on_rank_one)
@@ -76,6 +78,7 @@ def test_a_hanging_rank_is_killed_and_reported(dist):
     assert dist.run(2, _sum_of_ranks)[0][3] == 1.0
 
 
+@pytest.mark.smoke
 def test_wire_bytes_see_a_ring_all_gather(dist):
     written = dist.run(2, _wire_bytes_of_all_gather)
     ideal = 250_000 * 4  # world 2: each rank sends its shard once
@@ -83,6 +86,7 @@ def test_wire_bytes_see_a_ring_all_gather(dist):
         assert 0.9 * ideal <= w <= 1.3 * ideal, (w, ideal)
 
 
+@pytest.mark.smoke
 def test_compare_helpers_fail_when_they_should():
     a = torch.tensor([1.0, 2.0, 4.0])
     assert_tensors_close(a, a.clone(), rel=0.0)

@@ -2,7 +2,8 @@
 
 ``dist.all_gather_single`` and ``dist.reduce_scatter_single`` exist from torch 2.13; before,
 the same collectives are ``all_gather_into_tensor`` and ``reduce_scatter_tensor`` (same
-arguments, same semantics). zero calls them through this module.
+arguments, same semantics). zero, its tests included, calls them through this module, which
+keeps zero working on torch 2.9 and later (the oldest release the package metadata allows).
 """
 
 from __future__ import annotations
