@@ -293,12 +293,9 @@ class ZeroTrainer(Trainer):
 
 
 def _is_peft_model(module: nn.Module) -> bool:
-    """A ``peft.PeftModel`` (its ``save_pretrained`` writes the adapter only)."""
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
-    return isinstance(module, PeftModel)
+    """A ``peft.PeftModel`` (its ``save_pretrained`` writes the adapter only); peft is not imported:
+    a model of that class exists only where peft is installed."""
+    return any(c.__name__ == "PeftModel" and c.__module__.startswith("peft.") for c in type(module).__mro__)
 
 
 def _refuse_unsupported(args: TrainingArguments) -> None:

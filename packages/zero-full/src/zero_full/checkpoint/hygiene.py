@@ -85,7 +85,7 @@ def tensor_bytes(obj: object) -> int:
 
 
 def check_free_space(directory: Path, need: int, rank: int, what: str) -> None:
-    """Raise :class:`CheckpointError` unless ``directory``'s file system has ``need`` bytes free (+ margin)."""
+    """Raise :class:`CheckpointError` unless ``directory``'s file system has ``need`` bytes free (+margin)."""
     free = shutil.disk_usage(directory).free
     if free < need + need // 100 + _MARGIN:
         raise CheckpointError(

@@ -91,7 +91,7 @@ class CommsLoggerConfig(Section):
 
 
 class FlopsProfilerConfig(Section):
-    """``flops_profiler``: the forward's floating-point operations at one step (``torch.utils.flop_counter``)."""
+    """``flops_profiler``: the forward's floating-point operations at one step (torch's flop counter)."""
 
     _PATH: ClassVar[tuple[str, ...]] = ("flops_profiler",)
 

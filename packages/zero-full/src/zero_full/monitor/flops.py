@@ -1,4 +1,4 @@
-"""``flops_profiler``: the forwards of one optimizer step counted with torch's ``FlopCounterMode`` (rank 0)."""
+"""``flops_profiler``: one optimizer step's forwards counted with torch's ``FlopCounterMode`` (rank 0)."""
 
 from __future__ import annotations
 

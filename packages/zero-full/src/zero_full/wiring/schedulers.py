@@ -1,4 +1,4 @@
-"""DeepSpeed's learning-rate schedules as torch ``LRScheduler`` objects, built from the ``scheduler`` section."""
+"""DeepSpeed's learning-rate schedules as torch ``LRScheduler`` objects, from the ``scheduler`` section."""
 
 from __future__ import annotations
 
