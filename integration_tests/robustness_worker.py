@@ -16,29 +16,18 @@ import time
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 import zero_full
 from zero_full.checkpoint import io as ckpt_io
+from zero_testing.models import PathNet
 
 MODE = sys.argv[1]
 OUT = sys.argv[2]
 CKPT = sys.argv[3] if len(sys.argv) > 3 else ""
 
 
-class Net(nn.Module):
-    def __init__(self, hidden: int) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.inp = nn.Linear(8, hidden)
-        self.mid = nn.Linear(hidden, hidden)
-        self.out = nn.Linear(hidden, 2)
-
-    def forward(self, x: torch.Tensor, extra: bool = False) -> torch.Tensor:
-        h = self.mid(torch.tanh(self.inp(x)))
-        if extra:
-            h = self.mid(h)
-        return self.out(h).pow(2).mean()
+def _net(hidden: int) -> PathNet:
+    return PathNet(8, hidden, 2)
 
 
 def batch(step: int, rank: int) -> torch.Tensor:
@@ -63,7 +52,7 @@ def main() -> None:
     }
     start = time.monotonic()
     try:
-        engine = zero_full.initialize(Net(33 + (rank if MODE == "hidden" else 0)), config)
+        engine = zero_full.initialize(_net(33 + (rank if MODE == "hidden" else 0)), config)
         first = 0
         if MODE == "resume":
             engine.load_checkpoint(CKPT)

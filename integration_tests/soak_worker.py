@@ -16,23 +16,16 @@ import sys
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 import zero_full
+from zero_testing.models import TanhMLP
 
 OUT, CKPT, STEPS = sys.argv[1], sys.argv[2], int(sys.argv[3])
 EVERY = 100
 
 
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.inp = nn.Linear(16, 24)
-        self.out = nn.Linear(24, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.out(torch.tanh(self.inp(x))).pow(2).mean()
+def _net() -> TanhMLP:
+    return TanhMLP(16, 24, 1, names=("inp", "out"))
 
 
 def rss_kib() -> int:
@@ -69,7 +62,7 @@ def main() -> None:
         "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
     }
-    engine = zero_full.initialize(Net(), config)
+    engine = zero_full.initialize(_net(), config)
     rss: dict[str, int] = {}
     losses = run(engine, 0, STEPS, rank, rss, save=True)
     engine.load_checkpoint(CKPT, tag=f"global_step{STEPS - EVERY}")

@@ -23,7 +23,6 @@ import json
 import pytest
 import torch
 from models import (
-    OddMLP,
     assert_ranks_agree_and_match,
     build,
     make_optimizer,
@@ -39,6 +38,7 @@ import zero_params
 from zero_comm import CommLedger, LinkKind, Topology, partition_numel
 from zero_optim import ReplicaMismatchError
 from zero_testing import assert_losses_close
+from zero_testing.models import OddMLP
 
 STEPS = 20
 BATCH = 8

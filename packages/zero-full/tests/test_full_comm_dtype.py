@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 import zero_comm
 import zero_full
 import zero_params
 from zero_full.config.zero_config import Precision
+from zero_testing.models import TanhMLP
 
 BATCH = 12
 STEPS = 6
@@ -20,16 +20,8 @@ STEPS = 6
 LOSS_TOLERANCE = {"bf16": 2e-3, "fp16": 2e-4}
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a = nn.Linear(11, 29)
-        self.b = nn.Linear(29, 5)
-        self.c = nn.Linear(5, 3)
-
-    def forward(self, x, y):
-        return ((self.c(torch.tanh(self.b(torch.tanh(self.a(x))))) - y) ** 2).mean()
+def _net() -> TanhMLP:
+    return TanhMLP(11, 29, 5, 3)
 
 
 def _data(step):
@@ -50,7 +42,7 @@ def _config(stage, comm, persistence=0):
 
 def _train(rank, stage, comm, persistence=0):
     world, r = rank.world_size, rank.rank
-    engine = zero_full.initialize(Net(), _config(stage, comm, persistence), _sgd)
+    engine = zero_full.initialize(_net(), _config(stage, comm, persistence), _sgd)
     losses = []
     n = BATCH // world
     with zero_comm.CommLedger(zero_comm.Topology()) as ledger:
@@ -67,7 +59,7 @@ def _train(rank, stage, comm, persistence=0):
 
 
 def _reference():
-    model = Net()
+    model = _net()
     opt = _sgd(model.parameters())
     losses = []
     for step in range(STEPS):
@@ -127,7 +119,7 @@ def test_stage3_bf16_at_world_4_with_persistent_parameters(dist):
 def _init_built(rank):
     cfg = {**_config(3, "bf16"), "train_micro_batch_size_per_gpu": 1}
     with zero_full.Init(config=cfg):
-        model = Net()
+        model = _net()
     states = [zero_params.state_of(p) for p in model.parameters()]
     kinds = (
         {type(s.gather_strategy).__name__ for s in states},
@@ -136,7 +128,7 @@ def _init_built(rank):
     engine = zero_full.initialize(model, cfg, _sgd)
     engine.close()
     with zero_params.Init():
-        plain = Net()
+        plain = _net()
     try:
         zero_full.initialize(plain, cfg, _sgd)
     except ValueError as exc:
@@ -164,7 +156,7 @@ def test_the_key_is_validated_and_refused_with_mics():
 def _bf16_training(rank, comm):
     world, r = rank.world_size, rank.rank
     cfg = {**_config(2, comm), "bf16": {"enabled": True}}
-    engine = zero_full.initialize(Net(), cfg, _sgd)
+    engine = zero_full.initialize(_net(), cfg, _sgd)
     n = BATCH // world
     losses = []
     with zero_comm.CommLedger(zero_comm.Topology()) as ledger:

@@ -8,25 +8,18 @@ import logging
 
 import pytest
 import torch
-from torch import nn
 
 import zero_full
 import zero_params
 from zero_comm import partition_numel
 from zero_testing import captured_logs
+from zero_testing.models import TanhMLP
 
 BATCH = 8
 
 
-class Net(nn.Module):
-    def __init__(self, seed=0):
-        super().__init__()
-        torch.manual_seed(seed)
-        self.a = nn.Linear(11, 13)
-        self.b = nn.Linear(13, 3)
-
-    def forward(self, x, y):
-        return ((self.b(torch.tanh(self.a(x))) - y) ** 2).mean()
+def _net(seed: int = 0) -> TanhMLP:
+    return TanhMLP(11, 13, 3, seed=seed)
 
 
 def _data(step):
@@ -66,7 +59,7 @@ def _adamw(params):
 )
 def test_what_is_not_implemented_yet_is_refused_by_name(config, fragment):
     with pytest.raises(NotImplementedError, match="not implemented yet") as info:
-        zero_full.initialize(Net(), config)
+        zero_full.initialize(_net(), config)
     assert fragment in str(info.value)
 
 
@@ -75,13 +68,13 @@ def test_every_unsupported_feature_is_named_at_once():
         "zero_optimization": {"stage": 3, "load_from_fp32_weights": False, "ignore_unused_parameters": False}
     }
     with pytest.raises(NotImplementedError) as info:
-        zero_full.initialize(Net(), config)
+        zero_full.initialize(_net(), config)
     assert "load_from_fp32_weights" in str(info.value) and "ignore_unused_parameters" in str(info.value)
 
 
 def _ignored_keys_log(rank):
     with captured_logs("zero.engine", logging.WARNING) as messages:
-        zero_full.initialize(Net(), {"zero_optimization": {"stage": 1, "reduce_scatter": False}}).close()
+        zero_full.initialize(_net(), {"zero_optimization": {"stage": 1, "reduce_scatter": False}}).close()
     return [m for m in messages if "did not simply take effect" in m]
 
 
@@ -96,8 +89,8 @@ def test_keys_without_effect_are_logged_with_the_reason(dist):
 def _two_optimizers():
     config = _stage3(optimizer={"type": "SGD", "params": {"lr": 0.1}})
     with pytest.raises(ValueError, match="keep one of them"):
-        zero_full.initialize(Net(), config, lambda ps: torch.optim.SGD(ps, lr=0.1))
-    engine = zero_full.initialize(Net(), config)
+        zero_full.initialize(_net(), config, lambda ps: torch.optim.SGD(ps, lr=0.1))
+    engine = zero_full.initialize(_net(), config)
     opt = engine.optimizer.torch_optimizer
     with pytest.raises(ValueError, match="needs a scalar loss"):
         engine.backward(torch.ones(2, requires_grad=True))
@@ -112,7 +105,7 @@ def test_the_config_optimizer_is_used_and_two_optimizers_are_refused(dist):
 
 
 def _accumulate(rank, accumulation):
-    model = Net()
+    model = _net()
     config = _stage3(gradient_accumulation_steps=accumulation)
     engine = zero_full.initialize(model, config, _sgd)
     world, r = rank.world_size, rank.rank
@@ -129,7 +122,7 @@ def _accumulate(rank, accumulation):
 
 def _reference(accumulation, steps=2, make_optimizer=_sgd):
     """Single-process training on the whole batches (``accumulation`` micro-batches of each step)."""
-    model = Net()
+    model = _net()
     opt = make_optimizer(model.parameters())
     for step in range(steps):
         parts = [_data(step * accumulation + m) for m in range(accumulation)]
@@ -154,7 +147,7 @@ def test_steps_only_at_the_boundary_and_scales_the_loss(dist, world, accumulatio
 
 def _derived_accumulation(rank):
     config = {"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4, **_stage3()}
-    return zero_full.initialize(Net(), config).gradient_accumulation_steps
+    return zero_full.initialize(_net(), config).gradient_accumulation_steps
 
 
 def test_accumulation_steps_are_derived_from_the_batch_sizes(dist):
@@ -183,7 +176,7 @@ def _queue_holder(engine, stage):
 
 
 def _train_inflight(rank, stage, inflight):
-    model = Net()
+    model = _net()
     zero = {"stage": stage, "reduce_bucket_size": 20, "overlap_comm": True}  # 4 buckets, 1 parameter each
     if stage == 1:
         del zero["overlap_comm"]  # stage 1 always reduces during backward
@@ -274,7 +267,7 @@ def test_module_granularity_threshold_gathers_each_gpt2_block_once_with_unchange
 
 
 def _memory_and_stats(rank):
-    model = Net()
+    model = _net()
     numels = [p.numel() for p in model.parameters()]
     engine = zero_full.initialize(model, _stage3(), lambda ps: torch.optim.AdamW(ps, lr=1e-3))
     before = engine.model_state_bytes()
@@ -309,12 +302,12 @@ def test_model_state_bytes_count_shards_gradients_and_optimizer_state_once(dist,
 def _init_and_sync(rank):
     cfg = zero_full.ZeroConfig.model_validate(_stage3(stage3_param_persistence_threshold=13))
     with zero_full.Init(config=cfg):
-        built = Net(seed=rank.rank)  # different seeds: Init keeps each rank's shard of its own values
+        built = _net(seed=rank.rank)  # different seeds: Init keeps each rank's shard of its own values
     persistent = sorted(n for n, p in built.named_parameters() if zero_params.state_of(p).persistent)
     with zero_full.Init(config={"zero_optimization": {"stage": 2}}):
-        whole = Net()
+        whole = _net()
     whole_is_plain = not any(zero_params.is_partitioned(p) for p in whole.parameters())
-    model = Net(seed=rank.rank)  # built whole with different seeds: initialize broadcasts rank 0's
+    model = _net(seed=rank.rank)  # built whole with different seeds: initialize broadcasts rank 0's
     engine = zero_full.initialize(model, _stage3(), None)
     synced = _full(model)
     engine.close()
@@ -326,7 +319,7 @@ def _init_and_sync(rank):
 
 def test_init_from_config_and_initialize_syncs_rank_zero_values(dist):
     results = dist.run(2, _init_and_sync)
-    rank0 = {n: p.detach() for n, p in Net(seed=0).named_parameters()}
+    rank0 = {n: p.detach() for n, p in _net(seed=0).named_parameters()}
     for persistent, whole_is_plain, synced in results:
         assert persistent == ["a.bias", "b.bias"]
         assert whole_is_plain
@@ -335,7 +328,7 @@ def test_init_from_config_and_initialize_syncs_rank_zero_values(dist):
 
 
 def _from_json(rank, path):
-    return zero_full.initialize(Net(), path, None).coordinator.config.max_live_parameters
+    return zero_full.initialize(_net(), path, None).coordinator.config.max_live_parameters
 
 
 def test_config_from_a_json_file(dist, tmp_path):

@@ -14,17 +14,11 @@ from torch import nn
 import zero_comm
 import zero_full
 from zero_testing import captured_logs
+from zero_testing.models import TanhMLP
 
 
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a = nn.Linear(11, 13)
-        self.b = nn.Linear(13, 3)
-
-    def forward(self, x):
-        return self.b(torch.tanh(self.a(x))).square().mean()
+def _net() -> TanhMLP:
+    return TanhMLP(11, 13, 3)
 
 
 def _all_reduces_per_step(rank, stage, precision, mics=False):
@@ -33,7 +27,7 @@ def _all_reduces_per_step(rank, stage, precision, mics=False):
     if precision != "fp32":
         config[precision] = {"enabled": True}
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
-    engine = zero_full.initialize(Net(), config)
+    engine = zero_full.initialize(_net(), config)
     x = torch.randn(6, 11, generator=torch.Generator().manual_seed(rank.rank)).to(dtype)
     engine.backward(engine(x))
     engine.step()  # the first step: every buffer exists

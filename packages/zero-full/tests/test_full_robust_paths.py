@@ -15,9 +15,9 @@ import time
 
 import pytest
 import torch
-from torch import nn
 
 import zero_full
+from zero_testing.models import PathNet
 from zero_testing.pool import RankFailure
 
 STEPS = 3
@@ -25,19 +25,8 @@ TIMEOUT = 20.0  # generous: the test machine is loaded; the diagnoses below come
 ROBUST = {"comm_timeout": TIMEOUT, "heartbeat_interval": 0.5}
 
 
-class Net(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.inp = nn.Linear(7, 13)
-        self.mid = nn.Linear(13, 13)
-        self.out = nn.Linear(13, 3)
-
-    def forward(self, x: torch.Tensor, extra: bool = False) -> torch.Tensor:
-        h = self.mid(torch.tanh(self.inp(x)))
-        if extra:
-            h = self.mid(h)
-        return self.out(h).pow(2).mean()
+def _net() -> PathNet:
+    return PathNet(7, 13, 3)
 
 
 def _batch(step: int, rank: int) -> torch.Tensor:
@@ -78,7 +67,7 @@ def _extra_call(rank, stage, everywhere=False, prefetch=True):
     config = _config(stage)
     if not prefetch:
         config["zero_optimization"]["stage3_prefetch_bucket_size"] = 0
-    engine = zero_full.initialize(Net(), config)
+    engine = zero_full.initialize(_net(), config)
     last = rank.world_size - 1
     start = time.monotonic()
     try:
@@ -116,7 +105,7 @@ def test_an_extra_call_on_one_rank_raises_on_every_rank_naming_the_module_in_sta
 
 def _reference(world: int, everywhere: bool = False) -> dict[str, torch.Tensor]:
     """Plain torch: the mean of every rank's loss (the last rank's with the extra call at step 1)."""
-    model = Net()
+    model = _net()
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.0)
     for step in range(STEPS):
         opt.zero_grad()
@@ -151,7 +140,7 @@ def test_the_same_extra_call_on_every_rank_trains_on_in_stage_3(dist, world):
 
 def _stopped_or_killed(rank, how):
     """The last rank stops (SIGSTOP) or dies (SIGKILL) before the forward of step 1."""
-    engine = zero_full.initialize(Net(), _config(3))
+    engine = zero_full.initialize(_net(), _config(3))
     last = rank.world_size - 1
     pid_file = os.path.join(rank.workdir, f"stopped_rank_{how}.pid")
     if rank.rank == last:

@@ -4,23 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 import zero_full
 from zero_testing import captured_logs
+from zero_testing.models import TanhMLP
 
 WORLD = 4
 
 
-class Net(nn.Module):
-    def __init__(self, hidden: int = 13) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.a = nn.Linear(11, hidden)
-        self.b = nn.Linear(hidden, 3)
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return ((self.b(torch.tanh(self.a(x))) - y) ** 2).mean()
+def _net(hidden: int = 13) -> TanhMLP:
+    return TanhMLP(11, hidden, 3)
 
 
 def _config(stage: int = 3, **extra) -> dict:
@@ -42,7 +35,7 @@ def _data(step: int, rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch
 
 def _hidden_differs_on_rank_2(rank):
     try:
-        engine = zero_full.initialize(Net(64 + (rank.rank == 2)), _config())
+        engine = zero_full.initialize(_net(64 + (rank.rank == 2)), _config())
     except zero_full.RankMismatchError as exc:
         return str(exc)
     engine.close()
@@ -64,7 +57,7 @@ def _nan_on_rank_3(rank, precision, policy):
     config["robustness"]["nonfinite_gradients"] = policy
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
-    engine = zero_full.initialize(Net(), config)
+    engine = zero_full.initialize(_net(), config)
     error = None
     with captured_logs("zero.engine") as warnings:
         for step in range(3):

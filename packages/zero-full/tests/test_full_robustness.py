@@ -8,24 +8,17 @@ import subprocess
 
 import pytest
 import torch
-from torch import nn
 
 import zero_full
 from zero_full import checkpoint
 from zero_testing import captured_logs, raised_message
+from zero_testing.models import TanhMLP
 
 BATCH = 6
 
 
-class Net(nn.Module):
-    def __init__(self, hidden=13):
-        super().__init__()
-        torch.manual_seed(0)
-        self.a = nn.Linear(11, hidden)
-        self.b = nn.Linear(hidden, 3)
-
-    def forward(self, x, y):
-        return ((self.b(torch.tanh(self.a(x))) - y) ** 2).mean()
+def _net(hidden: int = 13) -> TanhMLP:
+    return TanhMLP(11, hidden, 3)
 
 
 def _data(step, rank=0):
@@ -49,7 +42,7 @@ def _weights(engine):
 
 
 def _step_without_backward(rank, accumulation):
-    engine = zero_full.initialize(Net(), _config(gradient_accumulation_steps=accumulation))
+    engine = zero_full.initialize(_net(), _config(gradient_accumulation_steps=accumulation))
     x, y = _data(0, rank.rank)
     for _ in range(accumulation):
         engine.backward(engine(x, y))
@@ -87,7 +80,7 @@ def _nan_on_rank1(rank, precision, policy, clip, stage):
     config = _config(stage, robustness={"nonfinite_gradients": policy}, gradient_clipping=clip)
     if precision != "fp32":
         config[precision] = {"enabled": True}
-    engine = zero_full.initialize(Net(), config)
+    engine = zero_full.initialize(_net(), config)
     error = None
     with captured_logs("zero.engine") as records:
         for step in range(4):
@@ -147,7 +140,7 @@ def test_nan_on_one_rank_raises_on_every_rank_with_the_raise_policy(dist, precis
 
 def _fp16_overflow(rank):
     config = _config(fp16={"enabled": True, "initial_scale_power": 40, "hysteresis": 1})
-    engine = zero_full.initialize(Net(), config)
+    engine = zero_full.initialize(_net(), config)
     for step in range(3):
         engine.backward(engine(*(t.half() for t in _data(step, rank.rank))))
         engine.step()
@@ -172,10 +165,10 @@ def _mismatch(rank, what):
     if what == "config":
         config["optimizer"]["params"]["lr"] = 0.01 * (1 + rank.rank)
     if what == "frozen":
-        model = Net(hidden)
+        model = _net(hidden)
         model.b.bias.requires_grad_(rank.rank == 0)
     else:
-        model = Net(hidden)
+        model = _net(hidden)
     try:
         engine = zero_full.initialize(model, config)
     except zero_full.RankMismatchError as exc:
@@ -200,7 +193,7 @@ def test_ranks_that_disagree_raise_at_initialize_naming_the_first_difference(dis
 
 
 def _agree(rank):
-    engine = zero_full.initialize(Net(), _config())
+    engine = zero_full.initialize(_net(), _config())
     engine.close()
     return True
 
@@ -213,7 +206,7 @@ def test_ranks_that_agree_start(dist):
 
 
 def _stale_cleanup(rank, root, leftover):
-    engine = zero_full.initialize(Net(), _config())
+    engine = zero_full.initialize(_net(), _config())
     engine.backward(engine(*_data(0, rank.rank)))
     engine.step()
     engine.save_checkpoint(root)
@@ -259,7 +252,7 @@ def test_leftovers_of_dead_writers_are_removed_live_and_foreign_ones_kept(dist, 
 def _disk_full(rank, root, fake_free):
     from zero_full.checkpoint import hygiene as ckpt_hygiene
 
-    engine = zero_full.initialize(Net(300), _config())
+    engine = zero_full.initialize(_net(300), _config())
     engine.backward(engine(*_data(0, rank.rank)))
     engine.step()
     engine.save_checkpoint(root)  # fits

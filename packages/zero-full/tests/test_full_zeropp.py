@@ -18,24 +18,15 @@ import zero_params
 from zero_comm import CommLedger, Topology, padded_numel, partition_numel
 from zero_full.wiring.zeropp import check_zeropp_layout
 from zero_kernels import dequantize, quantize
+from zero_testing.models import TanhMLP
 
 BATCH = 8
 LR = 0.05
 
 
-class Net(nn.Module):
-    """Odd shapes: 2-D weights whose numel divides by 4 (qgZ quantizes them) and one that does not."""
-
-    def __init__(self, seed: int = 0) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.a = nn.Linear(12, 20)  # weight 240: quantized by qgZ at world 2 and 4
-        self.b = nn.Linear(20, 7)  # weight 140: quantized (140 % 4 == 0)
-        self.c = nn.Linear(7, 3)  # weight 21: not divisible, reduced exactly
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.b(torch.tanh(self.a(x))))
-        return ((self.c(h) - y) ** 2).mean()
+def _net(seed: int = 0) -> TanhMLP:
+    """Weights of 240 and 140 elements (divisible by 4: qgZ quantizes them) and 21 (reduced exactly)."""
+    return TanhMLP(12, 20, 7, 3, seed=seed)
 
 
 def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,7 +54,7 @@ def _full(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _train(rank, zero: dict, steps: int, precision: str = "fp32", accumulation: int = 1):
-    model = Net()
+    model = _net()
     engine = zero_full.initialize(
         model, _config(precision, accumulation, **zero), lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9)
     )
@@ -102,7 +93,7 @@ def test_hpz_trains_exactly_like_plain_zero3_at_2x2(dist):
 
 
 def _hpz_ledger(rank):
-    model = Net()
+    model = _net()
     # release after each module, so backward gathers again
     release = {"stage3_max_reuse_distance": 0, "stage3_max_live_parameters": 0}
     engine = zero_full.initialize(model, _config(**HPZ, **release), lambda ps: torch.optim.SGD(ps, lr=LR))
@@ -142,9 +133,9 @@ def test_hpz_backward_gathers_only_inside_the_node(dist):
 
 
 def _qwz_gather(rank):
-    model = Net()
+    model = _net()
     engine = zero_full.initialize(model, _config(**QWZ), lambda ps: torch.optim.SGD(ps, lr=LR))
-    ref = Net()
+    ref = _net()
     out = {}
     for name, p in model.named_parameters():
         with zero_full.GatheredParameters([p]):
@@ -173,14 +164,14 @@ def test_qwz_gather_equals_dequant_of_quant_per_shard(dist, world):
     for out in dist.run(world, _qwz_gather):
         for name in [k for k in out if not k.endswith(".expected")]:
             assert torch.equal(out[name], out[name + ".expected"]), name
-            assert not torch.equal(out[name], dict(Net().named_parameters())[name].detach()), name
+            assert not torch.equal(out[name], dict(_net().named_parameters())[name].detach()), name
 
 
 # --------------------------------------------------------------------------- qgZ
 
 
 def _grad_partitions(rank, zero: dict):
-    model = Net()
+    model = _net()
     engine = zero_full.initialize(
         model, _config(accumulation=2, **zero), lambda ps: torch.optim.SGD(ps, lr=LR)
     )
@@ -241,7 +232,7 @@ def test_all_three_with_bf16_and_accumulation(dist):
 
 
 def _ckpt_round_trip(rank, root: str, first: dict, second: dict):
-    model = Net()
+    model = _net()
     engine = zero_full.initialize(
         model, _config(**first), lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9)
     )
@@ -253,7 +244,7 @@ def _ckpt_round_trip(rank, root: str, first: dict, second: dict):
     engine.save_checkpoint(root, tag="t")
     saved = engine.consolidated_state_dict()
     engine.close()
-    other = Net(seed=5)
+    other = _net(seed=5)
     engine2 = zero_full.initialize(
         other, _config(**second), lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9)
     )
@@ -336,7 +327,7 @@ def _initialize_with_local_world(rank, local: str, zero: dict):
     old = os.environ["LOCAL_WORLD_SIZE"]
     os.environ["LOCAL_WORLD_SIZE"] = local
     try:
-        zero_full.initialize(Net(), _config(**zero))
+        zero_full.initialize(_net(), _config(**zero))
     except ValueError as err:
         return str(err)
     finally:
@@ -376,7 +367,7 @@ def test_cli_estimate_hpz(capsys):
 
 
 def _memory(rank, zero: dict):
-    model = Net()
+    model = _net()
     engine = zero_full.initialize(model, _config(**zero), _sgd)
     r, n = rank.rank, BATCH // rank.world_size
     x, y = _data(0)
@@ -396,7 +387,7 @@ def _memory(rank, zero: dict):
 def test_memory_report_counts_the_secondary_shard(dist):
     plain = dist.run(4, _memory, {}, ranks_per_node=2)
     hpz = dist.run(4, _memory, HPZ, ranks_per_node=2)
-    numel = sum(p.numel() for p in Net().parameters())
+    numel = sum(p.numel() for p in _net().parameters())
     for (f0, b0, s0, _), (f1, b1, s1, sec) in zip(plain, hpz, strict=True):
         assert "hpZ" in f1 and "hpZ" not in f0
         assert b1 - b0 == pytest.approx(4 * numel / 2)  # fp32: + 4 P/n bytes
@@ -409,7 +400,7 @@ def test_memory_report_counts_the_secondary_shard(dist):
 def _init_and_fp16(rank):
     config = _config("fp16", **ALL, zeropp_loco_param={"err_beta": 0.5, "reset_T": 2})
     with zero_full.Init(config=config):
-        model = Net()
+        model = _net()
     kinds = {
         type(s).__name__
         for p in model.parameters()
@@ -494,7 +485,7 @@ def test_cli_estimate_frozen_int8(capsys):
 
 
 def _persistent_after_steps(rank):
-    model = Net()
+    model = _net()
     config = _config(**QWZ)
     config["zero_optimization"]["stage3_param_persistence_threshold"] = 25  # biases + c.weight whole
     engine = zero_full.initialize(model, config, _sgd)
