@@ -22,21 +22,6 @@ over_worlds = pytest.mark.parametrize("world", WORLDS, scope="session")
 # ---------------------------------------------------------------------------- models
 
 
-class OddMLP(nn.Module):
-    """Linear layers of odd widths (including a 1-wide one), ReLU between them."""
-
-    def __init__(self, dims: tuple[int, ...] = (7, 13, 1, 5, 11, 3)) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for i, layer in enumerate(self.layers):
-            x = layer(x)
-            if i < len(self.layers) - 1:
-                x = torch.relu(x)
-        return x
-
-
 class TiedHead(nn.Module):
     """Output layer reading the embedding weight (an external parameter) plus its own bias."""
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 from coord_cases import (
-    OddMLP,
     ReduceScatterSink,
     TiedBranchModel,
     build,
@@ -20,6 +19,7 @@ from coord_cases import (
 import zero_params
 from zero_comm import CommLedger, FlatAllGather, LinkKind, Topology
 from zero_coord import Coordinator, CoordinatorConfig
+from zero_testing.models import ReluMLP
 
 # (name, config): defaults keep everything between forward and backward; "tight" prefetches
 # little, bounds live parameters and releases everything right after use.
@@ -32,7 +32,7 @@ CONFIGS = {
 
 def _mlp_matches_reference(rank, config_name: str, steps: int):
     world = rank.world_size
-    model, ref = build(OddMLP)
+    model, ref = build(ReluMLP)
     sink = ReduceScatterSink()
     coord = coordinate(model, CONFIGS[config_name], sink)
     weights = torch.arange(1.0, 4.0)
@@ -121,7 +121,7 @@ def test_tied_weights_branches_and_frozen_params_match(dist, world):
 
 def _hpz_backward_gathers_stay_in_the_node(rank, config_name: str):
     world = rank.world_size
-    model, ref = build(OddMLP)
+    model, ref = build(ReluMLP)
     topology = Topology(rank.ranks_per_node)
     zero_params.partition(model, secondary_strategy=FlatAllGather(topology.intra_node_group()))
     sink = ReduceScatterSink()
@@ -142,7 +142,7 @@ def _hpz_backward_gathers_stay_in_the_node(rank, config_name: str):
 
 
 def test_hpz_backward_gathers_use_the_secondary_group(dist):
-    layers = len(OddMLP().layers)
+    layers = len(ReluMLP().layers)
     for config_name in ("no_prefetch", "tight"):  # gathered on demand, or prefetched
         for links, err, problems in dist.run(
             4, _hpz_backward_gathers_stay_in_the_node, config_name, ranks_per_node=2

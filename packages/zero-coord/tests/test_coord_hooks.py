@@ -8,7 +8,6 @@ import dataclasses
 import pytest
 import torch
 from coord_cases import (
-    OddMLP,
     ReduceScatterSink,
     TiedBranchModel,
     build,
@@ -28,6 +27,7 @@ from torch import nn
 import zero_params
 from zero_coord import Coordinator, CoordinatorConfig, Phase, TraceState
 from zero_coord._tree import collect_grad_tensors, replace_grad_tensors
+from zero_testing.models import ReluMLP
 
 
 def _remove_leaves_no_hooks(rank):
@@ -136,7 +136,7 @@ def test_an_unseen_parameter_fails_naming_it_and_the_fix(dist, world):
 
 
 def _manual_fetch_and_invalidate(rank):
-    model, ref = build(OddMLP)
+    model, ref = build(ReluMLP)
     coord = coordinate(model, CoordinatorConfig(prefetch_bucket_size=50))
     layer = model.layers[1]
     coord.fetch(layer)
@@ -176,7 +176,7 @@ def test_manual_fetch_release_and_silent_invalidation(dist):
     assert released == (0, [])
 
 
-class _Checkpointed(OddMLP):
+class _Checkpointed(ReluMLP):
     """Every layer under ``torch.utils.checkpoint`` (the first one plain when reentrant: a
     reentrant checkpoint needs an input that requires grad)."""
 
@@ -270,7 +270,7 @@ def test_nested_outputs_are_found_and_rebuilt_in_order():
 
 
 def _profiled(rank):
-    model, _ = build(OddMLP)
+    model, _ = build(ReluMLP)
     coord = coordinate(model, CoordinatorConfig(), ReduceScatterSink())
     x = rank_input(0, rank.rank, (2, 7))
     model(x).sum().backward()  # record the trace so the profiled step prefetches

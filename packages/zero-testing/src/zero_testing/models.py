@@ -20,6 +20,7 @@ __all__ = [
     "MoEMLP",
     "OddMLP",
     "PathNet",
+    "ReluMLP",
     "Stack",
     "TanhMLP",
     "TiedLM",
@@ -77,6 +78,21 @@ class PathNet(nn.Module):
         if extra:
             h = self.mid(h)
         return self.out(h).pow(2).mean()
+
+
+class ReluMLP(nn.Module):
+    """Linear layers of odd widths (a 1-wide one among them), ReLU between them; returns the output."""
+
+    def __init__(self, dims: tuple[int, ...] = (7, 13, 1, 5, 11, 3)) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:], strict=True))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, layer in enumerate(self.layers):
+            x = layer(x)
+            if i < len(self.layers) - 1:
+                x = torch.relu(x)
+        return x
 
 
 class OddMLP(nn.Module):
