@@ -6,7 +6,8 @@ What it runs (each section's outcome and figures land in ``gpu_check.json`` and 
   with two ranks per device where the installed NCCL allows it, else gloo over device tensors),
   each against a single-process run of the same model on the whole batch (SGD + momentum, fp32,
   TF32 off): per-step losses within 1e-5 relative and final weights within 1e-5 of each tensor's
-  largest magnitude;
+  largest magnitude; stages 2 and 3 must gather and reduce on side streams (the engine's
+  ``comm_streams`` a ``CommStreams`` on the device, ``NoStreams`` in the dry run);
 * memory and speed: peak ``max_memory_allocated`` above the model and median step time of zero
   1/2/3 against DDP and FSDP2 on the same model at world 1;
 * watchdog: world 2, one rank 3 s late into a step's first collective with ``comm_timeout`` 30 s:
@@ -163,7 +164,13 @@ def _parity_case(ctx: RankContext, case: str, sizes: Sizes, device: torch.device
         losses.append(whole.item() / ctx.world_size)
     # numpy, not tensors: a tensor sent to the parent would travel as shared memory of this process
     params = {k: v.detach().cpu().numpy() for k, v in engine.consolidated_state_dict().items()}
-    return {"losses": losses, "params": params if ctx.rank == 0 else None}
+    streams = type(engine.comm_streams).__name__
+    return {"losses": losses, "params": params if ctx.rank == 0 else None, "streams": streams}
+
+
+def expected_streams(case: str, dry_run: bool) -> str:
+    """Stages 2 and 3 gather and reduce on side streams on a GPU; the rest, and CPU, use none."""
+    return "CommStreams" if not dry_run and PARITY_CASES[case]["stage"] >= 2 else "NoStreams"
 
 
 def compare(ref: dict[str, Any], got: dict[str, Any]) -> dict[str, float]:
@@ -214,8 +221,12 @@ def run_parity(sizes: Sizes, dry_run: bool) -> list[dict[str, Any]]:
         for case in PARITY_CASES:
             row: dict[str, Any] = {"case": case, "world": world, "backend": backend}
             if case in results:
-                row.update(compare(ref, results[case]))
-                row["ok"] = row["loss_rel"] <= 1e-5 and row["weight_rel"] <= 1e-5
+                row.update(compare(ref, results[case]), streams=results[case]["streams"])
+                row["ok"] = (
+                    row["loss_rel"] <= 1e-5
+                    and row["weight_rel"] <= 1e-5
+                    and row["streams"] == expected_streams(case, dry_run)
+                )
             else:
                 row.update(ok=False, error=error)
             rows.append(row)
@@ -423,18 +434,18 @@ def to_markdown(result: dict[str, Any]) -> str:
         "",
         "## Parity against one process (losses: max relative; weights: max over each tensor's magnitude)",
         "",
-        "| case | world | backend | loss rel | weight rel | ok |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| case | world | backend | loss rel | weight rel | streams | ok |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in result["parity"]:
         if "error" in r:
             lines.append(
-                f"| {r['case']} | {r['world']} | {r['backend']} | error: {_first_line(r['error'])} | | no |"
+                f"| {r['case']} | {r['world']} | {r['backend']} | error: {_first_line(r['error'])} | | | no |"
             )
         else:
             lines.append(
                 f"| {r['case']} | {r['world']} | {r['backend']} | {r['loss_rel']:.1e} | "
-                f"{r['weight_rel']:.1e} | {'yes' if r['ok'] else 'no'} |"
+                f"{r['weight_rel']:.1e} | {r['streams']} | {'yes' if r['ok'] else 'no'} |"
             )
     lines += [
         "",

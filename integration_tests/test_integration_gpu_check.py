@@ -19,6 +19,7 @@ def test_dry_run_matches_the_reference_and_writes_its_results(tmp_path):
     assert set(parity) == {(case, world) for case in gpu_check.PARITY_CASES for world in (1, 2)}
     for key, row in parity.items():
         assert row["ok"] and row["loss_rel"] <= 1e-5 and row["weight_rel"] <= 1e-5, (key, row)
+        assert row["streams"] == "NoStreams", (key, row)  # no side streams on CPU
     speed = {r["impl"]: r for r in result["speed"]}
     assert list(speed) == list(gpu_check.SPEED_IMPLS)
     assert all(r["ok"] and r["step_ms"] > 0 and r["x_ddp"] > 0 for r in speed.values()), speed

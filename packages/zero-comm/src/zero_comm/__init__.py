@@ -30,6 +30,14 @@ from zero_comm.strategies import (
     HierarchicalAllGather,
     ReduceScatterStrategy,
 )
+from zero_comm.streams import (
+    NO_STREAMS,
+    AcceleratorStreamSource,
+    CommStreams,
+    NoStreams,
+    StreamSource,
+    comm_streams,
+)
 from zero_comm.teardown import BoundedTimeouts, bound_for
 from zero_comm.topology import HierarchicalGroups, LinkKind, Topology, group_ranks
 from zero_comm.wait_timings import WaitRecord, WaitTimings
@@ -98,6 +106,12 @@ __all__ = [
     "GradientBound",
     "BoundedTimeouts",
     "bound_for",
+    "NO_STREAMS",
+    "AcceleratorStreamSource",
+    "CommStreams",
+    "NoStreams",
+    "StreamSource",
+    "comm_streams",
 ]
 
 _QUANTIZED = frozenset(

@@ -13,6 +13,7 @@ from torch.autograd import Variable
 
 import zero_params
 from zero_comm.profiling import profile_range
+from zero_comm.streams import NO_STREAMS, CommStreams, NoStreams
 from zero_comm.watchdog import path_diverged, recording_paths
 from zero_coord._tree import collect_grad_tensors
 from zero_coord.config import CoordinatorConfig, Phase
@@ -34,7 +35,12 @@ logger = logging.getLogger("zero.coord")
 
 
 class Coordinator:
-    """Gathers, prefetches and releases the partitioned parameters of ``model`` around its modules."""
+    """Gathers, prefetches and releases the partitioned parameters of ``model`` around its modules.
+
+    ``streams`` (``zero_comm.comm_streams``): gathers and prefetches run on its gather
+    stream and a module waits on the gather's event before using its parameters;
+    ``NO_STREAMS`` (the default, and on CPU) orders nothing.
+    """
 
     def __init__(
         self,
@@ -42,6 +48,7 @@ class Coordinator:
         config: CoordinatorConfig = CoordinatorConfig(),  # noqa: B008 - frozen, immutable default
         grad_sink: GradientSink | None = None,
         shard_prefetch: ShardPrefetcher | None = None,
+        streams: CommStreams | NoStreams = NO_STREAMS,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"Coordinator(model=...) needs an nn.Module, got {type(model).__name__}")
@@ -55,6 +62,10 @@ class Coordinator:
         self._config = config
         if shard_prefetch is not None and not isinstance(shard_prefetch, ShardPrefetcher):
             raise TypeError(f"shard_prefetch {type(shard_prefetch).__name__} lacks prefetch(params)")
+        if not isinstance(streams, (CommStreams, NoStreams)):
+            raise TypeError(
+                f"Coordinator(streams=...) needs zero_comm.comm_streams(...), got {type(streams).__name__}"
+            )
         self._sink = grad_sink
         self._hooks = HookSet()
         self._installed = False
@@ -72,7 +83,7 @@ class Coordinator:
         self._acc = StatsAccumulator()
         self._last = StepStats()
         self._total = StepStats()
-        self._live = LiveSlots(self._acc)
+        self._live = LiveSlots(self._acc, streams)
         self._releaser = Releaser(config, self._live)
         self._fetcher = Fetcher(config, self._live, self._releaser, shard_prefetch)
         # Active from a step's root pre-forward to its post-forward: a saved view of a released

@@ -7,6 +7,7 @@ from typing import Any
 from torch import nn
 
 import zero_params
+from zero_comm.streams import NO_STREAMS, CommStreams, NoStreams
 from zero_comm.watchdog import collective_label, note_collectives
 from zero_coord.stats import StatsAccumulator
 
@@ -21,21 +22,34 @@ class GatherBatch:
 
     Each parameter has its own unsharded storage (``zero_params.UnshardedStorage``), so
     releasing one frees its bytes at once; the live-element accounting counts per
-    parameter accordingly.
+    parameter accordingly. ``event``: the gather stream's event the compute stream waits
+    on before the gathered parameters are used (``None`` without side streams).
     """
 
-    __slots__ = ("handle", "live", "numel")
+    __slots__ = ("event", "handle", "live", "numel", "streams")
 
-    def __init__(self, handle: Any, numel: int, live: int) -> None:
+    def __init__(
+        self,
+        handle: Any,
+        numel: int,
+        live: int,
+        streams: CommStreams | NoStreams = NO_STREAMS,
+        event: Any = None,
+    ) -> None:
         self.handle = handle
         self.numel = numel
         self.live = live
+        self.streams = streams
+        self.event = event
 
     def wait(self) -> None:
-        """Wait for the gather (once)."""
+        """Wait for the gather (once): the compute stream after the gather stream's event, then
+        the collective (its copy-out runs on the compute stream)."""
         handle = self.handle
         if handle is not None:
             self.handle = None
+            self.streams.wait(self.event)
+            self.event = None
             handle.wait()
 
 
@@ -136,7 +150,10 @@ class SlotTable:
 
 
 class LiveSlots:
-    """Which slots are live (gathered or in flight) and in which role, with element counts."""
+    """Which slots are live (gathered or in flight) and in which role, with element counts.
+
+    Gathers are issued through ``streams`` (on the gather stream when there is one).
+    """
 
     __slots__ = (
         "acc",
@@ -148,10 +165,12 @@ class LiveSlots:
         "pending_grad_numel",
         "plans",
         "retained",
+        "streams",
     )
 
-    def __init__(self, acc: StatsAccumulator) -> None:
+    def __init__(self, acc: StatsAccumulator, streams: CommStreams | NoStreams = NO_STREAMS) -> None:
         self.acc = acc
+        self.streams = streams
         self.plans: dict[tuple[Any, ...], zero_params.GatherPlan] = {}
         self.live = 0
         self.live_slots: dict[ParamSlot, None] = {}
@@ -181,13 +200,14 @@ class LiveSlots:
             if len(self.plans) >= MAX_PLANS:
                 self.plans.clear()  # windows of orders no longer run: plan the current ones afresh
             plan = self.plans[key] = zero_params.GatherPlan([s.param for s in slots], secondary=secondary)
-        handle = plan.issue()
+        streams = self.streams
+        handle, event = streams.gather(plan.issue)
         nbytes = 0
         for s in slots:
             nbytes += s.nbytes
         if numel is None:
             numel = sum(s.numel for s in slots)
-        batch = GatherBatch(handle, numel, len(slots))
+        batch = GatherBatch(handle, numel, len(slots), streams, event)
         live_slots = self.live_slots
         for s in slots:
             s.batch = batch

@@ -36,7 +36,7 @@ from torch import nn
 from torch.profiler import record_function
 
 import zero_params
-from zero_comm import CommLedger, CommTotals, CommWatchdog, Topology, broadcast
+from zero_comm import CommLedger, CommStreams, CommTotals, CommWatchdog, NoStreams, Topology, broadcast
 from zero_comm.profiling import profile_range
 from zero_coord import Coordinator, StepStats
 from zero_full import checkpoint as _checkpoint
@@ -359,6 +359,12 @@ class Engine:
     def mics(self) -> MicsGroups | None:
         """The MiCS shard / replicate groups (``None`` unless ``mics_shard_size`` is set)."""
         return self._pipeline.pieces.mics
+
+    @property
+    def comm_streams(self) -> CommStreams | NoStreams:
+        """The side streams of gathers and gradient reductions: ``zero_comm.CommStreams`` for
+        stages 2 and 3 on the accelerator, ``zero_comm.NO_STREAMS`` otherwise."""
+        return self._pipeline.pieces.streams
 
     def check_replicas_consistent(self) -> None:
         """Debug check: every MiCS replica of this rank's partition holds the same optimizer state.

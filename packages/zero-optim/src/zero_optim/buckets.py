@@ -17,6 +17,7 @@ from typing import Protocol
 from torch import nn
 
 from zero_comm.profiling import profile_range
+from zero_comm.streams import NO_STREAMS, CommStreams, NoStreams
 from zero_comm.watchdog import collective_label, note_collectives
 
 __all__ = ["BucketPlan", "BucketedReducer", "ReduceConfig", "ReduceHandle", "StagedBucket"]
@@ -107,13 +108,22 @@ class BucketedReducer:
 
     Gradients accumulate into the partitions across backward passes (micro-steps) until
     the optimizer zeroes its gradient buffer; each backward's gradient is averaged over the
-    data-parallel group exactly once (by ``reduce_fn``).
+    data-parallel group exactly once (by ``reduce_fn``). With side ``streams`` each bucket is
+    reduced on the reduce stream once its gradients are ready, and the end of backward makes
+    the compute stream wait on the reductions before the optimizer step.
     """
 
-    __slots__ = ("_config", "_inflight", "_next", "_plan", "_ready", "_reduce", "_staged")
+    __slots__ = ("_config", "_inflight", "_next", "_plan", "_ready", "_reduce", "_staged", "_streams")
 
-    def __init__(self, plan: BucketPlan, reduce_fn: ReduceFn, config: ReduceConfig) -> None:
+    def __init__(
+        self,
+        plan: BucketPlan,
+        reduce_fn: ReduceFn,
+        config: ReduceConfig,
+        streams: CommStreams | NoStreams = NO_STREAMS,
+    ) -> None:
         self._plan = plan
+        self._streams = streams
         self._reduce = reduce_fn
         self._config = config
         self._ready = [0] * len(plan)
@@ -173,6 +183,7 @@ class BucketedReducer:
                 self._issue(b)
             while self._inflight:
                 self._inflight.popleft().wait()
+            self._streams.wait_reduced()
         self._ready = [0] * len(self._plan)
         self._next = 0
 
@@ -187,7 +198,14 @@ class BucketedReducer:
                     self._inflight.popleft().wait()
             stage = self._staged.pop(b, None)  # None: no gradient of the bucket was staged
             overlap = self._config.overlap_comm
-            if stage is not None:
+            streams = self._streams
+            if streams.active:  # on the reduce stream, its inputs kept until compute waited on it
+                if stage is not None:
+                    handle = streams.reduce(lambda: stage.issue(async_op=overlap), stage)
+                else:
+                    grads = [p.grad for p in params]
+                    handle = streams.reduce(lambda: self._reduce(list(params), async_op=overlap), grads)
+            elif stage is not None:
                 handle = stage.issue(async_op=overlap)
             else:
                 handle = self._reduce(list(params), async_op=overlap)

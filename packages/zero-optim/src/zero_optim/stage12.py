@@ -511,8 +511,12 @@ def replicated_optimizer(
     sub_group_size: int = 1_000_000_000,
     reduce_strategy: zero_comm.ReduceScatterStrategy | None = None,
     all_reduce_strategy: zero_comm.CastAllReduce | None = None,
+    streams: zero_comm.CommStreams | zero_comm.NoStreams = zero_comm.NO_STREAMS,
 ) -> tuple[PartitionedOptimizer, GradientReduction]:
-    """Build the optimizer and gradient reduction of ZeRO stage 0, 1 or 2 for a whole model."""
+    """Build the optimizer and gradient reduction of ZeRO stage 0, 1 or 2 for a whole model.
+
+    ``streams`` (``zero_comm.comm_streams``): stage 2 reduce-scatters on its reduce stream.
+    """
     if stage not in (0, 1, 2):
         raise ValueError(
             f"replicated_optimizer builds stages 0, 1 and 2, got stage {stage}; use stage3_optimizer"
@@ -560,4 +564,5 @@ def replicated_optimizer(
             ReduceScatterInPlace(part, strategy) if part.in_place_grads else ReduceScatterInto(part, strategy)
         )
         return opt, BackwardReduction(params, plan, reduce_fn, config.max_inflight)
-    return opt, HookedReduction(params, BucketedReducer(plan, ReduceScatterInto(part, strategy), config))
+    reducer = BucketedReducer(plan, ReduceScatterInto(part, strategy), config, streams)
+    return opt, HookedReduction(params, reducer)

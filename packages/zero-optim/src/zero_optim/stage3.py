@@ -15,6 +15,7 @@ import zero_coord
 import zero_params
 from zero_comm import BOUNDED_DTYPES, AllToAllReduceScatter, GradientBound
 from zero_comm.profiling import profile_range
+from zero_comm.streams import NO_STREAMS, CommStreams, NoStreams
 from zero_comm.watchdog import collective_label, note_collectives
 from zero_offload import OptimizerOffloadConfig, ParamOffloadConfig
 from zero_optim.buckets import BucketedReducer, BucketPlan, ReduceConfig
@@ -205,8 +206,12 @@ def stage3_optimizer(
     param_offload: ParamOffloadConfig | None = None,
     sub_group_size: int = 1_000_000_000,
     bound_grads: bool = False,
+    streams: CommStreams | NoStreams = NO_STREAMS,
 ) -> tuple[PartitionedOptimizer, BucketedReducer]:
-    """Build the ZeRO-3 optimizer of a partitioned model and its gradient sink."""
+    """Build the ZeRO-3 optimizer of a partitioned model and its gradient sink.
+
+    ``streams`` (``zero_comm.comm_streams``): the sink reduce-scatters on its reduce stream.
+    """
     devices = {
         zero_params.state_of(p).shard.device for p in model.parameters() if zero_params.is_partitioned(p)
     }
@@ -242,7 +247,7 @@ def stage3_optimizer(
     if bound_grads:
         partitioning.grad_bound = _bound_for([p for _, p in order], working_dtype)
         reduce_fn = functools.partial(zero_params.reduce_scatter_grads, bound=partitioning.grad_bound)
-    return opt, BucketedReducer(plan, reduce_fn, config)
+    return opt, BucketedReducer(plan, reduce_fn, config, streams)
 
 
 def _bound_for(params: Sequence[nn.Parameter], dtype: torch.dtype) -> GradientBound:

@@ -9,6 +9,7 @@ from zero_testing.compare import (
 )
 from zero_testing.injected import InjectedFailure, failing_adamw
 from zero_testing.pool import DistributedPool, PoolRegistry, RankFailure, RankInfo, RankTimeout
+from zero_testing.streams import RecordingEvent, RecordingStream, RecordingStreamSource
 from zero_testing.wire import WireBytes, measure_wire_bytes, read_wchar
 
 __all__ = [
@@ -18,6 +19,9 @@ __all__ = [
     "RankFailure",
     "RankInfo",
     "RankTimeout",
+    "RecordingEvent",
+    "RecordingStream",
+    "RecordingStreamSource",
     "WireBytes",
     "assert_losses_close",
     "assert_state_close",

@@ -37,7 +37,15 @@ from torch.distributed import ProcessGroup
 
 import zero_optim
 import zero_params
-from zero_comm import BOUNDED_DTYPES, GradientBound, Topology
+from zero_comm import (
+    BOUNDED_DTYPES,
+    NO_STREAMS,
+    CommStreams,
+    GradientBound,
+    NoStreams,
+    Topology,
+    comm_streams,
+)
 from zero_comm.profiling import profile_range
 from zero_coord import Coordinator
 from zero_full.config.zero_config import Precision, ZeroConfig
@@ -77,6 +85,8 @@ class StagePieces:
         grad_bound: The inf / nan check the gradient reduce-scatter carries (stages 1 and 2,
             and 3 without MiCS, in fp32 / bf16 with the plain reduce-scatter; ``None``: the
             check all-reduces a flag).
+        streams: The gather / reduce side streams (``zero_comm.comm_streams``: on the
+            accelerator when the group serves it, else ``NO_STREAMS``).
     """
 
     optimizer: PartitionedOptimizer
@@ -85,6 +95,7 @@ class StagePieces:
     mics: MicsGroups | None = None
     feedback: list[Any] = dataclasses.field(default_factory=list)
     grad_bound: GradientBound | None = None
+    streams: CommStreams | NoStreams = NO_STREAMS
 
     def begin_backward(self) -> None:
         """Tell the qgZ error-feedback strategies that a backward starts (their reductions restart)."""
@@ -134,6 +145,7 @@ def build_stage(
     # every stage steps its flat partitions sub_group_size elements at a time (offloaded or not)
     sub_group_size = z.sub_group_size or parameter_share(model, config.stage)
     offload = z.offload_optimizer.to_offload_config(sub_group_size)
+    streams = comm_streams(_model_device(model)) if config.stage >= 2 else NO_STREAMS
     if config.stage == 3:
         chosen = param_strategies(config, topology)
         mics = chosen.mics
@@ -162,9 +174,14 @@ def build_stage(
             sub_group_size=sub_group_size,
             # the inf / nan check rides on the plain reduce-scatter over every rank
             bound_grads=mics is None and reduce is None and dtype in BOUNDED_DTYPES,
+            streams=streams,
         )
         coordinator = Coordinator(
-            model, z.to_coordinator_config(), sink, shard_prefetch=zero_optim.offloaded_shards(opt)
+            model,
+            z.to_coordinator_config(),
+            sink,
+            shard_prefetch=zero_optim.offloaded_shards(opt),
+            streams=streams,
         )
         coordinator.install()
         sync = ReplicaGradientSync(opt.groups, mics.replicate) if mics is not None else None
@@ -174,7 +191,7 @@ def build_stage(
             if isinstance(opt.partitioning, zero_optim.Stage3Partitioning)
             else None
         )
-        return StagePieces(opt, coordinator, sync, mics, feedback, grad_bound=bound)
+        return StagePieces(opt, coordinator, sync, mics, feedback, grad_bound=bound, streams=streams)
     comm = comm_strategies(config)  # communication_data_type
     opt, reduction = zero_optim.replicated_optimizer(
         model,
@@ -187,10 +204,18 @@ def build_stage(
         sub_group_size=sub_group_size,
         reduce_strategy=comm.reduce_scatter,
         all_reduce_strategy=comm.all_reduce,
+        streams=streams,
     )
     part = opt.partitioning
     bound = part.grad_bound if isinstance(part, zero_optim.ReplicaPartitioning) else None
-    return StagePieces(opt, None, reduction, grad_bound=bound)
+    return StagePieces(opt, None, reduction, grad_bound=bound, streams=streams)
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    """Where the model's parameters (a partitioned one's gathers) live: the streams' device."""
+    for p in model.parameters():
+        return zero_params.state_of(p).device if zero_params.is_partitioned(p) else p.device
+    return torch.device("cpu")
 
 
 def _cast_whole(model: nn.Module, dtype: torch.dtype) -> None:
