@@ -259,6 +259,9 @@ def kernels(session: nox.Session) -> None:
 # The torch releases the package metadata allows, at both ends (``torch>=2.9,<3``): the smoke set
 # runs on each. The whole suite runs on ``TORCH`` (the pin).
 TORCH_RANGE = {"oldest": "torch==2.9.0", "newest": "torch==2.15.0"}
+# What a release needs beside it: the Triton 3.5 that torch 2.9 brings interprets kernels with
+# ``int()`` of one-element numpy arrays, which numpy 2.4 refuses (the kernels' interpreted tests).
+TORCH_COMPANIONS = {"torch==2.9.0": ["numpy<2.4"]}
 # A stage-1/2/3 run of zero-full against one process on the whole batch (world 2).
 SMOKE_PARITY = "mlp-stage1-w2 or mlp-stage2-w2 or mlp-stage3-w2"
 SMOKE = "pytest.mark.smoke"
@@ -275,10 +278,12 @@ def torch_smoke(session: nox.Session, release: str) -> None:
     package run (each package's main paths, a few minutes in all), then the stage 1/2/3 parity run
     of integration_tests/test_integration_stages.py.
     """
-    _pip(session, release)
+    companions = TORCH_COMPANIONS.get(release, [])
+    _pip(session, release, *companions)
     _pip(
         session,
         release,
+        *companions,
         "pytest>=8",
         "hypothesis>=6",
         "safetensors>=0.4",
