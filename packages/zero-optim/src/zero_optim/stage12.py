@@ -25,7 +25,7 @@ from zero_comm.coalesced import GatherIntoPlan, adjacent_flat_view
 from zero_comm.grad_bound import BOUNDED_DTYPES, GradientBound
 from zero_comm.profiling import profile_range
 from zero_comm.watchdog import note_collectives
-from zero_offload import OptimizerOffloadConfig
+from zero_offload import HostPlacement, OptimizerOffloadConfig
 from zero_optim.buckets import BucketedReducer, BucketPlan, ReduceConfig, ReduceHandle
 from zero_optim.core import PartitionedOptimizer
 from zero_optim.flat import FlatGroup
@@ -511,8 +511,12 @@ def replicated_optimizer(
     sub_group_size: int = 1_000_000_000,
     reduce_strategy: zero_comm.ReduceScatterStrategy | None = None,
     all_reduce_strategy: zero_comm.CastAllReduce | None = None,
+    placement: HostPlacement | None = None,
 ) -> tuple[PartitionedOptimizer, GradientReduction]:
-    """Build the optimizer and gradient reduction of ZeRO stage 0, 1 or 2 for a whole model."""
+    """Build the optimizer and gradient reduction of ZeRO stage 0, 1 or 2 for a whole model.
+
+    ``placement``: where an offloaded optimizer's buffers live (see :class:`PartitionedOptimizer`).
+    """
     if stage not in (0, 1, 2):
         raise ValueError(
             f"replicated_optimizer builds stages 0, 1 and 2, got stage {stage}; use stage3_optimizer"
@@ -545,6 +549,7 @@ def replicated_optimizer(
         working_dtype=working_dtype,
         offload=offload,
         sub_group_size=sub_group_size,
+        placement=placement,
     )
     order = [(n, p) for n, p in reversed(list(model.named_parameters())) if part.owns(p)]
     plan = BucketPlan(

@@ -16,7 +16,7 @@ import zero_params
 from zero_comm import BOUNDED_DTYPES, AllToAllReduceScatter, GradientBound
 from zero_comm.profiling import profile_range
 from zero_comm.watchdog import collective_label, note_collectives
-from zero_offload import OptimizerOffloadConfig, ParamOffloadConfig
+from zero_offload import HostPlacement, OptimizerOffloadConfig, ParamOffloadConfig
 from zero_optim.buckets import BucketedReducer, BucketPlan, ReduceConfig
 from zero_optim.core import PartitionedOptimizer
 from zero_optim.flat import FlatGroup, Segment
@@ -205,8 +205,12 @@ def stage3_optimizer(
     param_offload: ParamOffloadConfig | None = None,
     sub_group_size: int = 1_000_000_000,
     bound_grads: bool = False,
+    placement: HostPlacement | None = None,
 ) -> tuple[PartitionedOptimizer, BucketedReducer]:
-    """Build the ZeRO-3 optimizer of a partitioned model and its gradient sink."""
+    """Build the ZeRO-3 optimizer of a partitioned model and its gradient sink.
+
+    ``placement``: where an offloaded optimizer's buffers live (see :class:`PartitionedOptimizer`).
+    """
     devices = {
         zero_params.state_of(p).shard.device for p in model.parameters() if zero_params.is_partitioned(p)
     }
@@ -222,6 +226,7 @@ def stage3_optimizer(
         working_dtype=working_dtype,
         offload=offload,
         sub_group_size=sub_group_size,
+        placement=placement,
     )
     if param_offload is not None:
         partitioning.offloaded = zero_params.OffloadedShards(

@@ -174,6 +174,7 @@ def build_stage(
             if isinstance(opt.partitioning, zero_optim.Stage3Partitioning)
             else None
         )
+        log_offload(opt)
         return StagePieces(opt, coordinator, sync, mics, feedback, grad_bound=bound)
     comm = comm_strategies(config)  # communication_data_type
     opt, reduction = zero_optim.replicated_optimizer(
@@ -190,7 +191,23 @@ def build_stage(
     )
     part = opt.partitioning
     bound = part.grad_bound if isinstance(part, zero_optim.ReplicaPartitioning) else None
+    log_offload(opt)
     return StagePieces(opt, None, reduction, grad_bound=bound)
+
+
+def log_offload(opt: zero_optim.PartitionedOptimizer) -> None:
+    """Say once (rank 0, INFO) what optimizer offload keeps off the device, and where it lives."""
+    if opt.offload is None or opt.placement is None or (dist.is_initialized() and dist.get_rank() != 0):
+        return
+    placement = opt.placement
+    moved = "fp32 master, gradient partition and optimizer state" if placement.split else "optimizer state"
+    logger.info(
+        "zero: optimizer offload keeps %d bytes per rank off %s: %s in %s host memory",
+        opt.offloaded_device_bytes,
+        placement.device,
+        moved,
+        "pinned" if placement.memory.pinned else "pageable",
+    )
 
 
 def _cast_whole(model: nn.Module, dtype: torch.dtype) -> None:
