@@ -95,6 +95,11 @@ def test_side_stream_waits_for_compute_copies_non_blocking_and_joins_with_an_eve
     log.clear()
     stream.join()
     assert log == []  # joined once per batch of copies
+    stream.settle()
+    assert log == [("synchronize", event)]  # the host waits before it writes the sources again
+    stream.settle()
+    assert log == [("synchronize", event)]
+    log.clear()
     stream.copy(a, torch.zeros(3))
     assert log[0] == ("wait_stream", "side", "compute")  # a new batch waits for compute again
 

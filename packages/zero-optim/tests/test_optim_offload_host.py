@@ -104,6 +104,9 @@ def test_the_host_master_is_stepped_in_place_and_published_through_the_side_stre
         last_copy = max(i for i, e in enumerate(log) if e == copies[-1])
         join = next(i for i, e in enumerate(log) if e[0] == "wait_event")
         assert last_copy < join < log.index(("after_step",))  # joined before the parameters are read
+        if s:  # the host waited for the last step's copies before stepping the masters again
+            first_copy = log.index(copies[0])
+            assert next(i for i, e in enumerate(log) if e[0] == "synchronize") < first_copy
     assert opt.offload.transfers.grad_down == opt.offload.transfers.param_up == 0
     for a, b in zip(ref.parameters(), model.parameters()):
         assert torch.equal(a, b)

@@ -11,7 +11,8 @@ offload path:
 * :class:`CopyStream`: where host -> device copies run. :class:`SideStream` issues them
   ``non_blocking`` on a side stream of the accelerator (``torch.Stream`` / ``torch.Event``),
   so they overlap the host's optimizer step; :meth:`CopyStream.join` makes the compute
-  stream wait for them before anything reads the parameters. :class:`Inline` (CPU) copies
+  stream wait for them before anything reads the parameters, :meth:`CopyStream.settle` the
+  host before the next step writes their sources. :class:`Inline` (CPU) copies
   in place, blocking, and joins nothing. This seam is local to the offload path.
 * :class:`HostPlacement`: the engine's device with the two above; :attr:`HostPlacement.split`
   says whether master and gradient partition live on the host apart from the device (an
@@ -75,6 +76,10 @@ class CopyStream(Protocol):
         """Make the compute stream wait for every copy issued so far (before the parameters are read)."""
         ...
 
+    def settle(self) -> None:
+        """Make the host wait for every joined copy (before it writes their sources again)."""
+        ...
+
 
 class Inline:
     """The CPU's copies: done in place, blocking; nothing to join."""
@@ -84,6 +89,9 @@ class Inline:
         dst.copy_(src)
 
     def join(self) -> None:
+        """Nothing is in flight."""
+
+    def settle(self) -> None:
         """Nothing is in flight."""
 
 
@@ -96,7 +104,7 @@ class SideStream:
     which starts after the compute stream has passed that wait.
     """
 
-    __slots__ = ("_current", "_event", "_issued", "device", "stream")
+    __slots__ = ("_current", "_event", "_issued", "_last", "device", "stream")
 
     def __init__(
         self,
@@ -113,6 +121,7 @@ class SideStream:
         self._current = current_stream or (lambda: torch.accelerator.current_stream(device))
         self._event = event or (lambda: torch.Event(device=device))
         self._issued = False
+        self._last: Any = None
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Issue ``dst.copy_(src, non_blocking=True)`` on the side stream."""
@@ -130,6 +139,13 @@ class SideStream:
         event.record(self.stream)
         self._current().wait_event(event)
         self._issued = False
+        self._last = event
+
+    def settle(self) -> None:
+        """The host waits for the copies of the last :meth:`join` (their host sources may change next)."""
+        if self._last is not None:
+            self._last.synchronize()
+            self._last = None
 
 
 def copy_stream_for(device: torch.device) -> CopyStream:

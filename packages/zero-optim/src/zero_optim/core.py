@@ -213,6 +213,7 @@ class PartitionedOptimizer:
                 return
             if self.offload is not None and self.placement is not None and self.placement.split:
                 groups = self.groups
+                self.placement.copies.settle()  # the last step's copies read the host masters
                 self.offload.step(after=lambda gi, start, stop: groups[gi].publish_range(start, stop))
                 self._join_copies()
                 with profile_range("zero.optim.publish"), torch.no_grad():
@@ -326,6 +327,7 @@ class PartitionedOptimizer:
                 group.load_master(master)
             self.torch_optimizer.load_state_dict(state["torch_optimizer"])
         self.stepper.forget_state_views()  # the loaded state replaced the tensors they view
+        self._join_copies()
         self.partitioning.after_step(self.groups)
 
 

@@ -3,7 +3,8 @@
 A CPU has no streams or events torch can record; code that orders copies on an
 accelerator's side stream is tested on a CPU by handing it these doubles, which append
 what is called to one shared list: ``("wait_stream", stream, other)``, ``("enter", stream)``,
-``("exit", stream)``, ``("record", event, stream)``, ``("wait_event", stream, event)``, and
+``("exit", stream)``, ``("record", event, stream)``, ``("wait_event", stream, event)``,
+``("synchronize", event)`` and
 under :class:`CopyLog` ``("copy", numel, non_blocking)``.
 """
 
@@ -46,6 +47,9 @@ class RecordingEvent:
 
     def record(self, stream: RecordingStream) -> None:
         self.log.append(("record", self.name, stream.name))
+
+    def synchronize(self) -> None:
+        self.log.append(("synchronize", self.name))
 
 
 def event_factory(log: list[tuple[Any, ...]]) -> Any:
