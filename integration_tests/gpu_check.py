@@ -10,6 +10,9 @@ What it runs (each section's outcome and figures land in ``gpu_check.json`` and 
   ``comm_streams`` a ``CommStreams`` on the device, ``NoStreams`` in the dry run);
 * memory and speed: peak ``max_memory_allocated`` above the model and median step time of zero
   1/2/3 against DDP and FSDP2 on the same model at world 1;
+* offload placement: the offload case's fp32 masters and gradient partitions are in pinned host
+  memory (on a device; on the CPU of a dry run they stay in place), and the device memory held
+  after ``initialize`` is below that of stage 2 without offload;
 * watchdog: world 2, one rank 3 s late into a step's first collective with ``comm_timeout`` 30 s:
   the step completes (no abort of the communicator) and both ranks agree.
 
@@ -46,7 +49,7 @@ PARITY_CASES: dict[str, dict[str, Any]] = {
     "stage2": {"stage": 2, "reduce_bucket_size": 2_000},
     "stage3": {"stage": 3, "reduce_bucket_size": 2_000, "stage3_param_persistence_threshold": 0},
     "mics": {"stage": 3, "mics_shard_size": 1, "stage3_param_persistence_threshold": 0},
-    "offload": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+    "offload": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}},
 }
 SPEED_IMPLS = ("ddp", "fsdp2", "zero-1", "zero-2", "zero-3")
 
@@ -151,6 +154,7 @@ def _parity_case(ctx: RankContext, case: str, sizes: Sizes, device: torch.device
     engine = zero_full.initialize(
         model, config=config, optimizer=lambda p: torch.optim.SGD(p, lr=LR, momentum=0.9)
     )
+    held = torch.accelerator.memory_allocated(device) if device.type != "cpu" else 0
     losses = []
     share = sizes.batch // ctx.world_size
     for step in range(STEPS):
@@ -165,12 +169,42 @@ def _parity_case(ctx: RankContext, case: str, sizes: Sizes, device: torch.device
     # numpy, not tensors: a tensor sent to the parent would travel as shared memory of this process
     params = {k: v.detach().cpu().numpy() for k, v in engine.consolidated_state_dict().items()}
     streams = type(engine.comm_streams).__name__
-    return {"losses": losses, "params": params if ctx.rank == 0 else None, "streams": streams}
+    return {
+        "losses": losses,
+        "params": params if ctx.rank == 0 else None,
+        "held": held,
+        "streams": streams,
+        **_placement(engine),
+    }
 
 
 def expected_streams(case: str, dry_run: bool) -> str:
     """Stages 2 and 3 gather and reduce on side streams on a GPU; the rest, and CPU, use none."""
     return "CommStreams" if not dry_run and PARITY_CASES[case]["stage"] >= 2 else "NoStreams"
+
+
+def _placement(engine: Any) -> dict[str, Any]:
+    """Where an offloaded optimizer keeps its fp32 masters and gradient partitions (none: empty)."""
+    opt = engine.optimizer
+    if opt.offload is None:
+        return {}
+    groups = [g for g in opt.groups if g.numel]
+    return {
+        "master_devices": sorted({str(t.device) for g in groups for t in (g.master, g.grad)}),
+        "pinned": all(t.is_pinned() for g in groups for t in (g.master, g.grad)),
+        "offloaded_device_bytes": opt.offloaded_device_bytes,
+    }
+
+
+def check_offload_placement(rows: dict[str, Any], dry_run: bool) -> dict[str, Any]:
+    """The offload case's placement: host and pinned, less device memory than stage 2 (on a device)."""
+    got = rows["offload"]
+    out = {k: got.get(k) for k in ("master_devices", "pinned", "offloaded_device_bytes")}
+    if dry_run:  # the CPU is the host: nothing moves, and the report says what offload keeps
+        return {**out, "ok": out["offloaded_device_bytes"] > 0}
+    out["held_bytes"], out["held_without_offload"] = got["held"], rows["stage2"]["held"]
+    ok = out["master_devices"] == ["cpu"] and out["pinned"] and got["held"] < rows["stage2"]["held"]
+    return {**out, "ok": bool(ok)}
 
 
 def compare(ref: dict[str, Any], got: dict[str, Any]) -> dict[str, float]:
@@ -227,6 +261,9 @@ def run_parity(sizes: Sizes, dry_run: bool) -> list[dict[str, Any]]:
                     and row["weight_rel"] <= 1e-5
                     and row["streams"] == expected_streams(case, dry_run)
                 )
+                if case == "offload":
+                    row["placement"] = check_offload_placement(results, dry_run)
+                    row["ok"] = row["ok"] and row["placement"]["ok"]
             else:
                 row.update(ok=False, error=error)
             rows.append(row)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -62,3 +63,32 @@ def test_report_reads_the_process_and_names_the_formula_of_the_stage(dist, world
         assert again.peak_rss_bytes < after.peak_rss_bytes - 48 * MIB
         assert f"rank {rank} step 1: RSS " in text and "since the last reset" in text
         assert f"by ZeRO-{stage}" in text
+
+
+def _offload_report(rank):
+    from zero_testing import captured_logs
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(257, 129), nn.Tanh(), nn.Linear(129, 7))
+    zero = {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    with captured_logs("zero.engine", logging.INFO) as logs:
+        engine = zero_full.initialize(model, {"zero_optimization": zero}, lambda ps: torch.optim.AdamW(ps))
+    report = engine.memory_report()
+    numel = sum(g.numel for g in engine.optimizer.groups)
+    engine.close()
+    return numel, report.offloaded_device_bytes, str(report), logs
+
+
+def test_optimizer_offload_reports_what_it_keeps_off_the_device(dist):
+    """On a CPU the device is the host: the moments (8 bytes per element of the partition) are counted;
+    on an accelerator the master and gradient partition too (16 bytes, see zero-optim's tests)."""
+    for rank, (numel, saved, text, logs) in enumerate(dist.run(2, _offload_report)):
+        assert saved == numel * 8 > 0
+        assert "kept off the device by optimizer offload" in text
+        said = [m for m in logs if "optimizer offload keeps" in m]
+        assert len(said) == (1 if rank == 0 else 0)
+        if said:
+            assert said[0] == (
+                f"zero: optimizer offload keeps {saved} bytes per rank off cpu: optimizer state in "
+                "pageable host memory"
+            )

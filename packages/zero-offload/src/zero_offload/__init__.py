@@ -4,6 +4,16 @@ from zero_offload.cpu_adam import AdamHyper, AdamKernel, CpuAdam, adam_hyper_fro
 from zero_offload.host_optimizer import HostOptimizer, PartialOffload, offload_optimizer_for, twin_optimizer
 from zero_offload.optimizer import OffloadedOptimizer, OffloadTarget, OptimizerOffloadConfig, TransferStats
 from zero_offload.params import ParamOffloadConfig, ParamSwapper, ParamTransferStats, ShardResidence
+from zero_offload.placement import (
+    CopyStream,
+    HostMemory,
+    HostPlacement,
+    Inline,
+    SideStream,
+    copy_stream_for,
+    host_memory,
+    host_placement,
+)
 from zero_offload.pool import ALIGNMENT, BufferPool, align_up, aligned_empty
 from zero_offload.swap import (
     AsyncSwapper,
@@ -17,6 +27,14 @@ from zero_offload.swap import (
 )
 
 __all__ = [
+    "CopyStream",
+    "HostMemory",
+    "HostPlacement",
+    "Inline",
+    "SideStream",
+    "copy_stream_for",
+    "host_memory",
+    "host_placement",
     "HostOptimizer",
     "PartialOffload",
     "offload_optimizer_for",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -14,6 +14,7 @@ from zero_offload.optimizer import (
     OptimizerOffloadConfig,
     check_one_per_group,
 )
+from zero_offload.placement import HostMemory, HostPlacement, host_memory
 
 __all__ = ["HostOptimizer", "PartialOffload", "offload_optimizer_for", "twin_optimizer"]
 
@@ -46,14 +47,28 @@ def offload_optimizer_for(
     config: OptimizerOffloadConfig,
     *,
     rank: int = 0,
-) -> OffloadedOptimizer | HostOptimizer:
+    placement: HostPlacement | None = None,
+) -> OffloadedOptimizer | HostOptimizer | PartialOffload:
     """:class:`OffloadedOptimizer` (CPU Adam) for ``Adam`` / ``AdamW``, :class:`HostOptimizer`
-    otherwise; wrapped in :class:`PartialOffload` when ``config.ratio < 1``."""
+    otherwise; wrapped in :class:`PartialOffload` when ``config.ratio < 1``.
+
+    ``placement`` (split): ``masters`` and ``grads`` are host tensors, stepped where they are.
+
+    Raises:
+        ValueError: a split placement with ``config.ratio < 1`` (the device part needs its
+            master on the device).
+    """
+    split = placement is not None and placement.split
     if config.ratio < 1.0:
+        if split:
+            raise ValueError(
+                "partial optimizer offload (offload_optimizer.ratio < 1) keeps the fp32 master on the "
+                "device; it cannot take a host master"
+            )
         return PartialOffload(optimizer, masters, grads, config, rank=rank)
     if _is_fast_path(optimizer):
-        return OffloadedOptimizer(optimizer, masters, grads, config, rank=rank)
-    return HostOptimizer(optimizer, masters, grads, config)
+        return OffloadedOptimizer(optimizer, masters, grads, config, rank=rank, placement=placement)
+    return HostOptimizer(optimizer, masters, grads, config, placement=placement)
 
 
 class HostOptimizer:
@@ -65,7 +80,10 @@ class HostOptimizer:
         masters: Sequence[torch.Tensor],
         grads: Sequence[torch.Tensor],
         config: OptimizerOffloadConfig,
+        *,
+        placement: HostPlacement | None = None,
     ) -> None:
+        """``placement`` (split): ``masters`` and ``grads`` are host tensors, stepped in place."""
         name = f"{type(optimizer).__module__}.{type(optimizer).__name__}"
         if config.device is OffloadTarget.NVME:
             raise ValueError(
@@ -73,12 +91,17 @@ class HostOptimizer:
                 "'cpu' (any torch optimizer steps in host memory) or Adam / AdamW"
             )
         check_one_per_group(optimizer, masters, grads)
-        pin = config.pin_memory and torch.cuda.is_available()
+        memory: HostMemory = placement.memory if placement is not None else host_memory(config.pin_memory)
+        self.split = placement is not None and placement.split
         self.optimizer = optimizer
         self.masters = tuple(masters)
         self.grads = tuple(grads)
-        self.host_masters = tuple(_host_copy(m, pin) for m in masters)
-        self.host_grads = tuple(torch.zeros_like(h) for h in self.host_masters)
+        if self.split:  # the host master and gradient partition themselves
+            self.host_masters = self.masters
+            self.host_grads = self.grads
+        else:
+            self.host_masters = tuple(memory.copy_of(m) for m in masters)
+            self.host_grads = tuple(memory.zeros(h.numel()).view(h.shape) for h in self.host_masters)
         for h, g in zip(self.host_masters, self.host_grads, strict=True):
             h.grad = g
         groups = [
@@ -90,11 +113,24 @@ class HostOptimizer:
         self.step_count = 0
 
     def state_tensors(self) -> list[torch.Tensor]:
-        """The host tensors this optimizer keeps (masters, gradients, the twin's state)."""
-        out = [*self.host_masters, *self.host_grads]
+        """The host tensors this optimizer keeps (masters and gradients unless split, the twin's state)."""
+        out = [] if self.split else [*self.host_masters, *self.host_grads]
         for state in self.host_optimizer.state.values():
             out.extend(v for v in state.values() if isinstance(v, torch.Tensor))
         return out
+
+    @property
+    def device_bytes_saved(self) -> int:
+        """Device bytes kept off the device: the twin's state, and with a split placement the fp32
+        master and gradient partition too."""
+        state = sum(
+            v.numel() * v.element_size()
+            for s in self.host_optimizer.state.values()
+            for v in s.values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        )
+        split = sum(m.numel() * m.element_size() * 2 for m in self.masters) if self.split else 0
+        return state + split
 
     @property
     def resident_state_bytes(self) -> int:
@@ -105,17 +141,23 @@ class HostOptimizer:
             }.values()
         )
 
-    def step(self) -> None:
-        """Gradients down, the twin's ``step()`` on the host copies, masters back up."""
+    def step(self, after: Callable[[int, int, int], None] | None = None) -> None:
+        """Gradients down, the twin's ``step()`` on the host copies, masters back up (split: the
+        twin steps the host masters in place); then ``after(group, 0, numel)`` per group."""
         with record_function("zero.offload.host_step"), torch.no_grad():
             for hg, g in zip(self.host_optimizer.param_groups, self.optimizer.param_groups, strict=True):
                 hg.update(_hyper(g))
-            for hgrad, grad in zip(self.host_grads, self.grads, strict=True):
-                hgrad.copy_(grad)
+            if not self.split:
+                for hgrad, grad in zip(self.host_grads, self.grads, strict=True):
+                    hgrad.copy_(grad)
             self.host_optimizer.step()
-            for master, host in zip(self.masters, self.host_masters, strict=True):
-                master.copy_(host)
+            if not self.split:
+                for master, host in zip(self.masters, self.host_masters, strict=True):
+                    master.copy_(host)
             self.step_count += 1
+            if after is not None:
+                for gi, master in enumerate(self.masters):
+                    after(gi, 0, master.numel())
 
     def export_state(self) -> list[dict[str, Any]]:
         """Each group's state in the optimizer's own format (the twin's state, host tensors)."""
@@ -148,12 +190,6 @@ class HostOptimizer:
 
 def _hyper(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"}
-
-
-def _host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
-    out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-    out.copy_(t)
-    return out
 
 
 def offloaded_split(numel: int, sub_group_size: int, ratio: float) -> int:
@@ -208,8 +244,13 @@ class PartialOffload:
         """Host tensors of the offloaded part (the device part's state is on the device)."""
         return self.offloaded.state_tensors() if self.offloaded is not None else []
 
-    def step(self) -> None:
-        """Step the offloaded part, then the device part."""
+    @property
+    def device_bytes_saved(self) -> int:
+        """Device bytes the offloaded part keeps off the device."""
+        return self.offloaded.device_bytes_saved if self.offloaded is not None else 0
+
+    def step(self, after: Callable[[int, int, int], None] | None = None) -> None:
+        """Step the offloaded part, then the device part; then ``after(group, 0, numel)`` per group."""
         with record_function("zero.offload.partial_step"), torch.no_grad():
             if self.offloaded is not None:
                 self.offloaded.step()
@@ -219,6 +260,9 @@ class PartialOffload:
                 ):
                     dg.update(_hyper(g))
                 self.device_optimizer.step()
+            if after is not None:
+                for gi, master in enumerate(self.masters):
+                    after(gi, 0, master.numel())
 
     def export_state(self) -> list[dict[str, Any]]:
         """Each group's state in torch's format over the whole master (the two parts joined)."""

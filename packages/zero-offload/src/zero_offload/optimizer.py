@@ -12,13 +12,14 @@ import dataclasses
 import enum
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 from torch.profiler import record_function
 
 from zero_offload.cpu_adam import AdamHyper, AdamKernel, CpuAdam, adam_hyper_from_group, check_offloadable
+from zero_offload.placement import HostMemory, HostPlacement, host_memory
 from zero_offload.pool import BufferPool, align_up
 from zero_offload.swap import AsyncSwapper, SwapHandle
 
@@ -144,28 +145,48 @@ def _drain(handles: list[_Done | _Joined]) -> None:
 
 
 class _HostStore:
-    """``cpu``: every sub-group's record lives in host tensors."""
+    """``cpu``: every sub-group's record lives in host tensors.
 
-    def __init__(self, masters: Sequence[torch.Tensor], subgroups: Sequence[_SubGroup], pin: bool) -> None:
-        pin = pin and torch.accelerator.is_available()
+    ``aliased``: the masters and gradients given are host tensors already (a split
+    :class:`HostPlacement`); the records are views of them, and only the moments are allocated.
+    """
+
+    def __init__(
+        self,
+        masters: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor],
+        subgroups: Sequence[_SubGroup],
+        memory: HostMemory,
+        aliased: bool,
+    ) -> None:
+        self.aliased = aliased
         self.flat: list[dict[str, torch.Tensor]] = []
         for m in masters:
-            state = {k: torch.zeros(m.numel(), dtype=torch.float32, pin_memory=pin) for k in _SWAPPED}
-            state["master"].copy_(m.detach().reshape(-1))
+            state = {k: memory.zeros(m.numel()) for k in _SWAPPED[1:]}
+            if aliased:
+                state["master"] = m.detach().reshape(-1)
+            else:
+                state["master"] = memory.empty(m.numel()).copy_(m.detach().reshape(-1))
             self.flat.append(state)
+        self.grads = [g.reshape(-1) for g in grads] if aliased else []
         biggest = max((sg.numel for sg in subgroups), default=0)
-        self.grad = torch.zeros(biggest, dtype=torch.float32, pin_memory=pin)
+        self.grad = memory.zeros(0 if aliased else biggest)
 
     def fetch(self, sg: _SubGroup) -> tuple[_Record, _Done]:
         views = {k: v.narrow(0, sg.offset, sg.numel) for k, v in self.flat[sg.group].items()}
-        views["grad"] = self.grad.narrow(0, 0, sg.numel)
+        if self.aliased:
+            views["grad"] = self.grads[sg.group].narrow(0, sg.offset, sg.numel)
+        else:
+            views["grad"] = self.grad.narrow(0, 0, sg.numel)
         return _Record(views), _Done()
 
     def commit(self, sg: _SubGroup, record: _Record) -> _Done:
         return _Done()
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for state in self.flat for t in state.values()] + [self.grad]
+        """The host tensors this store allocated (aliased masters and gradients belong to the caller)."""
+        own = [t for state in self.flat for k, t in state.items() if not (self.aliased and k == "master")]
+        return [*own, self.grad]
 
 
 class _SwapStore:
@@ -244,7 +265,10 @@ class OffloadedOptimizer:
         config: OptimizerOffloadConfig,
         *,
         rank: int = 0,
+        placement: HostPlacement | None = None,
     ) -> None:
+        """``placement``: split: ``masters`` and ``grads`` are host tensors (the flat fp32 master
+        and gradient partition themselves), stepped in place without copies (``cpu``)."""
         check_offloadable(optimizer)
         check_one_per_group(optimizer, masters, grads)
         self.optimizer = optimizer
@@ -259,11 +283,13 @@ class OffloadedOptimizer:
         self.adam = CpuAdam(config.kernel)
         self.transfers = TransferStats()
         self.step_count = 0
+        self.split = placement is not None and placement.split
+        memory = placement.memory if placement is not None else host_memory(config.pin_memory)
         self._store: _HostStore | _SwapStore
         if config.device is OffloadTarget.NVME:
             self._store = _SwapStore(masters, self.subgroups, config, rank)
         else:
-            self._store = _HostStore(masters, self.subgroups, config.pin_memory)
+            self._store = _HostStore(masters, grads, self.subgroups, memory, self.split)
 
     @property
     def swapper(self) -> AsyncSwapper | None:
@@ -288,8 +314,18 @@ class OffloadedOptimizer:
         """The host tensors this optimizer keeps (for memory accounting)."""
         return self._store.tensors()
 
-    def step(self) -> None:
-        """One Adam step of every sub-group, in order, with reads and writes pipelined as configured."""
+    @property
+    def device_bytes_saved(self) -> int:
+        """Device bytes this offload keeps off the device: the moments, and with a split placement
+        the fp32 master and gradient partition too."""
+        return sum(m.numel() for m in self.masters) * 4 * (4 if self.split else 2)
+
+    def step(self, after: Callable[[int, int, int], None] | None = None) -> None:
+        """One Adam step of every sub-group, in order, with reads and writes pipelined as configured.
+
+        ``after(group, start, stop)`` is called once each sub-group's master is updated (e.g. to
+        start its copy to the device while the next sub-group steps).
+        """
         with record_function("zero.offload.step"), torch.no_grad():
             self.step_count += 1
             self.transfers.steps += 1
@@ -304,6 +340,8 @@ class OffloadedOptimizer:
                         ahead.append(self._store.fetch(self.subgroups[k + 1]))
                     reading.wait()
                     self._step_one(sg, record, hypers[sg.group])
+                    if after is not None:
+                        after(sg.group, sg.offset, sg.offset + sg.numel)
                     writes.append(self._store.commit(sg, record))
                     while writes and (not self.config.pipeline_write or len(writes) > 1):
                         writes.popleft().wait()
@@ -315,6 +353,9 @@ class OffloadedOptimizer:
 
     def _step_one(self, sg: _SubGroup, record: _Record, hyper: AdamHyper) -> None:
         t = record.tensors
+        if isinstance(self._store, _HostStore) and self._store.aliased:  # stepped where they live
+            self.adam.step(t["master"], t["grad"], t["exp_avg"], t["exp_avg_sq"], self.step_count, hyper)
+            return
         grad = self.grads[sg.group].narrow(0, sg.offset, sg.numel)
         # blocking copies: the host record is read by the CPU Adam right away and reused (pool)
         # right after; swap I/O of the neighbouring sub-groups overlaps them

@@ -23,6 +23,7 @@ import torch
 from torch.profiler import record_function
 
 from zero_offload.optimizer import OffloadTarget
+from zero_offload.placement import host_memory
 from zero_offload.pool import BufferPool
 from zero_offload.swap import AsyncSwapper, SwapHandle
 
@@ -138,9 +139,9 @@ class ParamSwapper:
                 config.buffer_count, config.buffer_size * itemsize, pin_memory=config.pin_memory
             )
         else:
-            pin = config.pin_memory and torch.accelerator.is_available()
+            memory = host_memory(config.pin_memory)
             for s in self._shards.values():
-                self._host[s.key] = torch.zeros(s.numel, dtype=s.dtype, pin_memory=pin)
+                self._host[s.key] = memory.zeros(s.numel, s.dtype)
                 s.status = ShardResidence.RESIDENT
                 s.view = self._host[s.key]
 

@@ -13,6 +13,8 @@ import threading
 
 import torch
 
+from zero_offload.placement import host_memory
+
 __all__ = ["ALIGNMENT", "BufferPool", "aligned_empty", "align_up"]
 
 ALIGNMENT = 4096
@@ -30,8 +32,7 @@ def aligned_empty(nbytes: int, *, alignment: int = ALIGNMENT, pin_memory: bool =
         raise ValueError(
             f"aligned_empty needs nbytes >= 0 and a power-of-two alignment, got {nbytes}, {alignment}"
         )
-    pin = pin_memory and torch.accelerator.is_available()
-    raw = torch.empty(nbytes + alignment, dtype=torch.uint8, pin_memory=pin)
+    raw = host_memory(pin_memory).empty(nbytes + alignment, torch.uint8)
     skip = (-raw.data_ptr()) % alignment
     return raw.narrow(0, skip, nbytes)
 

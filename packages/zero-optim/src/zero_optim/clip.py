@@ -40,8 +40,16 @@ def global_grad_norm(
                 for chunk in grad.split(_CHUNK):  # bounded float64 temporaries
                     sq += chunk.double().pow(2).sum()
         if partitioned and dist.is_available() and dist.is_initialized():
+            sq = _served(sq, group)  # host-resident partitions (optimizer offload): sent from the device
             zero_comm.all_reduce(sq, group, op="sum")
         return math.sqrt(sq.item()) if sq.item() >= 0 else float("nan")
+
+
+def _served(t: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """``t``, moved to the group's control device when the group does not serve its device."""
+    if t.device.type in zero_comm.served_device_types(group):
+        return t
+    return t.to(zero_comm.control_device(group))
 
 
 def clip_grad_norm_(

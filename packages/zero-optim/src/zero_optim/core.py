@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
@@ -11,7 +12,15 @@ import torch.distributed as dist
 from torch import nn
 
 from zero_comm.profiling import profile_range
-from zero_offload import HostOptimizer, OffloadedOptimizer, OptimizerOffloadConfig, offload_optimizer_for
+from zero_offload import (
+    HostOptimizer,
+    HostPlacement,
+    OffloadedOptimizer,
+    OptimizerOffloadConfig,
+    PartialOffload,
+    host_placement,
+    offload_optimizer_for,
+)
 from zero_optim.flat import FlatGroup, Segment
 from zero_optim.publish import StepPublisher
 from zero_optim.spec import OptimizerSpec, build_torch_optimizer, remap_onto_flat, trainable_groups
@@ -89,9 +98,15 @@ class PartitionedOptimizer:
     :class:`FlatGroup`, copies the current values into the masters, binds the parameters'
     partition tensors to views of the flat buffers and re-maps the optimizer's groups onto
     the flat masters.
+
+    With optimizer offload from an accelerator (a split :class:`zero_offload.HostPlacement`)
+    the fp32 masters and gradient partitions are host buffers: the device keeps only the
+    working copies, the offloaded optimizer steps the host buffers in place, and each
+    updated range travels to the device while the next one steps; the device waits for
+    those copies before the parameters are published.
     """
 
-    __slots__ = ("groups", "offload", "partitioning", "stepper", "torch_optimizer")
+    __slots__ = ("groups", "offload", "partitioning", "placement", "stepper", "torch_optimizer")
 
     def __init__(
         self,
@@ -103,11 +118,18 @@ class PartitionedOptimizer:
         working_dtype: torch.dtype = torch.float32,
         offload: OptimizerOffloadConfig | None = None,
         sub_group_size: int = 1_000_000_000,
+        placement: HostPlacement | None = None,
     ) -> None:
+        """``placement``: where an offloaded optimizer's buffers live (default
+        :func:`zero_offload.host_placement` of ``device``; ignored without ``offload``)."""
         names = {p: n for n, p in model.named_parameters()}
         opt = build_torch_optimizer(optimizer, list(names))
         device = device if device is not None else _default_device()
         self.partitioning = partitioning
+        self.placement = _placement(offload, device, placement)
+        split = self.placement is not None and self.placement.split
+        host = self.placement.memory if self.placement is not None and split else None
+        copies = self.placement.copies if self.placement is not None and split else None
         groups = []
         with torch.no_grad():
             for ps in trainable_groups(opt, names):
@@ -126,6 +148,8 @@ class PartitionedOptimizer:
                         working_dtype,
                         working_views=views,
                         grad_views=grads,
+                        host=host,
+                        copies=copies,
                     )
                 )
         self.groups: tuple[FlatGroup, ...] = tuple(groups)
@@ -137,15 +161,29 @@ class PartitionedOptimizer:
                 group.publish()
                 for seg in group.segments:
                     partitioning.bind(seg.param, group.working_view(seg), group.grad_view(seg))
+        self._join_copies()
         remap_onto_flat(opt, [g.master for g in self.groups])
         self.torch_optimizer = opt
         self.stepper = SubGroupStepper(opt, self.groups, sub_group_size)
-        self.offload: OffloadedOptimizer | HostOptimizer | None = None
+        self.offload: OffloadedOptimizer | HostOptimizer | PartialOffload | None = None
         if offload is not None:
             rank = dist.get_rank() if dist.is_initialized() else 0
             masters = [g.master for g in self.groups]
             grads = [g.grad for g in self.groups]
-            self.offload = offload_optimizer_for(opt, masters, grads, offload, rank=rank)
+            self.offload = offload_optimizer_for(
+                opt, masters, grads, offload, rank=rank, placement=self.placement
+            )
+
+    @property
+    def offloaded_device_bytes(self) -> int:
+        """Device bytes the optimizer offload keeps off the device (0 without offload): the
+        optimizer state, and with a split placement the fp32 masters and gradient partitions."""
+        return self.offload.device_bytes_saved if self.offload is not None else 0
+
+    def _join_copies(self) -> None:
+        """The compute stream waits for the host -> device copies of a split placement."""
+        if self.placement is not None and self.placement.split:
+            self.placement.copies.join()
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -173,6 +211,14 @@ class PartitionedOptimizer:
                     raise
                 publish.finish()
                 return
+            if self.offload is not None and self.placement is not None and self.placement.split:
+                groups = self.groups
+                self.placement.copies.settle()  # the last step's copies read the host masters
+                self.offload.step(after=lambda gi, start, stop: groups[gi].publish_range(start, stop))
+                self._join_copies()
+                with profile_range("zero.optim.publish"), torch.no_grad():
+                    self.partitioning.after_step(self.groups)
+                return
             if self.offload is not None:
                 self.offload.step()
             else:
@@ -197,6 +243,7 @@ class PartitionedOptimizer:
         with profile_range("zero.optim.publish"), torch.no_grad():
             for group in self.groups:
                 group.publish()
+            self._join_copies()
             self.partitioning.after_step(self.groups)
 
     def zero_grad(self) -> None:
@@ -280,6 +327,7 @@ class PartitionedOptimizer:
                 group.load_master(master)
             self.torch_optimizer.load_state_dict(state["torch_optimizer"])
         self.stepper.forget_state_views()  # the loaded state replaced the tensors they view
+        self._join_copies()
         self.partitioning.after_step(self.groups)
 
 
@@ -317,6 +365,18 @@ def _flat_order(partitioning: Partitioning, params: list[nn.Parameter]) -> list[
         name = type(partitioning).__name__
         raise RuntimeError(f"{name}.flat_order must return the same parameters, reordered")
     return ordered
+
+
+def _placement(
+    offload: OptimizerOffloadConfig | None, device: torch.device, placement: HostPlacement | None
+) -> HostPlacement | None:
+    """The offload's placement; never split for partial offload (its device part steps there)."""
+    if offload is None:
+        return None
+    chosen = placement if placement is not None else host_placement(device, offload.pin_memory)
+    if chosen.split and offload.ratio < 1.0:
+        return dataclasses.replace(chosen, split=False)
+    return chosen
 
 
 def _default_device() -> torch.device:

@@ -17,6 +17,8 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 
+from zero_offload import CopyStream, HostMemory
+
 __all__ = ["FlatGroup", "Segment"]
 
 
@@ -41,6 +43,7 @@ class FlatGroup:
     """The flat buffers of one optimizer parameter group on this rank."""
 
     __slots__ = (
+        "_copies",
         "_grad_views",
         "_in_params",
         "_offsets",
@@ -62,7 +65,19 @@ class FlatGroup:
         *,
         working_views: Sequence[torch.Tensor] | None = None,
         grad_views: Sequence[torch.Tensor] | None = None,
+        host: HostMemory | None = None,
+        copies: CopyStream | None = None,
     ) -> None:
+        """``host``: the fp32 master and gradient partition live in host memory allocated by it
+        (optimizer offload from an accelerator), the working copy on ``device`` (in fp32 too);
+        ``copies`` then carries :meth:`publish`'s host -> device copies."""
+        if host is not None and (working_views is not None or grad_views is not None):
+            raise ValueError("a flat group with a host master allocates its own working and gradient buffers")
+
+        def flat(n: int) -> torch.Tensor:
+            return host.zeros(n) if host is not None else torch.zeros(n, dtype=torch.float32, device=device)
+
+        self._copies = copies
         segments: list[Segment] = []
         offset = 0
         for param, name, numel in zip(params, names, numels, strict=True):
@@ -91,17 +106,17 @@ class FlatGroup:
                     )
             self.grad = torch.zeros(1, dtype=torch.float32, device=device).expand(offset)
         else:
-            self.grad = torch.zeros(offset, dtype=torch.float32, device=device)
+            self.grad = flat(offset)
         self._in_params = self._views is not None and working_dtype == torch.float32
         if self._in_params:
             self.master = torch.zeros(1, dtype=torch.float32, device=device).expand(offset)
         else:
-            self.master = torch.zeros(offset, dtype=torch.float32, device=device)
+            self.master = flat(offset)
         self.master.grad = self.grad
         self.working: torch.Tensor | None
         if self._views is not None:
             self.working = None
-        elif working_dtype == torch.float32:
+        elif working_dtype == torch.float32 and host is None:
             self.working = self.master
         else:
             self.working = torch.zeros(offset, dtype=working_dtype, device=device)
@@ -238,4 +253,9 @@ class FlatGroup:
                 if hi > lo:
                     view.narrow(0, lo - seg.offset, hi - lo).copy_(self.master.narrow(0, lo, hi - lo))
         elif self.working is not None and self.working is not self.master:
-            self.working.narrow(0, start, stop - start).copy_(self.master.narrow(0, start, stop - start))
+            dst = self.working.narrow(0, start, stop - start)
+            src = self.master.narrow(0, start, stop - start)
+            if self._copies is None:
+                dst.copy_(src)
+            else:
+                self._copies.copy(dst, src)

@@ -54,6 +54,13 @@ class ReplicaGradientSync:
         if not grads:
             return
         with record_function("zero.optim.replica_all_reduce"), torch.no_grad():
+            if grads[0].device.type not in zero_comm.served_device_types(self.group):  # host-resident
+                flat = zero_comm.all_reduce(
+                    torch.cat(grads).to(zero_comm.control_device(self.group)), self.group, op="avg"
+                )
+                for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
+                    g.copy_(part)
+                return
             if len(grads) == 1:
                 zero_comm.all_reduce(grads[0], self.group, op="avg")
                 return

@@ -135,5 +135,7 @@ def found_overflow(groups: Sequence[FlatGroup], group: ProcessGroup | None = Non
             flag = torch.zeros(1, device=device)
 
         if dist.is_available() and dist.is_initialized():
+            if flag.device.type not in zero_comm.served_device_types(group):  # host-resident partitions
+                flag = flag.to(zero_comm.control_device(group))
             zero_comm.all_reduce(flag, group, op="max")
         return bool(flag.item() > 0)

@@ -25,7 +25,7 @@ from zero_comm.coalesced import GatherIntoPlan, adjacent_flat_view
 from zero_comm.grad_bound import BOUNDED_DTYPES, GradientBound
 from zero_comm.profiling import profile_range
 from zero_comm.watchdog import note_collectives
-from zero_offload import OptimizerOffloadConfig
+from zero_offload import HostPlacement, OptimizerOffloadConfig
 from zero_optim.buckets import BucketedReducer, BucketPlan, ReduceConfig, ReduceHandle
 from zero_optim.core import PartitionedOptimizer
 from zero_optim.flat import FlatGroup
@@ -512,10 +512,12 @@ def replicated_optimizer(
     reduce_strategy: zero_comm.ReduceScatterStrategy | None = None,
     all_reduce_strategy: zero_comm.CastAllReduce | None = None,
     streams: zero_comm.CommStreams | zero_comm.NoStreams = zero_comm.NO_STREAMS,
+    placement: HostPlacement | None = None,
 ) -> tuple[PartitionedOptimizer, GradientReduction]:
     """Build the optimizer and gradient reduction of ZeRO stage 0, 1 or 2 for a whole model.
 
     ``streams`` (``zero_comm.comm_streams``): stage 2 reduce-scatters on its reduce stream.
+    ``placement``: where an offloaded optimizer's buffers live (see :class:`PartitionedOptimizer`).
     """
     if stage not in (0, 1, 2):
         raise ValueError(
@@ -549,6 +551,7 @@ def replicated_optimizer(
         working_dtype=working_dtype,
         offload=offload,
         sub_group_size=sub_group_size,
+        placement=placement,
     )
     order = [(n, p) for n, p in reversed(list(model.named_parameters())) if part.owns(p)]
     plan = BucketPlan(

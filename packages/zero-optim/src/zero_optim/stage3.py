@@ -17,7 +17,7 @@ from zero_comm import BOUNDED_DTYPES, AllToAllReduceScatter, GradientBound
 from zero_comm.profiling import profile_range
 from zero_comm.streams import NO_STREAMS, CommStreams, NoStreams
 from zero_comm.watchdog import collective_label, note_collectives
-from zero_offload import OptimizerOffloadConfig, ParamOffloadConfig
+from zero_offload import HostPlacement, OptimizerOffloadConfig, ParamOffloadConfig
 from zero_optim.buckets import BucketedReducer, BucketPlan, ReduceConfig
 from zero_optim.core import PartitionedOptimizer
 from zero_optim.flat import FlatGroup, Segment
@@ -207,10 +207,12 @@ def stage3_optimizer(
     sub_group_size: int = 1_000_000_000,
     bound_grads: bool = False,
     streams: CommStreams | NoStreams = NO_STREAMS,
+    placement: HostPlacement | None = None,
 ) -> tuple[PartitionedOptimizer, BucketedReducer]:
     """Build the ZeRO-3 optimizer of a partitioned model and its gradient sink.
 
     ``streams`` (``zero_comm.comm_streams``): the sink reduce-scatters on its reduce stream.
+    ``placement``: where an offloaded optimizer's buffers live (see :class:`PartitionedOptimizer`).
     """
     devices = {
         zero_params.state_of(p).shard.device for p in model.parameters() if zero_params.is_partitioned(p)
@@ -227,6 +229,7 @@ def stage3_optimizer(
         working_dtype=working_dtype,
         offload=offload,
         sub_group_size=sub_group_size,
+        placement=placement,
     )
     if param_offload is not None:
         partitioning.offloaded = zero_params.OffloadedShards(

@@ -49,6 +49,8 @@ class MemoryReport:
     formula_bytes: float
     formula: str
     num_params: int
+    offloaded_device_bytes: int = 0
+    """Device bytes optimizer offload keeps in host memory (see ``PartitionedOptimizer``)."""
 
     def __str__(self) -> str:
         proc = self.process
@@ -66,6 +68,9 @@ class MemoryReport:
             f"model states {format_bytes(self.model_state_bytes)} counted, "
             f"{format_bytes(self.formula_bytes)} by {self.formula}"
         )
+        if self.offloaded_device_bytes:
+            saved = format_bytes(self.offloaded_device_bytes)
+            parts.append(f"{saved} kept off the device by optimizer offload")
         return "; ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
@@ -125,6 +130,7 @@ def build_memory_report(state: TrainState, rank: int, world: int) -> MemoryRepor
         formula_bytes=formula_bytes,
         formula=formula,
         num_params=num_params,
+        offloaded_device_bytes=state.optimizer.offloaded_device_bytes,
     )
 
 

@@ -191,6 +191,7 @@ def build_stage(
             if isinstance(opt.partitioning, zero_optim.Stage3Partitioning)
             else None
         )
+        log_offload(opt)
         return StagePieces(opt, coordinator, sync, mics, feedback, grad_bound=bound, streams=streams)
     comm = comm_strategies(config)  # communication_data_type
     opt, reduction = zero_optim.replicated_optimizer(
@@ -208,6 +209,7 @@ def build_stage(
     )
     part = opt.partitioning
     bound = part.grad_bound if isinstance(part, zero_optim.ReplicaPartitioning) else None
+    log_offload(opt)
     return StagePieces(opt, None, reduction, grad_bound=bound, streams=streams)
 
 
@@ -216,6 +218,21 @@ def _model_device(model: nn.Module) -> torch.device:
     for p in model.parameters():
         return zero_params.state_of(p).device if zero_params.is_partitioned(p) else p.device
     return torch.device("cpu")
+
+
+def log_offload(opt: zero_optim.PartitionedOptimizer) -> None:
+    """Say once (rank 0, INFO) what optimizer offload keeps off the device, and where it lives."""
+    if opt.offload is None or opt.placement is None or (dist.is_initialized() and dist.get_rank() != 0):
+        return
+    placement = opt.placement
+    moved = "fp32 master, gradient partition and optimizer state" if placement.split else "optimizer state"
+    logger.info(
+        "zero: optimizer offload keeps %d bytes per rank off %s: %s in %s host memory",
+        opt.offloaded_device_bytes,
+        placement.device,
+        moved,
+        "pinned" if placement.memory.pinned else "pageable",
+    )
 
 
 def _cast_whole(model: nn.Module, dtype: torch.dtype) -> None:
