@@ -42,10 +42,10 @@ class RecordingMemory(HostMemory):
 
 def recording_side_stream(log):
     """A side stream of the CPU built on recording doubles (a compute stream named ``compute``)."""
-    compute = RecordingStream(log, "compute")
+    compute = RecordingStream("compute", log)
     return SideStream(
         torch.device("cpu"),
-        stream=RecordingStream(log, "side"),
+        stream=RecordingStream("side", log),
         current_stream=lambda: compute,
         event=event_factory(log),
     )
@@ -88,7 +88,7 @@ def test_side_stream_waits_for_compute_copies_non_blocking_and_joins_with_an_eve
         ("enter", "side"),
         ("copy", 4, True),
         ("exit", "side"),
-        ("record", event, "side"),
+        ("record", "side", event),
         ("wait_event", "compute", event),  # compute reads nothing before the copies landed
     ]
     assert a.sum() == 3 and b.sum() == 4

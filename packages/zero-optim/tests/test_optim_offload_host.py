@@ -46,10 +46,10 @@ class RecordingMemory(HostMemory):
 
 
 def recording_side_stream(log):
-    compute = RecordingStream(log, "compute")
+    compute = RecordingStream("compute", log)
     return SideStream(
         torch.device("cpu"),
-        stream=RecordingStream(log, "side"),
+        stream=RecordingStream("side", log),
         current_stream=lambda: compute,
         event=event_factory(log),
     )

@@ -7,17 +7,14 @@ from zero_testing.compare import (
     assert_tensors_close,
     max_rel_to_magnitude,
 )
-from zero_testing.copies import CopyLog, RecordingEvent, RecordingStream, event_factory
+from zero_testing.copies import CopyLog
 from zero_testing.injected import InjectedFailure, failing_adamw
 from zero_testing.pool import DistributedPool, PoolRegistry, RankFailure, RankInfo, RankTimeout
-from zero_testing.streams import RecordingEvent, RecordingStream, RecordingStreamSource
+from zero_testing.streams import RecordingEvent, RecordingStream, RecordingStreamSource, event_factory
 from zero_testing.wire import WireBytes, measure_wire_bytes, read_wchar
 
 __all__ = [
     "CopyLog",
-    "RecordingEvent",
-    "RecordingStream",
-    "event_factory",
     "DistributedPool",
     "InjectedFailure",
     "PoolRegistry",
@@ -32,6 +29,7 @@ __all__ = [
     "assert_state_close",
     "assert_tensors_close",
     "captured_logs",
+    "event_factory",
     "failing_adamw",
     "max_rel_to_magnitude",
     "measure_wire_bytes",

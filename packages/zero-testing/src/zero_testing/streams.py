@@ -1,30 +1,40 @@
-"""A recording double of device streams and events, for ``zero_comm.CommStreams`` on CPU.
+"""Recording doubles of a device's streams and events, for code that orders work on streams.
 
-:class:`RecordingStreamSource` is a ``zero_comm.StreamSource``: its streams log every
-``record_event``, ``wait_event``, ``wait_stream`` and ``synchronize``, and it logs every
-switch of the current stream, into one shared :attr:`log` of tuples, e.g.
-``("record", "gather", "gather#3")``, ``("wait_event", "compute", "gather#3")``,
-``("enter", "reduce")``. Tests append their own entries (a collective, a use) to the same
-log and assert on the order.
+A CPU has no streams or events torch can record, so that code is tested on a CPU with these
+doubles: every call appends a tuple to one shared log, e.g. ``("record", "gather", "gather#3")``
+(stream, event), ``("wait_event", "compute", "gather#3")``, ``("wait_stream", "side",
+"compute")``, ``("enter", "side")`` / ``("exit", "side")`` (a ``with stream:`` block, or a
+switch of :class:`RecordingStreamSource`'s current stream), ``("synchronize", "e1")``. Tests
+append their own entries (a collective, a copy, a use) to the same log and assert on the order.
+:class:`RecordingStreamSource` is a ``zero_comm.StreamSource``.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["RecordingEvent", "RecordingStream", "RecordingStreamSource"]
+__all__ = ["RecordingEvent", "RecordingStream", "RecordingStreamSource", "event_factory"]
 
 
 class RecordingEvent:
-    """An event: only its name (``<stream>#<n>``)."""
+    """An event (``torch.Event``'s ``record`` / ``synchronize``) named ``name``, logging on ``log``."""
 
-    __slots__ = ("name",)
+    __slots__ = ("log", "name")
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, log: list[tuple[Any, ...]] | None = None) -> None:
         self.name = name
+        self.log = log if log is not None else []
 
     def __repr__(self) -> str:
         return f"RecordingEvent({self.name!r})"
+
+    def record(self, stream: RecordingStream) -> None:
+        self.log.append(("record", stream.name, self.name))
+
+    def synchronize(self) -> None:
+        self.log.append(("synchronize", self.name))
 
 
 class RecordingStream:
@@ -40,10 +50,17 @@ class RecordingStream:
     def __repr__(self) -> str:
         return f"RecordingStream({self.name!r})"
 
+    def __enter__(self) -> RecordingStream:
+        self.log.append(("enter", self.name))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.log.append(("exit", self.name))
+
     def record_event(self, event: RecordingEvent | None = None) -> RecordingEvent:
         self._count += 1
-        event = event or RecordingEvent(f"{self.name}#{self._count}")
-        self.log.append(("record", self.name, event.name))
+        event = event or RecordingEvent(f"{self.name}#{self._count}", self.log)
+        event.record(self)
         return event
 
     def wait_event(self, event: RecordingEvent) -> None:
@@ -83,3 +100,9 @@ class RecordingStreamSource:
         if not self._names:
             raise RuntimeError("RecordingStreamSource: more streams asked for than names given")
         return RecordingStream(self._names.pop(0), self.log)
+
+
+def event_factory(log: list[tuple[Any, ...]]) -> Callable[[], RecordingEvent]:
+    """A callable making :class:`RecordingEvent` s named ``e1``, ``e2``, ... on ``log``."""
+    counter = itertools.count(1)
+    return lambda: RecordingEvent(f"e{next(counter)}", log)
