@@ -484,6 +484,18 @@ def test_offload_null_means_no_offload() -> None:
     assert not cfg.zero_optimization.offload_param.enabled and cfg.unsupported_features() == []
 
 
+@pytest.mark.parametrize("section", ["offload_param", "offload_optimizer"])
+def test_offload_buffers_are_pinned_unless_pin_memory_is_set_false(section: str) -> None:
+    def converted(**extra: object) -> object:
+        cfg = ZeroConfig.model_validate(zero_opt(stage=3, **{section: {"device": "cpu", **extra}}))
+        off = getattr(cfg.zero_optimization, section)
+        return off.to_param_offload_config() if section == "offload_param" else off.to_offload_config(7)
+
+    assert converted().pin_memory is True  # unset: pinned (used only beside an accelerator)
+    assert converted(pin_memory=False).pin_memory is False
+    assert converted(pin_memory=True).pin_memory is True
+
+
 # ----------------------------------------------------------------------------- from_json
 
 

@@ -80,12 +80,18 @@ class OffloadParamConfig(Section):
     max_in_cpu: Annotated[Int(0), _USED] = 1_000_000_000
     """Elements of parameters kept in CPU memory with ``nvme``."""
     pin_memory: Annotated[Flag, _USED] = False
-    """Page-locked CPU buffers (faster copies to an accelerator)."""
+    """Page-locked CPU buffers (faster, overlapping copies to an accelerator). Left unset, they are
+    pinned beside an accelerator (DeepSpeed leaves them plain); an explicit ``false`` keeps them plain."""
 
     @model_validator(mode="after")
     def _nvme_needs_path(self) -> OffloadParamConfig:
         _require_nvme_path(self.device, self.nvme_path, "offload_param")
         return self
+
+    @property
+    def pinned(self) -> bool:
+        """Whether host buffers are asked to be pinned (``pin_memory``, or ``true`` when unset)."""
+        return _pinned(self)
 
     @property
     def enabled(self) -> bool:
@@ -104,7 +110,7 @@ class OffloadParamConfig(Section):
             buffer_count=max(self.buffer_count, 1),
             buffer_size=max(self.buffer_size, 1),
             max_in_cpu=max(self.max_in_cpu, 1),
-            pin_memory=self.pin_memory,
+            pin_memory=self.pinned,
         )
 
 
@@ -123,7 +129,8 @@ class OffloadOptimizerConfig(Section):
     buffer_count: Annotated[Int(0), _USED] = 4
     """Swap buffers for optimizer state."""
     pin_memory: Annotated[Flag, _USED] = False
-    """Page-locked CPU buffers (faster copies to an accelerator)."""
+    """Page-locked CPU buffers (faster, overlapping copies to an accelerator). Left unset, they are
+    pinned beside an accelerator (DeepSpeed leaves them plain); an explicit ``false`` keeps them plain."""
     pipeline_read: Annotated[Flag, _USED] = False
     """Overlap reading swapped state with the step."""
     pipeline_write: Annotated[Flag, _USED] = False
@@ -143,6 +150,11 @@ class OffloadOptimizerConfig(Section):
         return self
 
     @property
+    def pinned(self) -> bool:
+        """Whether host buffers are asked to be pinned (``pin_memory``, or ``true`` when unset)."""
+        return _pinned(self)
+
+    @property
     def enabled(self) -> bool:
         """Whether optimizer state is offloaded (``device`` is not ``none``)."""
         return self.device is not OffloadDevice.NONE
@@ -157,12 +169,17 @@ class OffloadOptimizerConfig(Section):
             device=OffloadTarget(self.device.value),
             nvme_path=self.nvme_path,
             buffer_count=self.buffer_count,
-            pin_memory=self.pin_memory,
+            pin_memory=self.pinned,
             pipeline_read=self.pipeline_read,
             pipeline_write=self.pipeline_write,
             sub_group_size=sub_group_size,
             ratio=self.ratio,
         )
+
+
+def _pinned(section: OffloadParamConfig | OffloadOptimizerConfig) -> bool:
+    """``pin_memory`` as set, or pinned when unset (the offload pins only beside an accelerator)."""
+    return section.pin_memory if "pin_memory" in section.model_fields_set else True
 
 
 def _require_nvme_path(device: OffloadDevice, path: pathlib.Path | None, section: str) -> None:
