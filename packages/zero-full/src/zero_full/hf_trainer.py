@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import zero_params
 from zero_full.config.zero_config import Precision, ZeroConfig
 from zero_full.engine import Engine, initialize
 from zero_full.hf.auto import fill_from_training_args
@@ -141,6 +142,9 @@ class ZeroTrainer(Trainer):
     """
 
     def __init__(self, *args: Any, zero_config: Mapping[str, Any] | str | os.PathLike[str], **kwargs: Any):
+        given = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if isinstance(given, TrainingArguments):  # before the Trainer acts on them (fsdp, deepspeed)
+            _refuse_unsupported(given)
         super().__init__(*args, **kwargs)
         _refuse_unsupported(self.args)
         if self.model_init is not None:
@@ -171,6 +175,13 @@ class ZeroTrainer(Trainer):
         if self.engine is not None:
             return self.model_wrapped
         return super()._wrap_model(model, training, dataloader)
+
+    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+        """The Trainer's ``model.to(device)``, except for a model built under ``zero_full.Init`` or
+        loaded into shards: its parameters are partitioned placeholders, placed by the engine."""
+        if any(zero_params.is_partitioned(p) for p in model.parameters()):
+            return
+        super()._move_model_to_device(model, device)
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """Build the engine; the Trainer's optimizer is its step-only view."""
