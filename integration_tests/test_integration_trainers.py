@@ -9,6 +9,8 @@ zero, plain ``python`` (one process, the whole global batch, no zero) for the re
   5.. bit for bit; ``save_model`` reloads in plain transformers with identical weights.
 * Lightning ``Trainer.fit`` at stages 1, 2, 3: losses within 1e-5 of single-process
   Lightning, the scheduler's rate in the engine; stage 3 also validates.
+* Lightning ``Trainer(strategy="zero_stage_3")`` (no config) on a GPT-2 whose matrices exceed the
+  default persistence threshold: those split, the rest whole, losses within 1e-5 of the reference.
 * Lightning: ``fit(ckpt_path=<ModelCheckpoint of epoch 1>)`` reproduces epoch 2 bit for bit.
 * HF at stage 3 on a LLaMA: the same parity as GPT-2.
 * HF PEFT LoRA at stage 3: the frozen base sharded, losses within 1e-5 of single-process PEFT,
@@ -172,6 +174,23 @@ def test_lightning_fit_matches_single_process(stage, lightning_reference, tmp_pa
     assert got["partitioned"] == (stage == 3)  # configure_model ran under zero_full.Init
     if stage == 3:
         _close([lightning_reference["val_loss"]], [got["val_loss"]])
+
+
+def test_lightning_registered_stage_3_name_splits_by_the_default_threshold(tmp_path):
+    """``Trainer(strategy="zero_stage_3")`` with no config on a GPT-2 whose matrices exceed the
+    default persistence threshold (100k elements): those are split, the rest kept whole, and the
+    run matches single-process Lightning."""
+    common = ("--model", "gpt2_wide", "--validate")
+    ref = _run("lightning_worker.py", tmp_path / "ref.json", *common, "--batch", "8", world=1)
+    got = _run("lightning_worker.py", tmp_path / "out.json", *common, "--strategy", "zero_stage_3")
+    assert got["zero_optimization"]["param_persistence_threshold"] == 100_000
+    assert got["partitioned"]
+    split, whole = got["split_numels"], got["whole_numels"]
+    assert len(split) == 6 and min(split) > 100_000, split  # 2 layers x (c_attn, c_fc, mlp c_proj)
+    assert whole and max(whole) <= 100_000, whole
+    _close([r["loss"] for r in ref["records"]], [r["loss"] for r in got["records"]])
+    assert [r["lr"] for r in got["records"]] == [r["lr"] for r in ref["records"]]
+    _close([ref["val_loss"]], [got["val_loss"]])
 
 
 def test_lightning_resumes_exactly_from_model_checkpoint(tmp_path):
