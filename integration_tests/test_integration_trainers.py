@@ -14,8 +14,8 @@ zero, plain ``python`` (one process, the whole global batch, no zero) for the re
 * Lightning: ``fit(ckpt_path=<ModelCheckpoint of epoch 1>)`` reproduces epoch 2 bit for bit.
 * HF at stage 3 on a LLaMA: the same parity as GPT-2.
 * HF PEFT LoRA at stage 3: the frozen base sharded, losses within 1e-5 of single-process PEFT,
-  the adapter saved in the PEFT format reloads bit for bit; ``trainer.generate`` gives the
-  greedy tokens of plain peft on the saved adapter.
+  the adapter saved in the PEFT format (gathering the adapter only) reloads bit for bit;
+  ``trainer.generate`` gives the greedy tokens of plain peft on the saved adapter.
 * Lightning ``ZeroStrategy(config=...)`` with optimizer offload, MiCS and ZeRO++ (hpZ + qwZ):
   within 1e-5 of single-process Lightning (2% for the quantized gathers).
 """
@@ -240,6 +240,8 @@ def test_hf_trainer_lora_on_a_sharded_frozen_base_and_generate(lora_reference, t
     _close([e["loss"] for e in ref_log], [e["loss"] for e in zero_log])
     _close([e["grad_norm"] for e in ref_log], [e["grad_norm"] for e in zero_log])
     assert [e["grad_norm"] for e in zero_log] == [s["grad_norm"] for s in got["engine"]]
+    trainable, total = got["numel"]
+    assert got["save_gathered"] == trainable < total // 10  # save_model gathered the adapter only
     saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
     expected = load_file(ref_adapter / "adapter_model.safetensors")
     assert saved.keys() == expected.keys() and saved

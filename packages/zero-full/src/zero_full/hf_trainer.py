@@ -17,7 +17,8 @@ of ``Trainer(...)``. Lifecycle:
 4. ``generate``: the engine's model with every parameter gathered once for the whole
    generation (:meth:`zero_full.Engine.gathered_for_inference`), not once per token.
 5. ``save_model``: the Hugging Face layout through ``engine.save_pretrained``; a PEFT model
-   (LoRA adapters on a frozen base) writes its adapter in the PEFT format instead.
+   (LoRA adapters on a frozen base) writes its adapter in the PEFT format instead, gathering
+   the trainable parameters only.
 6. Checkpoints (``save_strategy``): the model in the Hugging Face layout
    (``engine.save_pretrained``), zero's sharded checkpoint in ``zero_checkpoint/``, and the
    Trainer's scheduler, RNG and trainer state; ``train(resume_from_checkpoint=...)`` reads
@@ -268,7 +269,11 @@ class ZeroTrainer(Trainer):
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if _is_peft_model(self.engine.module):
-            state = self.engine.consolidated_state_dict()  # collective; rank 0 holds it
+            # the adapter: only the trainable parameters are gathered (collective; rank 0 holds
+            # them), the frozen base never is
+            module = self.engine.module
+            trainable = [name for name, p in module.named_parameters() if p.requires_grad]
+            state = self.engine.consolidated_state_dict(params=trainable)
             if self.args.process_index == 0:
                 self.engine.module.save_pretrained(output_dir, state_dict=state)
         else:
