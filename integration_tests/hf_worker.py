@@ -135,7 +135,24 @@ def main() -> None:
         kw = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
         tokens = trainer.generate(prompt, **kw) if args.stage else trainer.model.eval().generate(prompt, **kw)
         result["tokens"] = tokens.tolist()
-    if args.save_model:
+    if args.save_model and args.lora and args.stage == 3:
+        # count the elements save_model gathers: the adapter's, never the frozen base's
+        import zero_full.checkpoint.consolidate as consolidate
+        import zero_params
+
+        real, gathered = consolidate.gather_full, []
+
+        def counting(piece):
+            gathered.append(piece.numel)
+            return real(piece)
+
+        consolidate.gather_full = counting
+        trainer.save_model(args.save_model)
+        consolidate.gather_full = real
+        numel = {n: zero_params.full_shape(p).numel() for n, p in model.named_parameters()}
+        result["save_gathered"] = sum(gathered)
+        result["numel"] = [sum(numel[n] for n in result["trainable"]), sum(numel.values())]
+    elif args.save_model:
         trainer.save_model(args.save_model)
     if int(os.environ.get("RANK", "0")) == 0:
         with open(args.out, "w") as f:

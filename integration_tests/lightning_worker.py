@@ -14,22 +14,23 @@ import os
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-from trainer_models import build_gpt2, token_data
+from trainer_models import BUILDERS, token_data
 
 import zero_params
 
 
 class LitGPT2(pl.LightningModule):
-    def __init__(self, lr: float, sharded: bool) -> None:
+    def __init__(self, lr: float, sharded: bool, model: str = "gpt2") -> None:
         super().__init__()
         self.lr = lr
-        self.net = None if sharded else build_gpt2()
+        self.build = BUILDERS[model]
+        self.net = None if sharded else self.build()
         self.records: list[dict[str, float]] = []
         self.partitioned = False
 
     def configure_model(self) -> None:
         if self.net is None:  # inside zero_full.Init under the zero strategies
-            self.net = build_gpt2()
+            self.net = self.build()
             self.partitioned = all(zero_params.is_partitioned(p) for p in self.net.parameters())
 
     def training_step(self, batch, batch_idx):
@@ -68,6 +69,7 @@ def main() -> None:
     ap.add_argument("--ckpt-dir", default=None)
     ap.add_argument("--resume", default=None)
     ap.add_argument("--validate", action="store_true")
+    ap.add_argument("--model", default="gpt2", choices=sorted(BUILDERS))
     ap.add_argument("--config", default=None, help="a zero config as JSON: ZeroStrategy(config=...)")
     args = ap.parse_args()
 
@@ -99,7 +101,7 @@ def main() -> None:
         enable_checkpointing=bool(args.ckpt_dir),
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
     )  # fmt: skip
-    model = LitGPT2(lr=1e-3, sharded=zero)
+    model = LitGPT2(lr=1e-3, sharded=zero, model=args.model)
     trainer.fit(model, train_dataloaders=loader(data), ckpt_path=args.resume)
     result = {"records": model.records, "partitioned": model.partitioned}
     engine = getattr(trainer.strategy, "engine", None)
@@ -110,6 +112,9 @@ def main() -> None:
         params = list(model.net.parameters())
         kept = [zero_params.is_partitioned(p) and not zero_params.state_of(p).persistent for p in params]
         result["sharded"] = [sum(kept), len(params)]
+        numels = [zero_params.full_shape(p).numel() for p in params]
+        result["split_numels"] = sorted(n for n, k in zip(numels, kept) if k)
+        result["whole_numels"] = sorted(n for n, k in zip(numels, kept) if not k)
     if args.validate:
         val = loader(data[:16])
         result["val_loss"] = trainer.validate(model, dataloaders=val, verbose=False)[0]["val_loss"]

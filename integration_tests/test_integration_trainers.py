@@ -9,11 +9,13 @@ zero, plain ``python`` (one process, the whole global batch, no zero) for the re
   5.. bit for bit; ``save_model`` reloads in plain transformers with identical weights.
 * Lightning ``Trainer.fit`` at stages 1, 2, 3: losses within 1e-5 of single-process
   Lightning, the scheduler's rate in the engine; stage 3 also validates.
+* Lightning ``Trainer(strategy="zero_stage_3")`` (no config) on a GPT-2 whose matrices exceed the
+  default persistence threshold: those split, the rest whole, losses within 1e-5 of the reference.
 * Lightning: ``fit(ckpt_path=<ModelCheckpoint of epoch 1>)`` reproduces epoch 2 bit for bit.
 * HF at stage 3 on a LLaMA: the same parity as GPT-2.
 * HF PEFT LoRA at stage 3: the frozen base sharded, losses within 1e-5 of single-process PEFT,
-  the adapter saved in the PEFT format reloads bit for bit; ``trainer.generate`` gives the
-  greedy tokens of plain peft on the saved adapter.
+  the adapter saved in the PEFT format (gathering the adapter only) reloads bit for bit;
+  ``trainer.generate`` gives the greedy tokens of plain peft on the saved adapter.
 * Lightning ``ZeroStrategy(config=...)`` with optimizer offload, MiCS and ZeRO++ (hpZ + qwZ):
   within 1e-5 of single-process Lightning (2% for the quantized gathers).
 """
@@ -174,6 +176,23 @@ def test_lightning_fit_matches_single_process(stage, lightning_reference, tmp_pa
         _close([lightning_reference["val_loss"]], [got["val_loss"]])
 
 
+def test_lightning_registered_stage_3_name_splits_by_the_default_threshold(tmp_path):
+    """``Trainer(strategy="zero_stage_3")`` with no config on a GPT-2 whose matrices exceed the
+    default persistence threshold (100k elements): those are split, the rest kept whole, and the
+    run matches single-process Lightning."""
+    common = ("--model", "gpt2_wide", "--validate")
+    ref = _run("lightning_worker.py", tmp_path / "ref.json", *common, "--batch", "8", world=1)
+    got = _run("lightning_worker.py", tmp_path / "out.json", *common, "--strategy", "zero_stage_3")
+    assert got["zero_optimization"]["param_persistence_threshold"] == 100_000
+    assert got["partitioned"]
+    split, whole = got["split_numels"], got["whole_numels"]
+    assert len(split) == 6 and min(split) > 100_000, split  # 2 layers x (c_attn, c_fc, mlp c_proj)
+    assert whole and max(whole) <= 100_000, whole
+    _close([r["loss"] for r in ref["records"]], [r["loss"] for r in got["records"]])
+    assert [r["lr"] for r in got["records"]] == [r["lr"] for r in ref["records"]]
+    _close([ref["val_loss"]], [got["val_loss"]])
+
+
 def test_lightning_resumes_exactly_from_model_checkpoint(tmp_path):
     ckpts = tmp_path / "ckpts"
     full = _run(
@@ -221,6 +240,8 @@ def test_hf_trainer_lora_on_a_sharded_frozen_base_and_generate(lora_reference, t
     _close([e["loss"] for e in ref_log], [e["loss"] for e in zero_log])
     _close([e["grad_norm"] for e in ref_log], [e["grad_norm"] for e in zero_log])
     assert [e["grad_norm"] for e in zero_log] == [s["grad_norm"] for s in got["engine"]]
+    trainable, total = got["numel"]
+    assert got["save_gathered"] == trainable < total // 10  # save_model gathered the adapter only
     saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
     expected = load_file(ref_adapter / "adapter_model.safetensors")
     assert saved.keys() == expected.keys() and saved

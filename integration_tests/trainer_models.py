@@ -31,6 +31,17 @@ def build_gpt2():
     return GPT2LMHeadModel(gpt2_config())
 
 
+def build_gpt2_wide():
+    """A wider GPT-2 (``n_embd`` 192): its attention and MLP matrices (110k-147k elements) are above
+    stage 3's default persistence threshold of 100k, the smaller tensors below it."""
+    from transformers import GPT2LMHeadModel
+
+    config = gpt2_config()
+    config.n_embd = 192
+    torch.manual_seed(1234)
+    return GPT2LMHeadModel(config)
+
+
 def llama_config():
     from transformers import LlamaConfig
 
@@ -49,7 +60,7 @@ def build_llama():
     return LlamaForCausalLM(llama_config())
 
 
-BUILDERS = {"gpt2": build_gpt2, "llama": build_llama}
+BUILDERS = {"gpt2": build_gpt2, "gpt2_wide": build_gpt2_wide, "llama": build_llama}
 
 
 def token_data(samples: int = SAMPLES) -> torch.Tensor:

@@ -487,3 +487,28 @@ def test_each_rank_reads_only_the_pieces_overlapping_its_partition(saved_world, 
     if (saved_world, world) == (4, 2):
         plan = checkpoint.plan_reads(files, {n: shard_range(v, 2, 0) for n, v in sizes.items()})
         assert sorted(plan) == ["rank00000.pt", "rank00001.pt"]
+
+
+# --------------------------------------------------------------------------- a subset of parameters
+
+
+def _trainable_only(rank):
+    engine = _engine()
+    _train(engine, 2)
+    trainable = [n for n, p in engine.module.named_parameters() if p.requires_grad]
+    full = engine.consolidated_state_dict()
+    part = engine.consolidated_state_dict(params=trainable)
+    engine.close()
+    return full, part, trainable
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_consolidated_state_dict_of_named_parameters_only(dist, world):
+    """``params=``: only those parameters (the frozen one and the buffer left out), equal to
+    the whole consolidation's tensors, on rank 0; ``{}`` elsewhere."""
+    results = dist.run(world, _trainable_only)
+    full, part, trainable = results[0]
+    assert sorted(part) == sorted(trainable) and "frozen" not in part and "offset" not in part
+    for name, tensor in part.items():
+        assert torch.equal(tensor, full[name]), name
+    assert all(p == {} for _, p, _ in results[1:])

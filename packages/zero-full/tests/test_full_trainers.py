@@ -122,3 +122,58 @@ def test_lightning_strategy_names_registered_and_bad_precision_refused():
     strategy.precision_plugin = DoublePrecision()
     with pytest.raises(ValueError, match="precision='64-true'"):
         strategy.setup_environment()
+
+
+def test_zero_trainer_refuses_fsdp_before_the_trainer_acts_on_it():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from zero_full.hf_trainer import ZeroTrainer
+
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=11, n_positions=8, n_embd=8, n_layer=1, n_head=2))
+    with pytest.raises(ValueError, match=r"ZeroTrainer cannot run with TrainingArguments fsdp="):
+        ZeroTrainer(model=model, args=_args(fsdp=True), zero_config={})
+
+
+def test_lightning_second_optimizer_is_refused_naming_the_counts():
+    import lightning.pytorch as pl
+    import torch
+
+    from zero_full.lightning.strategy import _user_optimizer
+
+    class TwoOptimizers(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+            self.automatic_optimization = False  # Lightning itself refuses two optimizers otherwise
+
+        def configure_optimizers(self):
+            return [
+                torch.optim.SGD(self.a.parameters(), lr=0.1),
+                torch.optim.SGD(self.b.parameters(), lr=0.1),
+            ]
+
+    module = TwoOptimizers()
+    module.trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    with pytest.raises(ValueError, match=r"returned 2 optimizer\(s\) and 0 scheduler\(s\)"):
+        _user_optimizer(module)
+
+
+def test_lightning_clip_by_value_and_auto_without_a_source_are_refused():
+    from types import SimpleNamespace
+
+    from lightning.pytorch.utilities.enums import GradClipAlgorithmType
+
+    from zero_full.lightning import ZeroStrategy
+
+    def trainer(algorithm):
+        return SimpleNamespace(
+            gradient_clip_val=1.0, gradient_clip_algorithm=algorithm, accumulate_grad_batches=1
+        )
+
+    with pytest.raises(ValueError, match="gradient_clip_algorithm='value'"):
+        ZeroStrategy(stage=2).zero_config(trainer(GradClipAlgorithmType.VALUE))
+    # Lightning has no hidden size to derive a bucket size from
+    strategy = ZeroStrategy(config={"zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"}})
+    with pytest.raises(ValueError, match="reduce_bucket_size"):
+        strategy.zero_config(trainer(GradClipAlgorithmType.NORM))
+    assert ZeroStrategy(stage=3).zero_config(trainer(GradClipAlgorithmType.NORM)).gradient_clipping == 1.0

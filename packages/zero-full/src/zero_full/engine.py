@@ -26,7 +26,7 @@ import contextlib
 import dataclasses
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from pathlib import Path
 from typing import Any, overload
 
@@ -452,14 +452,14 @@ class Engine:
         options = LoadOptions(strict, load_optimizer_states, load_lr_scheduler_states, load_module_only)
         return _checkpoint.load_checkpoint(self.train_state(), directory, tag, options=options)
 
-    def consolidated_state_dict(self) -> dict[str, torch.Tensor]:
+    def consolidated_state_dict(self, params: Collection[str] | None = None) -> dict[str, torch.Tensor]:
         """Full fp32 weights keyed like ``module.state_dict()`` on rank 0 (``{}`` on other ranks).
 
-        Collective: call on every rank; gathers one parameter at a time. See
-        :func:`zero_full.checkpoint.consolidated_state_dict`.
+        Collective: call on every rank; gathers one parameter at a time (``params``: only the
+        parameters of these names, no buffers). See :func:`zero_full.checkpoint.consolidated_state_dict`.
         """
         self._calls.check("engine.consolidated_state_dict")
-        return _checkpoint.consolidated_state_dict(self.train_state())
+        return _checkpoint.consolidated_state_dict(self.train_state(), params)
 
     # ------------------------------------------------------------------ Hugging Face checkpoints
 

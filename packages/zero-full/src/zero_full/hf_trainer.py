@@ -17,7 +17,8 @@ of ``Trainer(...)``. Lifecycle:
 4. ``generate``: the engine's model with every parameter gathered once for the whole
    generation (:meth:`zero_full.Engine.gathered_for_inference`), not once per token.
 5. ``save_model``: the Hugging Face layout through ``engine.save_pretrained``; a PEFT model
-   (LoRA adapters on a frozen base) writes its adapter in the PEFT format instead.
+   (LoRA adapters on a frozen base) writes its adapter in the PEFT format instead, gathering
+   the trainable parameters only.
 6. Checkpoints (``save_strategy``): the model in the Hugging Face layout
    (``engine.save_pretrained``), zero's sharded checkpoint in ``zero_checkpoint/``, and the
    Trainer's scheduler, RNG and trainer state; ``train(resume_from_checkpoint=...)`` reads
@@ -38,6 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
+import zero_params
 from zero_full.config.zero_config import Precision, ZeroConfig
 from zero_full.engine import Engine, initialize
 from zero_full.hf.auto import fill_from_training_args
@@ -141,6 +143,9 @@ class ZeroTrainer(Trainer):
     """
 
     def __init__(self, *args: Any, zero_config: Mapping[str, Any] | str | os.PathLike[str], **kwargs: Any):
+        given = kwargs.get("args", args[1] if len(args) > 1 else None)
+        if isinstance(given, TrainingArguments):  # before the Trainer acts on them (fsdp, deepspeed)
+            _refuse_unsupported(given)
         super().__init__(*args, **kwargs)
         _refuse_unsupported(self.args)
         if self.model_init is not None:
@@ -171,6 +176,13 @@ class ZeroTrainer(Trainer):
         if self.engine is not None:
             return self.model_wrapped
         return super()._wrap_model(model, training, dataloader)
+
+    def _move_model_to_device(self, model: nn.Module, device: torch.device) -> None:
+        """The Trainer's ``model.to(device)``, except for a model built under ``zero_full.Init`` or
+        loaded into shards: its parameters are partitioned placeholders, placed by the engine."""
+        if any(zero_params.is_partitioned(p) for p in model.parameters()):
+            return
+        super()._move_model_to_device(model, device)
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         """Build the engine; the Trainer's optimizer is its step-only view."""
@@ -257,7 +269,11 @@ class ZeroTrainer(Trainer):
             return super().save_model(output_dir, _internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         if _is_peft_model(self.engine.module):
-            state = self.engine.consolidated_state_dict()  # collective; rank 0 holds it
+            # the adapter: only the trainable parameters are gathered (collective; rank 0 holds
+            # them), the frozen base never is
+            module = self.engine.module
+            trainable = [name for name, p in module.named_parameters() if p.requires_grad]
+            state = self.engine.consolidated_state_dict(params=trainable)
             if self.args.process_index == 0:
                 self.engine.module.save_pretrained(output_dir, state_dict=state)
         else:

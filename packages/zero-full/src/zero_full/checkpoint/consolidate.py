@@ -6,7 +6,7 @@ the helpers here are shared with the checkpoint writer and ``engine.save_pretrai
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 
 import torch
 import torch.distributed as dist
@@ -64,17 +64,23 @@ def gather_full(piece: LocalPiece) -> torch.Tensor:
     return full.view(piece.shape)
 
 
-def iter_consolidated(state: TrainState) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_consolidated(
+    state: TrainState, params: Collection[str] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """``(key, tensor)`` of ``model.state_dict()``, one parameter gathered at a time (every rank).
 
     Tensors are yielded on rank 0 only (CPU, fp32 for floating-point parameters, buffers in
     their dtype); tied parameters are yielded under each of their keys (gathered once per key).
+    ``params``: only the parameters of these ``named_parameters()`` names, and no buffers
+    (the same names on every rank).
     """
     pieces = local_pieces(state.module, state.optimizer)
     buffers = state_dict_buffers(state.module)
     is_root = dist.get_rank() == 0
     with torch.no_grad():
         for entry in state_dict_keys(state.module):
+            if params is not None and (entry.kind != "param" or entry.source not in params):
+                continue
             if entry.kind == "param":
                 full = gather_full(pieces[entry.source])
             else:
@@ -83,19 +89,23 @@ def iter_consolidated(state: TrainState) -> Iterator[tuple[str, torch.Tensor]]:
                 yield entry.key, full.detach().to("cpu", copy=True)
 
 
-def consolidated_state_dict(state: TrainState) -> dict[str, torch.Tensor]:
+def consolidated_state_dict(
+    state: TrainState, params: Collection[str] | None = None
+) -> dict[str, torch.Tensor]:
     """Full fp32 weights keyed like ``model.state_dict()`` (buffers included), on rank 0.
 
     Collective: call on every rank. Parameters are gathered one at a time (peak extra
     memory: one full parameter). Rank 0 gets CPU tensors loadable by
     ``model.load_state_dict`` on an unsharded model; the other ranks get ``{}``.
-    Tied parameters share one tensor under each key.
+    Tied parameters share one tensor under each key. ``params``: only these parameters
+    (``named_parameters()`` names, the same on every rank; no buffers), e.g. the trainable
+    adapters of a frozen base, which is then never gathered.
     """
     out: dict[str, torch.Tensor] = {}
     seen: dict[str, torch.Tensor] = {}
     canonical = {e.key: e.source for e in state_dict_keys(state.module) if e.kind == "param"}
     with record_function("zero.checkpoint.consolidate"):
-        for key, tensor in iter_consolidated(state):
+        for key, tensor in iter_consolidated(state, params):
             src = canonical.get(key)
             if src is not None and src in seen:
                 out[key] = seen[src]
