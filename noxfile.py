@@ -120,12 +120,24 @@ def _internal_deps(dist: str, extras: tuple[str, ...] = ()) -> list[str]:
     return seen
 
 
-def _pytest(session: nox.Session, tests: pathlib.Path, env: dict[str, str] | None = TEST_ENV) -> None:
+# pytest-xdist: suites whose tests spend much of their time waiting (ranks starting, comm_timeout,
+# heartbeats, torchrun's grace period) run on more workers than cores.
+XDIST = "pytest-xdist>=3.5"
+# Workers per suite (absent: one process). zero-comm stays serial: its watchdog tests bound
+# waits to a few seconds.
+WORKERS = {"zero-full": 2, "integration": 3}
+
+
+def _pytest(
+    session: nox.Session, tests: pathlib.Path, env: dict[str, str] | None = TEST_ENV, workers: int = 0
+) -> None:
     """Run the tests under ``tests`` (quiet, no cache files in the checkout; the 10 slowest listed,
-    so the CI log shows where the suite's time goes)."""
-    session.run(
-        "python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=10", str(tests), env=env
-    )
+    so the CI log shows where the suite's time goes), on ``workers`` xdist workers if any
+    (``--dist loadgroup``: tests marked with one ``xdist_group`` share a worker)."""
+    args = ["-q", "-p", "no:cacheprovider", "--durations=10", str(tests)]
+    if workers:
+        args += ["-n", str(workers), "--dist", "loadgroup"]
+    session.run("python", "-m", "pytest", *args, env=env)
 
 
 def _registry():
@@ -241,7 +253,10 @@ def tests(session: nox.Session, package: str) -> None:
     if not _has_tests(pkg_dir / "tests"):
         session.log(f"{package}: not implemented yet (no tests); the import check above is all there is")
         return
-    _pytest(session, pkg_dir / "tests")
+    workers = WORKERS.get(package, 0)
+    if workers:
+        _pip(session, XDIST)
+    _pytest(session, pkg_dir / "tests", workers=workers)
 
 
 @nox.session(tags=["ci"])
@@ -309,11 +324,14 @@ def integration(session: nox.Session) -> None:
     # (on the CPU it JIT-builds its shared-memory collective with ninja at its first run); grimp: the
     # import graph that test_integration_import_graph.py checks (import-linter's own); accelerate,
     # lightning and peft: the trainer integrations' tests.
-    _pip(session, "-c", CONSTRAINTS, "pytest>=8", "transformers>=4.45", "grimp>=3.4", *INTEGRATION_PEERS)
+    _pip(
+        session, "-c", CONSTRAINTS, "pytest>=8", XDIST, "transformers>=4.45", "grimp>=3.4", *INTEGRATION_PEERS
+    )
     if not _has_tests(tests_dir):
         session.log("integration_tests: none yet")
         return
-    _pytest(session, tests_dir)
+    # Files whose module fixture trains are kept on one worker (integration_tests/conftest.py).
+    _pytest(session, tests_dir, workers=WORKERS["integration"])
     # The benchmarks' own helpers (formulas, storage counting, report files): fast, torch only.
     _pytest(session, ROOT / "benchmarks/tests")
 
