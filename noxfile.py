@@ -88,11 +88,14 @@ def _torch(session: nox.Session) -> None:
     )
     version = session.run("python", "-c", "import sys; print(*sys.version_info[:2], sep='.')", silent=True)
     want = f"{TORCH} python {str(version).strip()}"
+    pth = pathlib.Path(str(purelib).strip()) / "zero_shared_torch.pth"
+    if marker.is_file() and marker.read_text() == want and pth.is_file():
+        return  # this venv already sees the shared torch (a second _install in one session)
     if not marker.is_file() or marker.read_text() != want:
         shutil.rmtree(SHARED_TORCH, ignore_errors=True)
         _pip(session, "--target", str(SHARED_TORCH), "-c", CONSTRAINTS, TORCH)
         marker.write_text(want)
-    (pathlib.Path(str(purelib).strip()) / "zero_shared_torch.pth").write_text(str(SHARED_TORCH) + "\n")
+    pth.write_text(str(SHARED_TORCH) + "\n")
     _pip(session, "-c", CONSTRAINTS, TORCH)  # already satisfied: checks the venv sees the pin
 
 
@@ -132,11 +135,14 @@ def _pytest(
     session: nox.Session, tests: pathlib.Path, env: dict[str, str] | None = TEST_ENV, workers: int = 0
 ) -> None:
     """Run the tests under ``tests`` (quiet, no cache files in the checkout; the 10 slowest listed,
-    so the CI log shows where the suite's time goes), on ``workers`` xdist workers if any
-    (``--dist loadgroup``: tests marked with one ``xdist_group`` share a worker)."""
+    so the CI log shows where the suite's time goes), on ``workers`` xdist workers if any.
+
+    ``--dist loadfile``: a file's tests stay on one worker, so a module fixture that trains (a
+    reference run, DeepSpeed's checkpoints) runs once; files with the most tests start first.
+    """
     args = ["-q", "-p", "no:cacheprovider", "--durations=10", str(tests)]
     if workers:
-        args += ["-n", str(workers), "--dist", "loadgroup"]
+        args += ["-n", str(workers), "--dist", "loadfile"]
     session.run("python", "-m", "pytest", *args, env=env)
 
 
@@ -330,7 +336,6 @@ def integration(session: nox.Session) -> None:
     if not _has_tests(tests_dir):
         session.log("integration_tests: none yet")
         return
-    # Files whose module fixture trains are kept on one worker (integration_tests/conftest.py).
     _pytest(session, tests_dir, workers=WORKERS["integration"])
     # The benchmarks' own helpers (formulas, storage counting, report files): fast, torch only.
     _pytest(session, ROOT / "benchmarks/tests")
