@@ -132,15 +132,21 @@ WORKERS = {"zero-full": 2, "integration": 3}
 
 
 def _pytest(
-    session: nox.Session, tests: pathlib.Path, env: dict[str, str] | None = TEST_ENV, workers: int = 0
+    session: nox.Session,
+    *tests: pathlib.Path,
+    env: dict[str, str] | None = TEST_ENV,
+    workers: int = 0,
+    ignore: tuple[pathlib.Path, ...] = (),
 ) -> None:
-    """Run the tests under ``tests`` (quiet, no cache files in the checkout; the 10 slowest listed,
-    so the CI log shows where the suite's time goes), on ``workers`` xdist workers if any.
+    """Run the tests under ``tests`` but not ``ignore`` (quiet, no cache files in the checkout;
+    the 10 slowest listed, so the CI log shows where the suite's time goes), on ``workers``
+    xdist workers if any.
 
     ``--dist loadfile``: a file's tests stay on one worker, so a module fixture that trains (a
     reference run, DeepSpeed's checkpoints) runs once; files with the most tests start first.
     """
-    args = ["-q", "-p", "no:cacheprovider", "--durations=10", str(tests)]
+    args = ["-q", "-p", "no:cacheprovider", "--durations=10", *map(str, tests)]
+    args += [f"--ignore={path}" for path in ignore]
     if workers:
         args += ["-n", str(workers), "--dist", "loadfile"]
     session.run("python", "-m", "pytest", *args, env=env)
@@ -274,7 +280,7 @@ def kernels(session: nox.Session) -> None:
     # The Triton tests skip when triton is missing; here that would hide them, so fail loudly first.
     check = "import triton, triton.language; print('triton', triton.__version__)"
     session.run("python", "-c", check, env=env)
-    _pytest(session, ROOT / "kernels/tests", env)
+    _pytest(session, ROOT / "kernels/tests", env=env)
 
 
 # The torch releases the package metadata allows, at both ends (``torch>=2.9,<3``): the smoke set
@@ -336,7 +342,12 @@ def integration(session: nox.Session) -> None:
     if not _has_tests(tests_dir):
         session.log("integration_tests: none yet")
         return
-    _pytest(session, tests_dir, workers=WORKERS["integration"])
+    # The fault tests time how fast a failing job ends (BOUND + EXIT_SLACK) and the robustness
+    # tests how fast a rank is named: they run beside each other only, not beside the other
+    # files' CPU-heavy trainings, which stretch those times past their bounds.
+    timed = tuple(tests_dir / f"test_integration_{name}.py" for name in ("faults", "robustness"))
+    _pytest(session, tests_dir, workers=WORKERS["integration"], ignore=timed)
+    _pytest(session, *timed, workers=len(timed))
     # The benchmarks' own helpers (formulas, storage counting, report files): fast, torch only.
     _pytest(session, ROOT / "benchmarks/tests")
 
