@@ -126,9 +126,10 @@ def _internal_deps(dist: str, extras: tuple[str, ...] = ()) -> list[str]:
 # pytest-xdist: suites whose tests spend much of their time waiting (ranks starting, comm_timeout,
 # heartbeats, torchrun's grace period) run on more workers than cores.
 XDIST = "pytest-xdist>=3.5"
-# Workers per suite (absent: one process). zero-comm stays serial: its watchdog tests bound
-# waits to a few seconds.
-WORKERS = {"zero-full": 2, "integration": 3}
+# Workers per suite (absent: one process). The unit suites stay serial: zero-comm's watchdog
+# tests bound waits to a few seconds, and on 2 workers beside each other zero-full's demo test
+# (a dead rank noticed within 60 s) missed its bound on a loaded machine.
+WORKERS = {"integration": 3}
 
 
 def _pytest(
