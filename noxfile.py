@@ -88,11 +88,14 @@ def _torch(session: nox.Session) -> None:
     )
     version = session.run("python", "-c", "import sys; print(*sys.version_info[:2], sep='.')", silent=True)
     want = f"{TORCH} python {str(version).strip()}"
+    pth = pathlib.Path(str(purelib).strip()) / "zero_shared_torch.pth"
+    if marker.is_file() and marker.read_text() == want and pth.is_file():
+        return  # this venv already sees the shared torch (a second _install in one session)
     if not marker.is_file() or marker.read_text() != want:
         shutil.rmtree(SHARED_TORCH, ignore_errors=True)
         _pip(session, "--target", str(SHARED_TORCH), "-c", CONSTRAINTS, TORCH)
         marker.write_text(want)
-    (pathlib.Path(str(purelib).strip()) / "zero_shared_torch.pth").write_text(str(SHARED_TORCH) + "\n")
+    pth.write_text(str(SHARED_TORCH) + "\n")
     _pip(session, "-c", CONSTRAINTS, TORCH)  # already satisfied: checks the venv sees the pin
 
 
@@ -120,12 +123,34 @@ def _internal_deps(dist: str, extras: tuple[str, ...] = ()) -> list[str]:
     return seen
 
 
-def _pytest(session: nox.Session, tests: pathlib.Path, env: dict[str, str] | None = TEST_ENV) -> None:
-    """Run the tests under ``tests`` (quiet, no cache files in the checkout; the 10 slowest listed,
-    so the CI log shows where the suite's time goes)."""
-    session.run(
-        "python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=10", str(tests), env=env
-    )
+# pytest-xdist: suites whose tests spend much of their time waiting (ranks starting, comm_timeout,
+# heartbeats, torchrun's grace period) run on more workers than cores.
+XDIST = "pytest-xdist>=3.5"
+# Workers per suite (absent: one process). The unit suites stay serial: zero-comm's watchdog
+# tests bound waits to a few seconds, and on 2 workers beside each other zero-full's demo test
+# (a dead rank noticed within 60 s) missed its bound on a loaded machine.
+WORKERS = {"integration": 3}
+
+
+def _pytest(
+    session: nox.Session,
+    *tests: pathlib.Path,
+    env: dict[str, str] | None = TEST_ENV,
+    workers: int = 0,
+    ignore: tuple[pathlib.Path, ...] = (),
+) -> None:
+    """Run the tests under ``tests`` but not ``ignore`` (quiet, no cache files in the checkout;
+    the 10 slowest listed, so the CI log shows where the suite's time goes), on ``workers``
+    xdist workers if any.
+
+    ``--dist loadfile``: a file's tests stay on one worker, so a module fixture that trains (a
+    reference run, DeepSpeed's checkpoints) runs once; files with the most tests start first.
+    """
+    args = ["-q", "-p", "no:cacheprovider", "--durations=10", *map(str, tests)]
+    args += [f"--ignore={path}" for path in ignore]
+    if workers:
+        args += ["-n", str(workers), "--dist", "loadfile"]
+    session.run("python", "-m", "pytest", *args, env=env)
 
 
 def _registry():
@@ -241,7 +266,10 @@ def tests(session: nox.Session, package: str) -> None:
     if not _has_tests(pkg_dir / "tests"):
         session.log(f"{package}: not implemented yet (no tests); the import check above is all there is")
         return
-    _pytest(session, pkg_dir / "tests")
+    workers = WORKERS.get(package, 0)
+    if workers:
+        _pip(session, XDIST)
+    _pytest(session, pkg_dir / "tests", workers=workers)
 
 
 @nox.session(tags=["ci"])
@@ -253,7 +281,7 @@ def kernels(session: nox.Session) -> None:
     # The Triton tests skip when triton is missing; here that would hide them, so fail loudly first.
     check = "import triton, triton.language; print('triton', triton.__version__)"
     session.run("python", "-c", check, env=env)
-    _pytest(session, ROOT / "kernels/tests", env)
+    _pytest(session, ROOT / "kernels/tests", env=env)
 
 
 # The torch releases the package metadata allows, at both ends (``torch>=2.9,<3``): the smoke set
@@ -314,11 +342,18 @@ def integration(session: nox.Session) -> None:
     # (on the CPU it JIT-builds its shared-memory collective with ninja at its first run); grimp: the
     # import graph that test_integration_import_graph.py checks (import-linter's own); accelerate,
     # lightning and peft: the trainer integrations' tests.
-    _pip(session, "-c", CONSTRAINTS, "pytest>=8", "transformers>=4.45", "grimp>=3.4", *INTEGRATION_PEERS)
+    _pip(
+        session, "-c", CONSTRAINTS, "pytest>=8", XDIST, "transformers>=4.45", "grimp>=3.4", *INTEGRATION_PEERS
+    )
     if not _has_tests(tests_dir):
         session.log("integration_tests: none yet")
         return
-    _pytest(session, tests_dir)
+    # The fault tests time how fast a failing job ends (BOUND + EXIT_SLACK) and the robustness
+    # tests how fast a rank is named: they run beside each other only, not beside the other
+    # files' CPU-heavy trainings, which stretch those times past their bounds.
+    timed = tuple(tests_dir / f"test_integration_{name}.py" for name in ("faults", "robustness"))
+    _pytest(session, tests_dir, workers=WORKERS["integration"], ignore=timed)
+    _pytest(session, *timed, workers=len(timed))
     # The benchmarks' own helpers (formulas, storage counting, report files): fast, torch only.
     _pytest(session, ROOT / "benchmarks/tests")
 

@@ -226,12 +226,14 @@ def test_torchrun_a_finished_job_exits_0(tmp_path):
     assert all(len(res["reports"][r]["losses"]) == 4 for r in (0, 1))
 
 
-def test_stress_short_trainings_never_exit_nonzero(tmp_path):
-    # many short stage-3 runs at world 2, half never closing their engine: no abort at exit
-    runs = int(os.environ.get("ZERO_FAULT_STRESS_RUNS", "20"))
+@pytest.mark.parametrize("mode", ["ok", "noclose"])
+def test_stress_short_trainings_never_exit_nonzero(tmp_path, mode):
+    # many short stage-3 runs at world 2, closing their engine or never closing it: no abort at
+    # exit. Under CI's parallel workers they run beside other files' ranks (a busier machine than
+    # a serial run: more chances for a teardown race, not fewer).
+    runs = int(os.environ.get("ZERO_FAULT_STRESS_RUNS", "6"))  # per mode; raise it to stress harder
     failures = []
     for i in range(runs):
-        mode = "ok" if i % 2 else "noclose"
         res = _spawn(mode, tmp_path / f"run{i}")
         codes = [res["exits"].get(r, (None,))[0] for r in (0, 1)]
         if codes != [0, 0]:
