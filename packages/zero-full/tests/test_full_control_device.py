@@ -45,8 +45,8 @@ def _reaches_for_the_served_device(fn) -> None:
     else:
         message = ""
     assert _WRONG_DEVICE not in message  # what every one of these raised with CPU tensors
-    if not torch.cuda.is_available():
-        assert "not compiled with CUDA" in message, message
+    if not torch.cuda.is_available():  # a CPU build, or a CUDA build on a machine without a driver
+        assert "not compiled with CUDA" in message or "no NVIDIA driver" in message, message
 
 
 def _watchdog_path_check() -> None:
