@@ -160,3 +160,12 @@ def test_wait_timed_raises_the_works_own_failure_not_the_timeout():
     work = _SlowWork(0, failure=RuntimeError("Connection closed by peer [127.0.0.1]:1234"))
     with pytest.raises(RuntimeError, match="Connection closed by peer"):
         wait_timed(work, 0.25)
+
+
+def test_the_calls_since_the_last_check_are_compared_and_named():
+    one, two = signature("engine.backward", 1, 1, 9, quiet=1), signature("engine.backward", 1, 1, 9, quiet=2)
+    assert calls_differ(torch.stack([one, two])) and not calls_differ(torch.stack([two, two]))
+    assert describe_call(1, two) == (
+        "rank 1 calls engine.backward at optimizer step 1, micro-step 1 "
+        "(after call 9; 2 forward / backward calls since its last checked call)"
+    )

@@ -5,13 +5,16 @@ A rank that makes an engine call the others do not (``engine.consolidated_state_
 sizes differ from the peers', and gloo aborts the process in C++ ("Received data size doesn't
 match expected size") before any timeout fires. :meth:`zero_comm.CommWatchdog.check_call`
 therefore starts each engine call with one all-gather of a fixed-size signature built here:
-every engine call on every rank starts with the same 56 bytes, so the first call that differs
+every engine call on every rank starts with the same 64 bytes, so the first call that differs
 meets the peers' own signature, never a payload of another size, and every rank names both
 call sites from the gathered rows alone.
 
-Row layout (int64): ``[optimizer step, micro-step, collective count, site as 32 UTF-8 bytes]``.
-The site is carried exactly (bytes, not a hash), so a mismatch message needs no second exchange.
-The collective count is reported, not compared (groups of different sizes count differently).
+Row layout (int64): ``[optimizer step, micro-step, collective count, quiet calls, site as 32
+UTF-8 bytes]``. The site is carried exactly (bytes, not a hash), so a mismatch message needs no
+second exchange. The collective count is reported, not compared (groups of different sizes
+count differently). *Quiet calls* are the engine calls since the last check that issued no
+collective (a forward outside stage 3) and so were not checked themselves: compared, a rank
+that skipped one (a backward skipped on a non-finite loss) is still named, at its next check.
 
 The check runs at every forward, backward and optimizer step, so its per-call work is kept to
 the exchange itself: :class:`CallExchange` fixes a group's ranks, device, output buffer and
@@ -32,7 +35,7 @@ from zero_comm.torch_compat import all_gather_single
 __all__ = ["FIELDS", "CallExchange", "calls_differ", "describe_call", "mismatch_text", "signature"]
 
 _SITE_BYTES = 32
-FIELDS = 3 + _SITE_BYTES // 8
+FIELDS = 4 + _SITE_BYTES // 8
 _COMPARED = [0, 1, *range(3, FIELDS)]
 _SITE_WORDS = struct.Struct(f"={_SITE_BYTES // 8}q")  # native order, as torch reads the bytes
 _CACHED_SITES = 64
@@ -43,9 +46,9 @@ def _site_words(site: str) -> tuple[int, ...]:
     return _SITE_WORDS.unpack(site.encode("utf-8")[:_SITE_BYTES].ljust(_SITE_BYTES, b"\0"))
 
 
-def signature(site: str, step: int, micro: int, call: int) -> torch.Tensor:
+def signature(site: str, step: int, micro: int, call: int, quiet: int = 0) -> torch.Tensor:
     """The int64 row of one engine call (``site`` is cut to 32 UTF-8 bytes)."""
-    return torch.tensor([step, micro, call, *_site_words(site)], dtype=torch.int64)
+    return torch.tensor([step, micro, call, quiet, *_site_words(site)], dtype=torch.int64)
 
 
 def calls_differ(rows: torch.Tensor) -> bool:
@@ -56,9 +59,12 @@ def calls_differ(rows: torch.Tensor) -> bool:
 
 def describe_call(rank: int, row: torch.Tensor) -> str:
     """``rank 0 calls engine.save_checkpoint at optimizer step 3, micro-step 3 (after call 41)``."""
-    step, micro, call = (int(v) for v in row[:3])
-    site = bytes(row[3:].contiguous().view(torch.uint8).tolist()).rstrip(b"\0").decode("utf-8", "replace")
-    return f"rank {rank} calls {site} at optimizer step {step}, micro-step {micro} (after call {call})"
+    step, micro, call, quiet = (int(v) for v in row[:4])
+    site = bytes(row[4:].contiguous().view(torch.uint8).tolist()).rstrip(b"\0").decode("utf-8", "replace")
+    after = f"after call {call}"
+    if quiet:
+        after += f"; {quiet} forward / backward calls since its last checked call"
+    return f"rank {rank} calls {site} at optimizer step {step}, micro-step {micro} ({after})"
 
 
 def mismatch_text(rows: torch.Tensor, ranks: list[int]) -> str:
@@ -66,9 +72,9 @@ def mismatch_text(rows: torch.Tensor, ranks: list[int]) -> str:
     lines = " while ".join(describe_call(r, rows[i]) for i, r in enumerate(ranks))
     return (
         f"{lines}: ranks took different paths (an engine call made on some ranks only, e.g. under "
-        "`if rank == 0:`, or a different number of steps per rank: uneven data). Make every rank "
-        "call the engine's collective methods (forward, backward, step, checkpoint and "
-        "consolidation calls) in the same order"
+        "`if rank == 0:` or a backward skipped on one rank, or a different number of steps per "
+        "rank: uneven data). Make every rank call the engine's collective methods (forward, "
+        "backward, step, checkpoint and consolidation calls) in the same order"
     )
 
 
@@ -103,14 +109,14 @@ class CallExchange:
     def __repr__(self) -> str:
         return f"CallExchange(ranks={self.ranks}, device={self.device}, timed_wait={self.timed})"
 
-    def start(self, site: str, step: int, micro: int, call: int) -> Any:
+    def start(self, site: str, step: int, micro: int, call: int, quiet: int = 0) -> Any:
         """Issue the all-gather of this call's row (asynchronous); returns its work."""
         words = self._sites.get(site)
         if words is None:
             words = _site_words(site)
             if len(self._sites) < _CACHED_SITES:
                 self._sites[site] = words
-        row = torch.tensor([step, micro, call, *words], dtype=torch.int64, device=self.device)
+        row = torch.tensor([step, micro, call, quiet, *words], dtype=torch.int64, device=self.device)
         return all_gather_single(self._out, row, group=self.group, async_op=True)
 
     def renew(self) -> None:

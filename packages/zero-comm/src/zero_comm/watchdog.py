@@ -406,9 +406,10 @@ class CommWatchdog:
             "ranks only, or a different number of times). Make every rank run the same forward / backward"
         )
 
-    def check_call(self, site: str, step: int, micro: int, group: Any = None) -> None:
+    def check_call(self, site: str, step: int, micro: int, group: Any = None, *, quiet: int = 0) -> None:
         """Start engine call ``site`` (e.g. ``"engine.step"``) at ``step`` / ``micro``: all-gather its
         signature over ``group`` (:mod:`zero_comm.call_sites`; with ``check_calls`` off, no collective).
+        ``quiet``: the engine calls since the last check that issued no collective (compared too).
 
         Raises:
             RanksDivergedError: the ranks' calls, steps or micro-steps differ (every rank's call
@@ -427,7 +428,7 @@ class CommWatchdog:
             label, self._label = self._label, f"enters {site}"
             call = self.issued("all_gather")
             try:
-                self.wait(exchange.start(site, step, micro, call - 1), timed=exchange.timed)
+                self.wait(exchange.start(site, step, micro, call - 1, quiet), timed=exchange.timed)
             except BaseException:
                 exchange.renew()
                 raise
