@@ -9,8 +9,8 @@ A :class:`CommWatchdog` lives as long as the engine that created it. It
   ``heartbeat_interval`` seconds, under ``zero/watchdog/<rank>`` in a ``torch.distributed``
   store that every rank reaches (the process group's store);
 * **waits** for collectives by polling their completion (a timed wait on NCCL aborts the
-  communicator when it expires; only gloo's are waited in timed waits) and every ``heartbeat_interval`` reads
-  the other ranks' positions. It raises
+  communicator when it expires; the engine-call check on gloo blocks in timed waits, which
+  gloo survives) and every ``heartbeat_interval`` reads the other ranks' positions. It raises
   :class:`CollectiveTimeoutError` — on every live rank, never an abort — when a peer's
   heartbeat stopped for ``5 * heartbeat_interval`` seconds ("rank 1 sent no heartbeat for
   12 s: it died or is stuck"), when the wait exceeds ``timeout`` ("rank 1 gathers `mid`
