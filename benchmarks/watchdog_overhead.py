@@ -14,8 +14,8 @@ step the slowest rank counts (the ranks start it together after a barrier; an al
 the time after the step, outside the window: :func:`benchmarks.kit.measure.timed_across_ranks`).
 
 With ``--check calls`` both engines run the watchdog and only the engine-call check differs:
-``on`` is the default (``robustness.check_calls = true``: one 56-byte all-gather at each
-forward, backward and step), ``off`` sets it ``false``; results go to
+``on`` is the default (``robustness.check_calls = true``: one 64-byte all-gather at each
+forward, backward and step under zero-3), ``off`` sets it ``false``; results go to
 ``divergence_check_overhead.json`` / ``.md`` (goal <= 1%).
 
 Reported: the median step of each, the overhead ``median(on) / median(off) - 1`` (goal <= 2%),

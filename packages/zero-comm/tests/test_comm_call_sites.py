@@ -124,3 +124,48 @@ def test_a_live_peer_outside_any_collective_is_named_stuck_not_diverged():
     finally:
         me.close()
         peer.close()
+
+
+class _SlowWork:
+    """A work that completes after ``expiries`` timed waits expired, then returns or raises ``failure``."""
+
+    def __init__(self, expiries, failure=None):
+        self.expiries, self.failure, self.waits, self.done = expiries, failure, [], False
+
+    def is_completed(self):
+        return self.done
+
+    def wait(self, timeout=None):
+        self.waits.append(timeout)
+        if self.expiries and timeout is not None:
+            self.expiries -= 1
+            raise RuntimeError("Operation timed out!")
+        self.done = True
+        if self.failure is not None:
+            raise self.failure
+
+
+def test_wait_timed_carries_on_after_expired_waits_and_checks_between():
+    from zero_comm.completion import wait_timed
+
+    work, checked = _SlowWork(2), []
+    wait_timed(work, 0.25, checked.append)
+    assert len(checked) == 2 and all(w >= 0 for w in checked)
+    assert [t.total_seconds() for t in work.waits] == [0.25, 0.25, 0.25]
+
+
+def test_wait_timed_raises_the_works_own_failure_not_the_timeout():
+    from zero_comm.completion import wait_timed
+
+    work = _SlowWork(0, failure=RuntimeError("Connection closed by peer [127.0.0.1]:1234"))
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        wait_timed(work, 0.25)
+
+
+def test_the_calls_since_the_last_check_are_compared_and_named():
+    one, two = signature("engine.backward", 1, 1, 9, quiet=1), signature("engine.backward", 1, 1, 9, quiet=2)
+    assert calls_differ(torch.stack([one, two])) and not calls_differ(torch.stack([two, two]))
+    assert describe_call(1, two) == (
+        "rank 1 calls engine.backward at optimizer step 1, micro-step 1 "
+        "(after call 9; 2 forward / backward calls since its last checked call)"
+    )

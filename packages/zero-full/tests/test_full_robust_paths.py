@@ -176,3 +176,77 @@ def test_a_stopped_or_killed_rank_among_four_is_named(dist, how):
         assert "rank 3 sent no heartbeat for" in message and "it died or is stuck" in message, message
         assert not message.startswith("[") and "Connection reset" not in message.split(". This rank")[0]
         assert res["seconds"] < 15  # well before comm_timeout
+
+
+# --------------------------------------------------------------------------- a backward skipped on one rank
+
+
+def _skipped_backward(rank, stage):
+    """The last rank skips the backward and step of step 1 (a non-finite loss, say) and goes on."""
+    engine = zero_full.initialize(Net(), _config(stage))
+    last = rank.world_size - 1
+    start = time.monotonic()
+    try:
+        for step in range(STEPS):
+            loss = engine(_batch(step, rank.rank))
+            if step == 1 and rank.rank == last:
+                continue
+            engine.backward(loss)
+            engine.step()
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        error = _report(rank.rank, exc, start)
+    else:
+        engine.close()
+        return None
+    raise error
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_backward_skipped_on_one_rank_is_named_on_every_rank_at_the_next_check(dist, stage):
+    # Below stage 3 the forward issues no collective and is not checked; the count of unchecked
+    # calls in the next signature still tells the rank that skipped (1 forward against 2).
+    with pytest.raises(RankFailure) as info:
+        dist.run(2, _skipped_backward, stage, timeout=300)
+    results = _results(info.value)
+    assert sorted(results) == [0, 1], str(info.value)
+    if stage == 3:
+        names = ("rank 0 calls engine.backward at optimizer step 1, micro-step 1 (after call ", ") while ")
+        other = "rank 1 calls engine.forward at optimizer step 1, micro-step 1 (after call "
+    else:
+        names = ("rank 0 calls engine.backward at optimizer step 1, micro-step 1 (after call ",)
+        names += ("; 1 forward / backward calls since its last checked call) while ",)
+        other = "rank 1 calls engine.backward at optimizer step 1, micro-step 1 (after call "
+        names += ("; 2 forward / backward calls since its last checked call): ranks took different paths",)
+    for res in results.values():
+        assert res["error"] == "RanksDivergedError", res
+        message = res["message"]
+        assert all(n in message for n in names) and other in message, message
+        assert res["seconds"] < 15  # well before comm_timeout
+
+
+def _checks_per_step(rank, stage):
+    """Collectives of one optimizer step (2 micro-steps) with the engine-call check on, minus off."""
+    issued = {}
+    for on in (True, False):
+        config = _config(stage) | {"gradient_accumulation_steps": 2, "train_micro_batch_size_per_gpu": 5}
+        config["robustness"] = ROBUST | {"check_calls": on}
+        engine = zero_full.initialize(Net(), config)
+        engine.backward(engine(_batch(0, rank.rank)))  # warm-up step: stage 3 records its order
+        engine.step()
+        engine.backward(engine(_batch(1, rank.rank)))
+        engine.step()
+        before = engine.watchdog.position().call
+        for micro in range(2):
+            engine.backward(engine(_batch(2 + micro, rank.rank)))
+            engine.step()
+        issued[on] = engine.watchdog.position().call - before
+        engine.close()
+    return issued[True] - issued[False]
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_only_calls_that_communicate_are_checked(dist, stage):
+    # stage 3: every forward and backward gathers (2 x 2 micro-steps + the step); below: the
+    # boundary backward and the step (the rest only accumulates gradients locally)
+    expected = 5 if stage == 3 else 2
+    assert dist.run(2, _checks_per_step, stage, timeout=300) == [expected, expected]

@@ -5,14 +5,17 @@ by ``init_process_group("nccl")`` serves ``cuda`` alone, so a CPU tensor in one 
 collectives raises ``No backend type associated with device type cpu``. Every small exchange
 zero makes for itself (rank agreement, the watchdog's path check, the non-finite exchange,
 checkpoint statuses) builds its tensors on :func:`control_device` of the group it uses.
+:func:`default_store` is the default group's store (where the watchdog heartbeats).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
-__all__ = ["control_device", "served_device_types"]
+__all__ = ["control_device", "default_store", "served_device_types"]
 
 # Device types of the backends torch ships, for groups that do not list their own.
 _BACKEND_DEVICES = {"gloo": ("cpu", "cuda"), "nccl": ("cuda",), "mpi": ("cpu", "cuda"), "xccl": ("xpu",)}
@@ -47,3 +50,13 @@ def control_device(group: dist.ProcessGroup | None = None) -> torch.device:
     if accelerator is not None and accelerator.type in types:
         return torch.device(accelerator.type, torch.accelerator.current_device_index())
     return torch.device(types[0])
+
+
+def default_store() -> Any | None:
+    """The default process group's store (``None`` when there is none)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, AttributeError, ValueError):
+        return None

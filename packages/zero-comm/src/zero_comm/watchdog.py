@@ -8,9 +8,9 @@ A :class:`CommWatchdog` lives as long as the engine that created it. It
 * **publishes** that position with a heartbeat counter from a daemon thread, every
   ``heartbeat_interval`` seconds, under ``zero/watchdog/<rank>`` in a ``torch.distributed``
   store that every rank reaches (the process group's store);
-* **waits** for collectives by polling their completion (never a timed wait on the backend:
-  on NCCL one aborts the communicator when it expires) and every ``heartbeat_interval`` reads
-  the other ranks' positions. It raises
+* **waits** for collectives by polling their completion (a timed wait on NCCL aborts the
+  communicator when it expires; the engine-call check on gloo blocks in timed waits, which
+  gloo survives) and every ``heartbeat_interval`` reads the other ranks' positions. It raises
   :class:`CollectiveTimeoutError` — on every live rank, never an abort — when a peer's
   heartbeat stopped for ``5 * heartbeat_interval`` seconds ("rank 1 sent no heartbeat for
   12 s: it died or is stuck"), when the wait exceeds ``timeout`` ("rank 1 gathers `mid`
@@ -45,9 +45,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zero_comm.call_sites import FIELDS, calls_differ, mismatch_text, signature
-from zero_comm.completion import wait_polled
-from zero_comm.devices import control_device
+from zero_comm.call_sites import CallExchange
+from zero_comm.completion import wait_polled, wait_timed
+from zero_comm.devices import control_device, default_store
 from zero_comm.torch_compat import all_gather_single
 from zero_comm.wait_timings import WaitTimings
 
@@ -166,6 +166,7 @@ class CommWatchdog:
         "_call",
         "_closed",
         "_departures",
+        "_exchanges",
         "_label",
         "_position",
         "_recording",
@@ -198,7 +199,7 @@ class CommWatchdog:
             raise ValueError(
                 f"CommWatchdog: timeout ({timeout}) and heartbeat_interval ({heartbeat_interval}) must be > 0"
             )
-        self.store = store if store is not None else _default_store()
+        self.store = store if store is not None else default_store()
         self.rank = rank
         self.world_size = world_size
         self.timeout = float(timeout)
@@ -212,6 +213,7 @@ class CommWatchdog:
         self._beat = 0
         self._label = ""
         self._departures: tuple[tuple[int, int], ...] = ()
+        self._exchanges: dict[Any, CallExchange] = {}  # check_call's, per process group
         self._broken = ""
         self._position = ("idle", 0, "", time.time(), False)
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (last beat, my monotonic time it changed)
@@ -299,12 +301,13 @@ class CommWatchdog:
 
     # ------------------------------------------------------------------ waiting
 
-    def wait(self, work: Any, what: str = "") -> None:
+    def wait(self, work: Any, what: str = "", *, timed: bool = False) -> None:
         """Wait for a ``torch.distributed`` work object; raise a diagnosis instead of hanging.
 
-        Polls the work's completion (:func:`~zero_comm.completion.wait_polled`): no timed wait
-        on the backend, which on NCCL would abort the communicator when it expires. Every
-        ``heartbeat_interval`` it reads the other ranks' positions.
+        Polls the work's completion (:func:`~zero_comm.completion.wait_polled`): a timed wait on
+        NCCL aborts the communicator when it expires; ``timed`` (gloo's works only) blocks in
+        timed waits instead (:func:`~zero_comm.completion.wait_timed`). Every ``heartbeat_interval``
+        it reads the other ranks' positions.
 
         Raises:
             CollectiveTimeoutError: the wait exceeded ``timeout``, a peer stopped sending
@@ -316,7 +319,8 @@ class CommWatchdog:
         op, call, label, since, _ = self._position
         self._position = (op, call, label, since, True)
         try:
-            wait_polled(work, min(self.heartbeat_interval, self.timeout), self._check_waiting)
+            every = min(self.heartbeat_interval, self.timeout)
+            (wait_timed if timed else wait_polled)(work, every, self._check_waiting)
         except CollectiveTimeoutError:
             raise
         except RuntimeError as exc:  # a peer that left the path and exited closes its connections
@@ -402,9 +406,10 @@ class CommWatchdog:
             "ranks only, or a different number of times). Make every rank run the same forward / backward"
         )
 
-    def check_call(self, site: str, step: int, micro: int, group: Any = None) -> None:
+    def check_call(self, site: str, step: int, micro: int, group: Any = None, *, quiet: int = 0) -> None:
         """Start engine call ``site`` (e.g. ``"engine.step"``) at ``step`` / ``micro``: all-gather its
         signature over ``group`` (:mod:`zero_comm.call_sites`; with ``check_calls`` off, no collective).
+        ``quiet``: the engine calls since the last check that issued no collective (compared too).
 
         Raises:
             RanksDivergedError: the ranks' calls, steps or micro-steps differ (every rank's call
@@ -413,22 +418,25 @@ class CommWatchdog:
         self.refuse_if_broken(f"calls {site}")
         if not self.check_calls:
             return
-        ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world_size))
-        if len(ranks) == 1:
-            return
+        exchange = self._exchanges.get(group)
+        if exchange is None:
+            ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world_size))
+            if len(ranks) == 1:
+                return
+            exchange = self._exchanges[group] = CallExchange(group, ranks)
         with torch.profiler.record_function("zero.watchdog.check_call"):
             label, self._label = self._label, f"enters {site}"
             call = self.issued("all_gather")
-            device = control_device(group)
-            sig = signature(site, step, micro, call - 1).to(device)
-            out = torch.empty(len(ranks) * FIELDS, dtype=torch.int64, device=device)
             try:
-                self.wait(all_gather_single(out, sig, group=group, async_op=True))
+                self.wait(exchange.start(site, step, micro, call - 1, quiet), timed=exchange.timed)
+            except BaseException:
+                exchange.renew()
+                raise
             finally:
                 self._label = label
-            rows = out.cpu().view(len(ranks), FIELDS)
-        if calls_differ(rows):
-            raise RanksDivergedError(mismatch_text(rows, ranks))
+        text = exchange.mismatch()
+        if text:
+            raise RanksDivergedError(text)
 
     @property
     def broken(self) -> str:
@@ -704,16 +712,6 @@ def _heartbeat_loop(ref: weakref.ref[CommWatchdog], stop: threading.Event, inter
         except Exception:  # noqa: BLE001 - the store is gone (shutdown): stop beating
             return
         del wd
-
-
-def _default_store() -> Any | None:
-    """The default process group's store (``None`` when there is none)."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return None
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except (RuntimeError, AttributeError, ValueError):
-        return None
 
 
 # ---------------------------------------------------------------------------- hooks for the collectives

@@ -220,7 +220,7 @@ class Engine:
         site = "engine.forward" if torch.is_grad_enabled() else "engine.forward (no grad)"
         with (
             self._ledger,
-            self._calls.call(site),
+            self._calls.call(site, communicates=self.coordinator is not None),  # stage 3 gathers
             profile_range("zero.engine.forward"),
             self._monitor.counting_forward(),
         ):
@@ -266,7 +266,13 @@ class Engine:
                 "pass the loss computed by engine(...) with grad enabled"
             )
         self._trainable.check()
-        with self._ledger, self._calls.call("engine.backward"), profile_range("zero.engine.backward"):
+        # below stage 3 a backward before the boundary only accumulates gradients: no collective
+        communicates = self.coordinator is not None or self.is_gradient_accumulation_boundary()
+        with (
+            self._ledger,
+            self._calls.call("engine.backward", communicates=communicates),
+            profile_range("zero.engine.backward"),
+        ):
             if self._pipeline.pieces.reduction is not None:
                 self._pipeline.pieces.reduction.begin_micro_step(self.is_gradient_accumulation_boundary())
             self._pipeline.pieces.begin_backward()

@@ -52,13 +52,15 @@ class RobustnessConfig(Section):
     lower the scale)."""
     check_calls: Annotated[Flag, _USED] = True
     """Start every engine call that communicates (forward, backward, step, checkpoint save /
-    load, ``consolidated_state_dict``, ``save_pretrained``, ...) with one all-gather of a 56-byte
-    signature (call, optimizer step, micro-step) and raise ``zero_comm.RanksDivergedError`` on
-    every rank when they differ, naming each rank's call site: a call made on some ranks only
-    (``if rank == 0: engine.consolidated_state_dict()``), a rank with one batch less. A rank
-    whose forward or backward raised stops issuing collectives and its peers raise naming it.
-    Needs the watchdog. On by default (cost: see the benchmarks page); ``false`` turns off the
-    signature exchange only."""
+    load, ``consolidated_state_dict``, ``save_pretrained``, ...) with one all-gather of a 64-byte
+    signature (call, optimizer step, micro-step, calls since the last check) and raise
+    ``zero_comm.RanksDivergedError`` on every rank when they differ, naming each rank's call
+    site: a call made on some ranks only (``if rank == 0: engine.consolidated_state_dict()``),
+    a rank with one batch less. A rank whose forward or backward raised stops issuing
+    collectives and its peers raise naming it. Calls that issue no collective (below stage 3: a
+    forward, a backward before the accumulation boundary) are counted into the next signature,
+    not checked: a skipped backward is named at the next checked call. Needs the watchdog. On
+    by default (cost: see the benchmarks page); ``false`` turns off the signature exchange only."""
     check_paths: Annotated[Flag, _USED] = False
     """Before every collective of every step, all-gather a small signature (operation, call
     number, what it is for) and raise ``zero_comm.RanksDivergedError`` on every rank at the first

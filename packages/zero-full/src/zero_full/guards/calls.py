@@ -4,10 +4,17 @@ Ranks that make different engine calls (``engine.consolidated_state_dict()`` und
 == 0:``, a save after one batch less, a backward that raised on one rank and was caught)
 would issue collectives of different sizes, which gloo answers with a C++ abort naming
 nothing. :class:`CallGuard` starts each engine call that communicates with
-:meth:`zero_comm.CommWatchdog.check_call` (one all-gather of a fixed 56-byte signature, so the
+:meth:`zero_comm.CommWatchdog.check_call` (one all-gather of a fixed 64-byte signature, so the
 first differing call meets the peers' signature, never a payload of another size) and, when a
 forward or backward raises, tells the peers through the watchdog (:meth:`~zero_comm.CommWatchdog.abandon`):
 they raise naming this rank's call site, and this rank issues no further collective.
+
+A call that issues no collective in this configuration (a forward below stage 3, a backward
+that only accumulates gradients) is not checked: it cannot be paired with another rank's
+collective, and every call that does communicate starts with the check, so after any
+difference each rank's next collective is a signature. Such *quiet* calls are counted, and the
+count since the last check goes into the next signature: a rank that skipped a forward or a
+backward (a non-finite loss skipped on one rank) is still named, at its next checked call.
 
 Why at engine calls and not inside each collective's payload: a payload signature is read
 only after the payloads met, and with gloo a size mismatch aborts before that; a signature
@@ -45,11 +52,12 @@ class CallGuard:
         counters: The engine's step counters (their values go into each signature).
     """
 
-    __slots__ = ("counters", "watchdog")
+    __slots__ = ("counters", "quiet", "watchdog")
 
     def __init__(self, watchdog: CommWatchdog | None, counters: _Counters) -> None:
         self.watchdog = watchdog
         self.counters = counters
+        self.quiet = 0  # calls since the last check that issued no collective (compared at the next)
 
     def __repr__(self) -> str:
         armed = self.watchdog is not None and self.watchdog.check_calls
@@ -70,7 +78,8 @@ class CallGuard:
         """
         if self.watchdog is not None:
             c = self.counters
-            self.watchdog.check_call(site, c.global_steps, c.micro_steps)
+            self.watchdog.check_call(site, c.global_steps, c.micro_steps, quiet=self.quiet)
+            self.quiet = 0
 
     def refuse(self, site: str) -> None:
         """Raise if this rank's earlier call failed alone (no collective); see :meth:`check`."""
@@ -78,13 +87,18 @@ class CallGuard:
             self.watchdog.refuse_if_broken(f"calls {site}")
 
     @contextlib.contextmanager
-    def call(self, site: str) -> Iterator[None]:
+    def call(self, site: str, *, communicates: bool = True) -> Iterator[None]:
         """:meth:`check`, then run the call; if it raises, tell the peers this rank left the path.
 
         For calls that run user code (forward, backward): an error there may strike one rank
         only, leaving the peers waiting in collectives this rank will never issue.
+        ``communicates=False``: the call issues no collective here; it is counted, not checked.
         """
-        self.check(site)
+        if communicates:
+            self.check(site)
+        else:
+            self.refuse(site)
+            self.quiet += 1
         try:
             yield
         except CollectiveTimeoutError:  # raised on every rank already
