@@ -183,7 +183,7 @@ def test_a_stopped_or_killed_rank_among_four_is_named(dist, how):
 
 def _skipped_backward(rank, stage):
     """The last rank skips the backward and step of step 1 (a non-finite loss, say) and goes on."""
-    engine = zero_full.initialize(Net(), _config(stage))
+    engine = zero_full.initialize(_net(), _config(stage))
     last = rank.world_size - 1
     start = time.monotonic()
     try:
@@ -230,7 +230,7 @@ def _checks_per_step(rank, stage):
     for on in (True, False):
         config = _config(stage) | {"gradient_accumulation_steps": 2, "train_micro_batch_size_per_gpu": 5}
         config["robustness"] = ROBUST | {"check_calls": on}
-        engine = zero_full.initialize(Net(), config)
+        engine = zero_full.initialize(_net(), config)
         engine.backward(engine(_batch(0, rank.rank)))  # warm-up step: stage 3 records its order
         engine.step()
         engine.backward(engine(_batch(1, rank.rank)))
