@@ -87,6 +87,11 @@ def zero(args: argparse.Namespace) -> dict | None:
         state["step"] = step + 1
         if args.save_at == step + 1:
             fabric.save(args.ckpt, state)
+    try:  # zero clips inside engine.step(): the config's gradient_clipping
+        fabric.clip_gradients(model, opt, max_norm=1.0)
+        clip_refused = ""
+    except ValueError as exc:
+        clip_refused = str(exc)
     engine = fabric.strategy.engine
     weights = engine.consolidated_state_dict()
     partitioned = all(zero_params.is_partitioned(p) for p in model.parameters())
@@ -97,6 +102,7 @@ def zero(args: argparse.Namespace) -> dict | None:
         "weights": {k: v.tolist() for k, v in weights.items()},
         "partitioned": partitioned,
         "stage": engine.config.stage,
+        "clip_refused": clip_refused,
     }
 
 

@@ -5,7 +5,8 @@ zero, plain ``python`` (one process, the whole global batch, plain torch) for th
 
 * ``fabric.setup`` / ``backward`` / ``optimizer.step()`` at stages 1, 2, 3: per-step losses and
   final weights within 1e-5 of plain torch (clipping by the config's ``gradient_clipping``);
-  at stage 3 the model built by ``fabric.init_module()`` is partitioned.
+  at stage 3 the model built by ``fabric.init_module()`` is partitioned; ``fabric.clip_gradients``
+  is refused with a message naming ``gradient_clipping``.
 * ``fabric.save`` after step 3 and ``fabric.load`` in a fresh run: steps 4.. and the final
   weights bit for bit equal to the uninterrupted run's.
 """
@@ -75,6 +76,7 @@ def test_fabric_matches_single_process(stage, reference, tmp_path):
     got = _run(tmp_path / "out.json", "--stage", str(stage))
     assert got["stage"] == stage
     assert got["partitioned"] == (stage == 3)
+    assert "gradient_clipping" in got["clip_refused"]
     _close(reference["losses"], got["losses"])
     assert sorted(got["weights"]) == sorted(reference["weights"])
     _close(_flat(reference["weights"]), _flat(got["weights"]))
