@@ -10,9 +10,12 @@ the import is needed). Every other setting goes through the class::
         strategy=zero_full.lightning.ZeroStrategy(config={"zero_optimization": {"stage": 3,
                                                               "mics_shard_size": 2}}))
 
+Lightning Fabric: ``Fabric(strategy=zero_full.lightning.ZeroFabricStrategy(config=...))``.
+
 Needs ``lightning`` (``pip install zero-full[lightning]``).
 """
 
+from zero_full.lightning.fabric import ZeroFabricStrategy
 from zero_full.lightning.precision import ZeroPrecision
 from zero_full.lightning.strategy import ZeroStrategy
 
@@ -21,7 +24,7 @@ try:
 except ImportError as exc:  # the extra is not installed
     raise ImportError("zero_full.lightning needs Lightning: pip install 'zero-full[lightning]'") from exc
 
-__all__ = ["ZeroPrecision", "ZeroStrategy"]
+__all__ = ["ZeroFabricStrategy", "ZeroPrecision", "ZeroStrategy"]
 
 for _stage in (1, 2, 3):
     if f"zero_stage_{_stage}" not in StrategyRegistry:
