@@ -136,7 +136,7 @@ def _stage_train(rank, name: str, kind: str, config: dict, inject_step: int) -> 
 def _inject_inf(engine) -> None:
     """An inf in this rank's gradient partition (stages 1-3 reduce during the boundary backward)."""
     with torch.no_grad():
-        engine.optimizer.groups[0].grad[-1] = float("inf")
+        engine.optimizer.groups[0].grads()[-1][-1] = float("inf")
 
 
 W2, W4 = 2, 4

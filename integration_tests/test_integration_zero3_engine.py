@@ -120,9 +120,11 @@ def _state_bytes(rank, name):
     engine = zero_full.initialize(model, zero_config(), lambda ps: torch.optim.AdamW(ps, lr=1e-3))
     for step in range(2):
         _train_step(engine, name, step, rank.rank, rank.world_size)
-    measured = engine.model_state_bytes()
+    rest = engine.model_state_bytes()  # after the step: the gradient partition is freed
+    engine.backward(engine(*rank_slice(global_batch(name, 2, BATCH), rank.rank, rank.world_size)))
+    measured = engine.model_state_bytes()  # after backward: made again
     engine.close()
-    return {"measured": measured, "numels": numels}
+    return {"measured": measured, "rest": rest, "numels": numels}
 
 
 @_topos(W2X2, W4, W2)
@@ -136,6 +138,8 @@ def test_model_state_bytes_match_the_stage3_formula(dist, topo):
         expected = 16 * padded_per_rank  # 16 Psi / N + padding
         assert padded_per_rank - psi / world < len(res["numels"])  # padding: < 1 element per tensor
         assert expected <= res["measured"] <= 1.05 * expected, (res["measured"], expected, 16 * psi / world)
+        # at rest, between steps: params 4 + m and v 8 bytes (no gradient partition, as FSDP2)
+        assert 12 * padded_per_rank <= res["rest"] <= 1.05 * 12 * padded_per_rank, (res["rest"], expected)
 
 
 # --------------------------------------------------------------------------- errors

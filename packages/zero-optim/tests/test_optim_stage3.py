@@ -26,7 +26,7 @@ from torch import nn
 
 import zero_coord
 import zero_params
-from zero_optim import ReduceConfig, stage3_optimizer
+from zero_optim import GradLayout, ReduceConfig, stage3_optimizer
 from zero_testing import InjectedFailure, assert_state_close, failing_adamw
 
 
@@ -39,15 +39,15 @@ def _layout(rank, threshold):
     for group in opt.groups:
         assert group.working is group.master and group.master.grad is group.grad
         assert group.numel == sum(zero_params.state_of(s.param).partition_numel for s in group.segments)
+        # held in chunks, released until a reduction needs them: no gradient is held or bound yet
+        assert group.grad_layout is GradLayout.CHUNKS and group.grads_released
+        assert list(group.owned_tensors()) == [group.master]
         for seg in group.segments:
             state = zero_params.state_of(seg.param)
             assert seg.numel == state.partition_numel
             assert state.shard.untyped_storage().data_ptr() == group.master.untyped_storage().data_ptr()
             assert state.shard.storage_offset() == seg.offset
-            assert (
-                state.grad_partition.untyped_storage().data_ptr() == group.grad.untyped_storage().data_ptr()
-            )
-            assert state.grad_partition.storage_offset() == seg.offset
+            assert state.grad_partition is None and group.grad_view(seg).numel() == seg.numel
             start, stop = state.shard_range
             expected = values[seg.name].reshape(-1)[start:stop]
             assert torch.equal(group.master_view(seg)[: stop - start], expected)
@@ -110,18 +110,24 @@ def _accumulated_partitions(rank):
     zero_params.partition(model)
     opt, sink = stage3_optimizer(model, make_optimizer("sgd"), ReduceConfig(reduce_bucket_size=64))
     world, r = rank.world_size, rank.rank
-    for micro in range(3):
-        x = batch(0, micro, world)
-        micro_step(model, sink, x[4 * r : 4 * (r + 1)])
-        (sum(ref(x[4 * q : 4 * (q + 1)]) for q in range(world)) / world).backward()
     ref_grads = dict(ref.named_parameters())
-    for group, seg in opt.segments():
-        start, stop = zero_params.state_of(seg.param).shard_range
-        got = group.grad_view(seg)
-        torch.testing.assert_close(got[: stop - start], ref_grads[seg.name].grad.reshape(-1)[start:stop])
-        assert not got[stop - start :].any()
-    opt.zero_grad()
-    assert all(not group.grad.any() for group in opt.groups)
+    for window, micros in enumerate((3, 2)):  # the second window starts from released partitions
+        for micro in range(micros):
+            x = batch(window, micro, world)
+            micro_step(model, sink, x[4 * r : 4 * (r + 1)])
+            (sum(ref(x[4 * q : 4 * (q + 1)]) for q in range(world)) / world).backward()
+        for group, seg in opt.segments():
+            start, stop = zero_params.state_of(seg.param).shard_range
+            got = group.grad_view(seg)
+            assert zero_params.state_of(seg.param).grad_partition is got  # what the reductions added into
+            torch.testing.assert_close(got[: stop - start], ref_grads[seg.name].grad.reshape(-1)[start:stop])
+            assert not got[stop - start :].any()
+        opt.zero_grad()
+        ref.zero_grad()
+        # released: no gradient tensor is held (the master is all a group owns), none is bound
+        assert all(g.grads_released and list(g.owned_tensors()) == [g.master] for g in opt.groups)
+        assert all(zero_params.state_of(seg.param).grad_partition is None for _, seg in opt.segments())
+    assert all(not grad.any() for group in opt.groups for grad in group.grads())  # reads as zeros
     return True
 
 
@@ -168,10 +174,10 @@ def _bf16_working_shards(rank):
         assert group.master.dtype == torch.float32 and group.grad.dtype == torch.float32
         assert state.shard.dtype == torch.bfloat16
         assert state.shard.untyped_storage().data_ptr() == group.working.untyped_storage().data_ptr()
-        assert state.grad_partition.untyped_storage().data_ptr() == group.grad.untyped_storage().data_ptr()
+        assert state.grad_partition is group.grad_view(seg)
         # the 16-bit shard the next gather serves is the updated fp32 master, rounded
         assert torch.equal(state.shard, group.master_view(seg).to(torch.bfloat16))
-    return bool(opt.groups[0].grad.any())
+    return any(bool(g.any()) for g in opt.groups[0].grads())
 
 
 def test_a_16_bit_working_buffer_holds_the_shards_and_follows_the_fp32_master(dist):

@@ -3,7 +3,7 @@
 from zero_optim.buckets import BucketedReducer, BucketPlan, ReduceConfig
 from zero_optim.clip import clip_grad_norm_, global_grad_norm
 from zero_optim.core import PartitionedOptimizer, Partitioning
-from zero_optim.flat import FlatGroup, Segment
+from zero_optim.flat import FlatGroup, GradLayout, Segment
 from zero_optim.mics import ReplicaGradientSync, ReplicaMismatchError, check_replicas_consistent
 from zero_optim.reductions import BackwardReduction, BoundaryReduction, GradientReduction, HookedReduction
 from zero_optim.scaler import LossScaler, LossScalerConfig, found_overflow
@@ -25,6 +25,7 @@ __all__ = [
     "BucketPlan",
     "BucketedReducer",
     "FlatGroup",
+    "GradLayout",
     "GradientReduction",
     "HookedReduction",
     "LossScaler",

@@ -3,23 +3,29 @@
 Each parameter of a group owns one :class:`Segment` of this rank's flat partition: the
 elements of its partition (a ZeRO-3 shard, padding included) laid out parameter after
 parameter. The optimizer state is one flat tensor per kind (e.g. AdamW's ``exp_avg``) over
-that layout; ``grad`` is the flat fp32 gradient partition; per-parameter tensors (shards,
-gradient partitions) are views into the flat buffers, so nothing is copied per parameter
-on the hot path.
+that layout; per-parameter tensors (shards, gradient partitions) are views into the flat
+buffers, so nothing is copied per parameter on the hot path.
+
+The fp32 gradient partition is held one of three ways (:class:`GradLayout`): one flat tensor
+``grad``; views into storage another component owns (stage 1's whole gradients); or chunks
+freed between optimizer steps and made again, zeroed, on first use
+(:class:`~zero_optim.grad_chunks.GradChunks`, stage 3).
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
+import enum
 from collections.abc import Iterator, Sequence
 
 import torch
 from torch import nn
 
 from zero_offload import CopyStream, HostMemory
+from zero_optim.grad_chunks import GradChunks
 
-__all__ = ["FlatGroup", "Segment"]
+__all__ = ["FlatGroup", "GradLayout", "Segment"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,10 +45,27 @@ class Segment:
     numel: int
 
 
+class GradLayout(enum.Enum):
+    """How a :class:`FlatGroup` holds its fp32 gradient partition."""
+
+    FLAT = enum.auto()
+    """One flat tensor (``FlatGroup.grad``) for the group's whole life, zeroed by ``zero_grad``."""
+    VIEWS = enum.auto()
+    """One view per segment into storage another component owns (``grad_views``)."""
+    CHUNKS = enum.auto()
+    """Chunks of segments, freed by ``release_grads`` and made again, zeroed, on first use."""
+
+
 class FlatGroup:
-    """The flat buffers of one optimizer parameter group on this rank."""
+    """The flat buffers of one optimizer parameter group on this rank.
+
+    After :meth:`chunk_grads` the gradient partition is held in chunks (``CHUNKS``):
+    :meth:`release_grads` frees them, and :meth:`grad_view`, :meth:`grads` and :meth:`pieces`
+    make again (zeroed) the chunks they return. A released partition reads as zeros.
+    """
 
     __slots__ = (
+        "_chunks",
         "_copies",
         "_grad_views",
         "_in_params",
@@ -95,6 +118,7 @@ class FlatGroup:
                         f"working view of {seg.name!r} is {view.dtype} of shape {tuple(view.shape)}, "
                         f"expected 1-D {working_dtype} of {seg.numel} elements"
                     )
+        self._chunks: GradChunks | None = None
         self._grad_views: tuple[torch.Tensor, ...] | None = None
         if grad_views is not None:
             self._grad_views = tuple(grad_views)
@@ -127,6 +151,35 @@ class FlatGroup:
         return self.master.numel()
 
     @property
+    def grad_layout(self) -> GradLayout:
+        """How the gradient partition is held (:class:`GradLayout`)."""
+        if self._chunks is not None:
+            return GradLayout.CHUNKS
+        return GradLayout.VIEWS if self._grad_views is not None else GradLayout.FLAT
+
+    @property
+    def grads_released(self) -> bool:
+        """Whether some chunk of a ``CHUNKS`` partition is freed (it reads as zeros)."""
+        return self._chunks is not None and self._chunks.released
+
+    def chunk_grads(self, starts: Sequence[int]) -> None:
+        """Hold the gradient partition in chunks from now on, each from segment ``starts[i]`` on.
+
+        The flat partition is dropped (its values are lost: call it before training) and
+        every chunk starts released.
+
+        Raises:
+            ValueError: the partition is not ``FLAT``, or ``starts`` are not increasing
+                segment indices from 0.
+        """
+        if self.grad_layout is not GradLayout.FLAT:
+            raise ValueError(f"chunk_grads: the gradient partition is {self.grad_layout.name}, not FLAT")
+        self._chunks = GradChunks(self.segments, starts, self.grad.device)
+        self.grad = torch.zeros(1, dtype=torch.float32, device=self.grad.device).expand(self.numel)
+        self.master.grad = self.grad
+        self._pieces.clear()
+
+    @property
     def master_in_params(self) -> bool:
         """Whether the fp32 master values are the parameters' own storage (no separate master)."""
         return self._in_params
@@ -138,22 +191,54 @@ class FlatGroup:
         return self.master.narrow(0, seg.offset, seg.numel)
 
     def grad_view(self, seg: Segment) -> torch.Tensor:
-        """The 1-D fp32 gradient-partition view of one segment."""
+        """The 1-D fp32 gradient-partition view of one segment (its chunk made if released)."""
+        if self._chunks is not None:
+            return self._chunks.view(self._index(seg))
         if self._grad_views is not None:
             return self._grad_views[self._index(seg)]
         return self.grad.narrow(0, seg.offset, seg.numel)
 
     def grads(self) -> tuple[torch.Tensor, ...]:
-        """The gradient partition as writable 1-D fp32 tensors: ``(grad,)``, or one view per segment."""
+        """The gradient partition as writable 1-D fp32 tensors: ``(grad,)``, one per chunk (released
+        ones made again, zeroed, so a reader finds the whole partition), or one view per segment."""
+        if self._chunks is not None:
+            return self._chunks.tensors()
         if self._grad_views is not None:
             return tuple(v for v in self._grad_views if v.numel())
         return (self.grad,) if self.grad.numel() else ()
 
     def zero_grad(self) -> None:
-        """Zero the gradient partition in place (views into it stay valid)."""
+        """Zero the gradient partition in place (views into it stay valid; released chunks are zeros)."""
+        if self._chunks is not None:
+            self._chunks.zero_()
+            return
         grads = list(self.grads())
         if grads:
             torch._foreach_zero_(grads)
+
+    def reserve_grad(self, seg: Segment) -> torch.Tensor:
+        """``CHUNKS``: the segment's gradient view, its chunk made but not zero-filled if released.
+
+        For a reduction in flight that adds into it: the next :meth:`grad_view` of the
+        segment (or any reader) zero-fills the chunk, and must come before that addition.
+
+        Raises:
+            ValueError: the partition is not ``CHUNKS``.
+        """
+        if self._chunks is None:
+            raise ValueError(f"reserve_grad: the gradient partition is {self.grad_layout.name}, not CHUNKS")
+        return self._chunks.reserve(self._index(seg))
+
+    def release_grads(self) -> None:
+        """Free a ``CHUNKS`` gradient partition; each chunk is made again, zeroed, on first use.
+
+        Raises:
+            ValueError: the partition is not ``CHUNKS`` (nothing this group may free).
+        """
+        if self._chunks is None:
+            raise ValueError(f"release_grads: the gradient partition is {self.grad_layout.name}, not CHUNKS")
+        self._chunks.release()
+        self._pieces.clear()  # the cached pieces view the freed chunks
 
     def working_view(self, seg: Segment) -> torch.Tensor:
         """The 1-D working-precision view of one segment (the master view in fp32)."""
@@ -181,6 +266,10 @@ class FlatGroup:
         return found
 
     def _make_pieces(self, start: int, stop: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+        if not self._in_params and self._chunks is not None:
+            for off, grad in self._chunks.pieces(start, stop):
+                yield off, self.master.narrow(0, off, grad.numel()), grad
+            return
         if not self._in_params and self._grad_views is None:
             n = stop - start
             if n > 0:
@@ -219,13 +308,15 @@ class FlatGroup:
         """The tensors holding this group's values (master, gradient partition, flat working copy).
 
         Placeholders (the master when it lives in the parameters, the flat gradient when the
-        gradient partition is a set of views) are left out: they hold no model state. A
-        partition made of views is given as those views, whose storage (stage 1's whole
-        gradients) is held whether or not ``param.grad`` is bound to it.
+        gradient partition is a set of views or of chunks) and released chunks are left out:
+        they hold no model state. A partition made of views is given as those views, whose
+        storage (stage 1's whole gradients) is held whether or not ``param.grad`` is bound to it.
         """
         if not self._in_params:  # else a storage-less placeholder (one element)
             yield self.master
-        if self._grad_views is None:
+        if self._chunks is not None:
+            yield from self._chunks.made()
+        elif self._grad_views is None:
             yield self.grad
         else:
             yield from self._grad_views

@@ -50,7 +50,7 @@ class ReplicaGradientSync:
         self.boundaries += 1
         if self.replicas == 1:
             return
-        grads = [g.grad for g in self._groups if g.grad.numel()]
+        grads = [grad for g in self._groups for grad in g.grads()]
         if not grads:
             return
         with record_function("zero.optim.replica_all_reduce"), torch.no_grad():

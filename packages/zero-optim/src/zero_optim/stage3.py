@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -18,12 +18,19 @@ from zero_comm.profiling import profile_range
 from zero_comm.streams import NO_STREAMS, CommStreams, NoStreams
 from zero_comm.watchdog import collective_label, note_collectives
 from zero_offload import HostPlacement, OptimizerOffloadConfig, ParamOffloadConfig
-from zero_optim.buckets import BucketedReducer, BucketPlan, ReduceConfig
+from zero_optim.buckets import BucketedReducer, BucketPlan, ReduceConfig, ReduceHandle
 from zero_optim.core import PartitionedOptimizer
-from zero_optim.flat import FlatGroup, Segment
+from zero_optim.flat import FlatGroup, GradLayout, Segment
 from zero_optim.spec import OptimizerSpec
 
-__all__ = ["PersistentRefresh", "RefreshPlan", "Stage3Partitioning", "offloaded_shards", "stage3_optimizer"]
+__all__ = [
+    "BindingReduce",
+    "PersistentRefresh",
+    "RefreshPlan",
+    "Stage3Partitioning",
+    "offloaded_shards",
+    "stage3_optimizer",
+]
 
 
 class Stage3Partitioning:
@@ -54,10 +61,21 @@ class Stage3Partitioning:
         return persistent + [p for p in params if not zero_params.state_of(p).persistent]
 
     def release_grads(self, group: FlatGroup) -> bool:
-        """``zero_grad`` of ``group``: the :attr:`grad_bound` restarts; ``False``: zero the partition."""
+        """``zero_grad`` of ``group``: the :attr:`grad_bound` restarts; its gradient partition is freed.
+
+        A ``CHUNKS`` partition is freed and each parameter's ``grad_partition`` unbound
+        (``True``): the next reduction into a parameter makes its chunk again, zeroed
+        (:class:`BindingReduce`). ``False`` for a flat partition (an offloaded optimizer keeps
+        the one it copies from): zero it in place.
+        """
         if self.grad_bound is not None:
             self.grad_bound.reset()
-        return False
+        if group.grad_layout is not GradLayout.CHUNKS:
+            return False
+        group.release_grads()
+        for seg in group.segments:
+            zero_params.state_of(seg.param).unbind_grad_partition()
+        return True
 
     def load(self, param: nn.Parameter, master: torch.Tensor) -> None:
         """Copy the current shard into the master view."""
@@ -246,11 +264,72 @@ def stage3_optimizer(
         config.reduce_bucket_size,
         deferred=_leaf_params(model),
     )
+    if offload is None:  # an offloaded optimizer keeps the flat partition it copies from
+        _chunk_by_bucket(opt, plan)
     reduce_fn = zero_params.reduce_scatter_grads
     if bound_grads:
         partitioning.grad_bound = _bound_for([p for _, p in order], working_dtype)
         reduce_fn = functools.partial(zero_params.reduce_scatter_grads, bound=partitioning.grad_bound)
-    return opt, BucketedReducer(plan, reduce_fn, config, streams)
+    return opt, BucketedReducer(plan, BindingReduce(opt, reduce_fn), config, streams)
+
+
+def _chunk_by_bucket(opt: PartitionedOptimizer, plan: BucketPlan) -> None:
+    """Hold each group's gradient partition in chunks: a new chunk wherever the bucket changes.
+
+    Each chunk starts released; the parameters' ``grad_partition`` is unbound until the
+    first reduction (:class:`BindingReduce`).
+    """
+    for group in opt.groups:
+        buckets = [plan.index.get(id(seg.param)) for seg in group.segments]
+        group.chunk_grads([i for i, b in enumerate(buckets) if i == 0 or b != buckets[i - 1]])
+        for seg in group.segments:
+            zero_params.state_of(seg.param).unbind_grad_partition()
+
+
+class BindingReduce:
+    """The reduce function of stage 3: binds each parameter's gradient partition, then reduces into it.
+
+    Between optimizer steps a ``CHUNKS`` gradient partition is freed
+    (:meth:`Stage3Partitioning.release_grads`); the first reduction of the next window makes
+    each bucket's chunk again, zeroed, just before adding into it, so the gradient partition
+    comes back one bucket at a time as backward runs (as FSDP2's sharded gradients do).
+    Micro-steps of one accumulation window add into the same chunks. A reduction only
+    reserves a released chunk, and fills it once the reduced partitions have arrived and the
+    gradients it sent are freed (``before_add`` of ``zero_params.reduce_scatter_grads``), so
+    the chunk is first written when the bucket lands, not while it is in flight.
+    """
+
+    __slots__ = ("_owners", "_reduce")
+
+    def __init__(self, optimizer: PartitionedOptimizer, reduce_fn: Callable[..., ReduceHandle]) -> None:
+        self._owners = {id(seg.param): (group, seg) for group, seg in optimizer.segments()}
+        self._reduce = reduce_fn
+
+    def __call__(self, params: Sequence[nn.Parameter], *, async_op: bool = False) -> ReduceHandle:
+        """Bind the gradient partition of each of ``params`` (its chunk made if released), then reduce."""
+        reserved: list[tuple[FlatGroup, Segment]] = []
+        for p in params:
+            owner = self._owners.get(id(p))
+            if owner is None:
+                continue
+            group, seg = owner
+            state = zero_params.state_of(p)
+            if group.grad_layout is GradLayout.CHUNKS and state.grad_partition is None:
+                grad = group.reserve_grad(seg)  # released (or never bound): filled when the rows land
+                reserved.append(owner)
+            else:
+                grad = group.grad_view(seg)
+            if state.grad_partition is not grad:
+                state.bind_grad_partition(grad)
+        if not reserved:
+            return self._reduce(params, async_op=async_op)
+        return self._reduce(params, async_op=async_op, before_add=functools.partial(_fill, tuple(reserved)))
+
+
+def _fill(reserved: Sequence[tuple[FlatGroup, Segment]]) -> None:
+    """Zero-fill the reserved chunks of ``reserved`` not filled yet (``grad_view`` fills them)."""
+    for group, seg in reserved:
+        group.grad_view(seg)
 
 
 def _bound_for(params: Sequence[nn.Parameter], dtype: torch.dtype) -> GradientBound:

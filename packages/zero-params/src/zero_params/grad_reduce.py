@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -38,6 +38,7 @@ class _ReduceOp:
     targets: list[torch.Tensor]
     runs: list[tuple[int, int]]
     bound: GradientBound | None = None
+    before_add: Callable[[], None] | None = None
 
     def wait(self) -> None:
         if self.comm is None:
@@ -45,10 +46,12 @@ class _ReduceOp:
         with profile_range("zero.params.reduce_scatter_grads.wait"), torch._C.DisableTorchFunction():
             with torch.no_grad():
                 reduced = self.comm.wait()
+                self.comm = None  # the gradients it sent are freed before the partitions are touched
                 if self.bound is not None:
                     reduced = self.bound.split(reduced)
+                if self.before_add is not None:
+                    self.before_add()
                 add_in_runs(self.targets, reduced, self.runs)
-        self.comm = None
         self.targets, self.runs = [], []
 
     def is_completed(self) -> bool:
@@ -78,8 +81,14 @@ def reduce_scatter_grads(
     *,
     async_op: bool = False,
     bound: GradientBound | None = None,
+    before_add: Callable[[], None] | None = None,
 ) -> GradReduceHandle:
-    """Average the full ``.grad`` of ``params`` over their shard groups, keep this rank's partition."""
+    """Average the full ``.grad`` of ``params`` over their shard groups, keep this rank's partition.
+
+    ``before_add`` (if given) is called once the reduced partitions have arrived and before
+    they are added into the gradient partitions (once per collective of the call): an owner
+    that reserved the partitions without filling them fills them there.
+    """
     with profile_range("zero.params.reduce_scatter_grads"), torch._C.DisableTorchFunction():
         buckets: dict[tuple[Any, ...], tuple[ReduceScatterStrategy, list[tuple[ShardedParam, torch.Tensor]]]]
         buckets = {}
@@ -103,7 +112,7 @@ def reduce_scatter_grads(
             p.grad = None
             key = (bucket_key(state.reduce_strategy), grad.dtype, grad.device)
             buckets.setdefault(key, (state.reduce_strategy, []))[1].append((state, grad.contiguous()))
-        ops = [_issue(strategy, pairs, async_op, bound) for strategy, pairs in buckets.values()]
+        ops = [_issue(strategy, pairs, async_op, bound, before_add) for strategy, pairs in buckets.values()]
         handle = GradReduceHandle(ops)
     if not async_op:
         handle.wait()
@@ -115,6 +124,7 @@ def _issue(
     pairs: list[tuple[ShardedParam, torch.Tensor]],
     async_op: bool,
     bound: GradientBound | None = None,
+    before_add: Callable[[], None] | None = None,
 ) -> _ReduceOp:
     """One collective over ``pairs``, so that ``wait()`` adds each adjacent run of gradient
     partitions with one ``add_``.
@@ -134,4 +144,4 @@ def _issue(
             )
         grads = bound.carried(grads)
     comm = strategy.reduce_scatter_coalesced(grads, op="avg", async_op=async_op)
-    return _ReduceOp(comm, targets, runs, bound)
+    return _ReduceOp(comm, targets, runs, bound, before_add)

@@ -259,6 +259,14 @@ class ShardedParam:
             view.copy_(self.grad_partition)
         self.grad_partition = view
 
+    def unbind_grad_partition(self) -> None:
+        """Forget the gradient partition: its owner (an optimizer's flat group) freed it after a step.
+
+        The next :meth:`bind_grad_partition` binds a new one; without it, the next reduction
+        allocates a zero-filled one (:meth:`ensure_grad_partition`).
+        """
+        self.grad_partition = None
+
     def bind_shard(self, view: torch.Tensor) -> None:
         """Make ``view`` (e.g. a slice of an optimizer's flat buffer) the storage of :attr:`shard`.
 
