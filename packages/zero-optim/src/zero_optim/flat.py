@@ -15,7 +15,6 @@ freed between optimizer steps and made again, zeroed, on first use
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import enum
 from collections.abc import Iterator, Sequence
 
@@ -24,25 +23,9 @@ from torch import nn
 
 from zero_offload import CopyStream, HostMemory
 from zero_optim.grad_chunks import GradChunks
+from zero_optim.segment import Segment
 
 __all__ = ["FlatGroup", "GradLayout", "Segment"]
-
-
-@dataclasses.dataclass(frozen=True)
-class Segment:
-    """Where one parameter's partition lives in its group's flat buffers.
-
-    Attributes:
-        param: The model parameter.
-        name: Its qualified name (for messages and state dicts).
-        offset: First element in the flat buffers.
-        numel: Elements of this rank's partition (padding included).
-    """
-
-    param: nn.Parameter
-    name: str
-    offset: int
-    numel: int
 
 
 class GradLayout(enum.Enum):

@@ -20,12 +20,10 @@ from __future__ import annotations
 import bisect
 import enum
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from zero_optim.flat import Segment
+from zero_optim.segment import Segment
 
 __all__ = ["ChunkState", "GradChunks"]
 
