@@ -273,17 +273,21 @@ def _memory_and_stats(rank):
     before = engine.model_state_bytes()
     x, y = _data(0)
     engine.backward(engine(x, y))
+    reduced = engine.model_state_bytes()
     engine.step()
     after = engine.model_state_bytes()
     padded = sum(partition_numel(n, rank.world_size) for n in numels)
-    return before, after, padded, engine.stats
+    return before, reduced, after, padded, engine.stats
 
 
 @pytest.mark.parametrize("world", [1, 2])
 def test_model_state_bytes_count_shards_gradients_and_optimizer_state_once(dist, world):
-    for before, after, padded, stats in dist.run(world, _memory_and_stats):
-        assert before == 8 * padded  # fp32 master (= the shards) + fp32 gradient partition
-        assert after == 16 * padded + 4  # + AdamW exp_avg and exp_avg_sq, and its 4-byte step counter
+    for before, reduced, after, padded, stats in dist.run(world, _memory_and_stats):
+        # stage 3 holds its fp32 gradient partition from the backward that reduces into it until
+        # the step has applied it
+        assert before == 4 * padded  # fp32 master (= the shards)
+        assert reduced == 8 * padded  # + the fp32 gradient partition
+        assert after == 12 * padded + 4  # master, AdamW exp_avg and exp_avg_sq, its 4-byte step counter
         assert stats.global_steps == 1
         assert stats.params.gathers > 0 and stats.params.max_live_elements > 0
         if world > 1:
