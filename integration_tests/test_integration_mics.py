@@ -205,10 +205,11 @@ def test_model_state_bytes_and_the_replica_consistency_check(dist):
     results = dist.run(4, _memory_and_replicas, shard, ranks_per_node=2)
     numels = results[0]["numels"]
     psi = sum(numels)
-    # fp32 AdamW: master 4 + gradient 4 + exp_avg 4 + exp_avg_sq 4 bytes per element of the
-    # shard-group partition (padding included), plus AdamW's 4-byte step counter
-    expected = 16 * sum(partition_numel(n, shard) for n in numels)
-    assert 16 * psi / shard <= expected <= 16 * (psi / shard + len(numels))
+    # after a step, fp32 AdamW: master 4 + exp_avg 4 + exp_avg_sq 4 bytes per element of the
+    # shard-group partition (padding included; the gradient partition is freed once the step
+    # applied it), plus AdamW's 4-byte step counter
+    expected = 12 * sum(partition_numel(n, shard) for n in numels)
+    assert 12 * psi / shard <= expected <= 12 * (psi / shard + len(numels))
     for res in results:
         assert res["bytes"] == expected + 4
     # the perturbed replicate group (ranks 0 and 2) fails naming itself, the tensor and the
