@@ -50,8 +50,14 @@ PACKAGE_DIRS = {
     "zero-testing": "packages/zero-testing",
 }
 TORCH = "torch==2.13.0"
+# Compiled bytecode of everything any session imports, kept across sessions under .nox (not beside
+# the sources). Packages are installed without .pyc files (--no-compile) and a machine may set
+# PYTHONDONTWRITEBYTECODE, in which case every process recompiled torch's modules at import:
+# about 3 of the 5 CPU seconds an ``import torch`` took, in each rank each test starts. Here the
+# first import of a module writes its bytecode and every later process, in any session, reads it.
+BYTECODE_ENV = {"PYTHONDONTWRITEBYTECODE": "", "PYTHONPYCACHEPREFIX": str(ROOT / ".nox" / "_pycache")}
 # Ranks of multi-process tests share 2 cores: one thread each.
-TEST_ENV = {"OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"}
+TEST_ENV = {"OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0", **BYTECODE_ENV}
 
 nox.options.default_venv_backend = "venv"
 nox.options.reuse_existing_virtualenvs = False
@@ -61,8 +67,8 @@ nox.options.error_on_missing_interpreters = True
 def _pip(session: nox.Session, *args: str) -> None:
     """``pip install`` into the session's venv, without compiling .pyc files up front.
 
-    Byte-compiling torch's ~5,000 modules is 20 of the 37 s a torch install takes, in each of CI's
-    14 venvs; Python compiles the few modules a session imports when it imports them.
+    Byte-compiling torch's ~5,000 modules is 20 of the 37 s a torch install takes; Python compiles
+    the modules a session imports when it first imports them, into :data:`BYTECODE_ENV`'s cache.
     """
     session.install("--no-compile", *args)
 
@@ -82,6 +88,7 @@ def _torch(session: nox.Session) -> None:
     files was 30-50 s of each of CI's 12 venvs that hold torch. What a session installs itself
     still lands in its own venv (and wins over the shared directory, which comes last on the path).
     """
+    session.env.update(BYTECODE_ENV)
     marker = SHARED_TORCH / "zero-shared-torch.txt"
     purelib = session.run(
         "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", silent=True
@@ -179,9 +186,19 @@ def _bench(session: nox.Session, only: str) -> None:
             session.run("python", "-m", "benchmarks", bench.name, *run.args, *where, env=bench.env())
 
 
+# Every zero package builds with hatchling alone (its pyproject's build-system).
+BUILD_BACKEND = "hatchling>=1.24"
+
+
 def _install(session: nox.Session, *dists: str, extras: str = "test", editable: bool = False) -> None:
-    """Install torch (pinned, shared: :func:`_torch`) then ``dists`` with their zero dependencies."""
+    """Install torch (pinned, shared: :func:`_torch`) then ``dists`` with their zero dependencies.
+
+    The packages build without isolation, with the hatchling installed once in the session's venv:
+    an isolated build makes a fresh environment and installs hatchling into it for each package
+    (seven for zero-full), about 35 of the 40 s an install of zero-full took.
+    """
     _torch(session)
+    _pip(session, BUILD_BACKEND)
     closure: list[str] = []
     for dist in dists:
         deps = _internal_deps(dist, tuple(e for e in extras.split(",") if e))
@@ -194,7 +211,7 @@ def _install(session: nox.Session, *dists: str, extras: str = "test", editable: 
             else str(ROOT / PACKAGE_DIRS[dist])
         )
         args += ["-e", target] if editable else [target]
-    _pip(session, "-c", CONSTRAINTS, *args)
+    _pip(session, "--no-build-isolation", "-c", CONSTRAINTS, *args)
 
 
 # Build order does not matter (each package builds alone); this one is the layer order.
@@ -209,7 +226,7 @@ def _build_dists(
     Building the wheel from the sdist checks that the sdist holds everything the wheel needs.
     ``--no-isolation``: hatchling is installed once in this session instead of once per build.
     """
-    _pip(session, "build>=1.2", "hatchling>=1.24")
+    _pip(session, "build>=1.2", BUILD_BACKEND)
     outdir.mkdir(parents=True, exist_ok=True)
     for old in [*outdir.glob("zero_*.whl"), *outdir.glob("zero_*.tar.gz")]:
         old.unlink()
@@ -242,6 +259,11 @@ def _venv_discarded(fn):
             location = getattr(venv, "location", None)
             if location and not getattr(venv, "reuse_existing", False):
                 shutil.rmtree(location, ignore_errors=True)
+                # The bytecode of the venv's own files (the prefix tree mirrors absolute paths).
+                cached = pathlib.Path(BYTECODE_ENV["PYTHONPYCACHEPREFIX"]) / pathlib.Path(
+                    location
+                ).resolve().relative_to("/")
+                shutil.rmtree(cached, ignore_errors=True)
                 session.log(f"removed the session's venv {location} (keep it with -R)")
 
     return run
@@ -304,10 +326,13 @@ def torch_smoke(session: nox.Session, release: str) -> None:
     package run (each package's main paths, a few minutes in all), then the stage 1/2/3 parity run
     of integration_tests/test_integration_stages.py.
     """
+    session.env.update(BYTECODE_ENV)
     companions = TORCH_COMPANIONS.get(release, [])
     _pip(session, release, *companions)
+    _pip(session, BUILD_BACKEND)
     _pip(
         session,
+        "--no-build-isolation",
         release,
         *companions,
         "pytest>=8",
@@ -357,7 +382,13 @@ def lint(session: nox.Session) -> None:
     """ruff (style, bugs, no bare assert in library code) and import-linter (the layer rule)."""
     _pip(session, "ruff>=0.6", "import-linter>=2.1")
     # import-linter only reads sources: install the packages without their dependencies.
-    _pip(session, "--no-deps", *(arg for d in PACKAGE_DIRS.values() for arg in ("-e", str(ROOT / d))))
+    _pip(session, BUILD_BACKEND)
+    _pip(
+        session,
+        "--no-deps",
+        "--no-build-isolation",
+        *(arg for d in PACKAGE_DIRS.values() for arg in ("-e", str(ROOT / d))),
+    )
     session.run("ruff", "check", str(ROOT))
     session.run("ruff", "format", "--check", str(ROOT))
     session.run("lint-imports", "--config", str(ROOT / "pyproject.toml"))
