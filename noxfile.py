@@ -1,6 +1,8 @@
 """Every workflow of the zero monorepo.
 
-    nox -t ci                 everything CI runs (README's test command)
+    nox -t ci                 everything CI runs (README's test command): suite, lint, wheels
+    nox -s suite              every package's unit tests, integration, docs and kernels, in one
+                              venv that grows up the layer stack
     nox -s tests              unit tests, one session per package, each in its own venv
                               holding only that package, its declared dependencies and torch
     nox -s kernels            Triton kernels vs their torch twins under TRITON_INTERPRET=1
@@ -85,7 +87,7 @@ def _torch(session: nox.Session) -> None:
     (with a marker naming the pin and the Python version; a different one starts it afresh); each
     session's venv gets a ``.pth`` file that appends that directory to ``sys.path``, so pip in the
     venv sees torch as installed and the ranks a test spawns import it too. Installing ~5,000
-    files was 30-50 s of each of CI's 12 venvs that hold torch. What a session installs itself
+    files was 30-50 s of each venv that holds torch. What a session installs itself
     still lands in its own venv (and wins over the shared directory, which comes last on the path).
     """
     session.env.update(BYTECODE_ENV)
@@ -246,8 +248,8 @@ def _has_tests(path: pathlib.Path) -> bool:
 def _venv_discarded(fn):
     """Remove the session's venv when the session ends, pass or fail (unless reused with ``-R``).
 
-    Every venv holds its own torch (~0.8 GB, ~2 GB with triton): ``nox -t ci`` runs 14 sessions, and
-    keeping them all filled CI's disk before the last one. This way the disk holds one at a time.
+    A venv holds up to ~1.5 GB (triton, DeepSpeed, transformers; torch is shared): keeping every
+    session's filled CI's disk before the last one. This way the disk holds one at a time.
     """
 
     @functools.wraps(fn)
@@ -272,7 +274,7 @@ def _venv_discarded(fn):
 UNIT_PACKAGES = [d for d in PACKAGE_DIRS]
 
 
-@nox.session(tags=["ci"])
+@nox.session
 @_venv_discarded
 @nox.parametrize("package", UNIT_PACKAGES, ids=UNIT_PACKAGES)
 def tests(session: nox.Session, package: str) -> None:
@@ -292,11 +294,87 @@ def tests(session: nox.Session, package: str) -> None:
     _pytest(session, pkg_dir / "tests", workers=workers)
 
 
+# The layer order: each package after every zero package it and its tests build on (checked).
+LAYERS = [
+    "zero-kernels",
+    "zero-comm",
+    "zero-testing",
+    "zero-offload",
+    "zero-params",
+    "zero-coord",
+    "zero-optim",
+    "zero-full",
+]
+
+
 @nox.session(tags=["ci"])
+@_venv_discarded
+def suite(session: nox.Session) -> None:
+    """Every test CI runs that needs torch, in one venv that grows up the layer stack.
+
+    Each package is installed when only the packages below it are: it must import beside them;
+    then its unit tests run with its test extras. After zero-full: the integration tests (with
+    the peers), the docs site, and last the Triton kernels under the interpreter (so no earlier
+    step sees triton). One venv instead of ten: each venv cost CI a minute or two of installing.
+    A failed step does not stop the later ones; the session fails at the end, naming each.
+    ``nox -s tests`` (a package alone in its venv), ``integration``, ``docs`` and ``kernels``
+    run the same steps one at a time.
+    """
+    for i, package in enumerate(LAYERS):
+        below = _internal_deps(package, ("test",))[:-1]
+        if not set(below) <= set(LAYERS[:i]):
+            session.error(f"LAYERS lists {package} before {sorted(set(below) - set(LAYERS[:i]))}")
+    _torch(session)
+    _pip(session, BUILD_BACKEND)
+    # zero-testing (the fixtures every package's tests use) joins once the layers it needs are in.
+    fixtures_need = set(_internal_deps("zero-testing")[:-1])
+    steps = [
+        (package, functools.partial(_layer, session, package, fixtures_need <= set(LAYERS[: i + 1])))
+        for i, package in enumerate(LAYERS)
+    ]
+    steps += [
+        ("integration", functools.partial(_integration_tests, session)),
+        ("docs", functools.partial(_docs_site, session)),
+        ("kernels under the Triton interpreter", functools.partial(_kernels_with_triton, session)),
+    ]
+    failed = []
+    for name, step in steps:
+        session.log(f"step: {name}")
+        try:
+            step()
+        except nox.command.CommandFailed:
+            failed.append(name)
+    if failed:
+        session.error("failed steps: " + ", ".join(failed))
+
+
+def _layer(session: nox.Session, package: str, fixtures: bool) -> None:
+    """``package`` installed beside the layers below it, imported, then its unit tests (with
+    zero-testing's fixtures if ``fixtures``)."""
+    path = ROOT / PACKAGE_DIRS[package]
+    _pip(session, "--no-build-isolation", "-c", CONSTRAINTS, str(path))
+    name = package.replace("-", "_")
+    session.run("python", "-c", f"import {name}; print({name}.__doc__.splitlines()[0])")
+    testing = [str(ROOT / PACKAGE_DIRS["zero-testing"])] if fixtures else []
+    _pip(session, "--no-build-isolation", "-c", CONSTRAINTS, f"{path}[test]", *testing)
+    _pytest(session, path / "tests")
+
+
+def _kernels_with_triton(session: nox.Session) -> None:
+    _pip(session, "--no-build-isolation", "-c", CONSTRAINTS, f"{ROOT / 'kernels'}[test,triton]")
+    _kernels_interpreted(session)
+
+
+@nox.session
 @_venv_discarded
 def kernels(session: nox.Session) -> None:
     """Triton kernels against their torch reference twins, on CPU under TRITON_INTERPRET=1."""
     _install(session, "zero-kernels", extras="test,triton")
+    _kernels_interpreted(session)
+
+
+def _kernels_interpreted(session: nox.Session) -> None:
+    """kernels/tests with triton installed, under its interpreter."""
     env = dict(TEST_ENV, TRITON_INTERPRET="1")
     # The Triton tests skip when triton is missing; here that would hide them, so fail loudly first.
     check = "import triton, triton.language; print('triton', triton.__version__)"
@@ -355,12 +433,17 @@ def torch_smoke(session: nox.Session, release: str) -> None:
 INTEGRATION_PEERS = ["deepspeed==0.19.8", "ninja", "accelerate>=1.0", "lightning>=2.4", "peft>=0.13"]
 
 
-@nox.session(tags=["ci"])
+@nox.session
 @_venv_discarded
 def integration(session: nox.Session) -> None:
     """End-to-end multi-process runs of the whole stack."""
-    tests_dir = ROOT / "integration_tests"
     _install(session, "zero-full", "zero-testing")
+    _integration_tests(session)
+
+
+def _integration_tests(session: nox.Session) -> None:
+    """The peers beside zero-full and zero-testing, then integration_tests/ and benchmarks/tests."""
+    tests_dir = ROOT / "integration_tests"
     # DeepSpeed: the peer the DeepSpeed-script and DeepSpeed-checkpoint tests run the same code under
     # (on the CPU it JIT-builds its shared-memory collective with ninja at its first run); grimp: the
     # import graph that test_integration_import_graph.py checks (import-linter's own); accelerate,
@@ -394,7 +477,7 @@ def lint(session: nox.Session) -> None:
     session.run("lint-imports", "--config", str(ROOT / "pyproject.toml"))
 
 
-@nox.session(tags=["ci"])
+@nox.session
 @_venv_discarded
 def docs(session: nox.Session) -> None:
     """The documentation site, built with --strict (broken links, API refs or undocumented names fail).
@@ -406,13 +489,24 @@ def docs(session: nox.Session) -> None:
     configuration reference from its config classes at build time.
     """
     _install(session, "zero-full", extras="")
-    _pip(session, "mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26")
-    site = pathlib.Path(session.create_tmp()) / "site"
-    env = {"NO_MKDOCS_2_WARNING": "1"}
     if session.posargs[:1] == ["serve"]:  # nox -s docs -- serve [mkdocs serve options]
+        _pip(session, *DOCS_TOOLS)
         config = str(ROOT / "mkdocs.yml")
-        session.run("mkdocs", "serve", "--strict", "--config-file", config, *session.posargs[1:], env=env)
+        session.run(
+            "mkdocs", "serve", "--strict", "--config-file", config, *session.posargs[1:], env=DOCS_ENV
+        )
         return
+    _docs_site(session)
+
+
+DOCS_TOOLS = ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"]
+DOCS_ENV = {"NO_MKDOCS_2_WARNING": "1"}
+
+
+def _docs_site(session: nox.Session) -> None:
+    """mkdocs build --strict into the session's tmp directory (zero-full already installed)."""
+    _pip(session, *DOCS_TOOLS)
+    site = pathlib.Path(session.create_tmp()) / "site"
     session.run(
         "mkdocs",
         "build",
@@ -421,7 +515,7 @@ def docs(session: nox.Session) -> None:
         str(ROOT / "mkdocs.yml"),
         "--site-dir",
         str(site),
-        env=env,
+        env=DOCS_ENV,
     )
     session.log(f"site built: {site / 'index.html'} (serve it with: nox -s docs -- serve)")
 
