@@ -194,7 +194,8 @@ def _bench(session: nox.Session, only: str) -> None:
 
 
 # Every zero package builds with hatchling alone (its pyproject's build-system).
-BUILD_BACKEND = "hatchling>=1.24"
+# (editables: what hatchling needs for an editable install built without isolation.)
+BUILD_BACKEND = ("hatchling>=1.24", "editables>=0.5")
 
 
 def _install(session: nox.Session, *dists: str, extras: str = "test", editable: bool = False) -> None:
@@ -205,7 +206,7 @@ def _install(session: nox.Session, *dists: str, extras: str = "test", editable: 
     (seven for zero-full), about 35 of the 40 s an install of zero-full took.
     """
     _torch(session)
-    _pip(session, BUILD_BACKEND)
+    _pip(session, *BUILD_BACKEND)
     closure: list[str] = []
     for dist in dists:
         deps = _internal_deps(dist, tuple(e for e in extras.split(",") if e))
@@ -233,7 +234,7 @@ def _build_dists(
     Building the wheel from the sdist checks that the sdist holds everything the wheel needs.
     ``--no-isolation``: hatchling is installed once in this session instead of once per build.
     """
-    _pip(session, "build>=1.2", BUILD_BACKEND)
+    _pip(session, "build>=1.2", *BUILD_BACKEND)
     outdir.mkdir(parents=True, exist_ok=True)
     for old in [*outdir.glob("zero_*.whl"), *outdir.glob("zero_*.tar.gz")]:
         old.unlink()
@@ -330,7 +331,7 @@ def suite(session: nox.Session) -> None:
         if not set(below) <= set(LAYERS[:i]):
             session.error(f"LAYERS lists {package} before {sorted(set(below) - set(LAYERS[:i]))}")
     _torch(session)
-    _pip(session, BUILD_BACKEND)
+    _pip(session, *BUILD_BACKEND)
     # zero-testing (the fixtures every package's tests use) joins once the layers it needs are in.
     fixtures_need = set(_internal_deps("zero-testing")[:-1])
     steps = [
@@ -412,7 +413,7 @@ def torch_smoke(session: nox.Session, release: str) -> None:
     session.env.update(BYTECODE_ENV)
     companions = TORCH_COMPANIONS.get(release, [])
     _pip(session, release, *companions)
-    _pip(session, BUILD_BACKEND)
+    _pip(session, *BUILD_BACKEND)
     _pip(
         session,
         "--no-build-isolation",
@@ -474,7 +475,7 @@ def lint(session: nox.Session) -> None:
     """ruff (style, bugs, no bare assert in library code) and import-linter (the layer rule)."""
     _pip(session, "ruff>=0.6", "import-linter>=2.1")
     # import-linter only reads sources: install the packages without their dependencies.
-    _pip(session, BUILD_BACKEND)
+    _pip(session, *BUILD_BACKEND)
     _pip(
         session,
         "--no-deps",
