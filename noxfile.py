@@ -198,6 +198,11 @@ def _bench(session: nox.Session, only: str) -> None:
 BUILD_BACKEND = ("hatchling>=1.24", "editables>=0.5")
 
 
+def _pip_local(session: nox.Session, *targets: str) -> None:
+    """Install checkout paths (``dir`` or ``dir[extras]``) built with the venv's own hatchling."""
+    _pip(session, "--no-build-isolation", "-c", CONSTRAINTS, *targets)
+
+
 def _install(session: nox.Session, *dists: str, extras: str = "test", editable: bool = False) -> None:
     """Install torch (pinned, shared: :func:`_torch`) then ``dists`` with their zero dependencies.
 
@@ -219,7 +224,7 @@ def _install(session: nox.Session, *dists: str, extras: str = "test", editable: 
             else str(ROOT / PACKAGE_DIRS[dist])
         )
         args += ["-e", target] if editable else [target]
-    _pip(session, "--no-build-isolation", "-c", CONSTRAINTS, *args)
+    _pip_local(session, *args)
 
 
 # Build order does not matter (each package builds alone); this one is the layer order.
@@ -358,16 +363,16 @@ def _layer(session: nox.Session, package: str, fixtures: bool) -> None:
     """``package`` installed beside the layers below it, imported, then its unit tests (with
     zero-testing's fixtures if ``fixtures``)."""
     path = ROOT / PACKAGE_DIRS[package]
-    _pip(session, "--no-build-isolation", "-c", CONSTRAINTS, str(path))
+    _pip_local(session, str(path))
     name = package.replace("-", "_")
     session.run("python", "-c", f"import {name}; print({name}.__doc__.splitlines()[0])")
     testing = [str(ROOT / PACKAGE_DIRS["zero-testing"])] if fixtures else []
-    _pip(session, "--no-build-isolation", "-c", CONSTRAINTS, f"{path}[test]", *testing)
+    _pip_local(session, f"{path}[test]", *testing)
     _pytest(session, path / "tests")
 
 
 def _kernels_with_triton(session: nox.Session) -> None:
-    _pip(session, "--no-build-isolation", "-c", CONSTRAINTS, f"{ROOT / 'kernels'}[test,triton]")
+    _pip_local(session, f"{ROOT / 'kernels'}[test,triton]")
     _kernels_interpreted(session)
 
 
