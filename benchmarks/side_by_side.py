@@ -471,7 +471,7 @@ def build_parser() -> BenchmarkParser:
         warmup=2,
         steps=6,
     )
-    parser.add_argument("--workload", choices=("gpt2", "mlp"), default="gpt2")
+    parser.add_argument("--workload", choices=("gpt2", "mlp", "linear"), default="gpt2")
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--impls", nargs="+", default=BY_DEFAULT, choices=DISTRIBUTED)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds any one run may take")

@@ -471,8 +471,8 @@ IMPLEMENTATIONS: dict[str, Callable[..., Runner]] = {
     **{f"zero-{k}": _zero(k) for k in (1, 2, 3)},
     "zero-3-compiled": _zero(3, compiled=True),
     # an empty section (zero's defaults, sized from the model) and DeepSpeed's default sizes given
-    "zero-3-unset": _zero(3, sizes="unset"),
-    "zero-3-dsdefaults": _zero(3, sizes="deepspeed"),
+    **{f"zero-{k}-unset": _zero(k, sizes="unset") for k in (1, 2, 3)},
+    **{f"zero-{k}-dsdefaults": _zero(k, sizes="deepspeed") for k in (1, 2, 3)},
 }
-DEFAULT_SIZES = ("zero-3-unset", "zero-3-dsdefaults")
+DEFAULT_SIZES = tuple(f"zero-{k}-{sizes}" for k in (1, 2, 3) for sizes in ("unset", "dsdefaults"))
 """Implementations that compare default sizes: chosen by name only (not in default lists)."""
