@@ -4,7 +4,9 @@
   ``EventAccumulator``) hold, per optimizer step, the mean of the step's losses and the learning
   rate the engine had, at DeepSpeed's step axis (samples seen), at world 1 and 2, through
   ``zero_full.initialize`` and ``zero_full.deepspeed.initialize``; only rank 0 writes.
-* ``wandb``: ``wandb.init`` / ``wandb.log`` of a test double module get the same numbers.
+* ``wandb``: ``wandb.init`` / ``wandb.log`` of a test double module get the same numbers;
+  ``comet``: ``comet_ml.start`` / ``log_metric`` of a double, each event again only
+  ``samples_log_interval`` samples after it was last logged (DeepSpeed's rule).
 * A section whose package is missing: one WARNING naming the package; the run goes on.
 * ``comms_logger``: the table counts every collective the engine's ledger counted.
 * ``flops_profiler``: the forward FLOPs of the profiled step equal ``2 * batch * in * out`` per
@@ -187,6 +189,61 @@ def test_wandb_gets_the_runs_numbers_from_rank_0(dist, tmp_path, world):
     assert [d["Train/Samples/lr"] for _, d in first["log"]] == first["lrs"]
     for other in results[1:]:
         assert other["init"] == [] and other["log"] == []
+
+
+def _with_fake_comet(rank, config: dict) -> dict:
+    calls: dict = {"start": [], "name": [], "metrics": [], "end": 0}
+    fake = types.ModuleType("comet_ml")
+
+    class Experiment:
+        def set_name(self, name: str) -> None:
+            calls["name"].append(name)
+
+        def log_metric(self, name: str, value: float, step: int | None = None) -> None:
+            calls["metrics"].append((name, step, value))
+
+        def end(self) -> None:
+            calls["end"] += 1
+
+    def start(**kwargs):
+        calls["start"].append(kwargs)
+        return Experiment()
+
+    fake.start = start
+    sys.modules["comet_ml"] = fake
+    try:
+        trained = _train(rank, config, "deepspeed")
+    finally:
+        del sys.modules["comet_ml"]
+    return {**trained, **calls}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_comet_logs_each_event_once_per_sample_interval_from_rank_0(dist, tmp_path, world):
+    per_step = MICRO * ACCUM * world
+    comet = {"enabled": True, "project": "p", "workspace": "w", "experiment_name": "run"}
+    config = _config(str(tmp_path), comet={**comet, "samples_log_interval": 2 * per_step, "mode": "create"})
+    results = dist.run(world, _with_fake_comet, config)
+    first = results[0]
+    assert first["start"] == [
+        {
+            "api_key": None,
+            "project": "p",
+            "workspace": "w",
+            "experiment_key": None,
+            "mode": "create",
+            "online": None,
+        }
+    ]
+    assert first["name"] == ["run"] and first["end"] == 1
+    losses = [(step, value) for name, step, value in first["metrics"] if name == "Train/Samples/train_loss"]
+    # steps at per_step, 2 per_step, 3 per_step: logged at the first and 2 x per_step after it
+    assert [step for step, _ in losses] == [per_step, 3 * per_step]
+    assert [v for _, v in losses] == pytest.approx([first["losses"][0], first["losses"][2]], rel=1e-6)
+    lrs = [(step, value) for name, step, value in first["metrics"] if name == "Train/Samples/lr"]
+    assert [v for _, v in lrs] == [first["lrs"][0], first["lrs"][2]]
+    for other in results[1:]:
+        assert other["start"] == [] and other["metrics"] == []
 
 
 def test_a_missing_package_is_one_warning_naming_it(tmp_path, monkeypatch, caplog):

@@ -1,5 +1,5 @@
-"""DeepSpeed's monitoring sections: ``tensorboard``, ``wandb``, ``csv_monitor``, ``comms_logger``,
-``flops_profiler``.
+"""DeepSpeed's monitoring sections: ``tensorboard``, ``wandb``, ``comet``, ``csv_monitor``,
+``comms_logger``, ``flops_profiler``.
 
 Each is a top-level section of a DeepSpeed config with DeepSpeed's keys and defaults;
 :mod:`zero_full.monitor` builds one writer per enabled section, fed by the engine after each
@@ -8,12 +8,13 @@ optimizer step on rank 0 (see the DeepSpeed migration page for the files and eve
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar
+from typing import Annotated, ClassVar, Literal
 
 from zero_full.config.base import Section
 from zero_full.config.types import IMPLEMENTED, Flag, Ignored, Int, Key
 
 __all__ = [
+    "CometConfig",
     "CommsLoggerConfig",
     "CsvMonitorConfig",
     "FlopsProfilerConfig",
@@ -51,6 +52,35 @@ class WandbConfig(Section):
     """The team, W&B's entity (``wandb.init(entity=...)``)."""
     project: Annotated[str, _USED] = "deepspeed"
     """The project (``wandb.init(project=...)``)."""
+
+
+class CometConfig(Section):
+    """``comet``: the step's events logged to a Comet experiment (needs the ``comet_ml`` package).
+
+    Keys left ``null`` are left to Comet's own configuration (``.comet.config``, ``COMET_*``
+    environment variables), as DeepSpeed does.
+    """
+
+    _PATH: ClassVar[tuple[str, ...]] = ("comet",)
+
+    enabled: Annotated[Flag, _USED] = False
+    """Start an experiment with ``comet_ml.start`` and log each event to it (rank 0)."""
+    samples_log_interval: Annotated[Int(1), _USED] = 100
+    """An event is logged again only after this many more samples (its first value always)."""
+    project: Annotated[str | None, _USED] = None
+    """The Comet project."""
+    workspace: Annotated[str | None, _USED] = None
+    """The Comet workspace."""
+    api_key: Annotated[str | None, _USED] = None
+    """The Comet API key."""
+    experiment_name: Annotated[str | None, _USED] = None
+    """The experiment's name (``experiment.set_name``)."""
+    experiment_key: Annotated[str | None, _USED] = None
+    """The key of the experiment to log to (32 to 50 alphanumeric characters)."""
+    online: Annotated[bool | None, _USED] = None
+    """Log to the Comet server (``false``: an offline experiment stored locally)."""
+    mode: Annotated[Literal["get", "create", "get_or_create"] | None, _USED] = None
+    """``"get"``, ``"create"`` or ``"get_or_create"`` (Comet's default)."""
 
 
 class CsvMonitorConfig(Section):

@@ -21,6 +21,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from zero_full.config.base import KeyReport, Section, key_report
 from zero_full.config.monitoring import (
+    CometConfig,
     CommsLoggerConfig,
     CsvMonitorConfig,
     FlopsProfilerConfig,
@@ -154,6 +155,8 @@ class ZeroConfig(Section):
     """TensorBoard events of each optimizer step (section below)."""
     wandb: Annotated[WandbConfig, _USED] = Field(default_factory=WandbConfig)
     """Weights & Biases logging of each optimizer step (section below)."""
+    comet: Annotated[CometConfig, _USED] = Field(default_factory=CometConfig)
+    """Comet logging of each optimizer step (section below)."""
     csv_monitor: Annotated[CsvMonitorConfig, _USED] = Field(default_factory=CsvMonitorConfig)
     """CSV files of each optimizer step's events (section below)."""
     comms_logger: Annotated[CommsLoggerConfig, _USED] = Field(default_factory=CommsLoggerConfig)

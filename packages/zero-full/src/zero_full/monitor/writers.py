@@ -3,7 +3,9 @@
 * :class:`CsvWriter` (``csv_monitor``): DeepSpeed's layout, one file per event under
   ``output_path/job_name``, named after the event with ``/`` as ``_``, header ``step,<last part>``;
 * :class:`TensorBoardWriter` (``tensorboard``): ``SummaryWriter(output_path/job_name).add_scalar``;
-* :class:`WandbWriter` (``wandb``): ``wandb.init(project, group, entity=team)`` and ``wandb.log``.
+* :class:`WandbWriter` (``wandb``): ``wandb.init(project, group, entity=team)`` and ``wandb.log``;
+* :class:`CometWriter` (``comet``): ``comet_ml.start(...)`` and ``log_metric`` per event, each
+  event at most once per ``samples_log_interval`` samples (DeepSpeed's rule).
 """
 
 from __future__ import annotations
@@ -17,9 +19,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
+from zero_full.config.monitoring import CometConfig
 from zero_full.config.zero_config import ZeroConfig
 
-__all__ = ["CsvWriter", "Event", "TensorBoardWriter", "WandbWriter", "Writer", "build_writers"]
+__all__ = ["CometWriter", "CsvWriter", "Event", "TensorBoardWriter", "WandbWriter", "Writer", "build_writers"]
 
 logger = logging.getLogger("zero.monitor")
 
@@ -102,6 +105,35 @@ class WandbWriter:
             self.run.finish()
 
 
+class CometWriter:
+    """``comet``: ``log_metric`` per event, an event again only ``samples_log_interval`` samples later."""
+
+    def __init__(self, config: CometConfig) -> None:
+        comet_ml: Any = importlib.import_module("comet_ml")
+        self.experiment = comet_ml.start(
+            api_key=config.api_key,
+            project=config.project,
+            workspace=config.workspace,
+            experiment_key=config.experiment_key,
+            mode=config.mode,
+            online=config.online,
+        )
+        if config.experiment_name is not None:
+            self.experiment.set_name(config.experiment_name)
+        self.interval = config.samples_log_interval
+        self._logged_at: dict[str, int] = {}
+
+    def write(self, events: Sequence[Event]) -> None:
+        for event in events:
+            last = self._logged_at.get(event.name)
+            if last is None or event.step - last >= self.interval:
+                self._logged_at[event.name] = event.step
+                self.experiment.log_metric(event.name, event.value, step=event.step)
+
+    def close(self) -> None:
+        self.experiment.end()
+
+
 def _installed(section: str, package: str) -> bool:
     if package in sys.modules or importlib.util.find_spec(package) is not None:
         return True
@@ -126,4 +158,6 @@ def build_writers(config: ZeroConfig) -> list[Writer]:
         writers.append(TensorBoardWriter(tb.output_path, tb.job_name))
     if wb.enabled and _installed("wandb", "wandb"):
         writers.append(WandbWriter(wb.project, wb.group, wb.team))
+    if config.comet.enabled and _installed("comet", "comet_ml"):
+        writers.append(CometWriter(config.comet))
     return writers
