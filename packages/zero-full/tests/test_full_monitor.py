@@ -154,9 +154,8 @@ def test_csv_and_tensorboard_hold_the_engines_loss_and_lr_per_step(dist, tmp_pat
     assert {"Train/Samples/step_time_ms", "Train/Samples/peak_rss_bytes"} <= set(scalars)
 
 
-def _with_fake_wandb(rank, config: dict) -> dict:
-    calls: dict = {"init": [], "log": [], "finish": 0}
-    fake = types.ModuleType("wandb")
+def _fake_wandb(fake: types.ModuleType, calls: dict) -> None:
+    calls.update(init=[], log=[], finish=0)
 
     class Run:
         def finish(self) -> None:
@@ -168,32 +167,10 @@ def _with_fake_wandb(rank, config: dict) -> dict:
 
     fake.init = init
     fake.log = lambda data, step=None: calls["log"].append((step, dict(data)))
-    sys.modules["wandb"] = fake
-    try:
-        trained = _train(rank, config, "zero")
-    finally:
-        del sys.modules["wandb"]
-    return {**trained, **calls}
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_wandb_gets_the_runs_numbers_from_rank_0(dist, tmp_path, world):
-    config = _config(str(tmp_path), wandb={"enabled": True, "project": "p", "group": "g", "team": "t"})
-    results = dist.run(world, _with_fake_wandb, config)
-    first = results[0]
-    assert first["init"] == [{"project": "p", "group": "g", "entity": "t"}] and first["finish"] == 1
-    assert [step for step, _ in first["log"]] == [MICRO * ACCUM * world * (i + 1) for i in range(STEPS)]
-    assert [d["Train/Samples/train_loss"] for _, d in first["log"]] == pytest.approx(
-        first["losses"], rel=1e-6
-    )
-    assert [d["Train/Samples/lr"] for _, d in first["log"]] == first["lrs"]
-    for other in results[1:]:
-        assert other["init"] == [] and other["log"] == []
-
-
-def _with_fake_comet(rank, config: dict) -> dict:
-    calls: dict = {"start": [], "name": [], "metrics": [], "end": 0}
-    fake = types.ModuleType("comet_ml")
+def _fake_comet(fake: types.ModuleType, calls: dict) -> None:
+    calls.update(start=[], name=[], metrics=[], end=0)
 
     class Experiment:
         def set_name(self, name: str) -> None:
@@ -210,12 +187,34 @@ def _with_fake_comet(rank, config: dict) -> dict:
         return Experiment()
 
     fake.start = start
-    sys.modules["comet_ml"] = fake
+
+
+def _train_beside_double(rank, config: dict, api: str, package: str, build) -> dict:
+    """``_train`` with a test double installed as module ``package`` (``build`` fills it); its calls."""
+    calls: dict = {}
+    fake = types.ModuleType(package)
+    build(fake, calls)
+    sys.modules[package] = fake
     try:
-        trained = _train(rank, config, "deepspeed")
+        trained = _train(rank, config, api)
     finally:
-        del sys.modules["comet_ml"]
+        del sys.modules[package]
     return {**trained, **calls}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_wandb_gets_the_runs_numbers_from_rank_0(dist, tmp_path, world):
+    config = _config(str(tmp_path), wandb={"enabled": True, "project": "p", "group": "g", "team": "t"})
+    results = dist.run(world, _train_beside_double, config, "zero", "wandb", _fake_wandb)
+    first = results[0]
+    assert first["init"] == [{"project": "p", "group": "g", "entity": "t"}] and first["finish"] == 1
+    assert [step for step, _ in first["log"]] == [MICRO * ACCUM * world * (i + 1) for i in range(STEPS)]
+    assert [d["Train/Samples/train_loss"] for _, d in first["log"]] == pytest.approx(
+        first["losses"], rel=1e-6
+    )
+    assert [d["Train/Samples/lr"] for _, d in first["log"]] == first["lrs"]
+    for other in results[1:]:
+        assert other["init"] == [] and other["log"] == []
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -223,7 +222,7 @@ def test_comet_logs_each_event_once_per_sample_interval_from_rank_0(dist, tmp_pa
     per_step = MICRO * ACCUM * world
     comet = {"enabled": True, "project": "p", "workspace": "w", "experiment_name": "run"}
     config = _config(str(tmp_path), comet={**comet, "samples_log_interval": 2 * per_step, "mode": "create"})
-    results = dist.run(world, _with_fake_comet, config)
+    results = dist.run(world, _train_beside_double, config, "deepspeed", "comet_ml", _fake_comet)
     first = results[0]
     assert first["start"] == [
         {

@@ -110,14 +110,10 @@ class CometWriter:
 
     def __init__(self, config: CometConfig) -> None:
         comet_ml: Any = importlib.import_module("comet_ml")
-        self.experiment = comet_ml.start(
-            api_key=config.api_key,
-            project=config.project,
-            workspace=config.workspace,
-            experiment_key=config.experiment_key,
-            mode=config.mode,
-            online=config.online,
+        given = config.model_dump(
+            include={"api_key", "project", "workspace", "experiment_key", "mode", "online"}
         )
+        self.experiment = comet_ml.start(**given)
         if config.experiment_name is not None:
             self.experiment.set_name(config.experiment_name)
         self.interval = config.samples_log_interval
