@@ -457,15 +457,19 @@ def waits_table(per_rank: list[list[dict[str, Any]]]) -> str:
     )
 
 
-def markdown(result: dict[str, Any]) -> str:
+def markdown(result: dict[str, Any], docs: bool = False) -> str:
+    """The results file's text; ``docs``: the docs block's, without the per-wait and per-op tables
+    (the page points to the results file for them)."""
     s, meta = result["summary"], result["meta"]
     step = s["profiled_step_ms"]
     rows = [(k, f"{v:.1f}", f"{100 * v / step:.1f}%") for k, v in s["breakdown_ms"].items()]
     rows.append(("**profiled step (wall)**", f"{step:.1f}", "100%"))
     gloo = ", ".join(f"{v:.1f}" for v in s["other_threads_cpu_ms"])
     main = ", ".join(f"{v:.1f}" for v in s["main_thread_cpu_ms"])
-    waits = waits_table(s.get("waits", []))
-    differences = differences_table(s.get("op_differences", []), *s.get("ops_total_ms", [0.0, 0.0]))
+    waits = "" if docs else waits_table(s.get("waits", []))
+    differences = (
+        "" if docs else differences_table(s.get("op_differences", []), *s.get("ops_total_ms", [0.0, 0.0]))
+    )
     floor_rows = [
         ("DDP step (median of the slowest rank)", f"{s['ddp_step_s'] * 1e3:.1f} ms"),
         ("zero step, released", f"{s['zero3_step_s'] * 1e3:.1f} ms ({s['ratio_to_ddp']:.2f}x DDP)"),
@@ -576,7 +580,7 @@ def main(argv: Sequence[str]) -> None:
     )
     result = {"meta": meta, "raw": raw, "summary": summarize(args, raw, psi)}
     text = markdown(result)
-    Report("profile_step", result, text, meta["command"], block=BLOCK, docs_text=text).write(
-        args.out, args.docs
-    )
+    Report(
+        "profile_step", result, text, meta["command"], block=BLOCK, docs_text=markdown(result, docs=True)
+    ).write(args.out, args.docs)
     print(text)

@@ -215,3 +215,19 @@ def _sections(cls, name, annotation):
         return list(cls.params_sections())
     args = (annotation, *getattr(annotation, "__args__", ()))
     return [a for a in args if isinstance(a, type) and issubclass(a, Section)]
+
+
+def test_the_benchmarks_page_reads_in_five_minutes_and_quotes_results_files():
+    """docs/benchmarks.md stays short (the detail lives in the results files), and every results
+    file it quotes figures from (outside its index of benchmarks) exists and names its command."""
+    page = (ROOT / "docs" / "benchmarks.md").read_text()
+    assert len(page.splitlines()) <= 300, "docs/benchmarks.md is over 300 lines: move detail to results files"
+    text = "\n".join(line for line in page.splitlines() if not line.startswith("| `"))  # not the index
+    quoted = sorted(set(re.findall(r"`(?:benchmarks/results/)?([a-z0-9_]+\.md)`", text)))
+    assert len(quoted) >= 5, f"the page quotes too few results files: {quoted}"
+    results = ROOT / "benchmarks" / "results"
+    for name in quoted:
+        assert (results / name).exists(), f"docs/benchmarks.md quotes benchmarks/results/{name}: missing"
+        assert re.search(r"python (-m benchmarks|benchmarks/)", (results / name).read_text()), (
+            f"benchmarks/results/{name} does not name the command that wrote it"
+        )
