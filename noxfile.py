@@ -11,7 +11,7 @@
     nox -s lint               ruff + import-linter layer contracts
     nox -s docs               mkdocs build --strict (prints where the site is); -- serve: serve it
     nox -s build              every package's wheel and sdist into dist/
-    nox -s wheels             install zero-full / zero-comm by name from freshly built wheels, smoke test
+    nox -s wheels             install zero-comm, then zero-full, by name from freshly built wheels, smoke test
     nox -s demo               the demo, zero train (README's demo command)
     nox -s bench              benchmarks, results under benchmarks/results/
     nox -s cluster-bench      step time and inter-node bytes on a simulated 2-node cluster (root)
@@ -546,45 +546,45 @@ def build(session: nox.Session) -> None:
 
 @nox.session(tags=["ci"])
 @_venv_discarded
-@nox.parametrize("dist", ["zero-full", "zero-comm"], ids=["zero-full", "zero-comm"])
-def wheels(session: nox.Session, dist: str) -> None:
-    """Install ``dist`` by name from freshly built wheels (not editable, not the source tree); smoke test.
+def wheels(session: nox.Session) -> None:
+    """Install zero-comm, then zero-full, by name from freshly built wheels (not editable, not the
+    source tree); smoke test each.
 
-    zero-full: every package imports, ``zero report``, README's ``train.py`` under torchrun on 2 ranks,
-    ``zero consolidate``; zero-comm alone: it imports, no other zero package came with it, its
-    2-rank demo. Every command must exit 0 with nothing that looks like a warning on stderr
+    zero-comm first, alone: it imports, no other zero package came with it, its 2-rank demo; its
+    wheelhouse holds only zero-comm, so any zero dependency it gained fails the install. Then
+    zero-full into the same venv from the wheelhouse of every product package: every package
+    imports, ``zero report``, README's ``train.py`` under torchrun on 2 ranks, ``zero
+    consolidate``. Every command must exit 0 with nothing that looks like a warning on stderr
     (integration_tests/wheel_smoke.py).
     """
     wheelhouse = pathlib.Path(session.create_tmp()) / "dist"
-    # zero-full's wheelhouse holds every product package; zero-comm's only zero-comm, so any zero
-    # dependency it gained would fail the install.
-    _build_dists(
-        session,
-        wheelhouse,
-        [d for d in BUILD_ORDER if d != "zero-testing"] if dist == "zero-full" else [dist],
-    )
+    _build_dists(session, wheelhouse, [d for d in BUILD_ORDER if d != "zero-testing"])
+    comm_only = wheelhouse.parent / "dist-zero-comm"
+    shutil.rmtree(comm_only, ignore_errors=True)
+    comm_only.mkdir()
+    for built in wheelhouse.glob("zero_comm-*.whl"):
+        shutil.copy2(built, comm_only)
     _torch(session)
-    # The built wheels are found by name; every other requirement comes from the index.
-    _pip(session, "-c", CONSTRAINTS, "--find-links", str(wheelhouse), dist)
-    if (
-        dist == "zero-full"
-    ):  # the demo extra resolves too (not installed: the smoke test needs no transformers)
-        session.run(
-            "python",
-            "-m",
-            "pip",
-            "install",
-            "--dry-run",
-            "-q",
-            "-c",
-            CONSTRAINTS,
-            "--find-links",
-            str(wheelhouse),
-            "zero-full[demo]",
-        )
     smoke = str(ROOT / "integration_tests" / "wheel_smoke.py")
+    for dist, house in (("zero-comm", comm_only), ("zero-full", wheelhouse)):
+        # The built wheels are found by name; every other requirement comes from the index.
+        _pip(session, "-c", CONSTRAINTS, "--find-links", str(house), dist)
+        session.run(
+            "python", smoke, dist, "--readme", str(ROOT / "README.md"), "--source", str(ROOT), env=TEST_ENV
+        )
+    # The demo extra resolves too (not installed: the smoke test needs no transformers).
     session.run(
-        "python", smoke, dist, "--readme", str(ROOT / "README.md"), "--source", str(ROOT), env=TEST_ENV
+        "python",
+        "-m",
+        "pip",
+        "install",
+        "--dry-run",
+        "-q",
+        "-c",
+        CONSTRAINTS,
+        "--find-links",
+        str(wheelhouse),
+        "zero-full[demo]",
     )
 
 
