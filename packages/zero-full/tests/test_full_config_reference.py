@@ -248,3 +248,14 @@ def test_ignored_and_refused_keys_are_reported_as_the_page_says(key):
         assert line.startswith(f"{key.path} = ") and status.reason in line
         assert "Not implemented yet" in key.description
     assert len(DECLARED) >= 14  # zero_quantized_nontrainable_weights became IMPLEMENTED
+
+
+def test_plain_types_read_as_json_values_not_python_annotations():
+    page = render_markdown()
+    rows = {
+        m.group(1): m.group(2)
+        for m in re.finditer(r"^\| `(mode|api_key|group)` \| ([^|]+(?:\\\|[^|]+)*) \|", page, re.M)
+    }
+    assert rows["mode"] == '`"get"` \\| `"create"` \\| `"get_or_create"` or null'
+    assert rows["api_key"].startswith("str (secret") and rows["group"] == "str or null"
+    assert "Optional" not in page and "typing." not in page and "pydantic." not in page

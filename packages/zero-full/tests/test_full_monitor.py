@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import io
+import json
 import logging
 import sys
 import types
@@ -31,6 +32,7 @@ import zero_full
 import zero_full.deepspeed as deepspeed
 from zero_full.config.prepare import validate_deepspeed
 from zero_full.monitor import build_writers
+from zero_full.monitor.writers import Event
 
 MICRO, ACCUM, STEPS = 2, 2, 3
 
@@ -220,13 +222,13 @@ def test_wandb_gets_the_runs_numbers_from_rank_0(dist, tmp_path, world):
 @pytest.mark.parametrize("world", [1, 2])
 def test_comet_logs_each_event_once_per_sample_interval_from_rank_0(dist, tmp_path, world):
     per_step = MICRO * ACCUM * world
-    comet = {"enabled": True, "project": "p", "workspace": "w", "experiment_name": "run"}
+    comet = {"enabled": True, "project": "p", "workspace": "w", "experiment_name": "run", "api_key": "k3y"}
     config = _config(str(tmp_path), comet={**comet, "samples_log_interval": 2 * per_step, "mode": "create"})
     results = dist.run(world, _train_beside_double, config, "deepspeed", "comet_ml", _fake_comet)
     first = results[0]
     assert first["start"] == [
         {
-            "api_key": None,
+            "api_key": "k3y",
             "project": "p",
             "workspace": "w",
             "experiment_key": None,
@@ -243,6 +245,22 @@ def test_comet_logs_each_event_once_per_sample_interval_from_rank_0(dist, tmp_pa
     assert [v for _, v in lrs] == [first["lrs"][0], first["lrs"][2]]
     for other in results[1:]:
         assert other["start"] == [] and other["metrics"] == []
+
+
+def test_comets_api_key_stays_out_of_the_configs_dumps_and_interval_0_logs_every_step():
+    config, _ = validate_deepspeed({"comet": {"enabled": True, "api_key": "k3y", "samples_log_interval": 0}})
+    assert config.comet.api_key.get_secret_value() == "k3y"
+    dumped = json.dumps(config.model_dump(mode="json"))  # what checkpoint manifests and agreement use
+    assert "k3y" not in dumped and "k3y" not in repr(config)
+    calls: dict = {}
+    fake = types.ModuleType("comet_ml")
+    _fake_comet(fake, calls)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "comet_ml", fake)
+        (writer,) = build_writers(config)
+    writer.write([Event("a", 1.0, 4), Event("a", 2.0, 4), Event("a", 3.0, 8)])
+    assert calls["start"][0]["api_key"] == "k3y"
+    assert [(step, value) for _, step, value in calls["metrics"]] == [(4, 1.0), (4, 2.0), (8, 3.0)]
 
 
 def test_a_missing_package_is_one_warning_naming_it(tmp_path, monkeypatch, caplog):

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Annotated, ClassVar, Literal
 
+from pydantic import SecretStr
+
 from zero_full.config.base import Section
 from zero_full.config.types import IMPLEMENTED, Flag, Ignored, Int, Key
 
@@ -65,14 +67,15 @@ class CometConfig(Section):
 
     enabled: Annotated[Flag, _USED] = False
     """Start an experiment with ``comet_ml.start`` and log each event to it (rank 0)."""
-    samples_log_interval: Annotated[Int(1), _USED] = 100
-    """An event is logged again only after this many more samples (its first value always)."""
+    samples_log_interval: Annotated[Int(0), _USED] = 100
+    """An event is logged again only after this many more samples (its first value always; 0:
+    every step)."""
     project: Annotated[str | None, _USED] = None
     """The Comet project."""
     workspace: Annotated[str | None, _USED] = None
     """The Comet workspace."""
-    api_key: Annotated[str | None, _USED] = None
-    """The Comet API key."""
+    api_key: Annotated[SecretStr | None, _USED] = None
+    """The Comet API key (kept out of the config's dumps: checkpoint manifests, agreement messages)."""
     experiment_name: Annotated[str | None, _USED] = None
     """The experiment's name (``experiment.set_name``)."""
     experiment_key: Annotated[str | None, _USED] = None

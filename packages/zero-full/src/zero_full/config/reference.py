@@ -10,11 +10,12 @@ import inspect
 import re
 import sys
 import textwrap
+import types
 import typing
 from collections.abc import Iterator
 from typing import Any
 
-from pydantic import BeforeValidator
+from pydantic import BeforeValidator, SecretStr
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
@@ -200,7 +201,20 @@ def _type_text(info: FieldInfo) -> str:
     enum_cls = next((a for a in (info.annotation, *typing.get_args(info.annotation)) if _is_enum(a)), None)
     if enum_cls is not None:
         return " | ".join(f'`"{m.value}"`' for m in enum_cls)
-    return getattr(info.annotation, "__name__", str(info.annotation))
+    return _plain_type(info.annotation)
+
+
+def _plain_type(annotation: Any) -> str:
+    """A type without a validator of ours: ``str or null``, ``"a" | "b"`` (``Literal``), ``str (secret)``."""
+    args = typing.get_args(annotation)
+    if typing.get_origin(annotation) is typing.Literal:
+        return " | ".join(f'`"{value}"`' for value in args)
+    if args and typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        text = " | ".join(_plain_type(a) for a in args if a is not type(None))
+        return text + (" or null" if type(None) in args else "")
+    if annotation is SecretStr:
+        return "str (secret: not written to checkpoints or logs)"
+    return getattr(annotation, "__name__", str(annotation))
 
 
 def _is_enum(obj: Any) -> bool:

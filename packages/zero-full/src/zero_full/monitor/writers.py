@@ -110,10 +110,9 @@ class CometWriter:
 
     def __init__(self, config: CometConfig) -> None:
         comet_ml: Any = importlib.import_module("comet_ml")
-        given = config.model_dump(
-            include={"api_key", "project", "workspace", "experiment_key", "mode", "online"}
-        )
-        self.experiment = comet_ml.start(**given)
+        given = config.model_dump(include={"project", "workspace", "experiment_key", "mode", "online"})
+        key = config.api_key.get_secret_value() if config.api_key is not None else None
+        self.experiment = comet_ml.start(api_key=key, **given)
         if config.experiment_name is not None:
             self.experiment.set_name(config.experiment_name)
         self.interval = config.samples_log_interval
