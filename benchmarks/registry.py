@@ -44,20 +44,7 @@ class Benchmark:
 _EVERY = ("--impls", "ddp", "fsdp2", "zero-1", "zero-2", "zero-3")
 # Each stage with its sizes left unset (sized from the model) against DeepSpeed's default sizes.
 _DEFAULT_SIZES = (
-    "--micro-batch",
-    "2",
-    "--worlds",
-    "2",
-    "--rounds",
-    "4",
-    "--warmup",
-    "2",
-    "--steps",
-    "6",
-    "--shared",
-    "--impls",
-    "ddp",
-    "fsdp2",
+    *"--micro-batch 2 --worlds 2 --rounds 4 --warmup 2 --steps 6 --shared --impls ddp fsdp2".split(),
     *(f"zero-{k}-{sizes}" for k in (1, 2, 3) for sizes in ("unset", "dsdefaults")),
     "--name",
 )
@@ -96,17 +83,15 @@ BENCHMARKS: tuple[Benchmark, ...] = (
             NoxRun(docs=True),
             NoxRun(("--workload", "mlp", "--worlds", "2", "--rounds", "2", "--name", "side_by_side_mlp")),
             NoxRun(
-                ("--workload", "gpt2", "--layers", "4", "--hidden", "512", "--heads", "8", "--vocab", "8192")
-                + ("--seq", "64", *_DEFAULT_SIZES, "side_by_side_defaults")
+                (
+                    *"--workload gpt2 --layers 4 --hidden 512 --heads 8 --vocab 8192 --seq 64".split(),
+                    *_DEFAULT_SIZES,
+                )
+                + ("side_by_side_defaults",)
             ),
             NoxRun(
                 (
-                    "--workload",
-                    "linear",
-                    "--layers",
-                    "5",
-                    "--hidden",
-                    "2048",
+                    *"--workload linear --layers 5 --hidden 2048".split(),
                     *_DEFAULT_SIZES,
                     "side_by_side_defaults_linear",
                 )
