@@ -167,5 +167,5 @@ def test_the_calls_since_the_last_check_are_compared_and_named():
     assert calls_differ(torch.stack([one, two])) and not calls_differ(torch.stack([two, two]))
     assert describe_call(1, two) == (
         "rank 1 calls engine.backward at optimizer step 1, micro-step 1 "
-        "(after call 9; 2 forward / backward calls since its last checked call)"
+        "(after call 9; 2 unchecked engine calls since its last checked call)"
     )

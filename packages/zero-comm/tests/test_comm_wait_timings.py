@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import zero_comm
 from zero_comm import CommLedger, CommWatchdog, Topology, WaitRecord, WaitTimings
-from zero_comm.watchdog import watched_call
+from zero_comm.watched import watched_call
 
 
 class _DoneAt:

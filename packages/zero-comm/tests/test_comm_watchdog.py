@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 import zero_comm
 from zero_comm import CollectiveTimeoutError, CommLedger, CommWatchdog, Topology
-from zero_comm.watchdog import active_watchdog, collective_label, watched_call
+from zero_comm.watched import active_watchdog, collective_label, watched_call
 
 
 class _NeverDone:

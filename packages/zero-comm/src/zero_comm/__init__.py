@@ -46,8 +46,8 @@ from zero_comm.watchdog import (
     CommWatchdog,
     RankPosition,
     RanksDivergedError,
-    note_collectives,
 )
+from zero_comm.watched import note_collectives
 
 __all__ = [
     "AllGatherHandle",

@@ -63,7 +63,7 @@ def describe_call(rank: int, row: torch.Tensor) -> str:
     site = bytes(row[4:].contiguous().view(torch.uint8).tolist()).rstrip(b"\0").decode("utf-8", "replace")
     after = f"after call {call}"
     if quiet:
-        after += f"; {quiet} forward / backward calls since its last checked call"
+        after += f"; {quiet} unchecked engine calls since its last checked call"
     return f"rank {rank} calls {site} at optimizer step {step}, micro-step {micro} ({after})"
 
 

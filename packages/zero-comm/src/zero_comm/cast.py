@@ -18,7 +18,7 @@ from zero_comm.profiling import profile_range
 from zero_comm.reduction import ReduceOpLike, Reduction
 from zero_comm.row_exchange import interleave
 from zero_comm.strategies import OnGroup
-from zero_comm.watchdog import watched_call
+from zero_comm.watched import watched_call
 
 __all__ = ["COMM_DTYPES", "CastAllGather", "CastAllReduce", "CastReduceScatter"]
 

@@ -9,7 +9,7 @@ from typing import Any, Generic, TypeVar
 import torch
 
 from zero_comm.profiling import profile_range
-from zero_comm.watchdog import watched_wait
+from zero_comm.watched import watched_wait
 
 __all__ = ["AllGatherHandle", "CollectiveHandle", "ReduceScatterHandle", "TensorHandle"]
 

@@ -27,7 +27,7 @@ from zero_comm.handles import ReduceScatterHandle
 from zero_comm.profiling import profile_range
 from zero_comm.reduction import ReduceOpLike, Reduction
 from zero_comm.row_exchange import ADD_CHAIN_MAX_ROWS, record_padded_reduce_scatter
-from zero_comm.watchdog import watched_call
+from zero_comm.watched import watched_call
 
 __all__ = ["reduce_scatter_in_place"]
 

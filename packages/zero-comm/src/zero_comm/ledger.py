@@ -23,7 +23,8 @@ from torch.distributed import ProcessGroup
 
 from zero_comm.topology import LinkKind, Topology, group_ranks
 from zero_comm.units import format_bytes
-from zero_comm.watchdog import CommWatchdog, activate, deactivate
+from zero_comm.watchdog import CommWatchdog
+from zero_comm.watched import activate, deactivate
 
 __all__ = ["CommLedger", "CommRecord", "CommTotals", "record", "ring_wire_bytes"]
 

@@ -24,7 +24,7 @@ from zero_comm.profiling import profile_range
 from zero_comm.reduction import ReduceOpLike, Reduction
 from zero_comm.row_exchange import interleave, issue_staged_rows, record_padded_reduce_scatter
 from zero_comm.strategies import AllToAllReduceScatter, OnGroup
-from zero_comm.watchdog import watched_call
+from zero_comm.watched import watched_call
 
 __all__ = [
     "NATIVE_REDUCE_SCATTER_BACKENDS",

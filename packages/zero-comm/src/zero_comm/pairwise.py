@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from zero_comm.torch_compat import all_gather_single
-from zero_comm.watchdog import watched_call
+from zero_comm.watched import watched_call
 
 __all__ = ["exchange_with_peer", "gather_rows", "gathers_pairwise"]
 

@@ -20,7 +20,7 @@ from zero_comm.ledger import record, ring_wire_bytes
 from zero_comm.profiling import profile_range
 from zero_comm.reduction import ReduceOpLike, Reduction
 from zero_comm.topology import group_ranks, group_size_and_rank
-from zero_comm.watchdog import watched_call
+from zero_comm.watched import watched_call
 
 __all__ = ["all_reduce", "all_to_all_single", "broadcast"]
 

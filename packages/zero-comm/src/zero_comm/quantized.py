@@ -31,7 +31,7 @@ from zero_comm.partition import partition_numel
 from zero_comm.reduction import ReduceOpLike, Reduction
 from zero_comm.strategies import FlatAllGather, OnGroup
 from zero_comm.topology import Topology, group_size_and_rank
-from zero_comm.watchdog import watched_call
+from zero_comm.watched import watched_call
 
 try:
     from zero_kernels import (

@@ -12,7 +12,7 @@ from torch.distributed import ProcessGroup
 from zero_comm.handles import ReduceScatterHandle
 from zero_comm.ledger import record, ring_wire_bytes
 from zero_comm.profiling import profile_range
-from zero_comm.watchdog import watched_call
+from zero_comm.watched import watched_call
 
 __all__ = [
     "ADD_CHAIN_MAX_ROWS",

@@ -26,20 +26,20 @@ A :class:`CommWatchdog` lives as long as the engine that created it. It
 
 The watchdog is active while a :class:`~zero_comm.CommLedger` that carries it is active
 (``CommLedger(topology, watchdog=wd)``); every zero-comm collective issued then runs
-asynchronously under it (a synchronous call waits through the watchdog before returning).
+asynchronously under it (:mod:`zero_comm.watched`: a synchronous call waits through the
+watchdog before returning).
 """
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import hashlib
 import json
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -51,28 +51,9 @@ from zero_comm.devices import control_device, default_store
 from zero_comm.torch_compat import all_gather_single
 from zero_comm.wait_timings import WaitTimings
 
-__all__ = [
-    "CollectiveTimeoutError",
-    "CommWatchdog",
-    "RankPosition",
-    "RanksDivergedError",
-    "activate",
-    "active_watchdog",
-    "collective_label",
-    "deactivate",
-    "note_collectives",
-    "path_diverged",
-    "recording_paths",
-    "watched_call",
-    "watched_wait",
-]
+__all__ = ["CollectiveTimeoutError", "CommWatchdog", "RankPosition", "RanksDivergedError", "render_label"]
 
 _KEY = "zero/watchdog/{}"
-
-# The one module-level object: it only points at the watchdog active in the current context.
-_ACTIVE: contextvars.ContextVar[CommWatchdog | None] = contextvars.ContextVar(
-    "zero_comm_watchdog", default=None
-)
 
 _VERBS = {
     "all_gather": "gathers",
@@ -165,6 +146,7 @@ class CommWatchdog:
         "_broken",
         "_call",
         "_closed",
+        "_deferred",
         "_departures",
         "_exchanges",
         "_label",
@@ -214,6 +196,7 @@ class CommWatchdog:
         self._label = ""
         self._departures: tuple[tuple[int, int], ...] = ()
         self._exchanges: dict[Any, CallExchange] = {}  # check_call's, per process group
+        self._deferred: tuple[str, int, int, int] | None = None  # defer_call's, until a collective
         self._broken = ""
         self._position = ("idle", 0, "", time.time(), False)
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (last beat, my monotonic time it changed)
@@ -274,7 +257,7 @@ class CommWatchdog:
     def position(self) -> RankPosition:
         """This rank's current position."""
         op, call, what, since, waiting = self._position
-        return RankPosition(self.rank, op, call, _render(what), since, self._beat, waiting)
+        return RankPosition(self.rank, op, call, render_label(what), since, self._beat, waiting)
 
     def publish(self) -> None:
         """Write this rank's position and the next heartbeat to the store (the thread, every interval)."""
@@ -289,7 +272,7 @@ class CommWatchdog:
             record = {
                 "op": op,
                 "call": call,
-                "what": _render(what),
+                "what": render_label(what),
                 "since": since,
                 "beat": self._beat,
                 "waiting": waiting,
@@ -370,7 +353,7 @@ class CommWatchdog:
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(self.world_size))
         if len(ranks) == 1:
             return
-        what = _render(self._position[2])
+        what = render_label(self._position[2])
         device = control_device(group)
         row = [_OPS.index(op) if op in _OPS else -1, call, _digest(what)]
         sig = torch.tensor(row, dtype=torch.int64, device=device)
@@ -437,6 +420,32 @@ class CommWatchdog:
         text = exchange.mismatch()
         if text:
             raise RanksDivergedError(text)
+
+    def defer_call(self, site: str, step: int, micro: int, *, quiet: int = 0) -> None:
+        """:meth:`check_call` on the default group, postponed to this rank's next collective.
+
+        A call that issues none (a stage-3 optimizer step without clipping) then costs no
+        exchange and keeps the ranks from lining up for nothing; :meth:`settle_call` ends it.
+        Only for calls whose collectives all issue through :func:`zero_comm.watched.watched_call`.
+        """
+        self.refuse_if_broken(f"calls {site}")
+        if self.check_calls and self.world_size > 1:
+            self._deferred = (site, step, micro, quiet)
+            op, call, _, since, waiting = (
+                self._position
+            )  # peers see the call, not the last collective's label
+            self._position = (op, call, f"enters {site}", since, waiting)
+
+    def check_deferred(self) -> None:
+        """Run the deferred call check now (a collective is about to issue), if one is pending."""
+        if self._deferred is not None:
+            (site, step, micro, quiet), self._deferred = self._deferred, None
+            self.check_call(site, step, micro, quiet=quiet)
+
+    def settle_call(self) -> bool:
+        """End a deferred call; ``True`` when it issued no collective, so was never checked."""
+        pending, self._deferred = self._deferred, None
+        return pending is not None
 
     @property
     def broken(self) -> str:
@@ -685,21 +694,13 @@ def _describe_remote(rank: int, op: str, call: int, pos: RankPosition | None) ->
     return RankPosition(rank, op, call, "", 0.0).describe()
 
 
-def _render(what: str | Callable[[], str]) -> str:
+def render_label(what: str | Callable[[], str]) -> str:
     if callable(what):
         try:
             return str(what())
         except Exception:  # noqa: BLE001 - a label must never break a wait
             return ""
     return what
-
-
-def collective_label(verb: str, names: Sequence[str], limit: int = 3) -> str:
-    """``"gathers `mid`"`` from parameter names (their modules, in order, at most ``limit``)."""
-    modules = list(dict.fromkeys(n.rpartition(".")[0] or n for n in names))
-    shown = ", ".join(f"`{m}`" for m in modules[:limit])
-    more = f" and {len(modules) - limit} more" if len(modules) > limit else ""
-    return f"{verb} {shown}{more}"
 
 
 def _heartbeat_loop(ref: weakref.ref[CommWatchdog], stop: threading.Event, interval: float) -> None:
@@ -712,87 +713,3 @@ def _heartbeat_loop(ref: weakref.ref[CommWatchdog], stop: threading.Event, inter
         except Exception:  # noqa: BLE001 - the store is gone (shutdown): stop beating
             return
         del wd
-
-
-# ---------------------------------------------------------------------------- hooks for the collectives
-
-
-def activate(watchdog: CommWatchdog) -> contextvars.Token[CommWatchdog | None]:
-    """Make ``watchdog`` the active one in this context (what an entered ``CommLedger`` carrying it does).
-
-    Returns:
-        The token to pass to :func:`deactivate`, which restores the one active before.
-    """
-    return _ACTIVE.set(watchdog)
-
-
-def deactivate(token: contextvars.Token[CommWatchdog | None]) -> None:
-    """Restore the watchdog active before the :func:`activate` that returned ``token``."""
-    _ACTIVE.reset(token)
-
-
-def active_watchdog() -> CommWatchdog | None:
-    """The active watchdog: the one carried by the innermost entered ledger that has one (``None``: none)."""
-    return _ACTIVE.get()
-
-
-def note_collectives(what: str | Callable[[], str]) -> None:
-    """Tell the active watchdog (if any) what the next collectives are for, e.g. ``"gathers `mid`"``."""
-    wd = active_watchdog()
-    if wd is not None:
-        wd.note(what)
-
-
-def path_diverged(what: str) -> None:
-    """Tell the active watchdog (if any) that this rank left its recorded module order.
-
-    See :meth:`CommWatchdog.diverged`; without an active watchdog nothing is checked.
-    """
-    wd = active_watchdog()
-    if wd is not None:
-        wd.diverged(what)
-
-
-def recording_paths(on: bool) -> None:
-    """Tell the active watchdog (if any) that a step starts (``True``) or stops recording its module order.
-
-    See :meth:`CommWatchdog.recording`; without an active watchdog nothing is checked.
-    """
-    wd = active_watchdog()
-    if wd is not None:
-        wd.recording(on)
-
-
-def watched_call(
-    kind: str, fn: Callable[..., Any], /, *args: Any, async_op: bool = False, **kwargs: Any
-) -> Any:
-    """Issue ``fn(*args, async_op=..., **kwargs)`` (a ``torch.distributed`` collective).
-
-    Without an active watchdog this is the plain call. With one, the collective is recorded
-    and issued asynchronously; a synchronous request waits through the watchdog and returns
-    ``None``, as torch does.
-    """
-    wd = active_watchdog()
-    if wd is None:
-        return fn(*args, async_op=async_op, **kwargs)
-    if wd.broken:
-        wd.refuse_if_broken(f"issues a collective ({kind})")
-    call = wd.issued(kind)
-    if wd.paths_checked:
-        wd.check_same_path(kind, call, kwargs.get("group"))
-    work = fn(*args, async_op=True, **kwargs)
-    if wd.timings is not None:
-        wd.timings.issued(work, kind, call, _render(wd.position_label))
-    if async_op:
-        return work
-    wd.wait(work)
-    return None
-
-
-def watched_wait(work: Any) -> bool:
-    """Wait for ``work`` through the active watchdog; ``False`` (nothing done) when none is active."""
-    wd = active_watchdog()
-    if wd is None:
-        return False
-    wd.wait(work)
-    return True

@@ -14,7 +14,7 @@ from torch.autograd import Variable
 import zero_params
 from zero_comm.profiling import profile_range
 from zero_comm.streams import NO_STREAMS, CommStreams, NoStreams
-from zero_comm.watchdog import path_diverged, recording_paths
+from zero_comm.watched import path_diverged, recording_paths
 from zero_coord._tree import collect_grad_tensors
 from zero_coord.config import CoordinatorConfig, Phase
 from zero_coord.error_hints import annotate_unseen_parameter

@@ -8,7 +8,7 @@ from torch import nn
 
 import zero_params
 from zero_comm.streams import NO_STREAMS, CommStreams, NoStreams
-from zero_comm.watchdog import collective_label, note_collectives
+from zero_comm.watched import collective_label, note_collectives
 from zero_coord.stats import StatsAccumulator
 
 __all__ = ["MAX_PLANS", "GatherBatch", "LiveSlots", "ParamSlot", "SlotTable"]

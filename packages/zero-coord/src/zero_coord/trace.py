@@ -196,7 +196,7 @@ class Trace:
         return f"{where} diverged: {what}"
 
     def departure(self, cursor: int, code: int | None) -> str:
-        """The same departure for the collective watchdog (``zero_comm.watchdog.path_diverged``):
+        """The same departure for the collective watchdog (``zero_comm.watched.path_diverged``):
         ``runs `mid` (forward) where its recorded order has 'out' (forward)``."""
         expected = self._expected(cursor)
         has = f"its recorded order has {expected}" if expected is not None else "its recorded order ended"

@@ -18,7 +18,7 @@ from torch import nn
 
 from zero_comm.profiling import profile_range
 from zero_comm.streams import NO_STREAMS, CommStreams, NoStreams
-from zero_comm.watchdog import collective_label, note_collectives
+from zero_comm.watched import collective_label, note_collectives
 
 __all__ = ["BucketPlan", "BucketedReducer", "ReduceConfig", "ReduceHandle", "StagedBucket"]
 

@@ -22,7 +22,7 @@ from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
 from zero_comm.profiling import profile_range
-from zero_comm.watchdog import collective_label, note_collectives
+from zero_comm.watched import collective_label, note_collectives
 from zero_optim.buckets import BucketedReducer, BucketPlan, ReduceHandle
 
 __all__ = ["BackwardReduction", "BoundaryReduction", "GradientReduction", "HookedReduction"]

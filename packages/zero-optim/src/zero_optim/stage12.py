@@ -24,7 +24,7 @@ from zero_comm.adjacent_runs import in_fewer_runs as _in_fewer_runs
 from zero_comm.coalesced import GatherIntoPlan, adjacent_flat_view
 from zero_comm.grad_bound import BOUNDED_DTYPES, GradientBound
 from zero_comm.profiling import profile_range
-from zero_comm.watchdog import note_collectives
+from zero_comm.watched import note_collectives
 from zero_offload import HostPlacement, OptimizerOffloadConfig
 from zero_optim.buckets import BucketedReducer, BucketPlan, ReduceConfig, ReduceHandle
 from zero_optim.core import PartitionedOptimizer

@@ -16,7 +16,7 @@ import zero_params
 from zero_comm import BOUNDED_DTYPES, AllToAllReduceScatter, GradientBound
 from zero_comm.profiling import profile_range
 from zero_comm.streams import NO_STREAMS, CommStreams, NoStreams
-from zero_comm.watchdog import collective_label, note_collectives
+from zero_comm.watched import collective_label, note_collectives
 from zero_offload import HostPlacement, OptimizerOffloadConfig, ParamOffloadConfig
 from zero_optim.buckets import BucketedReducer, BucketPlan, ReduceConfig, ReduceHandle
 from zero_optim.core import PartitionedOptimizer
