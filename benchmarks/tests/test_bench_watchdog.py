@@ -21,5 +21,5 @@ def test_the_check_timed_alone_gives_its_share_of_the_step():
     times = {"on": [0.1, 0.1], "off": [0.1, 0.1], "check": [0.0002, 0.0001, 0.0009]}
     found = summarize(times)
     assert found["median_check_s"] == pytest.approx(0.0002)
-    assert found["direct_share"] == pytest.approx(3 * 0.0002 / 0.1)  # forward, backward, step
+    assert found["direct_share"] == pytest.approx(2 * 0.0002 / 0.1)  # forward, backward (stage-3 step: none)
     assert "direct_share" not in summarize({"on": [0.1], "off": [0.1]})

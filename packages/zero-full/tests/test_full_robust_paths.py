@@ -214,9 +214,9 @@ def test_a_backward_skipped_on_one_rank_is_named_on_every_rank_at_the_next_check
         other = "rank 1 calls engine.forward at optimizer step 1, micro-step 1 (after call "
     else:
         names = ("rank 0 calls engine.backward at optimizer step 1, micro-step 1 (after call ",)
-        names += ("; 1 forward / backward calls since its last checked call) while ",)
+        names += ("; 1 unchecked engine calls since its last checked call) while ",)
         other = "rank 1 calls engine.backward at optimizer step 1, micro-step 1 (after call "
-        names += ("; 2 forward / backward calls since its last checked call): ranks took different paths",)
+        names += ("; 2 unchecked engine calls since its last checked call): ranks took different paths",)
     for res in results.values():
         assert res["error"] == "RanksDivergedError", res
         message = res["message"]
@@ -224,11 +224,12 @@ def test_a_backward_skipped_on_one_rank_is_named_on_every_rank_at_the_next_check
         assert res["seconds"] < 15  # well before comm_timeout
 
 
-def _checks_per_step(rank, stage):
+def _checks_per_step(rank, stage, clip):
     """Collectives of one optimizer step (2 micro-steps) with the engine-call check on, minus off."""
     issued = {}
     for on in (True, False):
         config = _config(stage) | {"gradient_accumulation_steps": 2, "train_micro_batch_size_per_gpu": 5}
+        config["gradient_clipping"] = clip
         config["robustness"] = ROBUST | {"check_calls": on}
         engine = zero_full.initialize(_net(), config)
         engine.backward(engine(_batch(0, rank.rank)))  # warm-up step: stage 3 records its order
@@ -244,9 +245,9 @@ def _checks_per_step(rank, stage):
     return issued[True] - issued[False]
 
 
-@pytest.mark.parametrize("stage", [0, 2, 3])
-def test_only_calls_that_communicate_are_checked(dist, stage):
-    # stage 3: every forward and backward gathers (2 x 2 micro-steps + the step); below: the
-    # boundary backward and the step (the rest only accumulates gradients locally)
-    expected = 5 if stage == 3 else 2
-    assert dist.run(2, _checks_per_step, stage, timeout=300) == [expected, expected]
+@pytest.mark.parametrize(("stage", "clip", "expected"), [(0, 0.0, 2), (2, 0.0, 2), (3, 0.0, 4), (3, 1.0, 5)])
+def test_only_calls_that_communicate_are_checked(dist, stage, clip, expected):
+    # stage 3: each forward and backward gathers (2 x 2 micro-steps); the step is checked only
+    # before a collective of its own (clipping's norm all-reduce). Below: the boundary backward
+    # and the step (the rest only accumulates gradients locally)
+    assert dist.run(2, _checks_per_step, stage, clip, timeout=300) == [expected, expected]

@@ -322,8 +322,7 @@ class Engine:
         self.micro_steps += 1
         if not boundary:
             return
-        self._calls.check("engine.step")
-        with self._ledger, profile_range("zero.engine.step"):
+        with self._calls.deferred("engine.step"), self._ledger, profile_range("zero.engine.step"):
             self.last_step_applied = self._pipeline.run(self.global_steps)
             if self.last_step_applied and self.lr_scheduler is not None:
                 self.lr_scheduler.step()

@@ -11,8 +11,10 @@ they raise naming this rank's call site, and this rank issues no further collect
 
 A call that issues no collective in this configuration (a forward below stage 3, a backward
 that only accumulates gradients) is not checked: it cannot be paired with another rank's
-collective, and every call that does communicate starts with the check, so after any
-difference each rank's next collective is a signature. Such *quiet* calls are counted, and the
+collective, and every call that does communicate is checked before its first collective, so
+after any difference each rank's next collective is a signature. The optimizer step is
+checked lazily, just before its first collective: a stage-3 step without clipping issues
+none, and checking it would line the ranks up for nothing. Such *quiet* calls are counted, and the
 count since the last check goes into the next signature: a rank that skipped a forward or a
 backward (a non-finite loss skipped on one rank) is still named, at its next checked call.
 
@@ -85,6 +87,23 @@ class CallGuard:
         """Raise if this rank's earlier call failed alone (no collective); see :meth:`check`."""
         if self.watchdog is not None:
             self.watchdog.refuse_if_broken(f"calls {site}")
+
+    @contextlib.contextmanager
+    def deferred(self, site: str) -> Iterator[None]:
+        """Check ``site`` just before its first collective; a call that issues none is counted as quiet.
+
+        For calls whose collectives all issue through zero-comm (the optimizer step): a stage-3
+        step without clipping issues none, so the ranks do not line up for it at all.
+        """
+        if self.watchdog is None:
+            yield
+            return
+        c = self.counters
+        self.watchdog.defer_call(site, c.global_steps, c.micro_steps, quiet=self.quiet)
+        try:
+            yield
+        finally:
+            self.quiet = self.quiet + 1 if self.watchdog.settle_call() else 0
 
     @contextlib.contextmanager
     def call(self, site: str, *, communicates: bool = True) -> Iterator[None]:
