@@ -169,3 +169,45 @@ def test_the_calls_since_the_last_check_are_compared_and_named():
         "rank 1 calls engine.backward at optimizer step 1, micro-step 1 "
         "(after call 9; 2 unchecked engine calls since its last checked call)"
     )
+
+
+class _Done:
+    def is_completed(self):
+        return True
+
+    def wait(self, timeout=None):
+        return True
+
+
+class _RecordingChecks(CommWatchdog):
+    """A watchdog whose call check records what it would exchange, and the collectives issued before."""
+
+    __slots__ = ("checked",)
+
+    def check_call(self, site, step, micro, group=None, *, quiet=0):
+        self.checked.append((site, step, micro, quiet, self.position().call))
+
+
+def test_a_deferred_call_is_checked_just_before_its_first_collective_or_never():
+    from zero_comm.watched import activate, deactivate, watched_call
+
+    wd = _RecordingChecks(dist.HashStore(), 0, 2, heartbeat_interval=0.05, check_calls=True)
+    wd.checked = []
+    try:
+        wd.defer_call("engine.step", 3, 6, quiet=1)
+        assert wd.position().what == "enters engine.step"  # what the peers read meanwhile
+        assert wd.settle_call() and wd.checked == []  # no collective: never checked
+        wd.defer_call("engine.step", 4, 8)
+        token = activate(wd)
+        try:
+            for _ in range(2):
+                watched_call("all_reduce", lambda t, async_op: _Done(), torch.zeros(1))
+        finally:
+            deactivate(token)
+        assert wd.checked == [("engine.step", 4, 8, 0, 0)]  # once, before the first collective
+        assert not wd.settle_call() and wd.position().call == 2
+        wd.check_calls = False
+        wd.defer_call("engine.step", 5, 10)
+        assert not wd.settle_call()  # off: nothing deferred
+    finally:
+        wd.close()
