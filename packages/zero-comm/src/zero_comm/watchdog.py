@@ -431,9 +431,8 @@ class CommWatchdog:
         self.refuse_if_broken(f"calls {site}")
         if self.check_calls and self.world_size > 1:
             self._deferred = (site, step, micro, quiet)
-            op, call, _, since, waiting = (
-                self._position
-            )  # peers see the call, not the last collective's label
+            # the peers read the call entered, not the label of this rank's last collective
+            op, call, _, since, waiting = self._position
             self._position = (op, call, f"enters {site}", since, waiting)
 
     def check_deferred(self) -> None:
@@ -695,6 +694,7 @@ def _describe_remote(rank: int, op: str, call: int, pos: RankPosition | None) ->
 
 
 def render_label(what: str | Callable[[], str]) -> str:
+    """A collective's label as text (a callable label is called; one that raises gives ``""``)."""
     if callable(what):
         try:
             return str(what())
