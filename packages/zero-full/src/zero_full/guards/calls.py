@@ -14,9 +14,10 @@ that only accumulates gradients) is not checked: it cannot be paired with anothe
 collective, and every call that does communicate is checked before its first collective, so
 after any difference each rank's next collective is a signature. The optimizer step is
 checked lazily, just before its first collective: a stage-3 step without clipping issues
-none, and checking it would line the ranks up for nothing. Such *quiet* calls are counted, and the
-count since the last check goes into the next signature: a rank that skipped a forward or a
-backward (a non-finite loss skipped on one rank) is still named, at its next checked call.
+none, and checking it would line the ranks up for nothing. Such *quiet* calls are counted,
+and the count since the last check goes into the next signature: a rank that skipped a
+forward or a backward (a non-finite loss skipped on one rank) is still named, at its next
+checked call.
 
 Why at engine calls and not inside each collective's payload: a payload signature is read
 only after the payloads met, and with gloo a size mismatch aborts before that; a signature
