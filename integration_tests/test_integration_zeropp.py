@@ -3,24 +3,14 @@
 tolerance of plain ZeRO-3.
 
 The task: each sequence follows ``x[t+1] = (5 * x[t] + 3) % 61`` from a random start, so the next
-token is a function of the current one (the loss falls from ln(64) ~ 4.2 to ~0.002 in 300
+token is a function of the current one (the loss falls from ln(64) ~ 4.2 to ~0.009 in 120
 steps). Two figures per run, over the 4 ranks: the final loss (mean of the last 20 steps) and the
-mean loss over all 300 steps (how fast it learned; the final loss alone is ~0 for every run).
+mean loss over all 120 steps (how fast it learned; the final loss alone is ~0 for every run).
 
-Measured on this machine (2 cores, gloo, 300 steps, AdamW lr 1e-2, bf16):
-
-    variant     final    mean     mean vs plain
-    plain       0.0017   0.2394
-    qwz         0.0016   0.2379   -0.65%
-    hpz         0.0017   0.2394   +0.00%
-    qgz         0.0017   0.2391   -0.13%
-    qgz+loco    0.0018   0.2411   +0.68%
-    all three   0.0017   0.2380   -0.62%
-
-So the bound on the mean loss is the issue's 2% (the largest measured difference is 0.68%). The
-final losses differ by at most 0.0001 at ~0.0017: a relative bound there measures noise, so the
-final-loss check is 2% or 0.005 absolute, whichever is larger. Runtime: about 1 minute per
-variant on a quiet 2-core machine (7 runs of 300 steps at world 4).
+Measured on the 2-core CI machine (gloo, 120 steps, AdamW lr 1e-2, bf16), the mean loss of each
+variant is within 0.62% of plain ZeRO-3 (qgz+loco; the others within 0.52%), so the bound is 2%.
+The final losses are ~0.009 and differ by at most 0.0007: a relative bound there measures noise,
+so the final-loss check is 2% or 0.005 absolute, whichever is larger.
 """
 
 from __future__ import annotations
@@ -33,10 +23,10 @@ import torch
 import zero_full
 
 VOCAB, SEQ, MICRO, TAIL = 64, 8, 4, 20
-STEPS = int(os.environ.get("ZEROPP_CONV_STEPS", 300))
+STEPS = int(os.environ.get("ZEROPP_CONV_STEPS", 120))
 REL_TOL = 0.02  # the issue's bound on |final(variant) - final(plain)| / final(plain)
 ABS_FLOOR = 0.005  # |difference| below this passes whatever the ratio (both runs converged)
-MEAN_REL_TOL = 0.02  # on the mean loss over the run; measured at most 0.68% (table above)
+MEAN_REL_TOL = 0.02  # on the mean loss over the run (measured at most 0.62%)
 TIMEOUT = 600.0
 
 
