@@ -1,10 +1,12 @@
-"""One Hugging Face Trainer training of the tiny GPT-2: ``python hf_worker.py OUT.json [options]``.
+"""Hugging Face Trainer trainings of the tiny GPT-2: ``python hf_worker.py OUT.json [options]``.
 
 ``torchrun --nproc_per_node 2 hf_worker.py OUT.json --stage 3`` trains with ``ZeroTrainer``;
 without ``--stage`` it is the single-process reference (plain ``Trainer``, the whole global
 batch per device). Rank 0 writes the Trainer's log history and, under zero, the learning
 rate and gradient norm the engine used at each step. ``--lora`` trains PEFT LoRA adapters on
 the frozen model; ``--generate`` records the greedy tokens ``generate`` gives after training.
+``OUT1.json [options] --then OUT2.json [options] ...`` runs several trainings one after the
+other in the same processes, each with its own ``Trainer``.
 """
 
 from __future__ import annotations
@@ -12,9 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import torch
-from trainer_models import BUILDERS, token_data
+from trainer_models import BUILDERS, split_runs, token_data
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 
@@ -41,7 +44,8 @@ class EngineRecorder(TrainerCallback):
         self.steps.append({"lr": engine.optimizer.param_groups[0]["lr"], "grad_norm": engine.grad_norm})
 
 
-def main() -> None:
+def train(argv: list[str]) -> None:
+    """One ``Trainer.train`` (and ``evaluate``) as ``argv`` says; rank 0 writes its JSON file."""
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--stage", type=int, default=None)
@@ -56,7 +60,7 @@ def main() -> None:
     ap.add_argument("--lora", action="store_true", help="train LoRA adapters on the frozen model")
     ap.add_argument("--generate", action="store_true", help="record greedy tokens after training")
     ap.add_argument("--config", default=None, help="a zero config JSON (default: the stage with auto values)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     targs = TrainingArguments(
         output_dir=args.output_dir,
@@ -157,6 +161,11 @@ def main() -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         with open(args.out, "w") as f:
             json.dump(result, f)
+
+
+def main() -> None:
+    for argv in split_runs(sys.argv[1:]):
+        train(argv)
 
 
 if __name__ == "__main__":

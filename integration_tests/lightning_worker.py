@@ -1,8 +1,10 @@
-"""One Lightning training of the tiny GPT-2, as a script: ``python lightning_worker.py OUT.json [options]``.
+"""Lightning trainings of the tiny GPT-2, as a script: ``python lightning_worker.py OUT.json [options]``.
 
-Run as ``torchrun --nproc_per_node 2 lightning_worker.py --strategy zero_stage_3 ...`` for zero
-and with ``--strategy auto`` in one process for the reference. Rank 0 writes each step's loss,
-the learning rate the step used and the engine's gradient norm to the JSON file.
+Run as ``torchrun --nproc_per_node 2 lightning_worker.py OUT.json --strategy zero_stage_3 ...`` for
+zero and with ``--strategy auto`` in one process for the reference. Rank 0 writes each step's
+loss, the learning rate the step used and the engine's gradient norm to the JSON file.
+``OUT1.json [options] --then OUT2.json [options] ...`` runs several trainings one after the
+other in the same processes (one launch, one process group), each with its own ``Trainer``.
 """
 
 from __future__ import annotations
@@ -10,11 +12,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-from trainer_models import BUILDERS, token_data
+from trainer_models import BUILDERS, split_runs, token_data
 
 import zero_params
 
@@ -57,7 +60,8 @@ class LitGPT2(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
-def main() -> None:
+def train(argv: list[str]) -> None:
+    """One ``Trainer.fit`` (and ``validate``) as ``argv`` says; rank 0 writes its JSON file."""
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--strategy", default="auto")
@@ -71,7 +75,7 @@ def main() -> None:
     ap.add_argument("--validate", action="store_true")
     ap.add_argument("--model", default="gpt2", choices=sorted(BUILDERS))
     ap.add_argument("--config", default=None, help="a zero config as JSON: ZeroStrategy(config=...)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     zero = args.strategy.startswith("zero") or args.config is not None
@@ -121,6 +125,11 @@ def main() -> None:
     if trainer.is_global_zero:
         with open(args.out, "w") as f:
             json.dump(result, f)
+
+
+def main() -> None:
+    for argv in split_runs(sys.argv[1:]):
+        train(argv)
 
 
 if __name__ == "__main__":

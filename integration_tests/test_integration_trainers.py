@@ -1,7 +1,9 @@
 """zero under the Hugging Face Trainer (``ZeroTrainer``) and PyTorch Lightning (``ZeroStrategy``).
 
 Each run is the worker script launched as a user would: ``torchrun --nproc_per_node 2`` for
-zero, plain ``python`` (one process, the whole global batch, no zero) for the reference.
+zero, plain ``python`` (one process, the whole global batch, no zero) for the reference. The
+runs compared with a reference share one launch per trainer and world size (the workers'
+``--then``); the resumed runs start in processes of their own, as a user's restart does.
 
 * HF ``Trainer.train`` at stages 2 and 3: per-step losses within 1e-5 of the reference, the
   logged ``learning_rate`` / ``grad_norm`` equal to the engine's, the same eval loss.
@@ -35,7 +37,7 @@ HERE = Path(__file__).parent
 RTOL = 1e-5
 
 
-def _run(script: str, out: Path, *args: str, world: int = 2) -> dict:
+def _launch(script: str, cwd: Path, argv: list[str], world: int) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
     launch = [sys.executable]
     if world > 1:
@@ -50,15 +52,30 @@ def _run(script: str, out: Path, *args: str, world: int = 2) -> dict:
             "localhost:0",
         ]
     proc = subprocess.run(
-        [*launch, str(HERE / script), str(out), *args],
+        [*launch, str(HERE / script), *argv],
         env=env,
-        cwd=out.parent,
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=600,
     )
-    assert proc.returncode == 0, f"{script} {args} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, f"{script} {argv} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+
+
+def _run(script: str, out: Path, *args: str, world: int = 2) -> dict:
+    _launch(script, out.parent, [str(out), *args], world)
     return json.loads(out.read_text())
+
+
+def _run_many(script: str, out_dir: Path, runs: dict[str, list[str]], world: int = 2) -> dict[str, dict]:
+    """Several trainings of ``script`` one after the other in one launch (its ``--then``): each
+    run's result by name. One launch instead of one each: the ranks import torch, Lightning and
+    zero once."""
+    argv = []
+    for name, args in runs.items():
+        argv += [*(["--then"] if argv else []), str(out_dir / f"{name}.json"), *args]
+    _launch(script, out_dir, argv, world)
+    return {name: json.loads((out_dir / f"{name}.json").read_text()) for name in runs}
 
 
 def _close(a: list[float], b: list[float], rtol: float = RTOL) -> None:
@@ -71,17 +88,62 @@ def _train_logs(result: dict) -> list[dict]:
     return [e for e in result["log"] if "loss" in e]
 
 
+LLAMA = ("--model", "llama")
+# zero_quantized_nontrainable_weights: the frozen base's shards stored as int8 codes
+INT8_BASE = {"stage": 3, "stage3_param_persistence_threshold": 0, "zero_quantized_nontrainable_weights": True}
+
+
 @pytest.fixture(scope="module")
-def hf_reference(tmp_path_factory) -> dict:
-    d = tmp_path_factory.mktemp("hf_ref")
-    return _run("hf_worker.py", d / "out.json", "--batch", "8", "--output-dir", str(d / "run"), world=1)
+def hf_ref_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("hf_ref")
+
+
+@pytest.fixture(scope="module")
+def hf_references(hf_ref_dir) -> dict[str, dict]:
+    """The single-process references (plain ``Trainer``, the whole global batch), in one launch:
+    GPT-2, LLaMA, and PEFT LoRA with its adapter saved."""
+    d = hf_ref_dir
+    runs = {
+        "gpt2": ["--batch", "8", "--output-dir", str(d / "gpt2")],
+        "llama": [*LLAMA, "--batch", "8", "--output-dir", str(d / "llama")],
+        "lora": ["--lora", "--generate", "--batch", "8", "--output-dir", str(d / "lora"),
+                 "--save-model", str(d / "adapter")],
+    }  # fmt: skip
+    return _run_many("hf_worker.py", d, runs, world=1)
+
+
+@pytest.fixture(scope="module")
+def hf_reference(hf_references) -> dict:
+    return hf_references["gpt2"]
+
+
+@pytest.fixture(scope="module")
+def hf_run_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("hf_runs")
+
+
+@pytest.fixture(scope="module")
+def hf_runs(hf_run_dir) -> dict[str, dict]:
+    """The world-2 ``ZeroTrainer`` runs compared with the references, in one launch."""
+    d = hf_run_dir
+    (d / "int8.json").write_text(
+        json.dumps({"train_micro_batch_size_per_gpu": "auto", "zero_optimization": INT8_BASE})
+    )
+    runs = {
+        "stage2": ["--stage", "2", "--output-dir", str(d / "s2")],
+        "stage3": ["--stage", "3", "--output-dir", str(d / "s3")],
+        "llama": [*LLAMA, "--stage", "3", "--output-dir", str(d / "llama")],
+        "lora": ["--lora", "--generate", "--stage", "3", "--output-dir", str(d / "lora"),
+                 "--save-model", str(d / "adapter")],
+        "lora_int8": ["--lora", "--stage", "3", "--config", str(d / "int8.json"),
+                      "--output-dir", str(d / "lora8"), "--save-model", str(d / "adapter8")],
+    }  # fmt: skip
+    return _run_many("hf_worker.py", d, runs)
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_hf_trainer_matches_single_process(stage, hf_reference, tmp_path):
-    got = _run(
-        "hf_worker.py", tmp_path / "out.json", "--stage", str(stage), "--output-dir", str(tmp_path / "run")
-    )
+def test_hf_trainer_matches_single_process(stage, hf_reference, hf_runs):
+    got = hf_runs[f"stage{stage}"]
     ref, zero = _train_logs(hf_reference), _train_logs(got)
     _close([e["loss"] for e in ref], [e["loss"] for e in zero])
     _close([e["grad_norm"] for e in ref], [e["grad_norm"] for e in zero])
@@ -92,22 +154,9 @@ def test_hf_trainer_matches_single_process(stage, hf_reference, tmp_path):
     _close([hf_reference["eval_loss"]], [got["eval_loss"]])
 
 
-def test_hf_trainer_llama_at_stage_3_matches_single_process(tmp_path):
+def test_hf_trainer_llama_at_stage_3_matches_single_process(hf_references, hf_runs):
     """The same check on a LLaMA (grouped-query attention, RMSNorm, rotary embeddings)."""
-    common = ("--model", "llama")
-    ref = _run(
-        "hf_worker.py",
-        tmp_path / "ref.json",
-        *common,
-        "--batch",
-        "8",
-        "--output-dir",
-        str(tmp_path / "r"),
-        world=1,
-    )
-    got = _run(
-        "hf_worker.py", tmp_path / "out.json", *common, "--stage", "3", "--output-dir", str(tmp_path / "z")
-    )
+    ref, got = hf_references["llama"], hf_runs["llama"]
     ref_log, zero_log = _train_logs(ref), _train_logs(got)
     _close([e["loss"] for e in ref_log], [e["loss"] for e in zero_log])
     _close([e["grad_norm"] for e in ref_log], [e["grad_norm"] for e in zero_log])
@@ -157,16 +206,37 @@ def test_hf_trainer_resumes_exactly_and_saves_hf_format(tmp_path):
         assert torch.equal(state[name], t), name
 
 
+WIDE = ("--model", "gpt2_wide", "--validate")
+
+
 @pytest.fixture(scope="module")
-def lightning_reference(tmp_path_factory) -> dict:
-    d = tmp_path_factory.mktemp("pl_ref")
-    return _run("lightning_worker.py", d / "out.json", "--batch", "8", "--validate", world=1)
+def lightning_references(tmp_path_factory) -> dict[str, dict]:
+    """Single-process Lightning (the whole global batch), in one launch: the GPT-2 and the wide GPT-2."""
+    runs = {"gpt2": ["--batch", "8", "--validate"], "wide": [*WIDE, "--batch", "8"]}
+    return _run_many("lightning_worker.py", tmp_path_factory.mktemp("pl_ref"), runs, world=1)
+
+
+@pytest.fixture(scope="module")
+def lightning_reference(lightning_references) -> dict:
+    return lightning_references["gpt2"]
+
+
+@pytest.fixture(scope="module")
+def lightning_runs(tmp_path_factory) -> dict[str, dict]:
+    """The world-2 Lightning runs, in one launch: the registered stage names, the wide GPT-2 at
+    ``zero_stage_3``, then ``ZeroStrategy(config=...)`` with each of ``ZERO_CONFIGS``."""
+    runs = {
+        f"stage{s}": ["--strategy", f"zero_stage_{s}", *(["--validate"] if s == 3 else [])] for s in (1, 2, 3)
+    }
+    runs["wide"] = [*WIDE, "--strategy", "zero_stage_3"]
+    for setup, (section, _) in ZERO_CONFIGS.items():
+        runs[setup] = ["--config", json.dumps({"zero_optimization": section}), "--validate"]
+    return _run_many("lightning_worker.py", tmp_path_factory.mktemp("pl_runs"), runs)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_lightning_fit_matches_single_process(stage, lightning_reference, tmp_path):
-    extra = ["--validate"] if stage == 3 else []
-    got = _run("lightning_worker.py", tmp_path / "out.json", "--strategy", f"zero_stage_{stage}", *extra)
+def test_lightning_fit_matches_single_process(stage, lightning_reference, lightning_runs):
+    got = lightning_runs[f"stage{stage}"]
     ref, zero = lightning_reference["records"], got["records"]
     _close([r["loss"] for r in ref], [r["loss"] for r in zero])
     assert [r["lr"] for r in zero] == [r["lr"] for r in ref]
@@ -176,13 +246,13 @@ def test_lightning_fit_matches_single_process(stage, lightning_reference, tmp_pa
         _close([lightning_reference["val_loss"]], [got["val_loss"]])
 
 
-def test_lightning_registered_stage_3_name_splits_by_the_default_threshold(tmp_path):
+def test_lightning_registered_stage_3_name_splits_by_the_default_threshold(
+    lightning_references, lightning_runs
+):
     """``Trainer(strategy="zero_stage_3")`` with no config on a GPT-2 whose matrices exceed the
     default persistence threshold (100k elements): those are split, the rest kept whole, and the
     run matches single-process Lightning."""
-    common = ("--model", "gpt2_wide", "--validate")
-    ref = _run("lightning_worker.py", tmp_path / "ref.json", *common, "--batch", "8", world=1)
-    got = _run("lightning_worker.py", tmp_path / "out.json", *common, "--strategy", "zero_stage_3")
+    ref, got = lightning_references["wide"], lightning_runs["wide"]
     assert got["zero_optimization"]["param_persistence_threshold"] == 100_000
     assert got["partitioned"]
     split, whole = got["split_numels"], got["whole_numels"]
@@ -208,17 +278,12 @@ def test_lightning_resumes_exactly_from_model_checkpoint(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def lora_reference(tmp_path_factory) -> tuple[dict, Path]:
+def lora_reference(hf_references, hf_ref_dir) -> tuple[dict, Path]:
     """Single-process PEFT LoRA training with the plain Trainer: its log and saved adapter."""
-    d = tmp_path_factory.mktemp("lora_ref")
-    ref = _run(
-        "hf_worker.py", d / "ref.json", "--lora", "--generate", "--batch", "8", "--output-dir", str(d / "r"),
-        "--save-model", str(d / "adapter"), world=1,
-    )  # fmt: skip
-    return ref, d / "adapter"
+    return hf_references["lora"], hf_ref_dir / "adapter"
 
 
-def test_hf_trainer_lora_on_a_sharded_frozen_base_and_generate(lora_reference, tmp_path):
+def test_hf_trainer_lora_on_a_sharded_frozen_base_and_generate(lora_reference, hf_runs, hf_run_dir):
     """PEFT LoRA at stage 3: adapters train, the frozen base stays sharded, the adapter is saved
     in the PEFT format; greedy ``trainer.generate`` equals plain peft's on the saved adapter."""
     from peft import PeftModel
@@ -227,12 +292,8 @@ def test_hf_trainer_lora_on_a_sharded_frozen_base_and_generate(lora_reference, t
 
     from zero_testing.compare import max_rel_to_magnitude
 
-    common = ("--lora", "--generate")
     ref, ref_adapter = lora_reference
-    got = _run(
-        "hf_worker.py", tmp_path / "out.json", *common, "--stage", "3", "--output-dir", str(tmp_path / "z"),
-        "--save-model", str(tmp_path / "adapter"),
-    )  # fmt: skip
+    got, adapter = hf_runs["lora"], hf_run_dir / "adapter"
     assert got["trainable"] == ref["trainable"] and all(".lora_" in n for n in got["trainable"])
     sharded, frozen = got["frozen_sharded"]
     assert frozen > 0 and sharded == frozen  # the base is sharded, not replicated
@@ -242,13 +303,13 @@ def test_hf_trainer_lora_on_a_sharded_frozen_base_and_generate(lora_reference, t
     assert [e["grad_norm"] for e in zero_log] == [s["grad_norm"] for s in got["engine"]]
     trainable, total = got["numel"]
     assert got["save_gathered"] == trainable < total // 10  # save_model gathered the adapter only
-    saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    saved = load_file(adapter / "adapter_model.safetensors")
     expected = load_file(ref_adapter / "adapter_model.safetensors")
     assert saved.keys() == expected.keys() and saved
     for name, t in saved.items():  # Adam: parameters compared loosely (see the yardstick)
         assert max_rel_to_magnitude(t, expected[name]) <= 1e-4, name
     # the adapter reloads in plain peft with identical weights; the merged models agree
-    plain = PeftModel.from_pretrained(build_gpt2(), tmp_path / "adapter").eval()
+    plain = PeftModel.from_pretrained(build_gpt2(), adapter).eval()
     state = plain.state_dict()
     for name, t in saved.items():
         key = name.replace(".weight", ".default.weight")
@@ -263,22 +324,15 @@ def test_hf_trainer_lora_on_a_sharded_frozen_base_and_generate(lora_reference, t
         assert max_rel_to_magnitude(t, merged_ref[name]) <= 1e-5, name
 
 
-def test_hf_trainer_lora_with_the_frozen_base_stored_int8(lora_reference, tmp_path):
+def test_hf_trainer_lora_with_the_frozen_base_stored_int8(lora_reference, hf_runs, hf_run_dir):
     """``zero_quantized_nontrainable_weights``: the frozen base's shards are int8 codes; LoRA
     training stays within the ZeRO++ tolerance (2%) of single-process PEFT training."""
-    config = tmp_path / "zero.json"
-    section = {"stage": 3, "stage3_param_persistence_threshold": 0}
-    section["zero_quantized_nontrainable_weights"] = True
-    config.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "zero_optimization": section}))
-    got = _run(
-        "hf_worker.py", tmp_path / "out.json", "--lora", "--stage", "3", "--config", str(config),
-        "--output-dir", str(tmp_path / "z"), "--save-model", str(tmp_path / "adapter"),
-    )  # fmt: skip
+    got = hf_runs["lora_int8"]
     ref, _ = lora_reference
     int8, frozen = got["frozen_int8"]
     assert frozen > 0 and int8 == frozen, got["frozen_int8"]
     _close([e["loss"] for e in _train_logs(ref)], [e["loss"] for e in _train_logs(got)], 0.02)
-    assert (tmp_path / "adapter" / "adapter_model.safetensors").is_file()
+    assert (hf_run_dir / "adapter8" / "adapter_model.safetensors").is_file()
 
 
 SHARD_ALL = {"stage": 3, "stage3_param_persistence_threshold": 0}  # every tensor of the tiny model split
@@ -291,11 +345,10 @@ ZERO_CONFIGS = {  # ZeroStrategy(config=...): (the zero_optimization section, lo
 
 
 @pytest.mark.parametrize("setup", sorted(ZERO_CONFIGS))
-def test_lightning_fit_with_a_zero_config(setup, lightning_reference, tmp_path):
+def test_lightning_fit_with_a_zero_config(setup, lightning_reference, lightning_runs):
     """MiCS, ZeRO++ and optimizer offload through ``ZeroStrategy(config=...)`` at world 2."""
     section, rtol = ZERO_CONFIGS[setup]
-    config = json.dumps({"zero_optimization": section})
-    got = _run("lightning_worker.py", tmp_path / "out.json", "--config", config, "--validate")
+    got = lightning_runs[setup]
     ran = got["zero_optimization"]
     asked = {k.removeprefix("stage3_"): v for k, v in section.items()}  # the engine's own key names
     assert all(ran[k] == v or ran[k] == {**ran[k], **v} for k, v in asked.items()), ran
