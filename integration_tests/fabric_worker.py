@@ -1,9 +1,10 @@
-"""One Lightning Fabric training of a tiny MLP, as a script: ``python fabric_worker.py OUT.json [options]``.
+"""Lightning Fabric trainings of a tiny MLP, as a script: ``python fabric_worker.py OUT.json [options]``.
 
 ``--stage N`` runs ``Fabric(strategy=ZeroFabricStrategy(...))`` (launch it with ``torchrun
 --nproc_per_node 2``); ``--stage 0`` runs the reference: one process, plain torch, the whole
 global batch. Rank 0 writes each step's global-batch loss and the final weights to the JSON file.
 ``--save-at K --ckpt DIR`` saves after step K; ``--resume DIR`` loads it and trains steps K+1...
+``OUT1.json [options] --then OUT2.json [options]`` runs several trainings in the same processes.
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import torch
 from torch import nn
 
 import zero_params
+from zero_testing.scripts import split_runs
 
 STEPS = 6
 GLOBAL_BATCH = 8
@@ -106,18 +109,23 @@ def zero(args: argparse.Namespace) -> dict | None:
     }
 
 
-def main() -> None:
+def train(argv: list[str]) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--stage", type=int, default=0)
     ap.add_argument("--save-at", type=int, default=None)
     ap.add_argument("--ckpt", default=None)
     ap.add_argument("--resume", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     result = reference(args) if args.stage == 0 else zero(args)
     if result is not None and int(os.environ.get("RANK", "0")) == 0:
         with open(args.out, "w") as f:
             json.dump(result, f)
+
+
+def main() -> None:
+    for argv in split_runs(sys.argv[1:]):
+        train(argv)
 
 
 if __name__ == "__main__":

@@ -17,8 +17,10 @@ import os
 import sys
 
 import torch
-from trainer_models import BUILDERS, split_runs, token_data
+from trainer_models import BUILDERS, token_data
 from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from zero_testing.scripts import split_runs
 
 
 class TokenDataset(torch.utils.data.Dataset):

@@ -17,9 +17,10 @@ import sys
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-from trainer_models import BUILDERS, split_runs, token_data
+from trainer_models import BUILDERS, token_data
 
 import zero_params
+from zero_testing.scripts import split_runs
 
 
 class LitGPT2(pl.LightningModule):

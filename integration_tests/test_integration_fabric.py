@@ -1,7 +1,8 @@
 """zero under Lightning Fabric (``ZeroFabricStrategy``), world 2 over gloo on the CPU.
 
 Each run is ``fabric_worker.py`` launched as a user would: ``torchrun --nproc_per_node 2`` for
-zero, plain ``python`` (one process, the whole global batch, plain torch) for the reference.
+zero, plain ``python`` (one process, the whole global batch, plain torch) for the reference. The
+three stages share one launch; the resumed run starts in processes of its own.
 
 * ``fabric.setup`` / ``backward`` / ``optimizer.step()`` at stages 1, 2, 3: per-step losses and
   final weights within 1e-5 of plain torch (clipping by the config's ``gradient_clipping``);
@@ -14,34 +15,18 @@ zero, plain ``python`` (one process, the whole global batch, plain torch) for th
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from zero_testing.scripts import chain_runs, run_script
 
 HERE = Path(__file__).parent
 RTOL = 1e-5
 
 
 def _run(out: Path, *args: str, world: int = 2) -> dict:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-    launch = [sys.executable]
-    if world > 1:
-        launch += ["-m", "torch.distributed.run", "--nproc_per_node", str(world)]
-        launch += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0"]
-    proc = subprocess.run(
-        [*launch, str(HERE / "fabric_worker.py"), str(out), *args],
-        env=env,
-        cwd=out.parent,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, (
-        f"fabric_worker.py {args} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
-    )
+    run_script(HERE / "fabric_worker.py", [str(out), *args], world=world, cwd=out.parent)
     return json.loads(out.read_text())
 
 
@@ -71,9 +56,18 @@ def reference(tmp_path_factory) -> dict:
     return _run(tmp_path_factory.mktemp("fabric_ref") / "out.json", world=1)
 
 
+@pytest.fixture(scope="module")
+def stage_runs(tmp_path_factory) -> dict[int, dict]:
+    """Stages 1, 2 and 3 at world 2, one after the other in one launch."""
+    out = tmp_path_factory.mktemp("fabric_stages")
+    runs = {f"stage{stage}": ["--stage", str(stage)] for stage in (1, 2, 3)}
+    run_script(HERE / "fabric_worker.py", chain_runs(runs, out), world=2, cwd=out)
+    return {stage: json.loads((out / f"stage{stage}.json").read_text()) for stage in (1, 2, 3)}
+
+
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_fabric_matches_single_process(stage, reference, tmp_path):
-    got = _run(tmp_path / "out.json", "--stage", str(stage))
+def test_fabric_matches_single_process(stage, reference, stage_runs):
+    got = stage_runs[stage]
     assert got["stage"] == stage
     assert got["partitioned"] == (stage == 3)
     assert "gradient_clipping" in got["clip_refused"]

@@ -25,56 +25,25 @@ runs compared with a reference share one launch per trainer and world size (the 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from zero_testing.scripts import chain_runs, run_script
+
 HERE = Path(__file__).parent
 RTOL = 1e-5
 
 
-def _launch(script: str, cwd: Path, argv: list[str], world: int) -> None:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-    launch = [sys.executable]
-    if world > 1:
-        launch += [
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            str(world),
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            "localhost:0",
-        ]
-    proc = subprocess.run(
-        [*launch, str(HERE / script), *argv],
-        env=env,
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, f"{script} {argv} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
-
-
 def _run(script: str, out: Path, *args: str, world: int = 2) -> dict:
-    _launch(script, out.parent, [str(out), *args], world)
+    run_script(HERE / script, [str(out), *args], world=world, cwd=out.parent)
     return json.loads(out.read_text())
 
 
 def _run_many(script: str, out_dir: Path, runs: dict[str, list[str]], world: int = 2) -> dict[str, dict]:
-    """Several trainings of ``script`` one after the other in one launch (its ``--then``): each
-    run's result by name. One launch instead of one each: the ranks import torch, Lightning and
-    zero once."""
-    argv = []
-    for name, args in runs.items():
-        argv += [*(["--then"] if argv else []), str(out_dir / f"{name}.json"), *args]
-    _launch(script, out_dir, argv, world)
+    """Several trainings of ``script`` one after the other in one launch: each run's result by name."""
+    run_script(HERE / script, chain_runs(runs, out_dir), world=world, cwd=out_dir)
     return {name: json.loads((out_dir / f"{name}.json").read_text()) for name in runs}
 
 

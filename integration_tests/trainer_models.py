@@ -2,7 +2,7 @@
 
 A GPT-2 and a LLaMA built from configs (no download), dropout off, a fixed token dataset: the
 reference (one process, the whole global batch) and each zero rank see the same model
-and the same global batches. ``split_runs``: the workers' ``--then`` command line.
+and the same global batches.
 """
 
 from __future__ import annotations
@@ -66,15 +66,3 @@ BUILDERS = {"gpt2": build_gpt2, "gpt2_wide": build_gpt2_wide, "llama": build_lla
 def token_data(samples: int = SAMPLES) -> torch.Tensor:
     """``samples`` sequences of ``SEQ`` token ids (a fixed generator: the same on every rank)."""
     return torch.randint(0, VOCAB, (samples, SEQ), generator=torch.Generator().manual_seed(7))
-
-
-def split_runs(argv: list[str]) -> list[list[str]]:
-    """``OUT1.json [options] --then OUT2.json [options] ...``: each training's own arguments. A
-    worker runs them one after the other in the same processes (one launch, one process group)."""
-    runs: list[list[str]] = [[]]
-    for arg in argv:
-        if arg == "--then":
-            runs.append([])
-        else:
-            runs[-1].append(arg)
-    return runs

@@ -1,0 +1,71 @@
+"""Worker scripts launched as a user launches them: ``python`` for one process, ``torchrun`` for more.
+
+``run_script`` runs one to its end and fails naming the script, its arguments and the tail of
+its output. A worker that trains several times takes ``OUT1 [options] --then OUT2 [options]``
+(``chain_runs`` writes that command line, ``split_runs`` reads it): several runs in one launch,
+so the ranks import torch and the trainer once instead of once per run.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+THEN = "--then"
+
+
+def torchrun(world: int) -> list[str]:
+    """The command that starts a script on ``world`` local ranks (plain ``python`` for one)."""
+    if world == 1:
+        return [sys.executable]
+    rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0"]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), *rdzv]
+
+
+def run_script(
+    script: Path,
+    argv: list[str],
+    *,
+    world: int,
+    cwd: Path,
+    env: dict[str, str] | None = None,
+    timeout: float = 600,
+) -> subprocess.CompletedProcess:
+    """Run ``script argv`` on ``world`` ranks in ``cwd``, its folder first on ``PYTHONPATH`` (the
+    worker imports its neighbours); raise ``AssertionError`` unless it exits 0."""
+    path = os.pathsep.join([str(script.parent), os.environ.get("PYTHONPATH", "")])
+    full_env = {**os.environ, "PYTHONPATH": path, **(env or {})}
+    proc = subprocess.run(
+        [*torchrun(world), str(script), *argv],
+        env=full_env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"{script.name} {argv} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+        )
+    return proc
+
+
+def chain_runs(runs: dict[str, list[str]], out_dir: Path) -> list[str]:
+    """The command line of several runs: each writes ``out_dir/<name>.json``, then its options."""
+    argv: list[str] = []
+    for name, options in runs.items():
+        argv += [*([THEN] if argv else []), str(out_dir / f"{name}.json"), *options]
+    return argv
+
+
+def split_runs(argv: list[str]) -> list[list[str]]:
+    """Each run's own arguments, in order, from ``OUT1 [options] --then OUT2 [options] ...``."""
+    runs: list[list[str]] = [[]]
+    for arg in argv:
+        if arg == THEN:
+            runs.append([])
+        else:
+            runs[-1].append(arg)
+    return runs

@@ -1,0 +1,53 @@
+"""zero_testing.scripts: the ``--then`` command line round trip, and a failing script named."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from zero_testing.scripts import chain_runs, run_script, split_runs, torchrun
+
+WORKER = """
+import json, sys
+from zero_testing.scripts import split_runs
+for argv in split_runs(sys.argv[1:]):
+    out, *options = argv
+    if options == ["--fail"]:
+        print("failing on purpose", file=sys.stderr)
+        sys.exit(3)
+    with open(out, "w") as f:
+        json.dump(options, f)
+"""
+
+
+def test_chained_runs_split_back_into_each_runs_arguments(tmp_path):
+    runs = {"a": ["--stage", "1"], "b": [], "c": ["--x", "--then-not"]}
+    argv = chain_runs(runs, tmp_path)
+    assert argv.count("--then") == 2
+    assert split_runs(argv) == [[str(tmp_path / f"{name}.json"), *options] for name, options in runs.items()]
+
+
+def test_one_launch_runs_every_chained_run(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    runs = {"first": ["--lr", "1"], "second": []}
+    run_script(script, chain_runs(runs, tmp_path), world=1, cwd=tmp_path)
+    assert [json.loads((tmp_path / f"{n}.json").read_text()) for n in runs] == list(runs.values())
+
+
+def test_a_failing_script_is_named_with_its_exit_code_and_output(tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    with pytest.raises(AssertionError, match=r"worker.py .* exited 3:[\s\S]*failing on purpose"):
+        run_script(script, [str(tmp_path / "out.json"), "--fail"], world=1, cwd=tmp_path)
+
+
+def test_more_than_one_rank_goes_through_torchrun():
+    assert torchrun(1) == [sys.executable]
+    command = torchrun(4)
+    assert (
+        command[1:3] == ["-m", "torch.distributed.run"]
+        and command[command.index("--nproc_per_node") + 1] == "4"
+    )
