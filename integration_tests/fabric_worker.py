@@ -10,15 +10,12 @@ global batch. Rank 0 writes each step's global-batch loss and the final weights 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import sys
 
 import torch
 from torch import nn
 
 import zero_params
-from zero_testing.scripts import split_runs
+from zero_testing.scripts import run_each, write_from_rank_0
 
 STEPS = 6
 GLOBAL_BATCH = 8
@@ -118,15 +115,9 @@ def train(argv: list[str]) -> None:
     ap.add_argument("--resume", default=None)
     args = ap.parse_args(argv)
     result = reference(args) if args.stage == 0 else zero(args)
-    if result is not None and int(os.environ.get("RANK", "0")) == 0:
-        with open(args.out, "w") as f:
-            json.dump(result, f)
-
-
-def main() -> None:
-    for argv in split_runs(sys.argv[1:]):
-        train(argv)
+    if result is not None:
+        write_from_rank_0(args.out, result)
 
 
 if __name__ == "__main__":
-    main()
+    run_each(train)

@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 
 import torch
 from trainer_models import BUILDERS, token_data
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from zero_testing.scripts import split_runs
+from zero_testing.scripts import run_each, write_from_rank_0
 
 
 class TokenDataset(torch.utils.data.Dataset):
@@ -160,15 +158,8 @@ def train(argv: list[str]) -> None:
         result["numel"] = [sum(numel[n] for n in result["trainable"]), sum(numel.values())]
     elif args.save_model:
         trainer.save_model(args.save_model)
-    if int(os.environ.get("RANK", "0")) == 0:
-        with open(args.out, "w") as f:
-            json.dump(result, f)
-
-
-def main() -> None:
-    for argv in split_runs(sys.argv[1:]):
-        train(argv)
+    write_from_rank_0(args.out, result)
 
 
 if __name__ == "__main__":
-    main()
+    run_each(train)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import lightning.pytorch as pl
 import torch
@@ -20,7 +19,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from trainer_models import BUILDERS, token_data
 
 import zero_params
-from zero_testing.scripts import split_runs
+from zero_testing.scripts import run_each, write_from_rank_0
 
 
 class LitGPT2(pl.LightningModule):
@@ -123,15 +122,8 @@ def train(argv: list[str]) -> None:
     if args.validate:
         val = loader(data[:16])
         result["val_loss"] = trainer.validate(model, dataloaders=val, verbose=False)[0]["val_loss"]
-    if trainer.is_global_zero:
-        with open(args.out, "w") as f:
-            json.dump(result, f)
-
-
-def main() -> None:
-    for argv in split_runs(sys.argv[1:]):
-        train(argv)
+    write_from_rank_0(args.out, result)
 
 
 if __name__ == "__main__":
-    main()
+    run_each(train)

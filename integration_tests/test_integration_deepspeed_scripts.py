@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+from zero_testing.scripts import run_script
 
 SCRIPTS = Path(__file__).with_name("deepspeed_scripts")
 REL = 1e-5
@@ -30,18 +29,9 @@ REL = 1e-5
 
 def _torchrun(impl: str, script: str, args: list[str], out: Path, limit: float = 900) -> dict[int, dict]:
     out.mkdir(parents=True, exist_ok=True)
-    env = {
-        **os.environ,
-        "DS_IMPL": impl,
-        "DS_ACCELERATOR": "cpu",
-        "OMP_NUM_THREADS": "1",
-    }
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone"]
-    proc = subprocess.run(
-        [*cmd, script, *args], cwd=SCRIPTS, env=env, capture_output=True, text=True, timeout=limit
-    )
+    env = {"DS_IMPL": impl, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    proc = run_script(SCRIPTS / script, args, world=2, cwd=SCRIPTS, env=env, timeout=limit)
     log = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"{impl} {script} failed:\n{log[-6000:]}"
     results = {r: json.loads((out / f"{impl}-rank{r}.json").read_text()) for r in (0, 1)}
     results[-1] = {"log": log}
     return results

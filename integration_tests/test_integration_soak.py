@@ -9,10 +9,9 @@ from /proc/self/status in fresh processes with ``MALLOC_MMAP_THRESHOLD_=1048576`
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+from zero_testing.scripts import run_script
 
 STEPS = 2000
 
@@ -20,11 +19,9 @@ STEPS = 2000
 def test_two_thousand_steps_with_checkpoints_resume_exactly_and_do_not_grow(tmp_path):
     out, ckpt = tmp_path / "out", tmp_path / "ckpt"
     out.mkdir()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "1048576"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone"]
-    cmd += [str(Path(__file__).with_name("soak_worker.py")), str(out), str(ckpt), str(STEPS)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    env = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "1048576"}
+    worker = Path(__file__).with_name("soak_worker.py")
+    run_script(worker, [str(out), str(ckpt), str(STEPS)], world=2, cwd=tmp_path, env=env, timeout=900)
     for r in (0, 1):
         report = json.loads((out / f"rank{r}.json").read_text())
         assert len(report["losses"]) == STEPS

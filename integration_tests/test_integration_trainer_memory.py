@@ -13,12 +13,11 @@ per parameter, more than 10% of the direct peak.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from zero_testing.scripts import run_script
 
 HERE = Path(__file__).parent
 MODES = ("direct", "hf", "lightning")
@@ -28,18 +27,11 @@ WORLD = 2
 def _measure(mode: str, out: Path) -> list[dict]:
     out.mkdir()
     env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]),
-        "MALLOC_MMAP_THRESHOLD_": "1048576",  # freed tensors of 1 MiB or more leave the RSS
+        "MALLOC_MMAP_THRESHOLD_": "1048576",
         "OMP_NUM_THREADS": "1",
-    }
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD)]
-    launch += ["--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0"]
-    proc = subprocess.run(
-        [*launch, str(HERE / "trainer_rss_worker.py"), str(out), "--mode", mode],
-        env=env, cwd=out, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    assert proc.returncode == 0, f"{mode} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    }  # freed tensors >= 1 MiB leave the RSS
+    argv = [str(out), "--mode", mode]
+    run_script(HERE / "trainer_rss_worker.py", argv, world=WORLD, cwd=out, env=env, timeout=900)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 

@@ -1,4 +1,5 @@
-"""zero_testing.scripts: the ``--then`` command line round trip, and a failing script named."""
+"""zero_testing.scripts: the ``--then`` command line round trip, a worker running each run, and a
+failing script named."""
 
 from __future__ import annotations
 
@@ -7,18 +8,20 @@ import sys
 
 import pytest
 
-from zero_testing.scripts import chain_runs, run_script, split_runs, torchrun
+from zero_testing.scripts import chain_runs, run_script, split_runs, torchrun, write_from_rank_0
 
 WORKER = """
-import json, sys
-from zero_testing.scripts import split_runs
-for argv in split_runs(sys.argv[1:]):
+import sys
+from zero_testing.scripts import run_each, write_from_rank_0
+
+def train(argv):
     out, *options = argv
     if options == ["--fail"]:
         print("failing on purpose", file=sys.stderr)
         sys.exit(3)
-    with open(out, "w") as f:
-        json.dump(options, f)
+    write_from_rank_0(out, options)
+
+run_each(train)
 """
 
 
@@ -51,3 +54,11 @@ def test_more_than_one_rank_goes_through_torchrun():
         command[1:3] == ["-m", "torch.distributed.run"]
         and command[command.index("--nproc_per_node") + 1] == "4"
     )
+
+
+def test_only_global_rank_0_writes_the_result(tmp_path, monkeypatch):
+    monkeypatch.setenv("RANK", "1")
+    write_from_rank_0(tmp_path / "r1.json", [1])
+    monkeypatch.setenv("RANK", "0")
+    write_from_rank_0(tmp_path / "r0.json", [0])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r0.json"]

@@ -2,15 +2,18 @@
 
 ``run_script`` runs one to its end and fails naming the script, its arguments and the tail of
 its output. A worker that trains several times takes ``OUT1 [options] --then OUT2 [options]``
-(``chain_runs`` writes that command line, ``split_runs`` reads it): several runs in one launch,
-so the ranks import torch and the trainer once instead of once per run.
+(``chain_runs`` writes that command line, ``split_runs`` reads it, ``run_each`` is the worker's
+main): several runs in one launch, so the ranks import torch and the trainer once instead of
+once per run. ``write_from_rank_0`` writes a run's JSON result once.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 THEN = "--then"
@@ -69,3 +72,15 @@ def split_runs(argv: list[str]) -> list[list[str]]:
         else:
             runs[-1].append(arg)
     return runs
+
+
+def run_each(train: Callable[[list[str]], None], argv: list[str] | None = None) -> None:
+    """A worker's main: ``train`` once per run of the command line (``sys.argv[1:]`` by default)."""
+    for run in split_runs(sys.argv[1:] if argv is None else argv):
+        train(run)
+
+
+def write_from_rank_0(path: str | Path, result: object) -> None:
+    """``result`` as JSON at ``path``, written by global rank 0 only (``RANK``, 0 without torchrun)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        Path(path).write_text(json.dumps(result))
