@@ -12,7 +12,7 @@ from zero_comm.coalesced import (
 )
 from zero_comm.completion import wait_polled
 from zero_comm.devices import control_device, served_device_types
-from zero_comm.grad_bound import BOUNDED_DTYPES, GradientBound
+from zero_comm.grad_bound import BOUNDED_DTYPES, BoundedReduceScatter, GradientBound
 from zero_comm.handles import AllGatherHandle, CollectiveHandle, ReduceScatterHandle, TensorHandle
 from zero_comm.hierarchical import hierarchical_all_gather_coalesced
 from zero_comm.in_place import reduce_scatter_in_place
@@ -104,6 +104,7 @@ __all__ = [
     "shard_range",
     "BOUNDED_DTYPES",
     "GradientBound",
+    "BoundedReduceScatter",
     "BoundedTimeouts",
     "bound_for",
     "NO_STREAMS",

@@ -1,15 +1,27 @@
-"""The inf / nan check that rides on the gradient reduce-scatter: no collective of its own."""
+"""The inf / nan check that rides on the gradient reduce-scatter: no collective of its own.
+
+A caller hands the bound its gradients and gets their reduced partitions back: the sideband is
+attached and taken off here, on the way down and up (:meth:`GradientBound.reduce_scatter`,
+:meth:`~GradientBound.reduce_in_place`, :meth:`~GradientBound.issue_staged`, and
+:class:`BoundedReduceScatter` for the strategy form).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
 import torch
+from torch.distributed import ProcessGroup
 
-from zero_comm.coalesced import adjacent_flat_view
+from zero_comm.coalesced import adjacent_flat_view, issue_reduce_scatter
+from zero_comm.handles import ReduceScatterHandle
+from zero_comm.in_place import reduce_scatter_in_place
 from zero_comm.profiling import profile_range
+from zero_comm.reduction import ReduceOpLike
+from zero_comm.staged import StagedReduceScatter
+from zero_comm.strategies import AllToAllReduceScatter
 
-__all__ = ["BOUNDED_DTYPES", "GradientBound"]
+__all__ = ["BOUNDED_DTYPES", "BoundedReduceScatter", "GradientBound"]
 
 BOUNDED_DTYPES = (torch.float32, torch.bfloat16)
 """Gradient dtypes whose range makes a false overflow of the summed maxima implausible."""
@@ -61,6 +73,34 @@ class GradientBound:
         self.received(reduced[-1])
         return reduced[:-1]
 
+    def reduce_scatter(
+        self, grads: Sequence[torch.Tensor], group: ProcessGroup | None, *, op: ReduceOpLike = "avg"
+    ) -> ReduceScatterHandle:
+        """:func:`~zero_comm.reduce_scatter_coalesced_padded` of ``grads`` with their sideband (async).
+
+        ``wait()`` returns the gradients' padded partitions; the sideband's goes to the sum.
+        """
+        return issue_reduce_scatter(self.carried(grads), group, op=op, async_op=True).then(self.split)
+
+    def reduce_in_place(
+        self, regions: Sequence[torch.Tensor], group: ProcessGroup | None, *, op: ReduceOpLike = "avg"
+    ) -> ReduceScatterHandle:
+        """:func:`~zero_comm.reduce_scatter_in_place` of ``regions`` with their sideband (async)."""
+        return reduce_scatter_in_place(self.carried(regions), group, op=op, async_op=True).then(self.split)
+
+    def issue_staged(
+        self, staging: StagedReduceScatter, count: int, *, op: ReduceOpLike = "avg"
+    ) -> ReduceScatterHandle:
+        """Issue ``staging``, whose first ``count`` tensors are gradients and whose last is the
+        sideband's slot (``world`` elements), after scanning the staged rows (async).
+
+        Tensors never put are reduced as zeros and scanned as such. ``wait()`` returns the
+        gradients' partitions.
+        """
+        staging.fill_missing(count)
+        staging.put(count, self.sideband(staging.staged_rows(count)))
+        return staging.issue(op=op, async_op=True).then(self.split)
+
     def received(self, reduced: torch.Tensor) -> None:
         """Add this rank's reduced sideband element (a 1-element tensor) to the running sum."""
         with profile_range("zero.optim.grad_bound"), torch.no_grad():
@@ -82,3 +122,54 @@ class GradientBound:
     def reset(self) -> None:
         """The gradients were zeroed: the next reductions start a new sum (no kernel runs)."""
         self._sum = None
+
+
+class BoundedReduceScatter:
+    """The plain reduce-scatter strategy with a :class:`GradientBound` riding on it.
+
+    A :class:`~zero_comm.ReduceScatterStrategy`: ``reduce_scatter_coalesced(grads)`` returns the
+    gradients' partitions, and every call adds its sideband to ``bound``.
+
+    Args:
+        inner: The reduce-scatter the gradients go through.
+        bound: The running sum every call adds to.
+        what: Names the gradients in the error (for example the first parameter's name).
+
+    Raises:
+        ValueError: ``inner`` is not the plain :class:`~zero_comm.AllToAllReduceScatter` over
+            ``bound.world`` ranks (other strategies change or regroup the elements they send).
+    """
+
+    __slots__ = ("bound", "inner")
+
+    def __init__(
+        self, inner: AllToAllReduceScatter, bound: GradientBound, what: str = "the gradient"
+    ) -> None:
+        if type(inner) is not AllToAllReduceScatter or inner.group_size != bound.world:
+            raise ValueError(
+                f"{what} is reduced by {type(inner).__name__} over {inner.group_size} ranks; a "
+                f"GradientBound rides only on the plain AllToAllReduceScatter over {bound.world}: "
+                "build the optimizer without it"
+            )
+        self.inner = inner
+        self.bound = bound
+
+    @property
+    def group(self) -> ProcessGroup | None:
+        return self.inner.group
+
+    @property
+    def group_size(self) -> int:
+        return self.inner.group_size
+
+    @property
+    def group_rank(self) -> int:
+        return self.inner.group_rank
+
+    def reduce_scatter_coalesced(
+        self, tensors: Sequence[torch.Tensor], *, op: ReduceOpLike = "avg", async_op: bool = False
+    ) -> ReduceScatterHandle:
+        """The inner strategy's reduce-scatter of ``tensors`` and their sideband; ``wait()``
+        returns the partitions of ``tensors`` only."""
+        carried = self.bound.carried(tensors)
+        return self.inner.reduce_scatter_coalesced(carried, op=op, async_op=async_op).then(self.bound.split)

@@ -292,16 +292,6 @@ def _check_plain(partitioning: ReplicaPartitioning, strategy: object | None) -> 
         )
 
 
-def _with_sideband(grads: list[torch.Tensor], bound: GradientBound | None) -> list[torch.Tensor]:
-    """``grads`` and, with a bound, their sideband last (see :mod:`zero_comm.grad_bound`)."""
-    return grads if bound is None else bound.carried(grads)
-
-
-def _without_sideband(reduced: Sequence[torch.Tensor], bound: GradientBound | None) -> Sequence[torch.Tensor]:
-    """The reduced partitions of the gradients; the sideband's element (last) goes to the bound."""
-    return reduced if bound is None else bound.split(reduced)
-
-
 @dataclasses.dataclass(frozen=True)
 class ReduceScatterInto:
     """``reduce_fn`` of stages 1 and 2: average full gradients, add this rank's partition (coalesced).
@@ -323,17 +313,14 @@ class ReduceScatterInto:
         with profile_range("zero.optim.reduce_scatter_grads"):
             params, targets, runs = _in_fewer_runs(params, self.partitioning)
             grads = _take_grads(params)
-            bound = self.partitioning.grad_bound
+            bound, group = self.partitioning.grad_bound, self.partitioning.group
             if self.strategy is not None:
                 handle = self.strategy.reduce_scatter_coalesced(grads, op="avg", async_op=True)
+            elif bound is not None:
+                handle = bound.reduce_scatter(grads, group, op="avg")
             else:
-                handle = zero_comm.reduce_scatter_coalesced_padded(
-                    _with_sideband(grads, bound), self.partitioning.group, op="avg", async_op=True
-                )
-
-            return _finish_now_or_later(
-                lambda: _add_in_runs(targets, _without_sideband(handle.wait(), bound), runs), async_op
-            )
+                handle = zero_comm.reduce_scatter_coalesced_padded(grads, group, op="avg", async_op=True)
+            return _finish_now_or_later(lambda: _add_in_runs(targets, handle.wait(), runs), async_op)
 
     def open_bucket(self, params: Sequence[nn.Parameter]) -> _StagedBucket | None:
         """A staging buffer for one bucket, filled as each gradient arrives (``None``: a strategy is set)."""
@@ -384,15 +371,13 @@ class _StagedBucket:
             for p in self._params:  # a gradient that arrived without its hook (none normally)
                 if p.grad is not None:
                     self.put(p)
-            bound, staging, count = self._bound, self._staging, len(self._params)
-            if bound is not None:
-                staging.fill_missing(count)  # zeros where no gradient came: scanned below
-                staging.put(count, bound.sideband(staging.staged_rows(count)))
-            handle = staging.issue(op="avg", async_op=True)
+            bound, staging = self._bound, self._staging
+            if bound is not None:  # the staging's last slot is the sideband's
+                handle = bound.issue_staged(staging, len(self._params), op="avg")
+            else:
+                handle = staging.issue(op="avg", async_op=True)
             targets, runs = self._targets, self._runs
-            return _finish_now_or_later(
-                lambda: _add_in_runs(targets, _without_sideband(handle.wait(), bound), runs), async_op
-            )
+            return _finish_now_or_later(lambda: _add_in_runs(targets, handle.wait(), runs), async_op)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -415,11 +400,13 @@ class ReduceScatterInPlace:
                 return _AccumulateHandle(lambda: None)
             if self.strategy is None:  # the reduced rows land in the regions themselves
                 bound = part.grad_bound
-                sent = _with_sideband(live, bound)
-                in_place = zero_comm.reduce_scatter_in_place(sent, part.group, op="avg", async_op=True)
+                if bound is not None:
+                    in_place = bound.reduce_in_place(live, part.group, op="avg")
+                else:
+                    in_place = zero_comm.reduce_scatter_in_place(live, part.group, op="avg", async_op=True)
 
                 def finish() -> None:
-                    _without_sideband(in_place.wait(), bound)
+                    in_place.wait()
                     grads.reduced(params)
 
             else:

@@ -11,6 +11,7 @@ from torch import nn
 
 from zero_comm import (
     AllToAllReduceScatter,
+    BoundedReduceScatter,
     CastReduceScatter,
     GradientBound,
     NativeReduceScatter,
@@ -37,7 +38,6 @@ class _ReduceOp:
     comm: ReduceScatterHandle | None
     targets: list[torch.Tensor]
     runs: list[tuple[int, int]]
-    bound: GradientBound | None = None
     before_add: Callable[[], None] | None = None
 
     def wait(self) -> None:
@@ -47,8 +47,6 @@ class _ReduceOp:
             with torch.no_grad():
                 reduced = self.comm.wait()
                 self.comm = None  # the gradients it sent are freed before the partitions are touched
-                if self.bound is not None:
-                    reduced = self.bound.split(reduced)
                 if self.before_add is not None:
                     self.before_add()
                 add_in_runs(self.targets, reduced, self.runs)
@@ -134,14 +132,8 @@ def _issue(
     else:
         targets = [state.ensure_grad_partition() for state, _ in pairs]
         runs = adjacent_runs(targets)
-    grads = [g for _, g in pairs]
     if bound is not None:
-        if type(strategy) is not AllToAllReduceScatter or strategy.group_size != bound.world:
-            raise ValueError(
-                f"reduce_scatter_grads: {pairs[0][0].display_name!r} is reduced by "
-                f"{type(strategy).__name__} over {strategy.group_size} ranks; a GradientBound rides only "
-                f"on the plain AllToAllReduceScatter over {bound.world}: build the optimizer without it"
-            )
-        grads = bound.carried(grads)
-    comm = strategy.reduce_scatter_coalesced(grads, op="avg", async_op=async_op)
-    return _ReduceOp(comm, targets, runs, bound, before_add)
+        what = f"reduce_scatter_grads: {pairs[0][0].display_name!r}"
+        strategy = BoundedReduceScatter(strategy, bound, what)
+    comm = strategy.reduce_scatter_coalesced([g for _, g in pairs], op="avg", async_op=async_op)
+    return _ReduceOp(comm, targets, runs, before_add)
