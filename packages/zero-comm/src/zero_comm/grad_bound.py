@@ -19,7 +19,7 @@ from zero_comm.in_place import reduce_scatter_in_place
 from zero_comm.profiling import profile_range
 from zero_comm.reduction import ReduceOpLike
 from zero_comm.staged import StagedReduceScatter
-from zero_comm.strategies import AllToAllReduceScatter
+from zero_comm.strategies import AllToAllReduceScatter, OnGroup
 
 __all__ = ["BOUNDED_DTYPES", "BoundedReduceScatter", "GradientBound"]
 
@@ -124,7 +124,7 @@ class GradientBound:
         self._sum = None
 
 
-class BoundedReduceScatter:
+class BoundedReduceScatter(OnGroup):
     """The plain reduce-scatter strategy with a :class:`GradientBound` riding on it.
 
     A :class:`~zero_comm.ReduceScatterStrategy`: ``reduce_scatter_coalesced(grads)`` returns the
@@ -151,20 +151,9 @@ class BoundedReduceScatter:
                 f"GradientBound rides only on the plain AllToAllReduceScatter over {bound.world}: "
                 "build the optimizer without it"
             )
+        super().__init__(inner.group)
         self.inner = inner
         self.bound = bound
-
-    @property
-    def group(self) -> ProcessGroup | None:
-        return self.inner.group
-
-    @property
-    def group_size(self) -> int:
-        return self.inner.group_size
-
-    @property
-    def group_rank(self) -> int:
-        return self.inner.group_rank
 
     def reduce_scatter_coalesced(
         self, tensors: Sequence[torch.Tensor], *, op: ReduceOpLike = "avg", async_op: bool = False
