@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from zero_testing.scripts import chain_runs, run_script
+from zero_testing.scripts import run_chained, run_script
 
 HERE = Path(__file__).parent
 RTOL = 1e-5
@@ -59,10 +59,9 @@ def reference(tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def stage_runs(tmp_path_factory) -> dict[int, dict]:
     """Stages 1, 2 and 3 at world 2, one after the other in one launch."""
-    out = tmp_path_factory.mktemp("fabric_stages")
-    runs = {f"stage{stage}": ["--stage", str(stage)] for stage in (1, 2, 3)}
-    run_script(HERE / "fabric_worker.py", chain_runs(runs, out), world=2, cwd=out)
-    return {stage: json.loads((out / f"stage{stage}.json").read_text()) for stage in (1, 2, 3)}
+    runs = {str(stage): ["--stage", str(stage)] for stage in (1, 2, 3)}
+    results = run_chained(HERE / "fabric_worker.py", runs, tmp_path_factory.mktemp("fabric_stages"), world=2)
+    return {int(stage): result for stage, result in results.items()}
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from zero_testing.scripts import chain_runs, run_script
+from zero_testing.scripts import run_chained, run_script
 
 HERE = Path(__file__).parent
 RTOL = 1e-5
@@ -42,9 +42,7 @@ def _run(script: str, out: Path, *args: str, world: int = 2) -> dict:
 
 
 def _run_many(script: str, out_dir: Path, runs: dict[str, list[str]], world: int = 2) -> dict[str, dict]:
-    """Several trainings of ``script`` one after the other in one launch: each run's result by name."""
-    run_script(HERE / script, chain_runs(runs, out_dir), world=world, cwd=out_dir)
-    return {name: json.loads((out_dir / f"{name}.json").read_text()) for name in runs}
+    return run_chained(HERE / script, runs, out_dir, world=world)
 
 
 def _close(a: list[float], b: list[float], rtol: float = RTOL) -> None:

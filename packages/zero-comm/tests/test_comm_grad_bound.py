@@ -63,17 +63,14 @@ def _bounded_equals_plain(rank, poisoned: int | None) -> list[bool]:
             grads[1] = grads[1].clone().index_fill_(0, torch.tensor([0]), float("inf"))
         expected = reduce_scatter_coalesced_padded(grads, op="avg")
 
-        bound = GradientBound(world)
-        got = bound.reduce_scatter(grads, None, op="avg").wait()
-        assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True)), dtype
-        flags.append(bound.nonfinite())
-
-        bound = GradientBound(world)
-        strategy = BoundedReduceScatter(AllToAllReduceScatter(), bound)
-        assert (strategy.group, strategy.group_size, strategy.group_rank) == (None, world, rank.rank)
-        got = strategy.reduce_scatter_coalesced(grads, op="avg", async_op=True).wait()
-        assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True)), dtype
-        flags.append(bound.nonfinite())
+        for async_op in (False, True):
+            bound, plain = GradientBound(world), AllToAllReduceScatter()
+            strategy = bound.riding(plain)
+            assert bound.riding(plain) is strategy  # made once per strategy
+            assert (strategy.group, strategy.group_size, strategy.group_rank) == (None, world, rank.rank)
+            got = strategy.reduce_scatter_coalesced(grads, op="avg", async_op=async_op).wait()
+            assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True)), dtype
+            flags.append(bound.nonfinite())
 
         bound, missing = GradientBound(world), 2  # a gradient never put is reduced (and scanned) as zeros
         staging = StagedReduceScatter([g.numel() for g in grads] + [world], None, dtype, "cpu")

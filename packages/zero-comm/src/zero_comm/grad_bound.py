@@ -1,9 +1,8 @@
 """The inf / nan check that rides on the gradient reduce-scatter: no collective of its own.
 
 A caller hands the bound its gradients and gets their reduced partitions back: the sideband is
-attached and taken off here, on the way down and up (:meth:`GradientBound.reduce_scatter`,
-:meth:`~GradientBound.reduce_in_place`, :meth:`~GradientBound.issue_staged`, and
-:class:`BoundedReduceScatter` for the strategy form).
+attached and taken off here, on the way down and up (:class:`BoundedReduceScatter`, the
+strategy form; :meth:`GradientBound.reduce_in_place` and :meth:`~GradientBound.issue_staged`).
 """
 
 from __future__ import annotations
@@ -13,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from torch.distributed import ProcessGroup
 
-from zero_comm.coalesced import adjacent_flat_view, issue_reduce_scatter
+from zero_comm.coalesced import adjacent_flat_view
 from zero_comm.handles import ReduceScatterHandle
 from zero_comm.in_place import reduce_scatter_in_place
 from zero_comm.profiling import profile_range
@@ -34,13 +33,14 @@ class GradientBound:
         world: Ranks the reduce-scatter runs over (the sideband has one element each).
     """
 
-    __slots__ = ("_sum", "world")
+    __slots__ = ("_riding", "_sum", "world")
 
     def __init__(self, world: int) -> None:
         if world < 1:
             raise ValueError(f"GradientBound: world must be >= 1, got {world}")
         self.world = world
         self._sum: torch.Tensor | None = None
+        self._riding: dict[int, BoundedReduceScatter] = {}
 
     def sideband(self, grads: Sequence[torch.Tensor]) -> torch.Tensor:
         """``world`` copies of ``max |g|`` over ``grads`` (their dtype), to reduce right beside them.
@@ -73,14 +73,13 @@ class GradientBound:
         self.received(reduced[-1])
         return reduced[:-1]
 
-    def reduce_scatter(
-        self, grads: Sequence[torch.Tensor], group: ProcessGroup | None, *, op: ReduceOpLike = "avg"
-    ) -> ReduceScatterHandle:
-        """:func:`~zero_comm.reduce_scatter_coalesced_padded` of ``grads`` with their sideband (async).
-
-        ``wait()`` returns the gradients' padded partitions; the sideband's goes to the sum.
-        """
-        return issue_reduce_scatter(self.carried(grads), group, op=op, async_op=True).then(self.split)
+    def riding(self, strategy: AllToAllReduceScatter, what: str = "the gradient") -> BoundedReduceScatter:
+        """``BoundedReduceScatter(strategy, self, what)``, made once per strategy (a gradient hook
+        asks for it at every reduction)."""
+        found = self._riding.get(id(strategy))
+        if found is None or found.inner is not strategy:
+            found = self._riding[id(strategy)] = BoundedReduceScatter(strategy, self, what)
+        return found
 
     def reduce_in_place(
         self, regions: Sequence[torch.Tensor], group: ProcessGroup | None, *, op: ReduceOpLike = "avg"

@@ -11,6 +11,7 @@ world size (stage 3 only orders its persistent parameters first in the flat buff
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -313,14 +314,18 @@ class ReduceScatterInto:
         with profile_range("zero.optim.reduce_scatter_grads"):
             params, targets, runs = _in_fewer_runs(params, self.partitioning)
             grads = _take_grads(params)
-            bound, group = self.partitioning.grad_bound, self.partitioning.group
-            if self.strategy is not None:
-                handle = self.strategy.reduce_scatter_coalesced(grads, op="avg", async_op=True)
-            elif bound is not None:
-                handle = bound.reduce_scatter(grads, group, op="avg")
-            else:
-                handle = zero_comm.reduce_scatter_coalesced_padded(grads, group, op="avg", async_op=True)
+            handle = self._reduce.reduce_scatter_coalesced(grads, op="avg", async_op=True)
             return _finish_now_or_later(lambda: _add_in_runs(targets, handle.wait(), runs), async_op)
+
+    @functools.cached_property
+    def _reduce(self) -> zero_comm.ReduceScatterStrategy:
+        """The reduce-scatter of every call, chosen once: :attr:`strategy`, else the plain one
+        (carrying the partitioning's bound, if it has one)."""
+        if self.strategy is not None:
+            return self.strategy
+        plain = zero_comm.AllToAllReduceScatter(self.partitioning.group)
+        bound = self.partitioning.grad_bound
+        return plain if bound is None else bound.riding(plain)
 
     def open_bucket(self, params: Sequence[nn.Parameter]) -> _StagedBucket | None:
         """A staging buffer for one bucket, filled as each gradient arrives (``None``: a strategy is set)."""

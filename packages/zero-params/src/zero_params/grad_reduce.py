@@ -11,7 +11,6 @@ from torch import nn
 
 from zero_comm import (
     AllToAllReduceScatter,
-    BoundedReduceScatter,
     CastReduceScatter,
     GradientBound,
     NativeReduceScatter,
@@ -133,7 +132,6 @@ def _issue(
         targets = [state.ensure_grad_partition() for state, _ in pairs]
         runs = adjacent_runs(targets)
     if bound is not None:
-        what = f"reduce_scatter_grads: {pairs[0][0].display_name!r}"
-        strategy = BoundedReduceScatter(strategy, bound, what)
+        strategy = bound.riding(strategy, f"reduce_scatter_grads: {pairs[0][0].display_name!r}")
     comm = strategy.reduce_scatter_coalesced([g for _, g in pairs], op="avg", async_op=async_op)
     return _ReduceOp(comm, targets, runs, before_add)

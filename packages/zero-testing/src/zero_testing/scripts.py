@@ -2,9 +2,10 @@
 
 ``run_script`` runs one to its end and fails naming the script, its arguments and the tail of
 its output. A worker that trains several times takes ``OUT1 [options] --then OUT2 [options]``
-(``chain_runs`` writes that command line, ``split_runs`` reads it, ``run_each`` is the worker's
-main): several runs in one launch, so the ranks import torch and the trainer once instead of
-once per run. ``write_from_rank_0`` writes a run's JSON result once.
+(``run_chained`` launches them and reads each run's result, ``chain_runs`` writes that command
+line, ``split_runs`` reads it, ``run_each`` is the worker's main): several runs in one launch,
+so the ranks import torch and the trainer once instead of once per run. ``write_from_rank_0``
+writes a run's JSON result once.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 THEN = "--then"
 
@@ -61,6 +63,15 @@ def chain_runs(runs: dict[str, list[str]], out_dir: Path) -> list[str]:
     for name, options in runs.items():
         argv += [*([THEN] if argv else []), str(out_dir / f"{name}.json"), *options]
     return argv
+
+
+def run_chained(
+    script: Path, runs: dict[str, list[str]], out_dir: Path, *, world: int, timeout: float = 600
+) -> dict[str, Any]:
+    """Every run of ``runs`` in one launch of ``script`` (:func:`chain_runs`), in ``out_dir``;
+    each run's JSON result by name."""
+    run_script(script, chain_runs(runs, out_dir), world=world, cwd=out_dir, timeout=timeout)
+    return {name: json.loads((out_dir / f"{name}.json").read_text()) for name in runs}
 
 
 def split_runs(argv: list[str]) -> list[list[str]]:
