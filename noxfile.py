@@ -456,7 +456,7 @@ def _integration_tests(session: nox.Session) -> None:
     """The peers beside zero-full and zero-testing, then integration_tests/ and benchmarks/tests."""
     tests_dir = ROOT / "integration_tests"
     # DeepSpeed: the peer the DeepSpeed-script and DeepSpeed-checkpoint tests run the same code under
-    # (on the CPU it JIT-builds its shared-memory collective with ninja at its first run); grimp: the
+    # (without its JIT-built ops: zero_testing.peers; ninja for a user's own runs); grimp: the
     # import graph that test_integration_import_graph.py checks (import-linter's own); accelerate,
     # lightning and peft: the trainer integrations' tests.
     workers = WORKERS.get("integration", 0)

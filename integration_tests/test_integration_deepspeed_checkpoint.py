@@ -18,6 +18,7 @@ import zero_full
 from zero_full.checkpoint import CheckpointError, is_deepspeed_checkpoint
 from zero_full.checkpoint.layout import elementwise_state, local_pieces
 from zero_testing import raised_message
+from zero_testing.peers import deepspeed_for_training
 
 BATCH = 8
 STEPS = 3
@@ -59,8 +60,9 @@ def _data(step: int, rank: int, world: int):
 def _deepspeed_run(stage: int, root: str) -> dict:
     """Train STEPS steps under DeepSpeed, save, record its full fp32 weights and Adam state, then
     take one more step and record the loss and weights."""
-    import deepspeed
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    deepspeed = deepspeed_for_training()
 
     deepspeed.init_distributed(dist_backend="gloo")
     rank = dist.get_rank()

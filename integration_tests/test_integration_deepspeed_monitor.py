@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zero_testing.peers import deepspeed_for_training
+
 ACCUM, MICRO, STEPS = 2, 2, 4
 
 
@@ -33,8 +35,7 @@ def _config(out: str) -> dict:
 
 def _run(impl: str, out: str) -> None:
     if impl == "deepspeed":
-        import deepspeed
-
+        deepspeed = deepspeed_for_training()
         deepspeed.init_distributed(dist_backend="gloo")
     else:
         import zero_full.deepspeed as deepspeed

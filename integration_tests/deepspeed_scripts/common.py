@@ -15,11 +15,18 @@ from typing import Any
 
 import torch
 
+from zero_testing.peers import deepspeed_for_training
+
 
 def deepspeed_module() -> Any:
-    """``import deepspeed`` or ``import zero_full.deepspeed as deepspeed``, by ``DS_IMPL``."""
-    impl = os.environ.get("DS_IMPL", "zero")
-    return importlib.import_module("deepspeed" if impl == "deepspeed" else "zero_full.deepspeed")
+    """``import deepspeed`` or ``import zero_full.deepspeed as deepspeed``, by ``DS_IMPL``.
+
+    DeepSpeed comes without its shared-memory all-reduce, an inference-only op that is not
+    part of the training these scripts compare (``zero_testing.peers``).
+    """
+    if os.environ.get("DS_IMPL", "zero") == "deepspeed":
+        return deepspeed_for_training()
+    return importlib.import_module("zero_full.deepspeed")
 
 
 def write_result(out: str | os.PathLike[str], rank: int, result: dict[str, Any]) -> None:
