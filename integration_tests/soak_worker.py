@@ -1,9 +1,9 @@
-"""Soak run under torchrun: 2,000 steps at world 2, a save every 100 steps, a reload at the end.
+"""Soak run under torchrun: STEPS steps at world 2, a save every EVERY steps, a reload at the end.
 
-``python -m torch.distributed.run --nproc-per-node 2 soak_worker.py OUT_DIR CKPT_DIR STEPS``;
-each rank writes ``OUT_DIR/rank<r>.json``: the losses, the losses of the last 100 steps re-run
-after reloading the checkpoint 100 steps before the end, and the resident set size (VmRSS)
-after step 100 and after the last step. Run it with ``MALLOC_MMAP_THRESHOLD_=1048576`` so
+``python -m torch.distributed.run --nproc-per-node 2 soak_worker.py OUT_DIR CKPT_DIR STEPS EVERY``;
+each rank writes ``OUT_DIR/rank<r>.json``: the losses, the losses of the last EVERY steps re-run
+after reloading the checkpoint EVERY steps before the end, and the resident set size (VmRSS)
+after the first save and after the last step. Run it with ``MALLOC_MMAP_THRESHOLD_=1048576`` so
 freed tensors leave the RSS.
 """
 
@@ -20,8 +20,7 @@ import torch.distributed as dist
 import zero_full
 from zero_testing.models import TanhMLP
 
-OUT, CKPT, STEPS = sys.argv[1], sys.argv[2], int(sys.argv[3])
-EVERY = 100
+OUT, CKPT, STEPS, EVERY = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 
 
 def _net() -> TanhMLP:
