@@ -41,6 +41,31 @@ def hidden_size(model: nn.Module) -> int | None:
     return None
 
 
+def take_trainer_value(
+    section: dict[str, Any], key: str, value: Any, *, path: str, trainer: str, fix: str
+) -> None:
+    """Set ``section[key]`` to a trainer's ``value`` unless the config holds a different explicit value.
+
+    A key left out or set to ``"auto"`` takes ``value``; one already equal to it stays.
+
+    Args:
+        section: The config dict (or section) holding ``key``; changed in place.
+        key: The key in ``section``.
+        value: The trainer's value.
+        path: The key as the error names it in the config.
+        trainer: The trainer's setting as the error names it (``"TrainingArguments has ..."``).
+        fix: What to do, the end of the error.
+
+    Raises:
+        ValueError: the config's value differs: "the zero config sets <path>=<given> but <trainer>; <fix>".
+    """
+    given = section.get(key)
+    if given is None or given == "auto":
+        section[key] = value
+    elif given != value:
+        raise ValueError(f"the zero config sets {path}={given!r} but {trainer}; {fix}")
+
+
 def _auto_paths(node: Any, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
     if isinstance(node, dict):
         return [p for k, v in node.items() for p in _auto_paths(v, (*path, k))]

@@ -262,16 +262,22 @@ def json_text(value: Any) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class KeyFinding:
-    """One key of a validated config that is ignored or refused."""
+class KeyValue:
+    """A key of a config by its full path (``zero_optimization.stage``), and the value given."""
 
     path: str
     value: Any
-    reason: str
 
     def value_text(self) -> str:
         """The value as JSON writes it (``true``, ``2``)."""
         return json_text(self.value)
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyFinding(KeyValue):
+    """One key of a validated config that is ignored or refused."""
+
+    reason: str
 
 
 @dataclasses.dataclass(frozen=True)

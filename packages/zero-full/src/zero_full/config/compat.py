@@ -23,7 +23,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from zero_full.config.base import Section, json_text
+from zero_full.config.base import KeyValue, Section
 from zero_full.config.deepspeed_keys import DEEPSPEED_KEYS, known_key
 
 __all__ = ["ConfigError", "ConfigReport", "Finding", "FindingKind", "accept_deepspeed", "is_auto"]
@@ -44,17 +44,11 @@ class ConfigError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class Finding:
+class Finding(KeyValue):
     """One reported key: its full path, its value, what became of it and why."""
 
-    path: str
-    value: Any
     kind: FindingKind
     why: str
-
-    def value_text(self) -> str:
-        """The value as JSON writes it."""
-        return json_text(self.value)
 
 
 @dataclasses.dataclass(frozen=True)

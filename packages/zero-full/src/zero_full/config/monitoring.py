@@ -28,17 +28,22 @@ _USED = Key(IMPLEMENTED)
 _JOB = "DeepSpeedJobName"
 
 
-class TensorBoardConfig(Section):
-    """``tensorboard``: scalar events under ``output_path/job_name`` (needs the ``tensorboard`` package)."""
-
-    _PATH: ClassVar[tuple[str, ...]] = ("tensorboard",)
+class _JobDirectorySection(Section):
+    """A monitoring section whose writer puts its files in the directory ``output_path/job_name``."""
 
     enabled: Annotated[Flag, _USED] = False
-    """Write the step's events with ``torch.utils.tensorboard.SummaryWriter`` (rank 0)."""
+    """Write the step's events to this section's files (rank 0)."""
     output_path: Annotated[str, _USED] = ""
     """Directory of the job directories (``""``: the working directory)."""
     job_name: Annotated[str, _USED] = _JOB
-    """The directory inside ``output_path`` the event file is written to."""
+    """The directory inside ``output_path`` the files are written to."""
+
+
+class TensorBoardConfig(_JobDirectorySection):
+    """``tensorboard``: scalar events under ``output_path/job_name`` (needs the ``tensorboard`` package),
+    in one event file written with ``torch.utils.tensorboard.SummaryWriter``."""
+
+    _PATH: ClassVar[tuple[str, ...]] = ("tensorboard",)
 
 
 class WandbConfig(Section):
@@ -86,17 +91,11 @@ class CometConfig(Section):
     """``"get"``, ``"create"`` or ``"get_or_create"`` (Comet's default)."""
 
 
-class CsvMonitorConfig(Section):
-    """``csv_monitor``: one CSV file per event under ``output_path/job_name`` (no package needed)."""
+class CsvMonitorConfig(_JobDirectorySection):
+    """``csv_monitor``: one CSV file per event under ``output_path/job_name`` (no package needed),
+    ``<event name with / as _>.csv`` with the header ``step,<last name part>``."""
 
     _PATH: ClassVar[tuple[str, ...]] = ("csv_monitor",)
-
-    enabled: Annotated[Flag, _USED] = False
-    """Append each event to ``<event name with / as _>.csv`` (header ``step,<last name part>``; rank 0)."""
-    output_path: Annotated[str, _USED] = ""
-    """Directory of the job directories (``""``: the working directory)."""
-    job_name: Annotated[str, _USED] = _JOB
-    """The directory inside ``output_path`` the files are written to."""
 
 
 class CommsLoggerConfig(Section):

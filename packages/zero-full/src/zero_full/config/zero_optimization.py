@@ -6,7 +6,6 @@ DeepSpeed's names and defaults; every key is declared once here (see :mod:`zero_
 from __future__ import annotations
 
 import enum
-import pathlib
 import sys
 import typing
 from typing import Annotated, Any, ClassVar
@@ -64,15 +63,43 @@ _REDUCES_ASYNC = UsedWhen(
 _NVME = UsedWhen("`device` is `nvme`", lambda section, _: section.device is OffloadDevice.NVME)
 
 
-class OffloadParamConfig(Section):
-    """``zero_optimization.offload_param`` (stage 3 only), DeepSpeed's defaults."""
-
-    _PATH = ("zero_optimization", "offload_param")
+class _OffloadSection(Section):
+    """What ``offload_param`` and ``offload_optimizer`` share: the device, its NVMe directory, pinning."""
 
     device: Annotated[Device, _USED] = OffloadDevice.NONE
     """``none``, ``cpu`` or ``nvme``."""
     nvme_path: Annotated[OptionalPath, Key(IMPLEMENTED, when=_NVME)] = None
     """Directory for swap files; required with ``nvme``."""
+
+    if typing.TYPE_CHECKING:  # each section declares it, at its own place among its keys
+        pin_memory: bool
+
+    @model_validator(mode="after")
+    def _nvme_needs_path(self) -> _OffloadSection:
+        if self.device is OffloadDevice.NVME and self.nvme_path is None:
+            section = ".".join(self._PATH)
+            raise ValueError(
+                f"{section}.device is 'nvme' but no nvme_path is given: add "
+                f'"nvme_path": "/path/on/nvme" to {section}'
+            )
+        return self
+
+    @property
+    def pinned(self) -> bool:
+        """Whether host buffers are asked to be pinned (``pin_memory``, or ``true`` when unset)."""
+        return self.pin_memory if "pin_memory" in self.model_fields_set else True
+
+    @property
+    def enabled(self) -> bool:
+        """Whether this section offloads anything (``device`` is not ``none``)."""
+        return self.device is not OffloadDevice.NONE
+
+
+class OffloadParamConfig(_OffloadSection):
+    """``zero_optimization.offload_param`` (stage 3 only), DeepSpeed's defaults."""
+
+    _PATH = ("zero_optimization", "offload_param")
+
     buffer_count: Annotated[Int(0), _USED] = 5
     """Swap buffers for parameters."""
     buffer_size: Annotated[Int(0), _USED] = 100_000_000
@@ -82,21 +109,6 @@ class OffloadParamConfig(Section):
     pin_memory: Annotated[Flag, _USED] = False
     """Page-locked CPU buffers (faster, overlapping copies to an accelerator). Left unset, they are
     pinned beside an accelerator (DeepSpeed leaves them plain); an explicit ``false`` keeps them plain."""
-
-    @model_validator(mode="after")
-    def _nvme_needs_path(self) -> OffloadParamConfig:
-        _require_nvme_path(self.device, self.nvme_path, "offload_param")
-        return self
-
-    @property
-    def pinned(self) -> bool:
-        """Whether host buffers are asked to be pinned (``pin_memory``, or ``true`` when unset)."""
-        return _pinned(self)
-
-    @property
-    def enabled(self) -> bool:
-        """Whether parameters are offloaded (``device`` is not ``none``)."""
-        return self.device is not OffloadDevice.NONE
 
     def to_param_offload_config(self) -> ParamOffloadConfig | None:
         """This section as a ``zero_offload.ParamOffloadConfig`` (``None`` when not offloaded)."""
@@ -114,7 +126,7 @@ class OffloadParamConfig(Section):
         )
 
 
-class OffloadOptimizerConfig(Section):
+class OffloadOptimizerConfig(_OffloadSection):
     """``zero_optimization.offload_optimizer`` (stages 1-3), DeepSpeed's defaults.
 
     ``ratio`` < 1 (partial offload) is valid with stage 3 only, as in DeepSpeed.
@@ -122,10 +134,6 @@ class OffloadOptimizerConfig(Section):
 
     _PATH = ("zero_optimization", "offload_optimizer")
 
-    device: Annotated[Device, _USED] = OffloadDevice.NONE
-    """``none``, ``cpu`` or ``nvme``."""
-    nvme_path: Annotated[OptionalPath, Key(IMPLEMENTED, when=_NVME)] = None
-    """Directory for swap files; required with ``nvme``."""
     buffer_count: Annotated[Int(0), _USED] = 4
     """Swap buffers for optimizer state."""
     pin_memory: Annotated[Flag, _USED] = False
@@ -144,21 +152,6 @@ class OffloadOptimizerConfig(Section):
     offload, stage 3 only; the rest is stepped on the device; the split is
     ``engine.optimizer.offload.offloaded_numel`` / ``device_numel``)."""
 
-    @model_validator(mode="after")
-    def _nvme_needs_path(self) -> OffloadOptimizerConfig:
-        _require_nvme_path(self.device, self.nvme_path, "offload_optimizer")
-        return self
-
-    @property
-    def pinned(self) -> bool:
-        """Whether host buffers are asked to be pinned (``pin_memory``, or ``true`` when unset)."""
-        return _pinned(self)
-
-    @property
-    def enabled(self) -> bool:
-        """Whether optimizer state is offloaded (``device`` is not ``none``)."""
-        return self.device is not OffloadDevice.NONE
-
     def to_offload_config(self, sub_group_size: int) -> OptimizerOffloadConfig | None:
         """This section as a ``zero_offload.OptimizerOffloadConfig`` (``None`` when not offloaded)."""
         from zero_offload import OffloadTarget, OptimizerOffloadConfig
@@ -174,19 +167,6 @@ class OffloadOptimizerConfig(Section):
             pipeline_write=self.pipeline_write,
             sub_group_size=sub_group_size,
             ratio=self.ratio,
-        )
-
-
-def _pinned(section: OffloadParamConfig | OffloadOptimizerConfig) -> bool:
-    """``pin_memory`` as set, or pinned when unset (the offload pins only beside an accelerator)."""
-    return section.pin_memory if "pin_memory" in section.model_fields_set else True
-
-
-def _require_nvme_path(device: OffloadDevice, path: pathlib.Path | None, section: str) -> None:
-    if device is OffloadDevice.NVME and path is None:
-        raise ValueError(
-            f"zero_optimization.{section}.device is 'nvme' but no nvme_path is given: add "
-            f'"nvme_path": "/path/on/nvme" to zero_optimization.{section}'
         )
 
 

@@ -15,18 +15,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from zero_full.config.auto import take_trainer_value
+
 __all__ = ["fill_from_training_args"]
 
 
 def _settle(section: dict[str, Any], key: str, value: Any, path: str, source: str) -> None:
-    given = section.get(key)
-    if given is None or given == "auto":
-        section[key] = value
-    elif given != value:
-        raise ValueError(
-            f"the zero config sets {path}={given!r} but TrainingArguments has {source}={value!r}; "
-            f'set {path} to "auto" (or leave it out) or change TrainingArguments'
-        )
+    trainer = f"TrainingArguments has {source}={value!r}"
+    fix = f'set {path} to "auto" (or leave it out) or change TrainingArguments'
+    take_trainer_value(section, key, value, path=path, trainer=trainer, fix=fix)
 
 
 def _fill_if_auto(section: dict[str, Any], key: str, value: Any) -> None:

@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from zero_full.config.auto import take_trainer_value
+
 __all__ = ["fill_from_trainer", "load_raw"]
 
 _BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu")
@@ -44,14 +46,9 @@ def load_raw(config: Mapping[str, Any] | str | os.PathLike[str] | None, stage: i
 
 def _settle(raw: dict[str, Any], key: str, value: Any, trainer_setting: str) -> None:
     """Set ``raw[key]`` to the Trainer's ``value`` unless the config holds a different explicit value."""
-    given = raw.get(key)
-    if given is None or given == "auto":
-        raw[key] = value
-    elif given != value:
-        raise ValueError(
-            f"the zero config sets {key}={given!r} but the Lightning Trainer has {trainer_setting}; "
-            f'remove {key} from the config (or set it to "auto") or change the Trainer'
-        )
+    trainer = f"the Lightning Trainer has {trainer_setting}"
+    fix = f'remove {key} from the config (or set it to "auto") or change the Trainer'
+    take_trainer_value(raw, key, value, path=key, trainer=trainer, fix=fix)
 
 
 def fill_from_trainer(

@@ -163,7 +163,31 @@ class LRRangeTest(DeepSpeedSchedule):
         return [min_lr * increase for min_lr in self.min_lr]
 
 
-class WarmupLR(DeepSpeedSchedule):
+class _WarmupSchedule(DeepSpeedSchedule):
+    """A schedule that starts with DeepSpeed's warm-up: ``log`` or ``linear``, over at least 2 steps."""
+
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        warmup_num_steps: int,
+        warmup_type: str,
+        last_batch_iteration: int,
+    ) -> None:
+        super().__init__(optimizer, last_batch_iteration)
+        if warmup_num_steps <= 0:
+            raise ValueError(f"scheduler.params.warmup_num_steps must be > 0, got {warmup_num_steps}")
+        self.warmup_num_steps = max(2, warmup_num_steps)
+        self.warmup_type = WarmupType(warmup_type)
+        self.inverse_log_warm_up = 1.0 / math.log(self.warmup_num_steps)
+
+    def _warmup_gamma(self, iteration: int) -> float:
+        """How far the warm-up has risen at ``iteration`` (0 at the start, 1 at its end)."""
+        if self.warmup_type is WarmupType.LOG:
+            return self.inverse_log_warm_up * math.log(iteration + 1)
+        return iteration / self.warmup_num_steps
+
+
+class WarmupLR(_WarmupSchedule):
     """DeepSpeed's ``WarmupLR``: ``min + (max - min) * gamma(t)``, gamma rising to 1 over the warm-up."""
 
     def __init__(
@@ -175,24 +199,14 @@ class WarmupLR(DeepSpeedSchedule):
         warmup_type: str = WarmupType.LOG.value,
         last_batch_iteration: int = -1,
     ) -> None:
-        super().__init__(optimizer, last_batch_iteration)
-        if warmup_num_steps <= 0:
-            raise ValueError(f"scheduler.params.warmup_num_steps must be > 0, got {warmup_num_steps}")
+        super().__init__(optimizer, warmup_num_steps, warmup_type, last_batch_iteration)
         if warmup_max_lr is None:
             warmup_max_lr = [group["lr"] for group in optimizer.param_groups]
         self.min_lrs = _per_group(optimizer, warmup_min_lr, "warmup_min_lr")
         self.max_lrs = _per_group(optimizer, warmup_max_lr, "warmup_max_lr")
         self.delta_lrs = [big - small for big, small in zip(self.max_lrs, self.min_lrs, strict=True)]
-        self.warmup_num_steps = max(2, warmup_num_steps)
-        self.warmup_type = WarmupType(warmup_type)
-        self.inverse_log_warm_up = 1.0 / math.log(self.warmup_num_steps)
         if last_batch_iteration == -1:
             self._start()
-
-    def _warmup_gamma(self, iteration: int) -> float:
-        if self.warmup_type is WarmupType.LOG:
-            return self.inverse_log_warm_up * math.log(iteration + 1)
-        return iteration / self.warmup_num_steps
 
     def _gamma(self, iteration: int) -> float:
         if iteration < self.warmup_num_steps:
@@ -236,7 +250,7 @@ class WarmupDecayLR(WarmupLR):
         )
 
 
-class WarmupCosineLR(DeepSpeedSchedule):
+class WarmupCosineLR(_WarmupSchedule):
     """DeepSpeed's ``WarmupCosineLR``: the optimizer's learning rate times a warm-up, then cosine, ratio."""
 
     def __init__(
@@ -249,15 +263,10 @@ class WarmupCosineLR(DeepSpeedSchedule):
         warmup_type: str = WarmupType.LOG.value,
         last_batch_iteration: int = -1,
     ) -> None:
-        super().__init__(optimizer, last_batch_iteration)
-        if warmup_num_steps <= 0:
-            raise ValueError(f"scheduler.params.warmup_num_steps must be > 0, got {warmup_num_steps}")
+        super().__init__(optimizer, warmup_num_steps, warmup_type, last_batch_iteration)
         self.total_num_steps = total_num_steps
         self.cos_min_ratio = cos_min_ratio
-        self.warmup_type = WarmupType(warmup_type)
         self.warmup_min_ratio = warmup_min_ratio
-        self.warmup_num_steps = max(2, warmup_num_steps)
-        self.inverse_log_warm_up = 1.0 / math.log(self.warmup_num_steps)
         self.org_lrs = [lr.clone() if torch.is_tensor(lr) else lr for lr in self.base_lrs]
         if last_batch_iteration == -1:
             self._start()
@@ -265,10 +274,7 @@ class WarmupCosineLR(DeepSpeedSchedule):
     def lr_ratio(self, iteration: int) -> float:
         """The factor of the optimizer's learning rate at ``iteration``."""
         if iteration < self.warmup_num_steps:
-            if self.warmup_type is WarmupType.LOG:
-                ratio = self.inverse_log_warm_up * math.log(iteration + 1)
-            else:
-                ratio = iteration / self.warmup_num_steps
+            ratio = self._warmup_gamma(iteration)
             return self.warmup_min_ratio + ratio * (1.0 - self.warmup_min_ratio)
         real_last_step = iteration - self.warmup_num_steps + 1
         real_total_steps = max(1, self.total_num_steps - self.warmup_num_steps)
