@@ -45,6 +45,7 @@ import torch.distributed as dist
 from benchmarks.kit.cli import BenchmarkParser, benchmark_parser
 from benchmarks.kit.docs import DocsBlock
 from benchmarks.kit.report import Report, command_line, environment, markdown_table, pyplot, save_figure
+from benchmarks.kit.workloads import GPT2Loss, gpt2_of_width
 
 NODES, RANKS_PER_NODE = 2, 2
 WORLD = NODES * RANKS_PER_NODE
@@ -95,32 +96,8 @@ def unavailable(name: str) -> str | None:
 
 
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
-    """A GPT-2 LM (random init, no dropout) whose forward returns the loss."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    cfg = GPT2Config(
-        n_layer=args.layers,
-        n_embd=args.width,
-        n_head=max(1, args.width // 64),
-        vocab_size=args.vocab,
-        n_positions=args.seq,
-        attn_pdrop=0.0,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-
-    class LM(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lm = GPT2LMHeadModel(cfg)
-
-        def forward(self, ids: torch.Tensor) -> torch.Tensor:
-            return self.lm(input_ids=ids, labels=ids).loss
-
-    return LM()
+    """A GPT-2 LM (random init from seed 0, no dropout) whose forward returns the loss."""
+    return GPT2Loss(gpt2_of_width(args.layers, args.width, args.vocab, args.seq).build_model())
 
 
 def _make_step(name: str, args: argparse.Namespace):

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from benchmarks.kit.cli import BenchmarkParser, benchmark_parser
 from benchmarks.kit.measure import ResultSink, spawn_ranks
 from benchmarks.kit.report import Report, command_line, environment, markdown_table
-from zero_full.cli.train.workloads import GPT2Workload
+from benchmarks.kit.workloads import gpt2_of_width
 
 WAYS = ("per token", "gathered once")
 
@@ -65,11 +65,8 @@ def summarize(rows: list[dict]) -> dict:
 
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
     """A GPT-2 LM (random init from seed 0, no dropout), eval mode."""
-    heads = max(1, args.width // 64)
     positions = args.prompt + args.new_tokens
-    workload = GPT2Workload(
-        args.layers, args.width, heads, args.vocab, args.prompt, seed=0, positions=positions
-    )
+    workload = gpt2_of_width(args.layers, args.width, args.vocab, args.prompt, positions=positions)
     return workload.build_model().eval()
 
 

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from benchmarks.kit.cli import BenchmarkParser, benchmark_parser
 from benchmarks.kit.measure import ResultSink, spawn_ranks
 from benchmarks.kit.report import Report, command_line, environment, markdown_table
-from zero_full.cli.train.workloads import GPT2Workload
+from benchmarks.kit.workloads import GPT2Loss, gpt2_of_width
 
 WORLD, RANKS_PER_NODE = 4, 2
 VARIANTS = {
@@ -53,17 +53,7 @@ VARIANTS = {
 
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
     """A GPT-2 LM (random init from seed 0, no dropout) whose forward returns the loss."""
-    workload = GPT2Workload(args.layers, args.width, max(1, args.width // 64), args.vocab, args.seq, seed=0)
-
-    class LM(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lm = workload.build_model()
-
-        def forward(self, ids: torch.Tensor) -> torch.Tensor:
-            return self.lm(input_ids=ids, labels=ids).loss
-
-    return LM()
+    return GPT2Loss(gpt2_of_width(args.layers, args.width, args.vocab, args.seq).build_model())
 
 
 def formula_inter_bytes(name: str, psi: int, accum: int) -> float:

@@ -1,4 +1,4 @@
-"""The workloads the benchmarks train (side by side, memory).
+"""The workloads the benchmarks train (side by side, memory; generate, mics, cluster: a GPT-2 by width).
 
 A :class:`Workload` is frozen: the model (a ``transformers`` GPT-2 built from a config with
 random weights from a seed, by ``zero_full.cli.train.workloads.GPT2Workload``, a plain MLP, or a stack
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ADAMW",
+    "GPT2Loss",
     "Workload",
     "adamw",
     "block_modules",
@@ -34,6 +35,7 @@ __all__ = [
     "count_params",
     "enable_checkpointing",
     "global_batch",
+    "gpt2_of_width",
     "loss_of",
     "num_params",
     "rank_batches",
@@ -165,6 +167,26 @@ def build_model(w: Workload) -> nn.Module:
     if w.kind != "gpt2":
         raise ValueError(f"unknown workload kind {w.kind!r}: use 'gpt2', 'mlp' or 'linear'")
     return w.gpt2().build_model()
+
+
+def gpt2_of_width(
+    layers: int, width: int, vocab: int, seq: int, positions: int | None = None
+) -> GPT2Workload:
+    """The GPT-2 of a benchmark sized by ``--width``: one head per 64 of width (at least one), seed 0."""
+    from zero_full.cli.train.workloads import GPT2Workload
+
+    return GPT2Workload(layers, width, max(1, width // 64), vocab, seq, seed=0, positions=positions)
+
+
+class GPT2Loss(nn.Module):
+    """A ``transformers`` LM whose forward returns the LM loss of ``ids`` (the labels are the inputs)."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=ids, labels=ids).loss
 
 
 def block_modules(model: nn.Module) -> list[nn.Module]:
