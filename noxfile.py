@@ -135,7 +135,7 @@ def _internal_deps(dist: str, extras: tuple[str, ...] = ()) -> list[str]:
 # pytest-xdist workers per suite (absent: one process). The integration tests spend much of their
 # time waiting (launchers, timeouts, rendezvous; the 2 cores were half idle), so two workers share
 # them; the tests that bound how long processes take to exit (TIMED_INTEGRATION) run alone after.
-XDIST = "pytest-xdist>=3.5"
+XDIST = "pytest-xdist>=3.7"  # 3.7: --no-loadscope-reorder
 WORKERS: dict[str, int] = {"integration": 2}
 TIMED_INTEGRATION = (
     "test_integration_faults.py",
@@ -155,13 +155,15 @@ def _pytest(
     the 10 slowest listed, so the CI log shows where the suite's time goes), on ``workers``
     xdist workers if any.
 
-    ``--dist loadfile``: a file's tests stay on one worker, so a module fixture that trains (a
-    reference run, DeepSpeed's checkpoints) runs once; files with the most tests start first.
+    ``--dist loadgroup --no-loadscope-reorder``: tests go out in the groups and the order the
+    suite's conftest gives them (integration_tests/conftest.py: a file's tests together, so a
+    module fixture that trains runs once, the longest files first); without such a conftest
+    every test is its own unit.
     """
     args = ["-q", "-p", "no:cacheprovider", "--durations=10", *map(str, tests)]
     args += [f"--ignore={path}" for path in ignore]
     if workers:
-        args += ["-n", str(workers), "--dist", "loadfile"]
+        args += ["-n", str(workers), "--dist", "loadgroup", "--no-loadscope-reorder"]
     session.run("python", "-m", "pytest", *args, env=env)
 
 
