@@ -2,7 +2,8 @@
 
 Each run is ``fabric_worker.py`` launched as a user would: ``torchrun --nproc_per_node 2`` for
 zero, plain ``python`` (one process, the whole global batch, plain torch) for the reference. The
-three stages share one launch; the resumed run starts in processes of its own.
+three stages share one launch (stage 3 saving after step 3); the resumed run starts in processes
+of its own.
 
 * ``fabric.setup`` / ``backward`` / ``optimizer.step()`` at stages 1, 2, 3: per-step losses and
   final weights within 1e-5 of plain torch (clipping by the config's ``gradient_clipping``);
@@ -57,10 +58,17 @@ def reference(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="module")
-def stage_runs(tmp_path_factory) -> dict[int, dict]:
-    """Stages 1, 2 and 3 at world 2, one after the other in one launch."""
+def stage_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("fabric_stages")
+
+
+@pytest.fixture(scope="module")
+def stage_runs(stage_dir) -> dict[int, dict]:
+    """Stages 1, 2 and 3 at world 2, one after the other in one launch; stage 3 saves into
+    ``ckpt/`` after step 3 (the resume test's checkpoint)."""
     runs = {str(stage): ["--stage", str(stage)] for stage in (1, 2, 3)}
-    results = run_chained(HERE / "fabric_worker.py", runs, tmp_path_factory.mktemp("fabric_stages"), world=2)
+    runs["3"] += ["--save-at", "3", "--ckpt", str(stage_dir / "ckpt")]
+    results = run_chained(HERE / "fabric_worker.py", runs, stage_dir, world=2)
     return {int(stage): result for stage, result in results.items()}
 
 
@@ -75,9 +83,8 @@ def test_fabric_matches_single_process(stage, reference, stage_runs):
     _close(_flat(reference["weights"]), _flat(got["weights"]))
 
 
-def test_fabric_resumes_exactly_at_stage_3(tmp_path):
-    ckpt = str(tmp_path / "ckpt")
-    whole = _run(tmp_path / "whole.json", "--stage", "3", "--save-at", "3", "--ckpt", ckpt)
+def test_fabric_resumes_exactly_at_stage_3(tmp_path, stage_runs, stage_dir):
+    whole, ckpt = stage_runs[3], str(stage_dir / "ckpt")
     resumed = _run(tmp_path / "resumed.json", "--stage", "3", "--resume", ckpt)
     assert len(resumed["losses"]) == len(whole["losses"]) - 3
     assert resumed["losses"] == whole["losses"][3:]

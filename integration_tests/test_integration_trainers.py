@@ -91,14 +91,16 @@ def hf_run_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def hf_runs(hf_run_dir) -> dict[str, dict]:
-    """The world-2 ``ZeroTrainer`` runs compared with the references, in one launch."""
+    """The world-2 ``ZeroTrainer`` runs compared with the references, in one launch (the stage-3
+    run also saves a checkpoint at step 4 and the final model, which the resume test reads)."""
     d = hf_run_dir
     (d / "int8.json").write_text(
         json.dumps({"train_micro_batch_size_per_gpu": "auto", "zero_optimization": INT8_BASE})
     )
     runs = {
         "stage2": ["--stage", "2", "--output-dir", str(d / "s2")],
-        "stage3": ["--stage", "3", "--output-dir", str(d / "s3")],
+        "stage3": ["--stage", "3", "--output-dir", str(d / "s3"), "--save-steps", "4",
+                   "--save-model", str(d / "final")],
         "llama": [*LLAMA, "--stage", "3", "--output-dir", str(d / "llama")],
         "lora": ["--lora", "--generate", "--stage", "3", "--output-dir", str(d / "lora"),
                  "--save-model", str(d / "adapter")],
@@ -132,23 +134,11 @@ def test_hf_trainer_llama_at_stage_3_matches_single_process(hf_references, hf_ru
     _close([ref["eval_loss"]], [got["eval_loss"]])
 
 
-def test_hf_trainer_resumes_exactly_and_saves_hf_format(tmp_path):
+def test_hf_trainer_resumes_exactly_and_saves_hf_format(tmp_path, hf_runs, hf_run_dir):
     from safetensors.torch import load_file
     from transformers import GPT2LMHeadModel
 
-    run = tmp_path / "run"
-    full = _run(
-        "hf_worker.py",
-        tmp_path / "full.json",
-        "--stage",
-        "3",
-        "--output-dir",
-        str(run),
-        "--save-steps",
-        "4",
-        "--save-model",
-        str(tmp_path / "final"),
-    )
+    full, run = hf_runs["stage3"], hf_run_dir / "s3"
     resumed = _run(
         "hf_worker.py",
         tmp_path / "res.json",
@@ -163,11 +153,11 @@ def test_hf_trainer_resumes_exactly_and_saves_hf_format(tmp_path):
     )
     assert [e["loss"] for e in _train_logs(resumed)][4:] == [e["loss"] for e in _train_logs(full)][4:]
     assert [s["grad_norm"] for s in resumed["engine"]] == [s["grad_norm"] for s in full["engine"][4:]]
-    saved = load_file(tmp_path / "final" / "model.safetensors")
+    saved = load_file(hf_run_dir / "final" / "model.safetensors")
     assert saved.keys() == load_file(tmp_path / "final2" / "model.safetensors").keys()
     for name, t in load_file(tmp_path / "final2" / "model.safetensors").items():
         assert torch.equal(t, saved[name]), name
-    model = GPT2LMHeadModel.from_pretrained(tmp_path / "final")
+    model = GPT2LMHeadModel.from_pretrained(hf_run_dir / "final")
     state = model.state_dict()
     for name, t in saved.items():
         assert torch.equal(state[name], t), name
@@ -189,16 +179,23 @@ def lightning_reference(lightning_references) -> dict:
 
 
 @pytest.fixture(scope="module")
-def lightning_runs(tmp_path_factory) -> dict[str, dict]:
-    """The world-2 Lightning runs, in one launch: the registered stage names, the wide GPT-2 at
+def lightning_run_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("pl_runs")
+
+
+@pytest.fixture(scope="module")
+def lightning_runs(lightning_run_dir) -> dict[str, dict]:
+    """The world-2 Lightning runs, in one launch: the registered stage names (stage 2 keeping a
+    ``ModelCheckpoint`` per epoch in ``ckpts/``, which the resume test reads), the wide GPT-2 at
     ``zero_stage_3``, then ``ZeroStrategy(config=...)`` with each of ``ZERO_CONFIGS``."""
     runs = {
         f"stage{s}": ["--strategy", f"zero_stage_{s}", *(["--validate"] if s == 3 else [])] for s in (1, 2, 3)
     }
+    runs["stage2"] += ["--ckpt-dir", str(lightning_run_dir / "ckpts")]
     runs["wide"] = [*WIDE, "--strategy", "zero_stage_3"]
     for setup, (section, _) in ZERO_CONFIGS.items():
         runs[setup] = ["--config", json.dumps({"zero_optimization": section}), "--validate"]
-    return _run_many("lightning_worker.py", tmp_path_factory.mktemp("pl_runs"), runs)
+    return _run_many("lightning_worker.py", lightning_run_dir, runs)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -230,11 +227,8 @@ def test_lightning_registered_stage_3_name_splits_by_the_default_threshold(
     _close([ref["val_loss"]], [got["val_loss"]])
 
 
-def test_lightning_resumes_exactly_from_model_checkpoint(tmp_path):
-    ckpts = tmp_path / "ckpts"
-    full = _run(
-        "lightning_worker.py", tmp_path / "full.json", "--strategy", "zero_stage_2", "--ckpt-dir", str(ckpts)
-    )
+def test_lightning_resumes_exactly_from_model_checkpoint(tmp_path, lightning_runs, lightning_run_dir):
+    full, ckpts = lightning_runs["stage2"], lightning_run_dir / "ckpts"
     first = sorted(ckpts.glob("epoch=0-*.ckpt"))
     assert len(first) == 1 and first[0].is_dir(), list(ckpts.iterdir())
     resumed = _run(
