@@ -25,11 +25,25 @@ def _package_dir(dist: str) -> Path:
 
 
 def public_names(init: Path) -> list[str]:
-    """The literal ``__all__`` of a module file (empty when it has none)."""
+    """The ``__all__`` of a module file (empty when it has none): its literal list, and the names
+    ``__all__ += module.__all__`` adds from a sibling module of the package."""
+    names: list[str] = []
     for node in ast.parse(init.read_text(encoding="utf-8")).body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
-            return list(ast.literal_eval(node.value))
-    return []
+        if isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            if any(getattr(t, "id", None) == "__all__" for t in targets):
+                names = list(ast.literal_eval(node.value))
+        elif isinstance(node, ast.AugAssign) and getattr(node.target, "id", None) == "__all__":
+            value = node.value
+            if (
+                isinstance(value, ast.Attribute)
+                and value.attr == "__all__"
+                and isinstance(value.value, ast.Name)
+            ):
+                names += public_names(init.parent / f"{value.value.id}.py")
+            else:
+                names += ast.literal_eval(value)
+    return names
 
 
 def on_page_content(html: str, page: Any, **kwargs: Any) -> str:

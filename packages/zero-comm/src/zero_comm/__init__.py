@@ -2,6 +2,21 @@
 
 import importlib
 
+from zero_comm import (
+    cast,
+    grad_bound,
+    handles,
+    in_place,
+    ledger,
+    partition,
+    primitives,
+    reduction,
+    staged,
+    strategies,
+    streams,
+    teardown,
+    wait_timings,
+)
 from zero_comm.cast import COMM_DTYPES, CastAllGather, CastAllReduce, CastReduceScatter
 from zero_comm.coalesced import (
     GatherIntoPlan,
@@ -50,70 +65,41 @@ from zero_comm.watchdog import (
 from zero_comm.watched import note_collectives
 
 __all__ = [
-    "AllGatherHandle",
-    "AllGatherStrategy",
-    "AllToAllReduceScatter",
-    "COMM_DTYPES",
-    "CastAllGather",
-    "CastAllReduce",
-    "CastReduceScatter",
-    "CollectiveHandle",
     "CollectiveTimeoutError",
-    "CommLedger",
-    "CommRecord",
-    "CommTotals",
     "CommWatchdog",
-    "FlatAllGather",
     "GatherIntoPlan",
-    "GroupPosition",
-    "HierarchicalAllGather",
     "HierarchicalGroups",
     "LinkKind",
     "NativeReduceScatter",
     "RankPosition",
     "RanksDivergedError",
-    "ReduceOpLike",
-    "ReduceScatterHandle",
-    "ReduceScatterStrategy",
-    "Reduction",
-    "StagedReduceScatter",
-    "TensorHandle",
     "Topology",
-    "WaitRecord",
-    "WaitTimings",
     "all_gather_coalesced",
     "all_gather_coalesced_into",
-    "all_reduce",
-    "all_to_all_single",
-    "broadcast",
     "control_device",
     "group_ranks",
     "has_native_reduce_scatter",
     "hierarchical_all_gather_coalesced",
     "note_collectives",
-    "padded_numel",
-    "partition_numel",
-    "record",
     "reduce_scatter_coalesced",
     "reduce_scatter_coalesced_padded",
-    "reduce_scatter_in_place",
     "reduce_scatter_strategy",
-    "ring_wire_bytes",
     "served_device_types",
     "wait_polled",
-    "shard_range",
-    "BOUNDED_DTYPES",
-    "GradientBound",
-    "BoundedReduceScatter",
-    "BoundedTimeouts",
-    "bound_for",
-    "NO_STREAMS",
-    "AcceleratorStreamSource",
-    "CommStreams",
-    "NoStreams",
-    "StreamSource",
-    "comm_streams",
 ]
+__all__ += cast.__all__
+__all__ += grad_bound.__all__
+__all__ += handles.__all__
+__all__ += in_place.__all__
+__all__ += ledger.__all__
+__all__ += partition.__all__
+__all__ += primitives.__all__
+__all__ += reduction.__all__
+__all__ += staged.__all__
+__all__ += strategies.__all__
+__all__ += streams.__all__
+__all__ += teardown.__all__
+__all__ += wait_timings.__all__
 
 _QUANTIZED = frozenset(
     {

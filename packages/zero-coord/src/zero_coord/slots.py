@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from torch import nn
@@ -17,6 +18,7 @@ MAX_PLANS = 4096
 """Most gather plans one :class:`LiveSlots` keeps (a few per trace event in practice)."""
 
 
+@dataclasses.dataclass(eq=False, repr=False, slots=True)
 class GatherBatch:
     """The parameters one gather call made live, until the gather was waited for.
 
@@ -26,21 +28,11 @@ class GatherBatch:
     on before the gathered parameters are used (``None`` without side streams).
     """
 
-    __slots__ = ("event", "handle", "live", "numel", "streams")
-
-    def __init__(
-        self,
-        handle: Any,
-        numel: int,
-        live: int,
-        streams: CommStreams | NoStreams = NO_STREAMS,
-        event: Any = None,
-    ) -> None:
-        self.handle = handle
-        self.numel = numel
-        self.live = live
-        self.streams = streams
-        self.event = event
+    handle: Any
+    numel: int
+    live: int
+    streams: CommStreams | NoStreams = NO_STREAMS
+    event: Any = None
 
     def wait(self) -> None:
         """Wait for the gather (once): the compute stream after the gather stream's event, then
@@ -53,39 +45,22 @@ class GatherBatch:
             handle.wait()
 
 
+@dataclasses.dataclass(eq=False, slots=True)
 class ParamSlot:
     """Per-parameter state of the coordinator (nothing is stored on the parameter itself)."""
 
-    __slots__ = (
-        "batch",
-        "grad_ready",
-        "holds",
-        "hpz",
-        "index",
-        "name",
-        "nbytes",
-        "numel",
-        "param",
-        "prefetched",
-        "release_on_grad",
-        "retained",
-    )
-
-    def __init__(
-        self, param: nn.Parameter, name: str, index: int, numel: int, nbytes: int, hpz: bool = False
-    ) -> None:
-        self.param = param
-        self.name = name
-        self.index = index
-        self.numel = numel
-        self.nbytes = nbytes
-        self.hpz = hpz
-        self.holds = 0
-        self.batch: GatherBatch | None = None
-        self.prefetched = False
-        self.retained = False
-        self.grad_ready = False
-        self.release_on_grad = False
+    param: nn.Parameter
+    name: str
+    index: int
+    numel: int
+    nbytes: int
+    hpz: bool = False
+    holds: int = dataclasses.field(default=0, init=False)
+    batch: GatherBatch | None = dataclasses.field(default=None, init=False)
+    prefetched: bool = dataclasses.field(default=False, init=False)
+    retained: bool = dataclasses.field(default=False, init=False)
+    grad_ready: bool = dataclasses.field(default=False, init=False)
+    release_on_grad: bool = dataclasses.field(default=False, init=False)
 
     def __repr__(self) -> str:
         return (

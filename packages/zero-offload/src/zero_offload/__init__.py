@@ -1,5 +1,6 @@
 """CPU / NVMe placement of optimizer state and parameters, async swapping, CPU Adam."""
 
+from zero_offload import cpu_adam, host_optimizer, optimizer, params, placement, pool, swap
 from zero_offload.cpu_adam import AdamHyper, AdamKernel, CpuAdam, adam_hyper_from_group, check_offloadable
 from zero_offload.host_optimizer import HostOptimizer, PartialOffload, offload_optimizer_for, twin_optimizer
 from zero_offload.optimizer import OffloadedOptimizer, OffloadTarget, OptimizerOffloadConfig, TransferStats
@@ -26,42 +27,11 @@ from zero_offload.swap import (
     payload_checksum,
 )
 
-__all__ = [
-    "CopyStream",
-    "HostMemory",
-    "HostPlacement",
-    "Inline",
-    "SideStream",
-    "copy_stream_for",
-    "host_memory",
-    "host_placement",
-    "HostOptimizer",
-    "PartialOffload",
-    "offload_optimizer_for",
-    "twin_optimizer",
-    "ALIGNMENT",
-    "AdamHyper",
-    "AdamKernel",
-    "AsyncSwapper",
-    "BufferPool",
-    "CpuAdam",
-    "IoMode",
-    "OffloadTarget",
-    "OffloadedOptimizer",
-    "OptimizerOffloadConfig",
-    "ParamOffloadConfig",
-    "ParamSwapper",
-    "ParamTransferStats",
-    "SwapError",
-    "SwapHandle",
-    "SwapSpaceError",
-    "ShardResidence",
-    "SwapStats",
-    "TransferStats",
-    "adam_hyper_from_group",
-    "align_up",
-    "aligned_empty",
-    "check_offloadable",
-    "detect_io_mode",
-    "payload_checksum",
-]
+__all__: list[str] = []
+__all__ += cpu_adam.__all__
+__all__ += host_optimizer.__all__
+__all__ += optimizer.__all__
+__all__ += params.__all__
+__all__ += placement.__all__
+__all__ += pool.__all__
+__all__ += swap.__all__

@@ -280,21 +280,34 @@ def _take_grads(params: Sequence[nn.Parameter]) -> list[torch.Tensor]:
     return grads
 
 
-def _check_plain(partitioning: ReplicaPartitioning, strategy: object | None) -> None:
-    """Refuse a strategy beside the partitioning's bound, which only the plain reduce-scatter carries.
+@dataclasses.dataclass(frozen=True)
+class _ReplicaReduce:
+    """A ``reduce_fn`` over a :class:`ReplicaPartitioning`, with an optional reduce-scatter strategy.
+
+    Attributes:
+        partitioning: Where each parameter's fp32 gradient partition lives.
+        strategy: The reduce-scatter over the partitioning's group (``None``: the plain one;
+            e.g. ``zero_comm.CastReduceScatter``).
 
     Raises:
-        ValueError: both are set (the strategy's reductions would leave the bound incomplete).
+        ValueError: both a strategy and the partitioning's bound are set (only the plain
+            reduce-scatter carries the bound's sideband; a strategy's reductions would leave it
+            incomplete).
     """
-    if partitioning.grad_bound is not None and strategy is not None:
-        raise ValueError(
-            "a partitioning built with bound_grads needs the plain reduce-scatter: a strategy does not "
-            "carry the sideband, so the bound would miss its gradients"
-        )
+
+    partitioning: ReplicaPartitioning
+    strategy: zero_comm.ReduceScatterStrategy | None = None
+
+    def __post_init__(self) -> None:
+        if self.partitioning.grad_bound is not None and self.strategy is not None:
+            raise ValueError(
+                "a partitioning built with bound_grads needs the plain reduce-scatter: a strategy does not "
+                "carry the sideband, so the bound would miss its gradients"
+            )
 
 
 @dataclasses.dataclass(frozen=True)
-class ReduceScatterInto:
+class ReduceScatterInto(_ReplicaReduce):
     """``reduce_fn`` of stages 1 and 2: average full gradients, add this rank's partition (coalesced).
 
     Attributes:
@@ -302,12 +315,6 @@ class ReduceScatterInto:
         strategy: The reduce-scatter over the partitioning's group (``None``: the plain
             ``zero_comm.reduce_scatter_coalesced``; e.g. ``zero_comm.CastReduceScatter``).
     """
-
-    partitioning: ReplicaPartitioning
-    strategy: zero_comm.ReduceScatterStrategy | None = None
-
-    def __post_init__(self) -> None:
-        _check_plain(self.partitioning, self.strategy)
 
     def __call__(self, params: Sequence[nn.Parameter], *, async_op: bool = False) -> ReduceHandle:
         """Reduce-scatter the ``.grad`` of ``params`` (``None`` = zeros) and free them."""
@@ -386,14 +393,8 @@ class _StagedBucket:
 
 
 @dataclasses.dataclass(frozen=True)
-class ReduceScatterInPlace:
+class ReduceScatterInPlace(_ReplicaReduce):
     """``reduce_fn`` of stage 1 with in-place gradients: average whole gradients into their own partition."""
-
-    partitioning: ReplicaPartitioning
-    strategy: zero_comm.ReduceScatterStrategy | None = None
-
-    def __post_init__(self) -> None:
-        _check_plain(self.partitioning, self.strategy)
 
     def __call__(self, params: Sequence[nn.Parameter], *, async_op: bool = False) -> ReduceHandle:
         """Reduce-scatter the whole gradients of ``params`` into their own partitions."""

@@ -2,6 +2,7 @@
 Init and GatheredParameters.
 """
 
+from zero_params import commit, frozen, gathered_parameters, grad_reduce, init, offload, spec, state
 from zero_params.commit import commit_shards
 from zero_params.external import (
     ModuleParamsState,
@@ -32,34 +33,22 @@ from zero_params.state import (
 )
 
 __all__ = [
-    "FrozenInt8Gather",
-    "FrozenInt8Store",
     "GatherHandle",
     "GatherPlan",
-    "GatheredParameters",
-    "GradReduceHandle",
-    "Init",
     "ModuleParamsState",
-    "OffloadedShards",
-    "ParamStatus",
-    "PartitionedParameter",
-    "PartitionedParameterError",
-    "SavedTensorGuard",
-    "ShardHome",
-    "ShardedParam",
-    "ShardingSpec",
-    "UnshardedStorage",
-    "commit_shards",
     "external_parameters",
-    "full_shape",
     "gather",
     "invalidate_secondary",
-    "is_partitioned",
     "partition",
-    "quantize_frozen",
-    "reduce_scatter_grads",
     "register_external_parameter",
     "release",
-    "state_of",
     "unregister_external_parameter",
 ]
+__all__ += commit.__all__
+__all__ += frozen.__all__
+__all__ += gathered_parameters.__all__
+__all__ += grad_reduce.__all__
+__all__ += init.__all__
+__all__ += offload.__all__
+__all__ += spec.__all__
+__all__ += state.__all__
