@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from zero_full.checkpoint.safetensors import consolidate_checkpoint
+from zero_testing.scripts import run_to_end
 
 WORKER = Path(__file__).with_name("fault_worker.py")
 COMM_TIMEOUT = 3.0
@@ -82,20 +83,13 @@ def _torchrun(mode: str, tmp: Path, *, limit: float = 450, **extra: str) -> dict
     out.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone"]
     cmd += ["--master-port", str(_port()), str(WORKER), mode, str(out), str(ckpt)]
-    env = _env(**extra)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        log, _ = proc.communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        log, _ = proc.communicate()
-        raise AssertionError(f"torchrun {mode} did not finish in {limit} s:\n{log[-3000:]}") from None
+    proc = run_to_end(cmd, env=_env(**extra), timeout=limit)
     ended = time.monotonic()
     for pid in (r.get("pid") for r in _reports(out).values()):
         if pid and _alive(pid):  # a stopped rank torchrun could not end (it SIGKILLs after a grace period)
             os.kill(pid, signal.SIGKILL)
     reports = _reports(out)
-    found = {"returncode": proc.returncode, "ended": ended, "reports": reports, "log": log}
+    found = {"returncode": proc.returncode, "ended": ended, "reports": reports, "log": proc.stdout}
     return found | {"ckpt": ckpt, "out": out}
 
 
