@@ -15,21 +15,10 @@ import argparse
 import json
 
 import torch
-from trainer_models import BUILDERS, token_data
+from trainer_models import BUILDERS, TokenDataset, token_data
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from zero_testing.scripts import run_each, write_from_rank_0
-
-
-class TokenDataset(torch.utils.data.Dataset):
-    def __init__(self, ids: torch.Tensor) -> None:
-        self.ids = ids
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 class EngineRecorder(TrainerCallback):

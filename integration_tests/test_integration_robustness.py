@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from zero_testing.scripts import run_to_end
+
 WORKER = Path(__file__).with_name("robustness_worker.py")
 TIMEOUT = 3.0
 
@@ -27,22 +29,15 @@ def _torchrun(
     out.mkdir(parents=True, exist_ok=True)
     for f in out.glob("rank*.json"):
         f.unlink()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **env_extra}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone"]
     cmd += [str(WORKER), mode, str(out)] + ([str(ckpt)] if ckpt is not None else [])
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        log, _ = proc.communicate(timeout=limit)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        log, _ = proc.communicate()
-        raise AssertionError(f"torchrun {mode} did not finish in {limit} s:\n{log[-3000:]}") from None
+    proc = run_to_end(cmd, env={"OMP_NUM_THREADS": "1", **env_extra}, timeout=limit)
     found = {}
     for r in (0, 1):
         path = out / f"rank{r}.json"
         if path.exists():
             found[r] = json.loads(path.read_text())
-    found[-1] = {"log": log, "returncode": proc.returncode}
+    found[-1] = {"log": proc.stdout, "returncode": proc.returncode}
     return found
 
 

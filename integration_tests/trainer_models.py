@@ -66,3 +66,16 @@ BUILDERS = {"gpt2": build_gpt2, "gpt2_wide": build_gpt2_wide, "llama": build_lla
 def token_data(samples: int = SAMPLES) -> torch.Tensor:
     """``samples`` sequences of ``SEQ`` token ids (a fixed generator: the same on every rank)."""
     return torch.randint(0, VOCAB, (samples, SEQ), generator=torch.Generator().manual_seed(7))
+
+
+class TokenDataset(torch.utils.data.Dataset):
+    """Token id sequences as the Hugging Face ``Trainer`` takes them: each its own labels (a causal LM)."""
+
+    def __init__(self, ids: torch.Tensor) -> None:
+        self.ids = ids
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}

@@ -26,6 +26,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from trainer_models import TokenDataset
 from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
 
 import zero_full
@@ -73,17 +74,6 @@ def run_direct(out: Path, small: bool) -> torch.nn.Module:
     return model
 
 
-class _Tokens(torch.utils.data.Dataset):
-    def __init__(self, ids: torch.Tensor) -> None:
-        self.ids = ids
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
 def run_hf(out: Path, small: bool) -> torch.nn.Module:
     args = TrainingArguments(
         output_dir=str(out / f"hf{int(small)}"), per_device_train_batch_size=BATCH, max_steps=STEPS,
@@ -92,7 +82,7 @@ def run_hf(out: Path, small: bool) -> torch.nn.Module:
     )  # fmt: skip
     with zero_full.Init(config=CONFIG):
         model = build(small)
-    ZeroTrainer(model=model, args=args, train_dataset=_Tokens(tokens()), zero_config=CONFIG).train()
+    ZeroTrainer(model=model, args=args, train_dataset=TokenDataset(tokens()), zero_config=CONFIG).train()
     return model
 
 

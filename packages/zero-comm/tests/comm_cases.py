@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
+import torch.distributed as dist
+
+from zero_comm import CommWatchdog
 
 # (world_size, ranks_per_node). Session scope makes pytest run every test of one world
 # size together, so the pooled ranks are reused instead of restarted.
@@ -79,3 +85,22 @@ def unpad(padded: list[torch.Tensor], tensors: list[torch.Tensor], group=None) -
         start, stop = shard_range(t.numel(), world, rank)
         out.append(p[: stop - start])
     return out
+
+
+@contextlib.contextmanager
+def watchdog_pair(
+    timeout: float = 0.6, interval: float = 0.05, beat_peer: bool = True
+) -> Iterator[tuple[CommWatchdog, CommWatchdog]]:
+    """Watchdogs of "ranks" 0 and 1 of world 2 in this process, sharing one ``HashStore``; both
+    closed on exit. ``beat_peer=False``: rank 1 is closed at once (its last report stays in the
+    store, its heartbeat stops)."""
+    store = dist.HashStore()
+    me = CommWatchdog(store, 0, 2, timeout=timeout, heartbeat_interval=interval)
+    peer = CommWatchdog(store, 1, 2, timeout=timeout, heartbeat_interval=interval)
+    if not beat_peer:
+        peer.close()
+    try:
+        yield me, peer
+    finally:
+        me.close()
+        peer.close()

@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from comm_cases import watchdog_pair
 
 from zero_comm import CommWatchdog, RanksDivergedError
 from zero_comm.call_sites import FIELDS, calls_differ, describe_call, mismatch_text, signature
@@ -24,13 +25,6 @@ class _NeverDone:
 
     def wait(self, timeout=None):
         raise AssertionError("polled, never waited on")
-
-
-def _pair(timeout=0.6, interval=0.05):
-    store = dist.HashStore()
-    me = CommWatchdog(store, 0, 2, timeout=timeout, heartbeat_interval=interval)
-    peer = CommWatchdog(store, 1, 2, timeout=timeout, heartbeat_interval=interval)
-    return me, peer
 
 
 @pytest.mark.parametrize("site", ["engine.forward", "engine.consolidated_state_dict", "é" * 16, ""])
@@ -71,8 +65,7 @@ def test_the_mismatch_names_every_ranks_call_site():
 
 
 def test_a_rank_that_abandons_is_named_by_the_peer_waiting_and_refuses_its_own_next_call():
-    me, peer = _pair(timeout=30)
-    try:
+    with watchdog_pair(timeout=30) as (me, peer):
         me.note("reduces the gradients of `out`")
         me.issued("reduce_scatter")
         peer.abandon("raised ValueError in engine.backward at optimizer step 2, micro-step 2 (boom)")
@@ -89,14 +82,10 @@ def test_a_rank_that_abandons_is_named_by_the_peer_waiting_and_refuses_its_own_n
         ):
             peer.check_call("engine.step", 2, 2)  # no collective: refused before any
         assert peer.position().call == 0
-    finally:
-        me.close()
-        peer.close()
 
 
 def test_a_peer_that_closed_before_the_collective_is_named_at_once():
-    me, peer = _pair(timeout=30)
-    try:
+    with watchdog_pair(timeout=30) as (me, peer):
         peer.issued("all_gather")
         me.issued("all_gather")
         me.issued("all_gather")  # the peer never issues this one: it closed
@@ -105,13 +94,10 @@ def test_a_peer_that_closed_before_the_collective_is_named_at_once():
             RanksDivergedError, match=r"rank 1 closed its engine after call 1 \(ran fewer steps\)"
         ):
             me.wait(_NeverDone())
-    finally:
-        me.close()
 
 
 def test_a_live_peer_outside_any_collective_is_named_stuck_not_diverged():
-    me, peer = _pair(timeout=0.5)
-    try:
+    with watchdog_pair(timeout=0.5) as (me, peer):
         peer.issued("all_gather")
         peer.publish()
         me.issued("all_gather")
@@ -121,9 +107,6 @@ def test_a_live_peer_outside_any_collective_is_named_stuck_not_diverged():
         message = str(info.value)
         assert "rank 1 is stuck outside any collective: alive (heartbeats on)" in message, message
         assert "ranks took different paths" not in message
-    finally:
-        me.close()
-        peer.close()
 
 
 class _SlowWork:

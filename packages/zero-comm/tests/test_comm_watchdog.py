@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch.distributed as dist
+from comm_cases import watchdog_pair
 
 import zero_comm
 from zero_comm import CollectiveTimeoutError, CommLedger, CommWatchdog, Topology
@@ -74,15 +75,6 @@ class _NcclWork:
         return True
 
 
-def _pair(timeout=0.6, interval=0.05, beat_peer=True):
-    store = dist.HashStore()
-    me = CommWatchdog(store, 0, 2, timeout=timeout, heartbeat_interval=interval)
-    peer = CommWatchdog(store, 1, 2, timeout=timeout, heartbeat_interval=interval)
-    if not beat_peer:
-        peer.close()  # its last report stays in the store, its heartbeat stops
-    return me, peer
-
-
 def test_label_names_modules_in_order():
     assert collective_label("gathers", ["mid.weight", "mid.bias", "out.weight"]) == "gathers `mid`, `out`"
     assert collective_label("gathers", ["a.w", "b.w", "c.w", "d.w"], limit=2) == "gathers `a`, `b` and 2 more"
@@ -90,8 +82,7 @@ def test_label_names_modules_in_order():
 
 
 def test_positions_are_recorded_and_published():
-    me, peer = _pair()
-    try:
+    with watchdog_pair() as (me, peer):
         peer.note(lambda: "gathers `mid`")  # rendered only when published
         peer.issued("all_gather")
         peer.issued("all_gather")
@@ -99,14 +90,10 @@ def test_positions_are_recorded_and_published():
         seen = me.peers()[1]
         assert seen is not None and seen.call == 2 and seen.op == "all_gather"
         assert seen.describe() == "rank 1 gathers `mid` (call 2)"
-    finally:
-        me.close()
-        peer.close()
 
 
 def test_a_different_position_after_the_timeout_is_a_diverged_path():
-    me, peer = _pair(timeout=0.5)
-    try:
+    with watchdog_pair(timeout=0.5) as (me, peer):
         me.note("gathers `out`")
         me.issued("all_gather")
         peer.note("reduces the gradients of `mid`")
@@ -119,44 +106,34 @@ def test_a_different_position_after_the_timeout_is_a_diverged_path():
         message = str(info.value)
         assert "rank 0 gathers `out` (call 1) while rank 1 reduces the gradients of `mid` (call 2)" in message
         assert "ranks took different paths" in message and "comm_timeout = 0.5" in message
-    finally:
-        me.close()
-        peer.close()
 
 
 def test_a_silent_peer_is_named_before_the_timeout():
-    me, peer = _pair(timeout=60, interval=0.05, beat_peer=False)
-    try:
+    with watchdog_pair(timeout=60, interval=0.05, beat_peer=False) as (me, peer):
         start = time.monotonic()
         with pytest.raises(
             CollectiveTimeoutError, match=r"rank 1 sent no heartbeat for \d+ s: it died or is stuck"
         ):
             me.wait(_NeverDone())
         assert time.monotonic() - start < 5  # 5 heartbeat intervals, not the 60 s timeout
-    finally:
-        me.close()
 
 
 def test_a_connection_error_names_the_dead_rank_not_the_socket():
-    me, peer = _pair(timeout=60, interval=0.05, beat_peer=False)
-    try:
+    with watchdog_pair(timeout=60, interval=0.05, beat_peer=False) as (me, peer):
         with pytest.raises(CollectiveTimeoutError) as info:
             me.wait(_NeverDone("Connection reset by peer [127.0.0.1]:56473"))
         assert str(info.value).startswith("rank 1 sent no heartbeat")
         assert "Connection reset by peer" in str(info.value)  # the original, after the diagnosis
-    finally:
-        me.close()
 
 
 def test_collectives_run_under_the_watchdog_of_the_active_ledger():
-    me, peer = _pair()
-    calls = []
+    with watchdog_pair() as (me, peer):
+        calls = []
 
-    def fake_collective(*args, async_op=False, **kwargs):
-        calls.append(async_op)
-        return _Done()
+        def fake_collective(*args, async_op=False, **kwargs):
+            calls.append(async_op)
+            return _Done()
 
-    try:
         assert active_watchdog() is None
         assert isinstance(watched_call("all_reduce", fake_collective, 1, async_op=False), _Done)
         with CommLedger(Topology.__new__(Topology), watchdog=me):
@@ -168,18 +145,15 @@ def test_collectives_run_under_the_watchdog_of_the_active_ledger():
                 assert isinstance(watched_call("all_reduce", fake_collective, 1, async_op=True), _Done)
         assert calls == [False, True, True]  # under the watchdog every collective is issued async
         assert me.position().call == 2 and me.position().what == "all-reduces the gradient norm"
-    finally:
-        me.close()
-        peer.close()
 
 
 def test_the_heartbeat_thread_stops_with_close_and_with_the_watchdog():
-    me, peer = _pair()
-    before = {t.name for t in threading.enumerate()}
-    assert "zero-watchdog-rank0" in before
-    me.close()
-    peer.close()
-    assert not {"zero-watchdog-rank0", "zero-watchdog-rank1"} & {t.name for t in threading.enumerate()}
+    with watchdog_pair() as (me, peer):
+        before = {t.name for t in threading.enumerate()}
+        assert "zero-watchdog-rank0" in before
+        me.close()
+        peer.close()
+        assert not {"zero-watchdog-rank0", "zero-watchdog-rank1"} & {t.name for t in threading.enumerate()}
 
 
 def test_bad_settings_are_refused():
@@ -199,8 +173,7 @@ def _depart(wd, what, found):
 
 
 def test_ranks_that_depart_alike_go_on():
-    me, peer = _pair(timeout=5)
-    try:
+    with watchdog_pair(timeout=5) as (me, peer):
         for wd in (me, peer):
             wd.issued("all_gather")
         found = {}
@@ -212,14 +185,10 @@ def test_ranks_that_depart_alike_go_on():
         for t in threads:
             t.join(10)
         assert found == {0: None, 1: None}
-    finally:
-        me.close()
-        peer.close()
 
 
 def test_a_rank_that_departs_alone_raises_and_so_does_the_peer_waiting_for_it():
-    me, peer = _pair(timeout=30, interval=0.05)
-    try:
+    with watchdog_pair(timeout=30, interval=0.05) as (me, peer):
         me.note("gathers `out`")
         me.issued("all_gather")
         me.issued("all_gather")  # rank 0 went on along the recorded order
@@ -239,9 +208,6 @@ def test_a_rank_that_departs_alone_raises_and_so_does_the_peer_waiting_for_it():
         with pytest.raises(zero_comm.RanksDivergedError):
             me.wait(_NeverDone("Connection closed by peer [127.0.0.1]:53121"))
         assert time.monotonic() - start < 5
-    finally:
-        me.close()
-        peer.close()
 
 
 def test_a_peer_that_never_published_is_not_dead_before_the_timeout():
@@ -327,23 +293,18 @@ def test_a_departed_ranks_last_record_is_not_overwritten_by_a_stale_heartbeat():
 
 def test_a_rank_three_seconds_late_does_not_abort_an_nccl_communicator():
     # the default heartbeat interval (2 s): a timed wait of one interval would abort at 2 s
-    me, peer = _pair(timeout=60, interval=2.0)
-    comm = _Communicator()
-    try:
+    with watchdog_pair(timeout=60, interval=2.0) as (me, peer):
+        comm = _Communicator()
         me.issued("all_gather")
         work = _NcclWork(comm, after=3.0)  # the peer joins the collective 3 s late
         me.wait(work)
         assert not comm.aborted
         assert work.is_completed() and not me.position().waiting
-    finally:
-        me.close()
-        peer.close()
 
 
 def test_a_late_rank_past_comm_timeout_is_named_and_the_communicator_lives():
-    me, peer = _pair(timeout=1.0, interval=0.1)
-    comm = _Communicator()
-    try:
+    with watchdog_pair(timeout=1.0, interval=0.1) as (me, peer):
+        comm = _Communicator()
         me.note("gathers `out`")
         me.issued("all_gather")
         peer.publish()  # late: it has not reached the gather yet
@@ -355,6 +316,3 @@ def test_a_late_rank_past_comm_timeout_is_named_and_the_communicator_lives():
         assert "rank 0 gathers `out` (call 1) while rank 1 is outside any collective (call 0)" in message
         assert "comm_timeout = 1" in message
         assert not comm.aborted  # zero raised; the communicator is left to the backend
-    finally:
-        me.close()
-        peer.close()

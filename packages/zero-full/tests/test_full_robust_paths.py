@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -47,6 +48,18 @@ def _report(rank: int, exc: BaseException, start: float) -> RuntimeError:
     return RuntimeError("RESULT " + json.dumps(found))
 
 
+def _run_steps(rank: int, one_step: Callable[[int], None]) -> RuntimeError | None:
+    """``one_step(step)`` for each of the ``STEPS`` steps; the error for rank ``rank`` to raise with
+    what it raised (:func:`_report`), or ``None`` when every step ran."""
+    start = time.monotonic()
+    try:
+        for step in range(STEPS):
+            one_step(step)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return _report(rank, exc, start)
+    return None
+
+
 def _results(failure: RankFailure) -> dict[int, dict]:
     found = {}
     for m in re.finditer(r"RESULT (\{.*\})", str(failure)):
@@ -69,19 +82,18 @@ def _extra_call(rank, stage, everywhere=False, prefetch=True):
         config["zero_optimization"]["stage3_prefetch_bucket_size"] = 0
     engine = zero_full.initialize(_net(), config)
     last = rank.world_size - 1
-    start = time.monotonic()
-    try:
-        for step in range(STEPS):
-            loss = engine(_batch(step, rank.rank), extra=(everywhere or rank.rank == last) and step == 1)
-            engine.backward(loss)
-            engine.step()
-    except Exception as exc:  # noqa: BLE001 - reported to the test
-        error = _report(rank.rank, exc, start)
-    else:
-        weights = {k: v.clone() for k, v in engine.consolidated_state_dict().items()}
-        engine.close()
-        return weights
-    raise error
+
+    def one_step(step):
+        loss = engine(_batch(step, rank.rank), extra=(everywhere or rank.rank == last) and step == 1)
+        engine.backward(loss)
+        engine.step()
+
+    error = _run_steps(rank.rank, one_step)
+    if error is not None:
+        raise error
+    weights = {k: v.clone() for k, v in engine.consolidated_state_dict().items()}
+    engine.close()
+    return weights
 
 
 @pytest.mark.parametrize("world,prefetch", [(2, True), (2, False), (4, True)])
@@ -146,16 +158,15 @@ def _stopped_or_killed(rank, how):
     if rank.rank == last:
         with open(pid_file, "w") as f:
             f.write(str(os.getpid()))
-    start = time.monotonic()
-    try:
-        for step in range(STEPS):
-            if step == 1 and rank.rank == last:
-                os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
-            engine.backward(engine(_batch(step, rank.rank)))
-            engine.step()
-    except Exception as exc:  # noqa: BLE001 - reported to the test
-        error = _report(rank.rank, exc, start)
-    else:
+
+    def one_step(step):
+        if step == 1 and rank.rank == last:
+            os.kill(os.getpid(), signal.SIGSTOP if how == "stop" else signal.SIGKILL)
+        engine.backward(engine(_batch(step, rank.rank)))
+        engine.step()
+
+    error = _run_steps(rank.rank, one_step)
+    if error is None:
         engine.close()
         return None
     if rank.rank == 0 and how == "stop":  # the diagnosis is in: end the stopped rank now
@@ -185,20 +196,18 @@ def _skipped_backward(rank, stage):
     """The last rank skips the backward and step of step 1 (a non-finite loss, say) and goes on."""
     engine = zero_full.initialize(_net(), _config(stage))
     last = rank.world_size - 1
-    start = time.monotonic()
-    try:
-        for step in range(STEPS):
-            loss = engine(_batch(step, rank.rank))
-            if step == 1 and rank.rank == last:
-                continue
-            engine.backward(loss)
-            engine.step()
-    except Exception as exc:  # noqa: BLE001 - reported to the test
-        error = _report(rank.rank, exc, start)
-    else:
-        engine.close()
-        return None
-    raise error
+
+    def one_step(step):
+        loss = engine(_batch(step, rank.rank))
+        if step == 1 and rank.rank == last:
+            return
+        engine.backward(loss)
+        engine.step()
+
+    error = _run_steps(rank.rank, one_step)
+    if error is not None:
+        raise error
+    engine.close()
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])

@@ -76,21 +76,24 @@ def test_step_without_backward_raises_and_changes_nothing(dist, world, accumulat
 # --------------------------------------------------------------------------- non-finite gradients
 
 
-def _nan_on_rank1(rank, precision, policy, clip, stage):
-    config = _config(stage, robustness={"nonfinite_gradients": policy}, gradient_clipping=clip)
+def _nan_on_last_rank(rank, precision, policy, clip, stage, nan_step=2, robustness=None):
+    """A NaN in the last rank's input at step ``nan_step`` (of ``nan_step + 2``), under the
+    ``nonfinite_gradients`` policy ``policy`` and the other ``robustness`` settings given."""
+    robustness = (robustness or {}) | {"nonfinite_gradients": policy}
+    config = _config(stage, robustness=robustness, gradient_clipping=clip)
     if precision != "fp32":
         config[precision] = {"enabled": True}
     engine = zero_full.initialize(_net(), config)
     error = None
     with captured_logs("zero.engine") as records:
-        for step in range(4):
+        for step in range(nan_step + 2):
             x, y = (
                 t.to(torch.bfloat16 if precision == "bf16" else torch.float32) for t in _data(step, rank.rank)
             )
-            if step == 2 and rank.rank == 1:
+            if step == nan_step and rank.rank == rank.world_size - 1:
                 x[0, 0] = float("nan")
             engine.backward(engine(x, y))
-            if step == 2:
+            if step == nan_step:
                 before = _weights(engine)
                 state_steps = [s["step"].item() for s in engine.optimizer.torch_optimizer.state.values()]
             try:
@@ -98,7 +101,7 @@ def _nan_on_rank1(rank, precision, policy, clip, stage):
             except zero_full.NonFiniteGradientError as exc:
                 error = str(exc)
                 break
-            if step == 2:
+            if step == nan_step:
                 after = _weights(engine)
                 unchanged = all(torch.equal(before[k], after[k]) for k in before)
                 steps_after = [s["step"].item() for s in engine.optimizer.torch_optimizer.state.values()]
@@ -118,7 +121,7 @@ def _nan_on_rank1(rank, precision, policy, clip, stage):
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("clip", [0.0, 1.0])
 def test_nan_on_one_rank_skips_the_step_on_every_rank_with_one_warning(dist, precision, clip):
-    results = dist.run(2, _nan_on_rank1, precision, "skip", clip, 3)
+    results = dist.run(2, _nan_on_last_rank, precision, "skip", clip, 3)
     for r, res in enumerate(results):
         assert res["error"] is None and res["finite"] and res["unchanged"], res
         assert res["skipped"] == 1
@@ -133,7 +136,7 @@ def test_nan_on_one_rank_skips_the_step_on_every_rank_with_one_warning(dist, pre
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_nan_on_one_rank_raises_on_every_rank_with_the_raise_policy(dist, precision, stage):
     # stage 1 in fp32 keeps its gradients in the parameters' flat buffer (views, no flat partition)
-    for res in dist.run(2, _nan_on_rank1, precision, "raise", 0.0, stage):
+    for res in dist.run(2, _nan_on_last_rank, precision, "raise", 0.0, stage):
         assert res["error"] is not None and "`a.weight` on rank 1" in res["error"], res
         assert "nonfinite_gradients" in res["error"]
 

@@ -1,5 +1,5 @@
-"""zero_testing.scripts: the ``--then`` command line round trip, a worker running each run, and a
-failing script named."""
+"""zero_testing.scripts: the ``--then`` command line round trip, a worker running each run, a
+failing script named, and a command run to its end whatever its exit, or killed at its timeout."""
 
 from __future__ import annotations
 
@@ -7,7 +7,15 @@ import sys
 
 import pytest
 
-from zero_testing.scripts import chain_runs, run_chained, run_script, split_runs, torchrun, write_from_rank_0
+from zero_testing.scripts import (
+    chain_runs,
+    run_chained,
+    run_script,
+    run_to_end,
+    split_runs,
+    torchrun,
+    write_from_rank_0,
+)
 
 WORKER = """
 import sys
@@ -43,6 +51,18 @@ def test_a_failing_script_is_named_with_its_exit_code_and_output(tmp_path):
     script.write_text(WORKER)
     with pytest.raises(AssertionError, match=r"worker.py .* exited 3:[\s\S]*failing on purpose"):
         run_script(script, [str(tmp_path / "out.json"), "--fail"], world=1, cwd=tmp_path)
+
+
+def test_a_command_that_fails_on_purpose_returns_its_exit_code_and_output():
+    script = "import os, sys; print('out', os.environ['ZT_X'], flush=True); sys.exit('err')"
+    done = run_to_end([sys.executable, "-c", script], env={"ZT_X": "7"})
+    assert done.returncode == 1 and done.stdout == "out 7\nerr\n"
+
+
+def test_a_command_past_its_timeout_is_killed_and_named_with_its_output():
+    script = "import time; print('started', flush=True); time.sleep(60)"
+    with pytest.raises(AssertionError, match=r"-c .* did not finish in 0.5 s:\nstarted"):
+        run_to_end([sys.executable, "-c", script], timeout=0.5)
 
 
 def test_more_than_one_rank_goes_through_torchrun():

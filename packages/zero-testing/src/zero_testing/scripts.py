@@ -5,13 +5,15 @@ its output. A worker that trains several times takes ``OUT1 [options] --then OUT
 (``run_chained`` launches them and reads each run's result, ``chain_runs`` writes that command
 line, ``split_runs`` reads it, ``run_each`` is the worker's main): several runs in one launch,
 so the ranks import torch and the trainer once instead of once per run. ``write_from_rank_0``
-writes a run's JSON result once.
+writes a run's JSON result once. ``run_to_end`` runs a launch that may fail on purpose (a fault
+test's) and returns its exit code and output.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from collections.abc import Callable
@@ -55,6 +57,28 @@ def run_script(
             f"{script.name} {argv} exited {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+def run_to_end(
+    command: list[str], *, env: dict[str, str] | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess:
+    """Run ``command`` to its end, whatever its exit code (a launch that fails on purpose), with
+    ``env`` over this process's environment; its output is stdout and stderr in one stream. A
+    command still running after ``timeout`` s is killed: ``AssertionError`` with its output's tail."""
+    proc = subprocess.Popen(
+        command,
+        env={**os.environ, **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        log, _ = proc.communicate()
+        raise AssertionError(f"{shlex.join(command)} did not finish in {timeout} s:\n{log[-3000:]}") from None
+    return subprocess.CompletedProcess(command, proc.returncode, stdout=log)
 
 
 def chain_runs(runs: dict[str, list[str]], out_dir: Path) -> list[str]:
