@@ -25,8 +25,11 @@ def deepspeed_for_training() -> ModuleType:
     an op marked ``False`` there is not built and its caller takes the fallback path.
     """
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    import deepspeed
-    import deepspeed.ops
+    try:
+        import deepspeed
+        import deepspeed.ops
+    except ImportError as exc:
+        raise ImportError("DeepSpeed is not installed: pip install zero-testing[peers]") from exc
 
     deepspeed.ops.__compatible_ops__[DEEPSPEED_SHM_OP] = False
     return deepspeed
