@@ -61,8 +61,8 @@ def test_a_command_that_fails_on_purpose_returns_its_exit_code_and_output():
 
 def test_a_command_past_its_timeout_is_killed_and_named_with_its_output():
     script = "import time; print('started', flush=True); time.sleep(60)"
-    with pytest.raises(AssertionError, match=r"-c .* did not finish in 0.5 s:\nstarted"):
-        run_to_end([sys.executable, "-c", script], timeout=0.5)
+    with pytest.raises(AssertionError, match=r"-c .* did not finish in 3 s:\nstarted"):
+        run_to_end([sys.executable, "-c", script], timeout=3)
 
 
 def test_more_than_one_rank_goes_through_torchrun():
