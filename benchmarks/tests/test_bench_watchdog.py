@@ -19,7 +19,8 @@ def test_overhead_is_the_ratio_of_the_medians_and_pairs_are_matched_in_order():
 
 def test_the_check_timed_alone_gives_its_share_of_the_step():
     times = {"on": [0.1, 0.1], "off": [0.1, 0.1], "check": [0.0002, 0.0001, 0.0009]}
-    found = summarize(times)
+    found = summarize(times, checks_per_step=3)
     assert found["median_check_s"] == pytest.approx(0.0002)
-    assert found["direct_share"] == pytest.approx(2 * 0.0002 / 0.1)  # forward, backward (stage-3 step: none)
+    assert found["checks_per_step"] == 3  # counted by the run: collectives per step, on minus off
+    assert found["direct_share"] == pytest.approx(3 * 0.0002 / 0.1)
     assert "direct_share" not in summarize({"on": [0.1], "off": [0.1]})

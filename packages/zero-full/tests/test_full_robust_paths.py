@@ -257,6 +257,7 @@ def _checks_per_step(rank, stage, clip):
 @pytest.mark.parametrize(("stage", "clip", "expected"), [(0, 0.0, 2), (2, 0.0, 2), (3, 0.0, 4), (3, 1.0, 5)])
 def test_only_calls_that_communicate_are_checked(dist, stage, clip, expected):
     # stage 3: each forward and backward gathers (2 x 2 micro-steps); the step is checked only
-    # before a collective of its own (clipping's norm all-reduce). Below: the boundary backward
+    # before a collective of its own (clipping's norm all-reduce; re-gathering persistent
+    # parameters, which this model, all partitioned, has none of). Below: the boundary backward
     # and the step (the rest only accumulates gradients locally)
     assert dist.run(2, _checks_per_step, stage, clip, timeout=300) == [expected, expected]
