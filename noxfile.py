@@ -43,6 +43,7 @@ ROOT = pathlib.Path(__file__).parent
 CONSTRAINTS = str(ROOT / "constraints.txt")
 PACKAGE_DIRS = {
     "zero-kernels": "kernels",
+    "zero-launch": "packages/zero-launch",
     "zero-comm": "packages/zero-comm",
     "zero-offload": "packages/zero-offload",
     "zero-params": "packages/zero-params",
@@ -310,6 +311,7 @@ def tests(session: nox.Session, package: str) -> None:
 # The layer order: each package after every zero package it and its tests build on (checked).
 LAYERS = [
     "zero-kernels",
+    "zero-launch",
     "zero-comm",
     "zero-testing",
     "zero-offload",
@@ -552,8 +554,8 @@ def wheels(session: nox.Session) -> None:
     """Install zero-comm, then zero-full, by name from freshly built wheels (not editable, not the
     source tree); smoke test each.
 
-    zero-comm first, alone: it imports, no other zero package came with it, its 2-rank demo; its
-    wheelhouse holds only zero-comm, so any zero dependency it gained fails the install. Then
+    zero-comm first, alone: it imports, only zero-launch came with it, its 2-rank demo; its
+    wheelhouse holds only those two, so any other zero dependency it gained fails the install. Then
     zero-full into the same venv from the wheelhouse of every product package: every package
     imports, ``zero report``, README's ``train.py`` under torchrun on 2 ranks, ``zero
     consolidate``. Every command must exit 0 with nothing that looks like a warning on stderr
@@ -564,7 +566,7 @@ def wheels(session: nox.Session) -> None:
     comm_only = wheelhouse.parent / "dist-zero-comm"
     shutil.rmtree(comm_only, ignore_errors=True)
     comm_only.mkdir()
-    for built in wheelhouse.glob("zero_comm-*.whl"):
+    for built in [*wheelhouse.glob("zero_comm-*.whl"), *wheelhouse.glob("zero_launch-*.whl")]:
         shutil.copy2(built, comm_only)
     _torch(session)
     smoke = str(ROOT / "integration_tests" / "wheel_smoke.py")

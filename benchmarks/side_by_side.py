@@ -77,7 +77,7 @@ from benchmarks.kit.workloads import (
     workload_of,
     workload_parser,
 )
-from zero_comm.launch import RankContext, launch
+from zero_launch import RankContext, launch
 
 DISTRIBUTED = [name for name in IMPLEMENTATIONS if name != "single"]
 # what runs without --impls: every distributed one but the default-size comparisons (chosen by name)

@@ -38,8 +38,8 @@ import torch.distributed as dist
 from torch import nn
 
 import zero_full
-from zero_comm.launch import LaunchError, RankContext, launch
 from zero_full.memory.rank_memory import read_process_memory, reset_process_peak
+from zero_launch import LaunchError, RankContext, launch
 
 STEPS = 6
 LR = 0.05

@@ -244,7 +244,7 @@ def test_frozen_int8_rss_at_rest_drops_by_the_formula():
     fragmentation hides most of the drop from VmRSS (1.8 MiB of 6.0 measured), although the
     engine's storage count (``model_state_bytes``) drops by exactly the formula.
     """
-    from zero_comm.launch import launch
+    from zero_launch import launch
 
     env = {"MALLOC_MMAP_THRESHOLD_": "1048576", "OMP_NUM_THREADS": "1"}
     rest = {}

@@ -1,6 +1,6 @@
 """hpZ's memory cost measured from the process: + P/n elements per rank in working precision.
 
-Fresh processes per variant (``zero_comm.launch``, 2 nodes x 2 ranks, ``MALLOC_MMAP_THRESHOLD_=1048576``):
+Fresh processes per variant (``zero_launch``, 2 nodes x 2 ranks, ``MALLOC_MMAP_THRESHOLD_=1048576``):
 VmRSS at rest after two steps and VmHWM during a third step, above the runtime's own, with and
 without ``zero_hpz_partition_size = 2``; the difference is compared with ``zero estimate --hpz 2``
 (``StageMemory`` of hpZ minus plain ZeRO-3 = the secondary shard, ``4P/n`` bytes in fp32).
@@ -42,7 +42,7 @@ def hpz_rank(ctx, hpz: int) -> dict:
 
 
 def test_hpz_rss_cost_matches_zero_estimate():
-    from zero_comm.launch import launch
+    from zero_launch import launch
 
     env = {"MALLOC_MMAP_THRESHOLD_": "1048576", "OMP_NUM_THREADS": "1"}
     runs = {

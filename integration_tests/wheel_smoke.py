@@ -7,7 +7,8 @@
   report``, README's ``train.py`` (the python block of its "Use" section, extracted here so the
   README and this test cannot drift) under ``torch.distributed.run`` on 2 ranks, then ``zero
   consolidate`` of its checkpoint;
-* zero-comm: it imports from site-packages, no other zero package was installed with it, and
+* zero-comm: it imports from site-packages, only zero-launch (its demo's launcher) was installed
+  with it, and
   ``python -m zero_comm.demo --world 2`` passes.
 
 Every command runs in a fresh temporary directory and must exit 0 with nothing that looks like a
@@ -25,7 +26,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-ZERO = ("zero-kernels", "zero-comm", "zero-offload", "zero-params", "zero-coord", "zero-optim", "zero-full")
+ZERO = (
+    "zero-kernels",
+    "zero-launch",
+    "zero-comm",
+    "zero-offload",
+    "zero-params",
+    "zero-coord",
+    "zero-optim",
+    "zero-full",
+)
 TIMEOUT_S = 600
 # Python's warnings ("UserWarning: ...", "FutureWarning"), logging's "WARNING", torch's C++ "W1123 ..." lines.
 _WARNING = re.compile(r"warn|^W\d{4} ", re.IGNORECASE | re.MULTILINE)
@@ -104,7 +114,7 @@ def smoke_full(readme: Path, source: Path, work: Path) -> None:
 
 
 def smoke_comm(source: Path, work: Path) -> None:
-    check_installed(("zero-comm",), source)
+    check_installed(("zero-launch", "zero-comm"), source)
     run([sys.executable, "-c", "import zero_comm; print(zero_comm.__doc__.splitlines()[0])"], work)
     run([sys.executable, "-m", "zero_comm.demo", "--world", "2"], work)
 

@@ -3,7 +3,7 @@
 Physical bytes written by a process come from :func:`read_wchar`; :func:`time_and_count` times a
 collective on every rank (the slowest rank per run) and counts the bytes it wrote;
 :func:`timed_across_ranks` times one training step. Ranks are launched by :func:`spawn_ranks`
-through ``zero_comm.launch`` (a rank that fails is named at once, the others killed).
+through ``zero_launch`` (a rank that fails is named at once, the others killed).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from zero_comm.launch import RankContext, launch
+from zero_launch import RankContext, launch
 
 __all__ = [
     "ResultSink",
@@ -172,7 +172,7 @@ def spawn_ranks(
     process group themselves, or with ``process_group`` have joined it before ``target`` runs,
     with ``timeout`` as its limit); one of them calls ``results.put(result)``, and that result
     is returned.
-    Launched by :func:`zero_comm.launch.launch`: a rank that raises or dies is an error naming
+    Launched by :func:`zero_launch.launch`: a rank that raises or dies is an error naming
     it (its exception, exit code or signal) at once, the others killed; so is a rank still
     running after ``timeout``.
     """

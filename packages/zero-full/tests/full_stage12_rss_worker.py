@@ -1,6 +1,6 @@
 """One rank of a fresh-process memory measurement (``test_full_stage12_memory.py``).
 
-:func:`stage12_rank` runs on ranks started by ``zero_comm.launch`` with
+:func:`stage12_rank` runs on ranks started by ``zero_launch`` with
 ``MALLOC_MMAP_THRESHOLD_=1048576`` (fresh processes per implementation: ``ddp``, ``zero1`` or
 ``zero2``). It returns ``psi`` (parameters), ``rest`` (resident bytes above the runtime's own
 after two steps) and ``peak`` (highest resident bytes above the runtime's own during a third

@@ -20,7 +20,7 @@ from torch import nn
 
 import zero_comm
 import zero_full
-from zero_comm.launch import launch
+from zero_launch import launch
 
 SHAPES = [(7, 5), (13,), (1,), (31, 3), (2, 2)]
 
@@ -148,7 +148,7 @@ def test_sub_group_size_zero_steps_the_largest_parameters_share(dist, world, sta
 
 
 def _launch(impl: str) -> list[dict[str, int]]:
-    """``impl`` on 2 fresh ranks (``zero_comm.launch``), one resident-memory reading per rank."""
+    """``impl`` on 2 fresh ranks (``zero_launch``), one resident-memory reading per rank."""
     env = {"MALLOC_MMAP_THRESHOLD_": "1048576", "OMP_NUM_THREADS": "1"}
     return [a.value for a in launch(stage12_rank, 2, impl, timeout=600.0, env=env, name=impl)]
 

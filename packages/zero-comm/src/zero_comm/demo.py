@@ -1,7 +1,7 @@
 """Demo: coalesced, reduce-scatter and hierarchical collectives on local gloo ranks.
 
 Run ``python -m zero_comm.demo [--world 2] [--ranks-per-node N]``. It launches ``world``
-processes on 127.0.0.1 (:func:`zero_comm.launch.launch`: gloo, a file store in a temporary
+processes on 127.0.0.1 (:func:`zero_launch.launch`: gloo, a file store in a temporary
 directory), runs every zero-comm collective on odd-shaped tensors, compares each result with plain
 ``torch.distributed`` collectives, and prints rank 0's :class:`CommLedger` summary.
 Exits with status 1 if any result differs (or a rank fails), 0 otherwise.
@@ -19,11 +19,11 @@ import torch.distributed as dist
 
 from zero_comm.coalesced import all_gather_coalesced, reduce_scatter_coalesced
 from zero_comm.hierarchical import hierarchical_all_gather_coalesced
-from zero_comm.launch import LaunchError, RankContext, launch
 from zero_comm.ledger import CommLedger
 from zero_comm.partition import partition_numel
 from zero_comm.topology import Topology
 from zero_comm.torch_compat import all_gather_single
+from zero_launch import LaunchError, RankContext, launch
 
 SHAPES: tuple[tuple[int, ...], ...] = ((0,), (1,), (7,), (131,), (1023,), (4099,), (3, 5))
 _RANK_TIMEOUT_S = 120.0

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from multiprocessing.connection import Connection
 from typing import Any
 
-from zero_comm.launch import LaunchError, RankFailureKind, RankGroup, send_failure
+from zero_launch import LaunchError, RankFailureKind, RankGroup, send_failure
 
 _GRACE_AFTER_FAILURE_S = 10.0
 _STARTUP_TIMEOUT_S = 120.0
@@ -59,7 +59,7 @@ class RankInfo:
 
 
 def _worker_main(rank: int, world_size: int, ranks_per_node: int, workdir: str, conn: Connection) -> None:
-    """Process entry of a pool rank (spawned by :class:`zero_comm.launch.RankGroup`).
+    """Process entry of a pool rank (spawned by :class:`zero_launch.RankGroup`).
 
     Answers ``("ok", None)`` once in the process group, then ``("ok", result)`` or ``("error",
     (summary, traceback, time))`` for each job, until the job ``None``.
@@ -111,7 +111,7 @@ class DistributedPool:
 
     Use :meth:`run`; a pool that failed is closed and must be replaced
     (``PoolRegistry`` does that for tests). The processes are spawned, watched and killed by
-    :class:`zero_comm.launch.RankGroup`.
+    :class:`zero_launch.RankGroup`.
     """
 
     def __init__(self, world_size: int, ranks_per_node: int, workdir: pathlib.Path) -> None:

@@ -11,12 +11,13 @@ import re
 import sys
 import time
 
-from zero_comm.launch import LaunchError, RankContext, RankFailureKind, launch
+from zero_launch import LaunchError, RankContext, RankFailureKind, launch
 
 __all__ = ["EnvironmentReport", "SmokeResult", "collect_report", "gloo_smoke_check", "ZERO_DISTRIBUTIONS"]
 
 ZERO_DISTRIBUTIONS = (
     "zero-kernels",
+    "zero-launch",
     "zero-comm",
     "zero-offload",
     "zero-params",
@@ -147,7 +148,7 @@ def _smoke_rank(ctx: RankContext) -> float:
 
 
 def gloo_smoke_check(timeout: float = 30.0) -> SmokeResult:
-    """All-reduce over gloo between 2 spawned local processes (:func:`zero_comm.launch.launch`)."""
+    """All-reduce over gloo between 2 spawned local processes (:func:`zero_launch.launch`)."""
     start = time.monotonic()
     expected = float(sum(range(1, _SMOKE_WORLD + 1)))
     try:

@@ -1,6 +1,6 @@
 """One rank of ``zero train``: the training loop and what the rank measured.
 
-:func:`train_rank` runs in each launched process (:func:`zero_comm.launch.launch`, its gloo
+:func:`train_rank` runs in each launched process (:func:`zero_launch.launch`, its gloo
 group already joined): it builds the GPT-2 (:meth:`TrainOptions.workload`), wraps it with
 :func:`zero_full.initialize`, trains on its slice of every global batch, reports ``("ready",)``
 and then ``("step", step, loss, seconds)`` to the launcher, and returns a :class:`RankResult`.
@@ -19,13 +19,13 @@ import torch.distributed as dist
 from torch import nn
 
 from zero_comm import CommTotals
-from zero_comm.launch import RankContext
 from zero_coord import StepStats
 from zero_full.cli.train.options import TrainOptions
 from zero_full.cli.train.workloads import require_transformers
 from zero_full.config.zero_config import ZeroConfig
 from zero_full.engine import initialize
 from zero_full.memory.rank_memory import read_process_memory
+from zero_launch import RankContext
 
 __all__ = ["CRASH_EXIT_CODE", "RankResult", "train_rank"]
 

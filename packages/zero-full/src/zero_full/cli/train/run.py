@@ -9,12 +9,12 @@ import sys
 import time
 from typing import Any
 
-from zero_comm.launch import LaunchError, RankFailure, RankFailureKind, launch
 from zero_full.cli.train.options import TrainOptions, build_config
 from zero_full.cli.train.rank import train_rank
 from zero_full.cli.train.summary import TrainSummary
 from zero_full.cli.train.workloads import require_transformers
 from zero_full.config.zero_config import ZeroConfig
+from zero_launch import LaunchError, RankFailure, RankFailureKind, launch
 
 __all__ = ["TrainError", "run_training"]
 

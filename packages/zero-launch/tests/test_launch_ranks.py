@@ -1,4 +1,4 @@
-"""``zero_comm.launch``: results in rank order; a failing, dying or late rank named at once."""
+"""``zero_launch.launch``: results in rank order; a failing, dying or late rank named at once."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zero_comm.launch import LaunchError, RankContext, RankFailureKind, launch
+from zero_launch import LaunchError, RankContext, RankFailureKind, launch
 
 
 def _sum_of_ranks(ctx: RankContext, offset: int) -> tuple[int, int, float, str]:
@@ -19,6 +19,7 @@ def _sum_of_ranks(ctx: RankContext, offset: int) -> tuple[int, int, float, str]:
     return ctx.rank, dist.get_world_size(), value.item(), os.environ["LOCAL_WORLD_SIZE"]
 
 
+@pytest.mark.smoke
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_results_come_back_in_rank_order_from_one_process_group(world):
     results = launch(_sum_of_ranks, world, 10, timeout=120, name="t-launch")
