@@ -20,35 +20,12 @@ from zero_offload import (
     Inline,
     OffloadedOptimizer,
     OptimizerOffloadConfig,
-    SideStream,
     host_memory,
     host_placement,
     offload_optimizer_for,
 )
-from zero_testing import CopyLog, RecordingStream, event_factory
-
-
-@dataclasses.dataclass(frozen=True)
-class RecordingMemory(HostMemory):
-    """Host memory that remembers every buffer it allocated."""
-
-    allocated: list = dataclasses.field(default_factory=list, compare=False)
-
-    def empty(self, numel, dtype=torch.float32):
-        out = super().empty(numel, dtype)
-        self.allocated.append(out)
-        return out
-
-
-def recording_side_stream(log):
-    """A side stream of the CPU built on recording doubles (a compute stream named ``compute``)."""
-    compute = RecordingStream("compute", log)
-    return SideStream(
-        torch.device("cpu"),
-        stream=RecordingStream("side", log),
-        current_stream=lambda: compute,
-        event=event_factory(log),
-    )
+from zero_testing import CopyLog
+from zero_testing.offload import RecordingMemory, recording_side_stream
 
 
 def test_host_memory_pins_only_where_an_accelerator_exists():

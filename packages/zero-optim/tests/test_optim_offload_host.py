@@ -20,9 +20,10 @@ from optim_cases import Odd, batch, make_optimizer, micro_step
 from test_optim_core import OddModel, WholeParams
 
 import zero_params
-from zero_offload import AdamKernel, HostMemory, HostPlacement, Inline, OptimizerOffloadConfig, SideStream
+from zero_offload import AdamKernel, HostMemory, HostPlacement, Inline, OptimizerOffloadConfig
 from zero_optim import PartitionedOptimizer, ReduceConfig, replicated_optimizer, stage3_optimizer
-from zero_testing import CopyLog, RecordingStream, event_factory
+from zero_testing import CopyLog
+from zero_testing.offload import RecordingMemory, recording_side_stream
 
 CFG = OptimizerOffloadConfig(sub_group_size=100, kernel=AdamKernel.EXACT)
 
@@ -30,28 +31,6 @@ CFG = OptimizerOffloadConfig(sub_group_size=100, kernel=AdamKernel.EXACT)
 def _make(params):
     return torch.optim.AdamW(
         [{"params": params[:3]}, {"params": params[3:], "weight_decay": 0.2}], lr=1e-2, foreach=False
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class RecordingMemory(HostMemory):
-    """Host memory that remembers every buffer it allocated."""
-
-    allocated: list = dataclasses.field(default_factory=list, compare=False)
-
-    def empty(self, numel, dtype=torch.float32):
-        out = super().empty(numel, dtype)
-        self.allocated.append(out)
-        return out
-
-
-def recording_side_stream(log):
-    compute = RecordingStream("compute", log)
-    return SideStream(
-        torch.device("cpu"),
-        stream=RecordingStream("side", log),
-        current_stream=lambda: compute,
-        event=event_factory(log),
     )
 
 

@@ -14,6 +14,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from torch.profiler import record_function
@@ -37,11 +38,26 @@ class OffloadTarget(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
-class OptimizerOffloadConfig:
-    """How optimizer state is offloaded (DeepSpeed's ``offload_optimizer`` + ``sub_group_size``)."""
+class _OffloadDestination:
+    """Where offloaded tensors live: host memory (``cpu``) or swap files in ``nvme_path``, a
+    directory on the NVMe drive (``nvme``). The leading fields of both offload configs."""
+
+    _WHAT: ClassVar[str] = "offload"
 
     device: OffloadTarget = OffloadTarget.CPU
     nvme_path: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.device is OffloadTarget.NVME and self.nvme_path is None:
+            raise ValueError(f"{self._WHAT} to nvme needs nvme_path (a directory on the NVMe drive)")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerOffloadConfig(_OffloadDestination):
+    """How optimizer state is offloaded (DeepSpeed's ``offload_optimizer`` + ``sub_group_size``)."""
+
+    _WHAT: ClassVar[str] = "optimizer offload"
+
     buffer_count: int = 4
     pin_memory: bool = False
     pipeline_read: bool = False
@@ -56,9 +72,8 @@ class OptimizerOffloadConfig:
             raise ValueError(f"sub_group_size must be >= 1, got {self.sub_group_size}")
         if not 0.0 <= self.ratio <= 1.0:
             raise ValueError(f"offload ratio must be within [0, 1], got {self.ratio}")
+        super().__post_init__()
         if self.device is OffloadTarget.NVME:
-            if self.nvme_path is None:
-                raise ValueError("optimizer offload to nvme needs nvme_path (a directory on the NVMe drive)")
             need = 1 + int(self.pipeline_read) + int(self.pipeline_write)
             if self.buffer_count < need:
                 raise ValueError(

@@ -18,11 +18,12 @@ import enum
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from torch.profiler import record_function
 
-from zero_offload.optimizer import OffloadTarget
+from zero_offload.optimizer import OffloadTarget, _OffloadDestination
 from zero_offload.placement import host_memory
 from zero_offload.pool import BufferPool
 from zero_offload.swap import AsyncSwapper, SwapHandle
@@ -42,11 +43,11 @@ class ShardResidence(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
-class ParamOffloadConfig:
+class ParamOffloadConfig(_OffloadDestination):
     """How parameter shards are offloaded (DeepSpeed's ``offload_param``)."""
 
-    device: OffloadTarget = OffloadTarget.CPU
-    nvme_path: Path | None = None
+    _WHAT: ClassVar[str] = "parameter offload"
+
     buffer_count: int = 5
     buffer_size: int = 100_000_000
     max_in_cpu: int = 1_000_000_000
@@ -54,8 +55,7 @@ class ParamOffloadConfig:
     io_threads: int = 2
 
     def __post_init__(self) -> None:
-        if self.device is OffloadTarget.NVME and self.nvme_path is None:
-            raise ValueError("parameter offload to nvme needs nvme_path (a directory on the NVMe drive)")
+        super().__post_init__()
         for name in ("buffer_count", "buffer_size", "max_in_cpu"):
             if getattr(self, name) < 1:
                 raise ValueError(f"offload_param.{name} must be >= 1, got {getattr(self, name)}")
