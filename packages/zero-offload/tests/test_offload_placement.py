@@ -61,10 +61,10 @@ def test_side_stream_waits_for_compute_copies_non_blocking_and_joins_with_an_eve
         ("wait_stream", "side", "compute"),  # the side stream starts after what compute issued
         ("enter", "side"),
         ("copy", 3, True),
-        ("exit", "side"),
+        ("enter", "compute"),
         ("enter", "side"),
         ("copy", 4, True),
-        ("exit", "side"),
+        ("enter", "compute"),
         ("record", "side", event),
         ("wait_event", "compute", event),  # compute reads nothing before the copies landed
     ]

@@ -9,7 +9,8 @@ offload path:
   Pinned only where an accelerator exists (:func:`host_memory`): pinning needs one, and
   only pinned memory lets a copy to or from the device run asynchronously.
 * :class:`CopyStream`: where host -> device copies run. :class:`SideStream` issues them
-  ``non_blocking`` on a side stream of the accelerator (``torch.Stream`` / ``torch.Event``),
+  ``non_blocking`` on a side stream of the accelerator (zero-comm's ``StreamSource``, as for
+  its gather and reduce streams),
   so they overlap the host's optimizer step; :meth:`CopyStream.join` makes the compute
   stream wait for them before anything reads the parameters, :meth:`CopyStream.settle` the
   host before the next step writes their sources. :class:`Inline` (CPU) copies
@@ -22,10 +23,11 @@ offload path:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
+
+from zero_comm.streams import AcceleratorStreamSource, StreamSource
 
 __all__ = [
     "CopyStream",
@@ -96,48 +98,46 @@ class Inline:
 
 
 class SideStream:
-    """Copies ``non_blocking`` on a side stream of ``device``, joined to the compute stream by an event.
+    """Copies ``non_blocking`` on a side stream, joined to the compute stream by an event.
 
-    The side stream first waits for the compute stream (the destination may still be read
-    there); :meth:`join` records an event on the side stream and makes the then-current
-    stream wait for it. The host buffers stay alive and unchanged until the next step,
-    which starts after the compute stream has passed that wait.
+    The streams come from a ``zero_comm.StreamSource``, the seam :class:`zero_comm.CommStreams`
+    orders its gathers and reductions through (the accelerator's, or a recording double). The
+    side stream first waits for the compute stream (the destination may still be read there);
+    :meth:`join` records an event on the side stream and makes the compute stream wait for it.
+    The host buffers stay alive and unchanged until the next step, which starts after the host
+    passed :meth:`settle`.
     """
 
-    __slots__ = ("_current", "_event", "_issued", "_last", "device", "stream")
+    __slots__ = ("_issued", "_last", "_source", "stream")
 
-    def __init__(
-        self,
-        device: torch.device,
-        *,
-        stream: Any = None,
-        current_stream: Callable[[], Any] | None = None,
-        event: Callable[[], Any] | None = None,
-    ) -> None:
-        """``stream`` / ``current_stream`` / ``event``: a side stream, the compute stream's getter
-        and an event factory other than torch's for ``device`` (tests record the calls)."""
-        self.device = device
-        self.stream = stream if stream is not None else torch.Stream(device=device)
-        self._current = current_stream or (lambda: torch.accelerator.current_stream(device))
-        self._event = event or (lambda: torch.Event(device=device))
+    def __init__(self, source: StreamSource) -> None:
+        self._source = source
+        self.stream = source.new_stream()
         self._issued = False
         self._last: Any = None
 
+    def __repr__(self) -> str:
+        return f"SideStream({self.stream!r})"
+
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Issue ``dst.copy_(src, non_blocking=True)`` on the side stream."""
+        source = self._source
+        compute = source.current_stream()
         if not self._issued:
-            self.stream.wait_stream(self._current())
+            self.stream.wait_stream(compute)
             self._issued = True
-        with self.stream:
+        source.set_stream(self.stream)
+        try:
             dst.copy_(src, non_blocking=True)
+        finally:
+            source.set_stream(compute)
 
     def join(self) -> None:
         """The compute stream waits for the copies issued since the last join."""
         if not self._issued:
             return
-        event = self._event()
-        event.record(self.stream)
-        self._current().wait_event(event)
+        event = self.stream.record_event()
+        self._source.current_stream().wait_event(event)
         self._issued = False
         self._last = event
 
@@ -150,7 +150,7 @@ class SideStream:
 
 def copy_stream_for(device: torch.device) -> CopyStream:
     """:class:`SideStream` for an accelerator ``device``, :class:`Inline` for the host."""
-    return Inline() if device.type in ("cpu", "meta") else SideStream(device)
+    return Inline() if device.type in ("cpu", "meta") else SideStream(AcceleratorStreamSource(device))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from zero_testing.streams import RecordingStream, event_factory
+from zero_testing.streams import RecordingStreamSource
 
 try:
     from zero_offload import HostMemory, SideStream
@@ -36,11 +36,6 @@ class RecordingMemory(HostMemory):
 
 
 def recording_side_stream(log: list[tuple[Any, ...]]) -> SideStream:
-    """A side stream of the CPU built on recording doubles (a compute stream named ``compute``)."""
-    compute = RecordingStream("compute", log)
-    return SideStream(
-        torch.device("cpu"),
-        stream=RecordingStream("side", log),
-        current_stream=lambda: compute,
-        event=event_factory(log),
-    )
+    """A side stream (named ``side``) on a :class:`RecordingStreamSource` logging on ``log``,
+    whose compute stream is named ``compute``."""
+    return SideStream(RecordingStreamSource(("side",), log))

@@ -75,7 +75,7 @@ class RecordingStream:
 
 class RecordingStreamSource:
     """Streams named ``names`` in creation order (``gather``, then ``reduce`` for ``CommStreams``)
-    and a ``compute`` stream current at the start.
+    and a ``compute`` stream current at the start, logging on ``log`` (a new list if not given).
 
     Attributes:
         log: Every logged call, in order.
@@ -83,8 +83,10 @@ class RecordingStreamSource:
         current: The stream work is issued on now.
     """
 
-    def __init__(self, names: tuple[str, ...] = ("gather", "reduce")) -> None:
-        self.log: list[tuple[Any, ...]] = []
+    def __init__(
+        self, names: tuple[str, ...] = ("gather", "reduce"), log: list[tuple[Any, ...]] | None = None
+    ) -> None:
+        self.log: list[tuple[Any, ...]] = log if log is not None else []
         self.compute = RecordingStream("compute", self.log)
         self.current = self.compute
         self._names = list(names)
