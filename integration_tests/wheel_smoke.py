@@ -26,16 +26,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-ZERO = (
-    "zero-kernels",
-    "zero-launch",
-    "zero-comm",
-    "zero-offload",
-    "zero-params",
-    "zero-coord",
-    "zero-optim",
-    "zero-full",
-)
 TIMEOUT_S = 600
 # Python's warnings ("UserWarning: ...", "FutureWarning"), logging's "WARNING", torch's C++ "W1123 ..." lines.
 _WARNING = re.compile(r"warn|^W\d{4} ", re.IGNORECASE | re.MULTILINE)
@@ -78,14 +68,9 @@ def run(args: list[str], cwd: Path) -> str:
 
 def check_installed(wanted: tuple[str, ...], source: Path) -> None:
     """Exactly the ``wanted`` zero distributions are installed, imported from outside ``source``."""
-    installed = []
-    for dist in ZERO:
-        try:
-            importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-        installed.append(dist)
-    if sorted(installed) != sorted(wanted):
+    names = (d.metadata["Name"] or "" for d in importlib.metadata.distributions())
+    installed = sorted({name for name in names if name.startswith("zero-")})
+    if installed != sorted(wanted):
         raise SmokeFailure(f"installed zero distributions {installed}, expected exactly {list(wanted)}")
     for dist in wanted:
         spec = importlib.util.find_spec(dist.replace("-", "_"))
@@ -101,8 +86,10 @@ def check_installed(wanted: tuple[str, ...], source: Path) -> None:
 
 
 def smoke_full(readme: Path, source: Path, work: Path) -> None:
-    check_installed(ZERO, source)
-    imports = "; ".join(f"import {d.replace('-', '_')}" for d in ZERO)
+    from zero_full.cli.doctor import ZERO_DISTRIBUTIONS  # every product package, as zero report lists them
+
+    check_installed(ZERO_DISTRIBUTIONS, source)
+    imports = "; ".join(f"import {d.replace('-', '_')}" for d in ZERO_DISTRIBUTIONS)
     run([sys.executable, "-c", imports], work)
     run(["zero", "report", "--timeout", "180"], work)  # its gloo check spawns 2 processes: slow when loaded
     (work / "train.py").write_text(readme_train_script(readme), encoding="utf-8")
