@@ -20,6 +20,7 @@ from zero_offload import (
     Inline,
     OffloadedOptimizer,
     OptimizerOffloadConfig,
+    SideStream,
     host_memory,
     host_placement,
     offload_optimizer_for,
@@ -79,6 +80,11 @@ def test_side_stream_waits_for_compute_copies_non_blocking_and_joins_with_an_eve
     log.clear()
     stream.copy(a, torch.zeros(3))
     assert log[0] == ("wait_stream", "side", "compute")  # a new batch waits for compute again
+
+
+def test_a_side_stream_of_something_else_than_a_stream_source_is_refused_by_name():
+    with pytest.raises(TypeError, match=r"needs a zero_comm.StreamSource .* got device"):
+        SideStream(torch.device("cpu"))
 
 
 def _flat(seed, sizes=(1037, 13)):

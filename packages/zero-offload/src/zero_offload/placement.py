@@ -111,6 +111,12 @@ class SideStream:
     __slots__ = ("_issued", "_last", "_source", "stream")
 
     def __init__(self, source: StreamSource) -> None:
+        needed = ("new_stream", "current_stream", "set_stream")
+        if not all(callable(getattr(source, m, None)) for m in needed):
+            raise TypeError(
+                f"SideStream(source) needs a zero_comm.StreamSource (new_stream, current_stream, set_stream; "
+                f"on an accelerator: zero_comm.AcceleratorStreamSource(device)), got {type(source).__name__}"
+            )
         self._source = source
         self.stream = source.new_stream()
         self._issued = False

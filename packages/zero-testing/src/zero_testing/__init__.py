@@ -10,7 +10,7 @@ from zero_testing.compare import (
 from zero_testing.copies import CopyLog
 from zero_testing.injected import InjectedFailure, failing_adamw
 from zero_testing.pool import DistributedPool, PoolRegistry, RankFailure, RankInfo, RankTimeout
-from zero_testing.streams import RecordingEvent, RecordingStream, RecordingStreamSource, event_factory
+from zero_testing.streams import RecordingEvent, RecordingStream, RecordingStreamSource
 from zero_testing.wire import WireBytes, measure_wire_bytes, read_wchar
 
 __all__ = [
@@ -29,7 +29,6 @@ __all__ = [
     "assert_state_close",
     "assert_tensors_close",
     "captured_logs",
-    "event_factory",
     "failing_adamw",
     "max_rel_to_magnitude",
     "measure_wire_bytes",

@@ -11,11 +11,9 @@ append their own entries (a collective, a copy, a use) to the same log and asser
 
 from __future__ import annotations
 
-import itertools
-from collections.abc import Callable
 from typing import Any
 
-__all__ = ["RecordingEvent", "RecordingStream", "RecordingStreamSource", "event_factory"]
+__all__ = ["RecordingEvent", "RecordingStream", "RecordingStreamSource"]
 
 
 class RecordingEvent:
@@ -102,9 +100,3 @@ class RecordingStreamSource:
         if not self._names:
             raise RuntimeError("RecordingStreamSource: more streams asked for than names given")
         return RecordingStream(self._names.pop(0), self.log)
-
-
-def event_factory(log: list[tuple[Any, ...]]) -> Callable[[], RecordingEvent]:
-    """A callable making :class:`RecordingEvent` s named ``e1``, ``e2``, ... on ``log``."""
-    counter = itertools.count(1)
-    return lambda: RecordingEvent(f"e{next(counter)}", log)
