@@ -1,4 +1,4 @@
-"""Side streams in a ZeRO-3 step, on a recording stream double: the order of record / wait calls.
+"""Side streams in ZeRO steps, on a recording stream double: the order of record / wait calls.
 
 A stage-3 forward + backward with prefetch, then an optimizer step, through a
 ``CommStreams`` over ``zero_testing.RecordingStreamSource``; the gather and reduce-scatter
@@ -7,7 +7,8 @@ Every gather runs on the gather stream after it waited on compute; the compute s
 on the gather's event right before the gathered values are taken, and before the module
 uses them; every reduce-scatter runs on the reduce stream after it waited on a grad-ready
 event of compute; the step comes after compute waited on the last reduce event. The numbers
-equal those without streams bit for bit, and a plain torch run on the whole batch.
+equal those without streams bit for bit, and a plain torch run on the whole batch. Stages 0, 1
+and 2 (``replicated_optimizer``) reduce on the reduce stream the same way.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ import torch
 from torch import nn
 
 import zero_params
-from zero_comm import NO_STREAMS, AllToAllReduceScatter, CommStreams, FlatAllGather
+from zero_comm import NO_STREAMS, AllToAllReduceScatter, CastAllReduce, CommStreams, FlatAllGather
 from zero_coord import Coordinator, CoordinatorConfig
-from zero_optim import ReduceConfig, stage3_optimizer
+from zero_optim import ReduceConfig, replicated_optimizer, stage3_optimizer
 from zero_testing import RecordingStreamSource
 
 
@@ -75,6 +76,20 @@ class _LoggedReduce(AllToAllReduceScatter):
     def reduce_scatter_coalesced(self, tensors, *, op="avg", async_op=False):
         self.log.append(("reduce_scatter", self.source.current.name))
         return super().reduce_scatter_coalesced(tensors, op=op, async_op=async_op)
+
+
+class _LoggedAllReduce(CastAllReduce):
+    """Stage 0's all-reduce (through fp32: the gradients' own dtype), logging its stream."""
+
+    __slots__ = ("log", "source")
+
+    def __init__(self, log, source):
+        super().__init__(torch.float32)
+        self.log, self.source = log, source
+
+    def all_reduce(self, tensor, op="avg"):
+        self.log.append(("reduce_scatter", self.source.current.name))
+        return super().all_reduce(tensor, op)
 
 
 def _batch(step, world):
@@ -192,6 +207,50 @@ def test_stage3_step_orders_gathers_and_reductions_on_side_streams(dist, world, 
         gathers_plain = [e[:2] for e in plain_log if e[0] == "all_gather"]
         assert gathers_plain == [e[:2] for e in log if e[0] == "all_gather"]
         assert {e[-1] for e in plain_log if e[0] in ("all_gather", "reduce_scatter")} == {"compute"}
+        for name, value in values.items():
+            assert torch.equal(value, plain_values[name]), name
+            torch.testing.assert_close(value, reference[name], rtol=1e-5, atol=1e-6)
+
+
+def _train_replicated(rank, stage, recording, steps=2):
+    world, r = rank.world_size, rank.rank
+    source = RecordingStreamSource()
+    log = source.log
+    model = _model()
+    streams = CommStreams(source) if recording else NO_STREAMS
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
+    opt, reduction = replicated_optimizer(
+        model,
+        sgd,
+        stage,
+        ReduceConfig(reduce_bucket_size=40),
+        reduce_strategy=_LoggedReduce(log, source) if stage else None,
+        all_reduce_strategy=None if stage else _LoggedAllReduce(log, source),
+        streams=streams,
+    )
+    for step in range(steps):
+        x, y = _batch(step, world)
+        reduction.begin_micro_step(True)
+        nn.functional.mse_loss(model(x[4 * r : 4 * (r + 1)]), y[4 * r : 4 * (r + 1)]).backward()
+        reduction.at_boundary()
+        log.append(("step",))
+        opt.step()
+        opt.zero_grad()
+    reduction.remove()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, log
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("world", [1, 2])
+def test_stage012_reductions_run_on_the_reduce_stream(dist, world, stage):
+    recorded = dist.run(world, _train_replicated, stage, True)
+    plain = dist.run(world, _train_replicated, stage, False)
+    reference = _reference(world)
+    for (values, log), (plain_values, plain_log) in zip(recorded, plain, strict=True):
+        gathers, reduces = _check_order(log)
+        assert gathers == 0 and reduces >= 2 * 2, (stage, reduces)  # several buckets per step
+        assert not [e for e in plain_log if e[0] in ("enter", "record", "wait_event", "wait_stream")]
+        assert [e[0] for e in plain_log if e[0] == "reduce_scatter"] == ["reduce_scatter"] * reduces
         for name, value in values.items():
             assert torch.equal(value, plain_values[name]), name
             torch.testing.assert_close(value, reference[name], rtol=1e-5, atol=1e-6)

@@ -367,8 +367,8 @@ class Engine:
 
     @property
     def comm_streams(self) -> CommStreams | NoStreams:
-        """The side streams of gathers and gradient reductions: ``zero_comm.CommStreams`` for
-        stages 2 and 3 on the accelerator, ``zero_comm.NO_STREAMS`` otherwise."""
+        """The side streams of gathers and gradient reductions: ``zero_comm.CommStreams`` on the
+        accelerator (every stage), ``zero_comm.NO_STREAMS`` otherwise."""
         return self._pipeline.pieces.streams
 
     def check_replicas_consistent(self) -> None:

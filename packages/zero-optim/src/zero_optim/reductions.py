@@ -7,6 +7,10 @@
   (as DDP overlaps its all-reduce with backward).
 * :class:`HookedReduction` (stage 2): every boundary backward feeds a
   :class:`~zero_optim.buckets.BucketedReducer`.
+
+With side ``streams`` (``zero_comm.CommStreams``) every bucket is reduced on the reduce stream
+after its gradients are ready, and the compute stream waits on the reductions before anything
+reads the partitions; without (``NO_STREAMS``, CPU) everything runs where it is called.
 """
 
 from __future__ import annotations
@@ -22,10 +26,23 @@ from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
 from zero_comm.profiling import profile_range
+from zero_comm.streams import NO_STREAMS, CommStreams, NoStreams
 from zero_comm.watched import collective_label, note_collectives
 from zero_optim.buckets import BucketedReducer, BucketPlan, ReduceHandle
 
 __all__ = ["BackwardReduction", "BoundaryReduction", "GradientReduction", "HookedReduction"]
+
+ReduceFn = Callable[..., ReduceHandle]
+
+
+def _issue_on(
+    streams: CommStreams | NoStreams, reduce_fn: ReduceFn, params: list[nn.Parameter]
+) -> ReduceHandle:
+    """``reduce_fn(params, async_op=True)``, on the reduce stream when ``streams`` are active
+    (the gradients it reads stay referenced until compute waited on it)."""
+    if streams.active:
+        return streams.reduce(lambda: reduce_fn(params, async_op=True), [p.grad for p in params])
+    return reduce_fn(params, async_op=True)
 
 
 class GradientReduction(Protocol):
@@ -51,16 +68,22 @@ class BoundaryReduction:
         plan: The static buckets (``reduce_bucket_size``), the same order on every rank.
         reduce_fn: :class:`AllReduceInto` (stage 0) or :class:`ReduceScatterInto` (stage 1).
         max_inflight: Buckets in flight at once (bounds the staging memory).
+        streams: The reduce side stream (``NO_STREAMS``: the current stream).
     """
 
-    __slots__ = ("max_inflight", "plan", "reduce_fn")
+    __slots__ = ("max_inflight", "plan", "reduce_fn", "streams")
 
     def __init__(
-        self, plan: BucketPlan, reduce_fn: Callable[..., ReduceHandle], max_inflight: int = 1
+        self,
+        plan: BucketPlan,
+        reduce_fn: ReduceFn,
+        max_inflight: int = 1,
+        streams: CommStreams | NoStreams = NO_STREAMS,
     ) -> None:
         self.plan = plan
         self.reduce_fn = reduce_fn
         self.max_inflight = max_inflight
+        self.streams = streams
 
     def begin_micro_step(self, is_boundary: bool) -> None:
         """Nothing to do: autograd accumulates whole gradients until :meth:`at_boundary`."""
@@ -72,9 +95,10 @@ class BoundaryReduction:
             for bucket in self.plan.buckets:
                 if len(inflight) >= self.max_inflight:
                     inflight.popleft().wait()
-                inflight.append(self.reduce_fn(list(bucket), async_op=True))
+                inflight.append(_issue_on(self.streams, self.reduce_fn, list(bucket)))
             while inflight:
                 inflight.popleft().wait()
+            self.streams.wait_reduced()
 
     def remove(self) -> None:
         """Nothing installed."""
@@ -136,19 +160,22 @@ class BackwardReduction(_BackwardHooked):
         "max_inflight",
         "plan",
         "reduce_fn",
+        "streams",
     )
 
     def __init__(
         self,
         params: Sequence[nn.Parameter],
         plan: BucketPlan,
-        reduce_fn: Callable[..., ReduceHandle],
+        reduce_fn: ReduceFn,
         max_inflight: int = 1,
+        streams: CommStreams | NoStreams = NO_STREAMS,
     ) -> None:
         super().__init__()
         self.plan = plan
         self.reduce_fn = reduce_fn
         self.max_inflight = max_inflight
+        self.streams = streams
         self._next = 0
         self._ready = [0] * len(plan)
         self._inflight: collections.deque[ReduceHandle] = collections.deque()
@@ -212,7 +239,7 @@ class BackwardReduction(_BackwardHooked):
         with profile_range("zero.optim.reduce_bucket"):
             while len(self._inflight) >= self.max_inflight:
                 self._inflight.popleft().wait()
-            self._inflight.append(self.reduce_fn(params, async_op=True))
+            self._inflight.append(_issue_on(self.streams, self.reduce_fn, params))
 
     def _end_backward(self) -> None:
         with profile_range("zero.optim.reduce_flush"):
@@ -228,8 +255,10 @@ class BackwardReduction(_BackwardHooked):
         self._scaled = set() if self._carry is not None else None
 
     def _drain(self) -> None:
+        """Finish every reduction in flight; compute waits on them before reading the partitions."""
         while self._inflight:
             self._inflight.popleft().wait()
+        self.streams.wait_reduced()
 
     def at_boundary(self) -> None:
         """Wait for the reductions in flight; reduce every bucket if no backward did since."""

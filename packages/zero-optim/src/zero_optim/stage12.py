@@ -509,7 +509,7 @@ def replicated_optimizer(
 ) -> tuple[PartitionedOptimizer, GradientReduction]:
     """Build the optimizer and gradient reduction of ZeRO stage 0, 1 or 2 for a whole model.
 
-    ``streams`` (``zero_comm.comm_streams``): stage 2 reduce-scatters on its reduce stream.
+    ``streams`` (``zero_comm.comm_streams``): every stage reduces on its reduce stream.
     ``placement``: where an offloaded optimizer's buffers live (see :class:`PartitionedOptimizer`).
     """
     if stage not in (0, 1, 2):
@@ -553,12 +553,12 @@ def replicated_optimizer(
     params = [p for _, p in order]
     if stage == 0:
         reduce = AllReduceInto(part, group, all_reduce_strategy)
-        return opt, BoundaryReduction(plan, reduce, config.max_inflight)
+        return opt, BoundaryReduction(plan, reduce, config.max_inflight, streams)
     strategy = reduce_strategy
     if stage == 1:
         reduce_fn = (
             ReduceScatterInPlace(part, strategy) if part.in_place_grads else ReduceScatterInto(part, strategy)
         )
-        return opt, BackwardReduction(params, plan, reduce_fn, config.max_inflight)
+        return opt, BackwardReduction(params, plan, reduce_fn, config.max_inflight, streams)
     reducer = BucketedReducer(plan, ReduceScatterInto(part, strategy), config, streams)
     return opt, HookedReduction(params, reducer)

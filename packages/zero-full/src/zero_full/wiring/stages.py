@@ -145,7 +145,7 @@ def build_stage(
     # every stage steps its flat partitions sub_group_size elements at a time (offloaded or not)
     sub_group_size = z.sub_group_size or parameter_share(model, config.stage)
     offload = z.offload_optimizer.to_offload_config(sub_group_size)
-    streams = comm_streams(_model_device(model)) if config.stage >= 2 else NO_STREAMS
+    streams = comm_streams(_model_device(model))
     if config.stage == 3:
         chosen = param_strategies(config, topology)
         mics = chosen.mics
