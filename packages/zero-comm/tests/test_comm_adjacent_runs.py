@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from zero_comm.adjacent_runs import add_in_runs, adjacent_runs, in_fewer_runs
+from zero_comm.adjacent_runs import HostLanding, add_in_runs, adjacent_runs, in_fewer_runs
+from zero_testing import RecordingStreamSource
 
 SIZES = [0, 1, 7, 13, 1023, 0, 2]
 
@@ -85,3 +86,45 @@ def test_a_mixed_order_is_sorted_by_place_in_the_storage():
     # the same layout in another buffer (another rank's addresses) picks the same order
     again = _Partitions([*_flat_views(SIZES, torch.zeros(sum(SIZES) + 8)[8:]), torch.zeros(4)])
     assert in_fewer_runs(mixed, again)[0] == ordered
+
+
+def test_host_landing_adds_staged_parts_after_one_wait_bit_identically():
+    """Staged parts are copied at once (their memory may be reused), added only after one event
+    recorded on the current stream was waited on, each element once: bit-identical to add_."""
+    g = torch.Generator().manual_seed(1)
+    targets = [torch.randn(n, generator=g) * 1e3 for n in (3, 1, 17)]
+    parts = [torch.randn(t.numel(), generator=g) * 1e-3 for t in targets]
+    expected = [t.clone().add_(p) for t, p in zip(targets, parts, strict=True)]
+    before = [t.clone() for t in targets]
+    source = RecordingStreamSource(())
+    landing = HostLanding(source, pin=False)
+    for t, p in zip(targets, parts, strict=True):
+        landing.stage(t, p)
+        p.fill_(float("nan"))  # the copy was taken: the part's memory is free to reuse
+    assert all(torch.equal(t, b) for t, b in zip(targets, before, strict=True))
+    assert source.log == []
+    landing.finish()
+    assert source.log == [("record", "compute", "compute#1"), ("synchronize", "compute#1")]
+    assert all(torch.equal(t, e) for t, e in zip(targets, expected, strict=True))
+    landing.finish()  # nothing staged: no second wait
+    assert len(source.log) == 2
+
+
+class _StageLog(HostLanding):
+    __slots__ = ("staged",)
+
+    def __init__(self):
+        super().__init__(RecordingStreamSource(()), pin=False)
+        self.staged = []
+
+    def stage(self, target, part):
+        self.staged.append((target.device.type, part.device.type))
+
+
+def test_host_landing_stages_only_device_parts_into_host_targets():
+    landing = _StageLog()
+    target = torch.zeros(4)
+    landing.add(target, torch.ones(4))  # same device: added at once
+    assert torch.equal(target, torch.ones(4)) and landing.staged == []
+    landing.add(torch.zeros(4), torch.empty(4, device="meta"))  # a device part into host memory
+    assert landing.staged == [("cpu", "meta")]

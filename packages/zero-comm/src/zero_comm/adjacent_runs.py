@@ -5,6 +5,11 @@ optimizer's gradient partitions are usually views into one flat gradient buffer 
 both lie back to back, the partitions are added with one ``add_`` per run of adjacent
 destinations instead of one per tensor (:func:`add_in_runs`); each element still receives
 exactly the one addition it would have received alone, so the results are bit-identical.
+
+Partitions reduced on an accelerator and added into host memory (an offloaded optimizer's
+gradients) land through a :class:`HostLanding`: every copy is issued ``non_blocking`` into
+pinned memory first, the host waits once, then adds, instead of a blocking copy into pageable
+memory per run.
 """
 
 from __future__ import annotations
@@ -15,8 +20,9 @@ from typing import Any, Protocol, TypeVar
 import torch
 
 from zero_comm.coalesced import adjacent_flat_view
+from zero_comm.streams import AcceleratorStreamSource, StreamSource
 
-__all__ = ["GradPartitions", "add_in_runs", "adjacent_runs", "in_fewer_runs"]
+__all__ = ["GradPartitions", "HostLanding", "add_in_runs", "adjacent_runs", "in_fewer_runs"]
 
 Run = tuple[int, int]
 """``[start, stop)`` indices of one run."""
@@ -85,18 +91,68 @@ def _place_key(tensors: Sequence[torch.Tensor]) -> Any:
     return places.__getitem__
 
 
+class HostLanding:
+    """Adds of parts into targets: same-device adds at once, device parts into host targets
+    staged (copied ``non_blocking`` into pinned memory) and added after one wait in :meth:`finish`.
+
+    Args:
+        source: The stream the staging copies are ordered on (``None``: the current stream of
+            the first staged part's accelerator; a test double on CPU).
+        pin: Whether staging memory is pinned (``None``: pinned, as staged parts are on an
+            accelerator).
+    """
+
+    __slots__ = ("_pending", "pin", "source")
+
+    def __init__(self, source: StreamSource | None = None, pin: bool | None = None) -> None:
+        self.source = source
+        self.pin = pin
+        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def add(self, target: torch.Tensor, part: torch.Tensor) -> None:
+        """``target += part``: now where both share a device, at :meth:`finish` for a device
+        part into a host target, now through a blocking copy otherwise."""
+        if part.device == target.device:
+            target.add_(part)
+        elif target.device.type == "cpu":
+            self.stage(target, part)
+        else:
+            target.add_(part.to(target.device))
+
+    def stage(self, target: torch.Tensor, part: torch.Tensor) -> None:
+        """Issue ``part``'s copy into (pinned) host memory; :meth:`finish` adds it into ``target``."""
+        if self.source is None:
+            self.source = AcceleratorStreamSource(part.device)
+        pin = self.pin if self.pin is not None else True
+        staging = torch.empty(part.shape, dtype=part.dtype, device="cpu", pin_memory=pin)
+        staging.copy_(part, non_blocking=pin)
+        self._pending.append((target, staging))
+
+    def finish(self) -> None:
+        """Wait once for every staged copy, then add each into its target on the host."""
+        if not self._pending or self.source is None:
+            return
+        self.source.current_stream().record_event().synchronize()
+        for target, staging in self._pending:
+            target.add_(staging)
+        self._pending.clear()
+
+
 def add_in_runs(targets: Sequence[torch.Tensor], parts: Sequence[torch.Tensor], runs: Sequence[Run]) -> None:
     """``targets[i] += parts[i]`` for every ``i``: one ``add_`` per run where both sides lie back to back.
 
     ``runs`` are :func:`adjacent_runs` of ``targets``; a run whose ``parts`` are not adjacent
-    too (or differ in size) is added tensor by tensor. ``parts`` on another device than their
-    targets are moved (one copy per run). Every element gets the same single addition either
-    way: the results are bit-identical to a loop of ``add_``.
+    too (or differ in size) is added tensor by tensor. ``parts`` on an accelerator added into
+    host ``targets`` land through one :class:`HostLanding` (pinned, ``non_blocking``, one wait).
+    Every element gets the same single addition either way: the results are bit-identical to a
+    loop of ``add_``.
     """
+    landing = HostLanding()
     for a, b in runs:
         dst, src = adjacent_flat_view(targets[a:b]), adjacent_flat_view(parts[a:b])
         if dst is not None and src is not None and dst.numel() == src.numel():
-            dst.add_(src if src.device == dst.device else src.to(dst.device))
+            landing.add(dst, src)
             continue
         for target, part in zip(targets[a:b], parts[a:b], strict=True):
-            target.add_(part if part.device == target.device else part.to(target.device))
+            landing.add(target, part)
+    landing.finish()
