@@ -1,6 +1,7 @@
 """Every workflow of the zero monorepo.
 
-    nox -t ci                 everything CI runs (README's test command): suite, lint, wheels
+    nox -t ci                 everything CI runs (README's test command): suite, torch_smoke,
+                              lint, wheels
     nox -s suite              every package's unit tests, integration, docs and kernels, in one
                               venv that grows up the layer stack
     nox -s tests              unit tests, one session per package, each in its own venv
@@ -408,7 +409,7 @@ SMOKE_PARITY = "mlp-stage1-w2 or mlp-stage2-w2 or mlp-stage3-w2"
 SMOKE = "pytest.mark.smoke"
 
 
-@nox.session(name="torch_smoke")
+@nox.session(name="torch_smoke", tags=["ci"])
 @_venv_discarded
 @nox.parametrize("release", list(TORCH_RANGE.values()), ids=list(TORCH_RANGE))
 def torch_smoke(session: nox.Session, release: str) -> None:
