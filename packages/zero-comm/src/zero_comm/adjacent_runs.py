@@ -98,13 +98,13 @@ class HostLanding:
     Args:
         source: The stream the staging copies are ordered on (``None``: the current stream of
             the first staged part's accelerator; a test double on CPU).
-        pin: Whether staging memory is pinned (``None``: pinned, as staged parts are on an
-            accelerator).
+        pin: Whether staging memory is pinned (staged parts are on an accelerator; a CPU test
+            double passes ``False``).
     """
 
     __slots__ = ("_pending", "pin", "source")
 
-    def __init__(self, source: StreamSource | None = None, pin: bool | None = None) -> None:
+    def __init__(self, source: StreamSource | None = None, pin: bool = True) -> None:
         self.source = source
         self.pin = pin
         self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -123,14 +123,13 @@ class HostLanding:
         """Issue ``part``'s copy into (pinned) host memory; :meth:`finish` adds it into ``target``."""
         if self.source is None:
             self.source = AcceleratorStreamSource(part.device)
-        pin = self.pin if self.pin is not None else True
-        staging = torch.empty(part.shape, dtype=part.dtype, device="cpu", pin_memory=pin)
-        staging.copy_(part, non_blocking=pin)
+        staging = torch.empty(part.shape, dtype=part.dtype, device="cpu", pin_memory=self.pin)
+        staging.copy_(part, non_blocking=self.pin)
         self._pending.append((target, staging))
 
     def finish(self) -> None:
         """Wait once for every staged copy, then add each into its target on the host."""
-        if not self._pending or self.source is None:
+        if not self._pending or self.source is None:  # (a source is set by the first stage)
             return
         self.source.current_stream().record_event().synchronize()
         for target, staging in self._pending:

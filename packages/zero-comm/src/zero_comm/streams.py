@@ -41,6 +41,7 @@ __all__ = [
     "NoStreams",
     "StreamSource",
     "comm_streams",
+    "run_on",
 ]
 
 H = TypeVar("H")
@@ -88,6 +89,16 @@ class AcceleratorStreamSource:
         return torch.Stream(device=self.device)
 
 
+def run_on(source: StreamSource, stream: Any, work: Callable[[], H]) -> H:
+    """Run ``work`` with ``stream`` current; the stream current before is restored afterwards."""
+    before = source.current_stream()
+    source.set_stream(stream)
+    try:
+        return work()
+    finally:
+        source.set_stream(before)
+
+
 class CommStreams:
     """The gather and reduce streams of one engine and the events that order them with compute.
 
@@ -122,11 +133,7 @@ class CommStreams:
         stream = self.gather_stream
         with profile_range("zero.comm.streams.gather"):
             stream.wait_stream(compute)
-            source.set_stream(stream)
-            try:
-                result = issue()
-            finally:
-                source.set_stream(compute)
+            result = run_on(source, stream, issue)
             return result, stream.record_event()
 
     def wait(self, event: Any) -> None:
@@ -142,11 +149,7 @@ class CommStreams:
         stream = self.reduce_stream
         with profile_range("zero.comm.streams.reduce"):
             stream.wait_event(compute.record_event())  # grad-ready
-            source.set_stream(stream)
-            try:
-                result = issue()
-            finally:
-                source.set_stream(compute)
+            result = run_on(source, stream, issue)
             pending = self._pending
             pending.append((inputs, stream.record_event()))
             while len(pending) > self.keep:

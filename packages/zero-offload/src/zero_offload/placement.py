@@ -27,7 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
-from zero_comm.streams import AcceleratorStreamSource, StreamSource
+from zero_comm.streams import AcceleratorStreamSource, StreamSource, run_on
 
 __all__ = [
     "CopyStream",
@@ -127,16 +127,10 @@ class SideStream:
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Issue ``dst.copy_(src, non_blocking=True)`` on the side stream."""
-        source = self._source
-        compute = source.current_stream()
         if not self._issued:
-            self.stream.wait_stream(compute)
+            self.stream.wait_stream(self._source.current_stream())
             self._issued = True
-        source.set_stream(self.stream)
-        try:
-            dst.copy_(src, non_blocking=True)
-        finally:
-            source.set_stream(compute)
+        run_on(self._source, self.stream, lambda: dst.copy_(src, non_blocking=True))
 
     def join(self) -> None:
         """The compute stream waits for the copies issued since the last join."""

@@ -38,11 +38,9 @@ ReduceFn = Callable[..., ReduceHandle]
 def _issue_on(
     streams: CommStreams | NoStreams, reduce_fn: ReduceFn, params: list[nn.Parameter]
 ) -> ReduceHandle:
-    """``reduce_fn(params, async_op=True)``, on the reduce stream when ``streams`` are active
-    (the gradients it reads stay referenced until compute waited on it)."""
-    if streams.active:
-        return streams.reduce(lambda: reduce_fn(params, async_op=True), [p.grad for p in params])
-    return reduce_fn(params, async_op=True)
+    """``reduce_fn(params, async_op=True)`` through ``streams.reduce``: on the reduce stream, the
+    gradients it reads referenced until compute waited on it (``NO_STREAMS``: where called)."""
+    return streams.reduce(lambda: reduce_fn(params, async_op=True), [p.grad for p in params])
 
 
 class GradientReduction(Protocol):
