@@ -41,7 +41,6 @@ __all__ = [
     "NoStreams",
     "StreamSource",
     "comm_streams",
-    "run_on",
 ]
 
 H = TypeVar("H")
