@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from zero_comm import NO_STREAMS, CommStreams, NoStreams, comm_streams
+from zero_comm.streams import run_on
 from zero_testing import RecordingStreamSource
 
 
@@ -33,6 +34,32 @@ def test_gather_runs_on_the_gather_stream_after_compute_and_compute_waits_on_its
         ("wait_event", "compute", "gather#1"),
     ]
     assert source.current is source.compute
+
+
+def test_run_on_issues_on_the_stream_and_restores_whichever_was_current():
+    source = RecordingStreamSource(("side", "other"))
+    side, other = source.new_stream(), source.new_stream()
+
+    def inner():
+        source.log.append(("issue", source.current.name))
+        return 7
+
+    assert run_on(source, side, lambda: run_on(source, other, inner) + 1) == 8
+    assert source.log == [
+        ("enter", "side"),
+        ("enter", "other"),
+        ("issue", "other"),
+        ("enter", "side"),
+        ("enter", "compute"),
+    ]
+    source.log.clear()
+
+    def fails():
+        raise RuntimeError("issue failed")
+
+    with pytest.raises(RuntimeError, match="issue failed"):
+        run_on(source, side, fails)
+    assert source.log == [("enter", "side"), ("enter", "compute")] and source.current is source.compute
 
 
 def test_gather_restores_the_compute_stream_when_the_issue_raises():

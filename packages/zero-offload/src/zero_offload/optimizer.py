@@ -9,7 +9,6 @@ sub-groups of at most ``sub_group_size`` elements; per sub-group a step is
 from __future__ import annotations
 
 import dataclasses
-import enum
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -20,40 +19,19 @@ import torch
 from torch.profiler import record_function
 
 from zero_offload.cpu_adam import AdamHyper, AdamKernel, CpuAdam, adam_hyper_from_group, check_offloadable
+from zero_offload.destination import OffloadDestination, OffloadTarget
 from zero_offload.placement import HostMemory, HostPlacement, host_memory
 from zero_offload.pool import BufferPool, align_up
 from zero_offload.swap import AsyncSwapper, SwapHandle
 
-__all__ = ["OffloadTarget", "OffloadedOptimizer", "OptimizerOffloadConfig", "TransferStats"]
+__all__ = ["OffloadedOptimizer", "OptimizerOffloadConfig", "TransferStats"]
 
 _SLOTS = ("master", "exp_avg", "exp_avg_sq", "grad")
 _SWAPPED = _SLOTS[:3]
 
 
-class OffloadTarget(enum.Enum):
-    """Where offloaded optimizer state lives."""
-
-    CPU = "cpu"
-    NVME = "nvme"
-
-
 @dataclasses.dataclass(frozen=True)
-class _OffloadDestination:
-    """Where offloaded tensors live: host memory (``cpu``) or swap files in ``nvme_path``, a
-    directory on the NVMe drive (``nvme``). The leading fields of both offload configs."""
-
-    _WHAT: ClassVar[str] = "offload"
-
-    device: OffloadTarget = OffloadTarget.CPU
-    nvme_path: Path | None = None
-
-    def __post_init__(self) -> None:
-        if self.device is OffloadTarget.NVME and self.nvme_path is None:
-            raise ValueError(f"{self._WHAT} to nvme needs nvme_path (a directory on the NVMe drive)")
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimizerOffloadConfig(_OffloadDestination):
+class OptimizerOffloadConfig(OffloadDestination):
     """How optimizer state is offloaded (DeepSpeed's ``offload_optimizer`` + ``sub_group_size``)."""
 
     _WHAT: ClassVar[str] = "optimizer offload"

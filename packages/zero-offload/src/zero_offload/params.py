@@ -23,7 +23,7 @@ from typing import ClassVar
 import torch
 from torch.profiler import record_function
 
-from zero_offload.optimizer import OffloadTarget, _OffloadDestination
+from zero_offload.destination import OffloadDestination, OffloadTarget
 from zero_offload.placement import host_memory
 from zero_offload.pool import BufferPool
 from zero_offload.swap import AsyncSwapper, SwapHandle
@@ -43,7 +43,7 @@ class ShardResidence(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
-class ParamOffloadConfig(_OffloadDestination):
+class ParamOffloadConfig(OffloadDestination):
     """How parameter shards are offloaded (DeepSpeed's ``offload_param``)."""
 
     _WHAT: ClassVar[str] = "parameter offload"

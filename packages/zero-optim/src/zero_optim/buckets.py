@@ -198,16 +198,11 @@ class BucketedReducer:
                     self._inflight.popleft().wait()
             stage = self._staged.pop(b, None)  # None: no gradient of the bucket was staged
             overlap = self._config.overlap_comm
-            streams = self._streams
-            if streams.active:  # on the reduce stream, its inputs kept until compute waited on it
-                if stage is not None:
-                    handle = streams.reduce(lambda: stage.issue(async_op=overlap), stage)
-                else:
-                    grads = [p.grad for p in params]
-                    handle = streams.reduce(lambda: self._reduce(list(params), async_op=overlap), grads)
-            elif stage is not None:
-                handle = stage.issue(async_op=overlap)
+            # on the reduce stream (NoStreams: right here), its inputs kept until compute waited on it
+            if stage is not None:
+                handle = self._streams.reduce(lambda: stage.issue(async_op=overlap), stage)
             else:
-                handle = self._reduce(list(params), async_op=overlap)
+                grads = [p.grad for p in params]
+                handle = self._streams.reduce(lambda: self._reduce(list(params), async_op=overlap), grads)
             if overlap:
                 self._inflight.append(handle)
