@@ -8,11 +8,18 @@ tree with every import it holds: module-level, inside functions and under ``TYPE
   stack, zero-full's sub-packages) no module imports a higher layer, nor a sibling of an
   independent layer (``"a | b"``);
 * no exemption: no import-linter contract ignores an import;
-* no source file over :data:`MAX_LINES` lines (``packages/*/src``, ``kernels/src``).
+* no source file over :data:`MAX_LINES` lines (``packages/*/src``, ``kernels/src``);
+* docstrings at most :data:`MAX_DOCSTRING_SHARE` of the source's non-blank lines: they say what
+  and why; measurements live in ``docs/`` and ``benchmarks/results/``;
+* the tree speaks of the product only: no tracked file names a work session, an issue number or
+  a person's role (history lives in git).
 """
 
 from __future__ import annotations
 
+import ast
+import re
+import subprocess
 import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -27,6 +34,9 @@ else:  # pragma: no cover
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_LINES = 800
+MAX_DOCSTRING_SHARE = 0.20
+# Written so that this line does not match itself.
+HISTORY_WORDS = re.compile(r"sessio[n] [0-9]|issu[e] [0-9]|th[e] lead", re.IGNORECASE)
 
 IMPORT_LINTER = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
 PACKAGES: list[str] = IMPORT_LINTER["root_packages"]
@@ -166,3 +176,56 @@ def test_no_source_file_over_the_limit() -> None:
     assert over == {}, f"source files over {MAX_LINES} lines (split them):\n" + "\n".join(
         f"  {f}: {n} lines" for f, n in sorted(over.items())
     )
+
+
+def _docstring_lines(source: str) -> int:
+    """Non-blank lines of the module's, classes' and functions' docstrings in ``source``."""
+    lines = source.splitlines()
+    count = 0
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                if isinstance(first.value.value, str):
+                    count += sum(1 for line in lines[first.lineno - 1 : first.end_lineno] if line.strip())
+    return count
+
+
+def test_docstrings_are_at_most_a_fifth_of_the_source() -> None:
+    sources = [f.read_text() for f in _source_files()]
+    code = sum(1 for s in sources for line in s.splitlines() if line.strip())
+    share = sum(map(_docstring_lines, sources)) / code
+    assert share <= MAX_DOCSTRING_SHARE, f"docstrings are {share:.1%} of the non-blank source lines"
+
+
+def test_the_docstring_count_sees_every_kind_of_docstring() -> None:
+    source = (
+        '"""Module."""\n\n\nclass A:\n    """Class,\n\n    two lines."""\n\n'
+        '    def f(self):\n        """F."""\n        x = "not a docstring"\n'
+    )
+    assert _docstring_lines(source) == 4
+
+
+def _tracked_files() -> list[Path]:
+    """The files git tracks (the tree without build outputs, venvs and caches)."""
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=False, timeout=60)
+    if listed.returncode != 0:
+        pytest.skip(f"not a git checkout: {listed.stderr.decode(errors='replace').strip()}")
+    return [ROOT / name for name in listed.stdout.decode().split("\0") if name]
+
+
+def test_the_tree_speaks_of_the_product_only() -> None:
+    found = []
+    for path in _tracked_files():
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, FileNotFoundError):  # images, fonts; deleted in the work tree
+            continue
+        found += [f"{path.relative_to(ROOT)}: {m.group(0)!r}" for m in HISTORY_WORDS.finditer(text)]
+    assert found == [], "history words in the tree (they belong in git):\n" + "\n".join(found[:20])
+
+
+def test_the_history_pattern_finds_history_words() -> None:
+    words = ["Sessio" + "n 3", "issu" + "e 1", "Th" + "e Lead"]  # split: this file must not match
+    text = f"{words[0]}0, {words[1]}9 and {words[2]}er"
+    assert [m.group(0) for m in HISTORY_WORDS.finditer(text)] == words

@@ -20,7 +20,7 @@ class OffloadTarget(enum.Enum):
 @dataclasses.dataclass(frozen=True)
 class OffloadDestination:
     """Host memory (``cpu``) or swap files in ``nvme_path``, a directory on the NVMe drive
-    (``nvme``): the leading fields of the optimizer's and the parameters' offload configs."""
+    (``nvme``): the first fields of the optimizer's and the parameters' offload configs."""
 
     _WHAT: ClassVar[str] = "offload"
 
