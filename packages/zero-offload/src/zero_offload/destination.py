@@ -11,7 +11,7 @@ __all__ = ["OffloadDestination", "OffloadTarget"]
 
 
 class OffloadTarget(enum.Enum):
-    """Where offloaded optimizer state lives."""
+    """Where offloaded tensors live: host memory or swap files on an NVMe drive."""
 
     CPU = "cpu"
     NVME = "nvme"
