@@ -48,12 +48,12 @@ def _report(rank: int, exc: BaseException, start: float) -> RuntimeError:
     return RuntimeError("RESULT " + json.dumps(found))
 
 
-def _run_steps(rank: int, one_step: Callable[[int], None]) -> RuntimeError | None:
+def _run_steps(rank: int, one_step: Callable[[int], None], steps: int = STEPS) -> RuntimeError | None:
     """``one_step(step)`` for each of the ``STEPS`` steps; the error for rank ``rank`` to raise with
     what it raised (:func:`_report`), or ``None`` when every step ran."""
     start = time.monotonic()
     try:
-        for step in range(STEPS):
+        for step in range(steps):
             one_step(step)
     except Exception as exc:  # noqa: BLE001 - reported to the test
         return _report(rank, exc, start)
@@ -192,19 +192,19 @@ def test_a_stopped_or_killed_rank_among_four_is_named(dist, how):
 # --------------------------------------------------------------------------- a backward skipped on one rank
 
 
-def _skipped_backward(rank, stage):
-    """The last rank skips the backward and step of step 1 (a non-finite loss, say) and goes on."""
+def _skipped_backward(rank, stage, at=1):
+    """The last rank skips the backward and step of step ``at`` (a non-finite loss, say) and goes on."""
     engine = zero_full.initialize(_net(), _config(stage))
     last = rank.world_size - 1
 
     def one_step(step):
         loss = engine(_batch(step, rank.rank))
-        if step == 1 and rank.rank == last:
+        if step == at and rank.rank == last:
             return
         engine.backward(loss)
         engine.step()
 
-    error = _run_steps(rank.rank, one_step)
+    error = _run_steps(rank.rank, one_step, steps=at + 2)
     if error is not None:
         raise error
     engine.close()
@@ -233,31 +233,59 @@ def test_a_backward_skipped_on_one_rank_is_named_on_every_rank_at_the_next_check
         assert res["seconds"] < 15  # well before comm_timeout
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_backward_skipped_once_the_calls_are_recorded_is_named_on_every_rank(dist, stage):
+    # At step 3 every call is predicted from the ones recorded before, and nothing is exchanged:
+    # the rank that skipped departs from the prediction (below stage 3 its forward issues no
+    # collective and is not checked; the count of unchecked calls tells it, 2 against 1) and
+    # agrees through the store; the other went on along it and is named by its engine call.
+    with pytest.raises(RankFailure) as info:
+        dist.run(2, _skipped_backward, stage, 3, timeout=300)
+    results = _results(info.value)
+    assert sorted(results) == [0, 1], str(info.value)
+    went_on = re.compile(r"rank 0 calls engine\.(backward|step) at optimizer step 3, micro-step [34] and ")
+    if stage == 3:
+        departed = "rank 1 calls engine.forward at optimizer step 3, micro-step 3 where"
+    else:
+        departed = (
+            "rank 1 calls engine.backward at optimizer step 3, micro-step 3 after 2 unchecked engine calls"
+        )
+    recorded = "where the ranks' recorded calls have engine."
+    for res in results.values():
+        assert res["error"] == "RanksDivergedError", res
+        message = res["message"]
+        assert went_on.search(message) and departed in message and recorded in message, message
+        assert res["seconds"] < 15  # well before comm_timeout
+
+
 def _checks_per_step(rank, stage, clip):
-    """Collectives of one optimizer step (2 micro-steps) with the engine-call check on, minus off."""
+    """Collectives of the first and of the third optimizer step (2 micro-steps each) with the
+    engine-call check on, minus off."""
     issued = {}
     for on in (True, False):
         config = _config(stage) | {"gradient_accumulation_steps": 2, "train_micro_batch_size_per_gpu": 5}
         config["gradient_clipping"] = clip
         config["robustness"] = ROBUST | {"check_calls": on}
         engine = zero_full.initialize(_net(), config)
-        engine.backward(engine(_batch(0, rank.rank)))  # warm-up step: stage 3 records its order
-        engine.step()
-        engine.backward(engine(_batch(1, rank.rank)))
-        engine.step()
-        before = engine.watchdog.position().call
-        for micro in range(2):
-            engine.backward(engine(_batch(2 + micro, rank.rank)))
-            engine.step()
-        issued[on] = engine.watchdog.position().call - before
+        counts = []
+        for step in range(3):
+            before = engine.watchdog.position().call
+            for micro in range(2):
+                engine.backward(engine(_batch(2 * step + micro, rank.rank)))
+                engine.step()
+            counts.append(engine.watchdog.position().call - before)
+        issued[on] = (counts[0], counts[2])
         engine.close()
-    return issued[True] - issued[False]
+    return [a - b for a, b in zip(issued[True], issued[False])]
 
 
 @pytest.mark.parametrize(("stage", "clip", "expected"), [(0, 0.0, 2), (2, 0.0, 2), (3, 0.0, 4), (3, 1.0, 5)])
-def test_only_calls_that_communicate_are_checked(dist, stage, clip, expected):
-    # stage 3: each forward and backward gathers (2 x 2 micro-steps); the step is checked only
-    # before a collective of its own (clipping's norm all-reduce; re-gathering persistent
-    # parameters, which this model, all partitioned, has none of). Below: the boundary backward
-    # and the step (the rest only accumulates gradients locally)
-    assert dist.run(2, _checks_per_step, stage, clip, timeout=300) == [expected, expected]
+def test_only_calls_that_communicate_are_checked_and_only_until_their_sequence_is_recorded(
+    dist, stage, clip, expected
+):
+    # The first optimizer step exchanges signatures. Stage 3: each forward and backward gathers
+    # (2 x 2 micro-steps); the step is checked only before a collective of its own (clipping's
+    # norm all-reduce; re-gathering persistent parameters, which this model, all partitioned,
+    # has none of). Below: the boundary backward and the step (the rest only accumulates
+    # gradients locally). From then on the calls hold the recorded sequence: none is exchanged.
+    assert dist.run(2, _checks_per_step, stage, clip, timeout=300) == [[expected, 0], [expected, 0]]

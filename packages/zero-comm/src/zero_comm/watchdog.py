@@ -89,12 +89,15 @@ class RankPosition:
         since: Wall-clock time the rank entered it.
         beat: Heartbeat counter (grows every ``heartbeat_interval`` while the rank lives).
         waiting: Whether the rank is blocked in a wait.
-        diverged: ``(call, digest)`` of the rank's last few departures from its recorded module
-            order (:meth:`CommWatchdog.diverged`), oldest first.
+        diverged: ``(call, index, digest)`` of the rank's last few departures from its recorded
+            module order or call sequence (:meth:`CommWatchdog.diverged`), oldest first; ``index``
+            counts the departures at the same call number (an engine call and then a module).
         broken: Set when the rank raised :class:`RanksDivergedError` at such a departure, or
             left the path with an error (:meth:`CommWatchdog.abandon`): where it stopped
             (``"rank 1 runs `mid` (forward) ..."``); peers waiting for it raise too.
         closed: The rank closed its watchdog (its engine): it issues no more collectives.
+        entered: The engine call the rank is in (``"calls engine.forward at optimizer step 3,
+            micro-step 6"``; empty outside an engine).
     """
 
     rank: int
@@ -104,14 +107,23 @@ class RankPosition:
     since: float
     beat: int = 0
     waiting: bool = False
-    diverged: tuple[tuple[int, int], ...] = ()
+    diverged: tuple[tuple[int, int, int], ...] = ()
     broken: str = ""
     closed: bool = False
+    entered: str = ""
 
     def describe(self) -> str:
         """``rank 1 gathers `mid` (call 41)``."""
         doing = self.what or _VERBS.get(self.op, self.op)
         return f"rank {self.rank} {doing} (call {self.call})"
+
+    def describe_call(self) -> str:
+        """:meth:`describe` with the engine call the rank is in, when it said
+        (``rank 1 calls engine.forward at optimizer step 3, micro-step 6 and gathers `mid` (call 41)``)."""
+        text = self.describe()
+        if self.entered and self.entered != self.what:
+            text = text.replace(f"rank {self.rank} ", f"rank {self.rank} {self.entered} and ", 1)
+        return text
 
 
 class CommWatchdog:
@@ -148,6 +160,7 @@ class CommWatchdog:
         "_closed",
         "_deferred",
         "_departures",
+        "_entered",
         "_exchanges",
         "_label",
         "_position",
@@ -194,7 +207,8 @@ class CommWatchdog:
         self._call = 0
         self._beat = 0
         self._label = ""
-        self._departures: tuple[tuple[int, int], ...] = ()
+        self._departures: tuple[tuple[int, int, int], ...] = ()
+        self._entered = ""  # the engine call this rank is in (named when a peer breaks off)
         self._exchanges: dict[Any, CallExchange] = {}  # check_call's, per process group
         self._deferred: tuple[str, int, int, int] | None = None  # defer_call's, until a collective
         self._broken = ""
@@ -250,6 +264,11 @@ class CommWatchdog:
         return self._call
 
     @property
+    def calls_issued(self) -> int:
+        """Collectives this rank issued so far (the number of the last one)."""
+        return self._call
+
+    @property
     def position_label(self) -> str | Callable[[], str]:
         """What the current collectives are for (the last :meth:`note`), unrendered."""
         return self._label
@@ -257,7 +276,9 @@ class CommWatchdog:
     def position(self) -> RankPosition:
         """This rank's current position."""
         op, call, what, since, waiting = self._position
-        return RankPosition(self.rank, op, call, render_label(what), since, self._beat, waiting)
+        return RankPosition(
+            self.rank, op, call, render_label(what), since, self._beat, waiting, entered=self._entered
+        )
 
     def publish(self) -> None:
         """Write this rank's position and the next heartbeat to the store (the thread, every interval)."""
@@ -279,6 +300,7 @@ class CommWatchdog:
                 "diverged": self._departures,
                 "broken": self._broken,
                 "closed": self._closed,
+                "entered": self._entered,
             }
             self.store.set(_KEY.format(self.rank), json.dumps(record))
 
@@ -421,6 +443,11 @@ class CommWatchdog:
         if text:
             raise RanksDivergedError(text)
 
+    def entered(self, call: str) -> None:
+        """Say which engine call this rank is in (``"calls engine.forward at optimizer step 3,
+        micro-step 6"``): named in this rank's own line when a peer broke off; no collective."""
+        self._entered = call
+
     def defer_call(self, site: str, step: int, micro: int, *, quiet: int = 0) -> None:
         """:meth:`check_call` on the default group, postponed to this rank's next collective.
 
@@ -477,8 +504,8 @@ class CommWatchdog:
             "every rank and restart from the last checkpoint"
         )
 
-    def diverged(self, what: str) -> None:
-        """This rank left its recorded module order: go on only if every rank leaves it alike.
+    def diverged(self, what: str, *, shown: bool = False) -> None:
+        """This rank left its recorded path: go on only if every rank leaves it alike.
 
         Called (through :func:`path_diverged`) by the stage-3 coordinator when a module runs
         where its complete trace expected another one, *before* the rank issues the gather of
@@ -488,9 +515,13 @@ class CommWatchdog:
         taken by every rank: go on) or shows that it went on along the old order (it issued
         more collectives than this rank, or stopped at another departure).
 
+        The engine's call check calls it too, when an engine call is not the one its recorded
+        call sequence predicts (see ``zero_full.guards.calls``).
+
         Args:
             what: Where this rank is, e.g. ``"runs `mid` (forward) where its recorded order has
                 `out` (forward)"``; ranks that depart alike pass the same text.
+            shown: Publish ``what`` as this rank's position, so peers name it by it.
 
         Raises:
             RanksDivergedError: another rank went on along another path (every rank's position;
@@ -502,8 +533,12 @@ class CommWatchdog:
             return
         with torch.profiler.record_function("zero.watchdog.diverged"):
             call = self._call
-            mark = (call, _digest(what))
+            index = sum(1 for c, _, _ in self._departures if c == call)
+            mark = (call, index, _digest(what))
             self._departures = (*self._departures[-7:], mark)
+            if shown:
+                op, _, _, since, waiting = self._position
+                self._position = (op, call, what, since, waiting)
             self.publish()
             pending = set(range(self.world_size)) - {self.rank}
             differ: dict[int, RankPosition] = {}
@@ -516,7 +551,7 @@ class CommWatchdog:
                         continue
                     if mark in pos.diverged:
                         pending.discard(r)
-                    elif pos.broken or pos.call > call or any(c >= call for c, _ in pos.diverged):
+                    elif pos.broken or pos.closed or pos.call > call or _departed_elsewhere(pos, mark):
                         differ[r] = pos
                 if differ or not pending:
                     break
@@ -524,7 +559,8 @@ class CommWatchdog:
                 if silent:
                     raise CollectiveTimeoutError(self._dead_message(silent))
                 if time.monotonic() - start >= self.timeout:
-                    raise CollectiveTimeoutError(self._timeout_message(time.monotonic() - start))
+                    waited = time.monotonic() - start
+                    raise CollectiveTimeoutError(self._timeout_message(waited, before_next=True))
                 time.sleep(pause)
                 pause = min(2 * pause, 0.05)
             if not differ:
@@ -532,7 +568,7 @@ class CommWatchdog:
             mine = f"rank {self.rank} {what} (before call {call + 1})"
             self._broken = mine
             self.publish()
-            lines = {self.rank: mine} | {r: (p.broken or p.describe()) for r, p in differ.items()}
+            lines = {self.rank: mine} | {r: (p.broken or p.describe_call()) for r, p in differ.items()}
             raise RanksDivergedError(_diverged_text(lines))
 
     def _raise_if_broken(
@@ -541,7 +577,7 @@ class CommWatchdog:
         """Raise :class:`RanksDivergedError` when a peer stopped at a departure from its module order."""
         broken = [p for p in peers.values() if p is not None and p.broken]
         if broken:
-            lines = {self.rank: self.position().describe()} | {p.rank: p.broken for p in broken}
+            lines = {self.rank: self.position().describe_call()} | {p.rank: p.broken for p in broken}
             raise RanksDivergedError(_diverged_text(lines)) from cause
 
     def _raise_if_closed(self, peers: dict[int, RankPosition | None]) -> None:
@@ -574,10 +610,12 @@ class CommWatchdog:
                 d = json.loads(self.store.get(key))
         except (RuntimeError, ValueError, OSError):
             return None
-        diverged = tuple((int(c), int(h)) for c, h in d.get("diverged", ()))
+        diverged = tuple((int(c), int(i), int(h)) for c, i, h in d.get("diverged", ()))
         broken = d.get("broken", "")
         head = (d["op"], d["call"], d["what"], d["since"], d["beat"], d["waiting"])
-        return RankPosition(r, *head, diverged, broken, bool(d.get("closed", False)))
+        return RankPosition(
+            r, *head, diverged, broken, bool(d.get("closed", False)), str(d.get("entered", ""))
+        )
 
     def _silent_peers(
         self, peers: dict[int, RankPosition | None] | None = None
@@ -620,14 +658,17 @@ class CommWatchdog:
             "out of memory, blocked in I/O); the job cannot continue: restart it from the last checkpoint"
         )
 
-    def _timeout_message(self, waited: float) -> str:
+    def _timeout_message(self, waited: float, *, before_next: bool = False) -> str:
+        """Why a wait timed out, from every rank's position; ``before_next``: this rank waits
+        before its next collective (an agreement through the store), not in its last one."""
         me = self.position()
         peers = self.peers()
         others = [p for p in peers.values() if p is not None]
         absent = [r for r, p in peers.items() if p is None]
-        lines = [p.describe() for p in others]
+        lines = [p.describe_call() for p in others]
+        mine = me.call + int(before_next)
         diverged = [p for p in others if (p.op, p.call, p.what) != (me.op, me.call, me.what)]
-        stuck = [p for p in diverged if not p.waiting and not p.closed and p.call < me.call]
+        stuck = [p for p in diverged if not p.waiting and not p.closed and p.call < mine]
         if absent:
             verdict = (
                 f"rank(s) {absent} never reached zero (it died early, is still starting, or took "
@@ -647,7 +688,7 @@ class CommWatchdog:
             )
         else:
             verdict = "every rank is in the same collective: the communication itself is stuck or very slow"
-        head = f"{me.describe()} while " + ", ".join(lines) if lines else me.describe()
+        head = f"{me.describe_call()} while " + ", ".join(lines) if lines else me.describe_call()
         return (
             f"collective did not complete within {waited:.0f} s "
             f"(robustness.comm_timeout = {self.timeout:g}): "
@@ -675,6 +716,16 @@ _OPS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "all_to_all")
 
 def _digest(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=7).digest(), "little")
+
+
+def _departed_elsewhere(pos: RankPosition, mark: tuple[int, int, int]) -> bool:
+    """Whether ``pos`` left the path at or after ``mark``'s place, other than ``mark`` says.
+
+    A peer whose departures all come before ``mark`` (by call number, then index) has not got
+    there yet.
+    """
+    place, digest = mark[:2], mark[2]
+    return any((c, i) > place or ((c, i) == place and d != digest) for c, i, d in pos.diverged)
 
 
 def _diverged_text(lines: dict[int, str]) -> str:

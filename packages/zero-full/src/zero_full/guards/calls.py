@@ -19,6 +19,16 @@ and the count since the last check goes into the next signature: a rank that ski
 forward or a backward (a non-finite loss skipped on one rank) is still named, at its next
 checked call.
 
+Ranks that made the same calls so far predict the same next call: :class:`CallSequence`
+records which checked call followed which and replays it as the prediction of the next.
+A call the prediction names is checked on the rank alone, with no collective, so a training
+loop's forward, backward and step cost nothing after the first optimizer step. A call that
+differs (a save every N steps) is agreed through the store instead
+(:meth:`zero_comm.CommWatchdog.diverged`, no collective either): if every rank departs alike
+they go on; if a rank went on along the prediction, the one that departed raises and the
+other's next wait names it. Only where nothing is recorded (the first optimizer step, a call
+beyond the recorded ones) is the signature exchanged, on every rank alike.
+
 Why at engine calls and not inside each collective's payload: a payload signature is read
 only after the payloads met, and with gloo a size mismatch aborts before that; a signature
 before every collective (``robustness.check_paths``) doubles the collective count. Engine
@@ -33,18 +43,65 @@ is named, never paired with another rank's different collective.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import enum
 from collections.abc import Iterator
 from typing import Protocol
 
 from zero_comm import CollectiveTimeoutError, CommWatchdog
 from zero_full.config.robustness import RobustnessConfig
 
-__all__ = ["CallGuard"]
+__all__ = ["CallGuard", "CallSequence", "Prediction"]
 
 
 class _Counters(Protocol):
     global_steps: int
     micro_steps: int
+
+
+class Prediction(enum.Enum):
+    """What the recorded call sequence says of an engine call."""
+
+    NONE = "none"
+    """Nothing recorded at its place: exchange its signature."""
+    HOLDS = "holds"
+    """It is the call recorded there: nothing to exchange."""
+    BROKEN = "broken"
+    """Another call is recorded there: agree through the store."""
+
+
+Key = tuple[str, int, int]
+"""An engine call as recorded: its site, the unchecked calls before it, its micro-step within
+the optimizer step."""
+
+
+@dataclasses.dataclass(slots=True)
+class CallSequence:
+    """Which checked engine call followed which, replayed as the prediction of the next.
+
+    Every rank on the same path records the same calls, so every rank predicts alike. The
+    micro-step within the optimizer step is part of a call, so a backward followed by the next
+    micro-step's forward and one followed by the step are told apart; a save every few steps
+    breaks the prediction twice (the save, the call after it), not the steps between.
+    """
+
+    follows: dict[Key, Key] = dataclasses.field(default_factory=dict)
+    last: Key | None = None
+    step: int | None = None
+    first_micro: int = 0
+
+    def predict(self, site: str, quiet: int, step: int, micro: int) -> tuple[Prediction, Key | None]:
+        """Record the call; what followed the previous call the last time it ran (if it did)."""
+        if step != self.step:
+            self.step, self.first_micro = step, micro
+        key = (site, quiet, micro - self.first_micro)
+        expected = self.follows.get(self.last) if self.last is not None else None
+        if self.last is not None:
+            self.follows[self.last] = key
+        self.last = key
+        if expected is None:
+            return Prediction.NONE, None
+        return (Prediction.HOLDS if expected == key else Prediction.BROKEN), expected
 
 
 class CallGuard:
@@ -55,12 +112,13 @@ class CallGuard:
         counters: The engine's step counters (their values go into each signature).
     """
 
-    __slots__ = ("counters", "quiet", "watchdog")
+    __slots__ = ("counters", "quiet", "sequence", "watchdog")
 
     def __init__(self, watchdog: CommWatchdog | None, counters: _Counters) -> None:
         self.watchdog = watchdog
         self.counters = counters
         self.quiet = 0  # calls since the last check that issued no collective (compared at the next)
+        self.sequence = CallSequence()
 
     def __repr__(self) -> str:
         armed = self.watchdog is not None and self.watchdog.check_calls
@@ -79,10 +137,32 @@ class CallGuard:
             zero_comm.RanksDivergedError: the ranks make different calls (every rank's call
                 site, step and position, on every rank), or this rank's call failed earlier.
         """
-        if self.watchdog is not None:
+        if self.watchdog is None:
+            return
+        prediction = self._predict(self.watchdog, site)
+        if prediction is Prediction.NONE:
             c = self.counters
             self.watchdog.check_call(site, c.global_steps, c.micro_steps, quiet=self.quiet)
-            self.quiet = 0
+        self.quiet = 0
+
+    def _predict(self, wd: CommWatchdog, site: str) -> Prediction | None:
+        """Check ``site`` against the recorded sequence: nothing to do when it holds, the store
+        agreement when it breaks; ``Prediction.NONE``: the caller exchanges the signature.
+        ``None``: the check is off (nothing recorded)."""
+        wd.refuse_if_broken(f"calls {site}")
+        if not wd.check_calls:
+            return None
+        c = self.counters
+        entered = f"calls {site} at optimizer step {c.global_steps}, micro-step {c.micro_steps}"
+        wd.entered(entered)
+        prediction, expected = self.sequence.predict(site, self.quiet, c.global_steps, c.micro_steps)
+        if prediction is Prediction.BROKEN and expected is not None:
+            unchecked = f" after {self.quiet} unchecked engine calls" if self.quiet else ""
+            wd.diverged(
+                f"{entered}{unchecked} where the ranks' recorded calls have {expected[0]}",
+                shown=True,
+            )
+        return prediction
 
     def refuse(self, site: str) -> None:
         """Raise if this rank's earlier call failed alone (no collective); see :meth:`check`."""
@@ -94,17 +174,27 @@ class CallGuard:
         """Check ``site`` just before its first collective; a call that issues none is counted as quiet.
 
         For calls whose collectives all issue through zero-comm (the optimizer step): a stage-3
-        step without clipping issues none, so the ranks do not line up for it at all.
+        step without clipping issues none, so the ranks do not line up for it at all. Where the
+        recorded sequence holds, nothing is exchanged either way.
         """
-        if self.watchdog is None:
+        wd = self.watchdog
+        if wd is None:
             yield
             return
-        c = self.counters
-        self.watchdog.defer_call(site, c.global_steps, c.micro_steps, quiet=self.quiet)
+        prediction = self._predict(wd, site)
+        if prediction is None:  # the check is off
+            self.quiet = 0
+            yield
+            return
+        if prediction is Prediction.NONE:
+            c = self.counters
+            wd.defer_call(site, c.global_steps, c.micro_steps, quiet=self.quiet)
+        before = wd.calls_issued
         try:
             yield
         finally:
-            self.quiet = self.quiet + 1 if self.watchdog.settle_call() else 0
+            wd.settle_call()
+            self.quiet = self.quiet + 1 if wd.calls_issued == before else 0
 
     @contextlib.contextmanager
     def call(self, site: str, *, communicates: bool = True) -> Iterator[None]:
