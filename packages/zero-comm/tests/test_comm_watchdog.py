@@ -187,6 +187,38 @@ def test_ranks_that_depart_alike_go_on():
         assert found == {0: None, 1: None}
 
 
+def test_watchdogs_alive_at_once_on_one_store_keep_their_records_apart():
+    """Two engines' watchdogs in each rank: the older one's heartbeat (further along, more
+    collectives) never stands in for the newer one's record, so the newer ones agree on a departure."""
+    store = dist.HashStore()
+    old = [
+        CommWatchdog(store, r, 2, timeout=5, heartbeat_interval=0.01, namespace="engine1/") for r in (0, 1)
+    ]
+    new = [
+        CommWatchdog(store, r, 2, timeout=5, heartbeat_interval=0.01, namespace="engine2/") for r in (0, 1)
+    ]
+    try:
+        for wd in old:
+            for _ in range(40):
+                wd.issued("all_gather")
+        for wd in new:
+            wd.issued("all_gather")
+            wd.publish()
+        old[1].publish()  # the last write of rank 1: its older watchdog's record
+        seen = new[0].peers()[1]
+        assert seen is not None and seen.call == 1, seen
+        found = {}
+        threads = [threading.Thread(target=_depart, args=(wd, "engine.save_checkpoint", found)) for wd in new]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+        assert found == {0: None, 1: None}
+    finally:
+        for wd in (*old, *new):
+            wd.close()
+
+
 def test_a_rank_that_departs_alone_raises_and_so_does_the_peer_waiting_for_it():
     with watchdog_pair(timeout=30, interval=0.05) as (me, peer):
         me.note("gathers `out`")

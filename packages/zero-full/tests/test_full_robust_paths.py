@@ -289,3 +289,37 @@ def test_only_calls_that_communicate_are_checked_and_only_until_their_sequence_i
     # has none of). Below: the boundary backward and the step (the rest only accumulates
     # gradients locally). From then on the calls hold the recorded sequence: none is exchanged.
     assert dist.run(2, _checks_per_step, stage, clip, timeout=300) == [[expected, 0], [expected, 0]]
+
+
+def _two_engines_alive(rank, stage):
+    """A second engine built while the first lives (and beats): its saves every other step depart
+    from the recorded calls, agreed through the store; the first engine's record, further along
+    and published last, must never be read as the second's."""
+    import torch.distributed as torch_dist
+
+    first = zero_full.initialize(_net(), _config(stage))
+    for step in range(4):
+        first.backward(first(_batch(step, rank.rank)))
+        first.step()
+    second = zero_full.initialize(_net(), _config(stage))
+    second.watchdog.publish()
+    torch_dist.barrier()
+    first.watchdog.publish()  # the last word of every rank: the first engine's record
+    torch_dist.barrier()
+    peer = second.watchdog.peers()[1 - rank.rank]
+    seen = (peer.call, second.watchdog.calls_issued)
+    for step in range(6):
+        second.backward(second(_batch(step, rank.rank)))
+        second.step()
+        if step % 2:
+            first.watchdog.publish()
+            second.save_checkpoint(f"{rank.workdir}/two_engines_{stage}", tag=f"s{step}", overwrite=True)
+    second.close()
+    first.close()
+    return seen
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_an_engine_built_while_another_lives_reads_only_its_own_peers_records(dist, stage):
+    for peer_call, own_call in dist.run(2, _two_engines_alive, stage, timeout=300):
+        assert peer_call == own_call

@@ -6,8 +6,8 @@ A :class:`CommWatchdog` lives as long as the engine that created it. It
   call number) with what it is for (:func:`note_collectives`: e.g. "gathers `mid`", set by the layers
   above), and since when;
 * **publishes** that position with a heartbeat counter from a daemon thread, every
-  ``heartbeat_interval`` seconds, under ``zero/watchdog/<rank>`` in a ``torch.distributed``
-  store that every rank reaches (the process group's store);
+  ``heartbeat_interval`` seconds, under ``zero/watchdog/<namespace><rank>`` in a
+  ``torch.distributed`` store that every rank reaches (the process group's store);
 * **waits** for collectives by polling their completion (a timed wait on NCCL aborts the
   communicator when it expires; the engine-call check on gloo blocks in timed waits, which
   gloo survives) and every ``heartbeat_interval`` reads the other ranks' positions. It raises
@@ -53,7 +53,7 @@ from zero_comm.wait_timings import WaitTimings
 
 __all__ = ["CollectiveTimeoutError", "CommWatchdog", "RankPosition", "RanksDivergedError", "render_label"]
 
-_KEY = "zero/watchdog/{}"
+_KEY = "zero/watchdog/{}{}"  # namespace, rank
 
 _VERBS = {
     "all_gather": "gathers",
@@ -144,6 +144,9 @@ class CommWatchdog:
             inside the communication library (gloo's "Received data size doesn't match").
         check_calls: Make :meth:`check_call` compare engine calls across ranks (one small
             all-gather per engine call; ``False``: :meth:`check_call` does nothing).
+        namespace: Keeps the records of watchdogs alive at once on one store apart (each
+            engine's: ``"engine2/"``); every rank passes the same. Without it, a peer could
+            read another watchdog's record as this one's.
 
     Attributes:
         timings: Set to a :class:`~zero_comm.WaitTimings` to record when each collective was
@@ -162,6 +165,7 @@ class CommWatchdog:
         "_departures",
         "_entered",
         "_exchanges",
+        "_key",
         "_label",
         "_position",
         "_recording",
@@ -189,12 +193,14 @@ class CommWatchdog:
         heartbeat_interval: float = 2.0,
         check_paths: bool = False,
         check_calls: bool = False,
+        namespace: str = "",
     ) -> None:
         if not timeout > 0 or not heartbeat_interval > 0:
             raise ValueError(
                 f"CommWatchdog: timeout ({timeout}) and heartbeat_interval ({heartbeat_interval}) must be > 0"
             )
         self.store = store if store is not None else default_store()
+        self._key = _KEY.format(namespace, "{}")
         self.rank = rank
         self.world_size = world_size
         self.timeout = float(timeout)
@@ -302,7 +308,7 @@ class CommWatchdog:
                 "closed": self._closed,
                 "entered": self._entered,
             }
-            self.store.set(_KEY.format(self.rank), json.dumps(record))
+            self.store.set(self._key.format(self.rank), json.dumps(record))
 
     # ------------------------------------------------------------------ waiting
 
@@ -600,7 +606,7 @@ class CommWatchdog:
         return found
 
     def _read(self, r: int) -> RankPosition | None:
-        key = _KEY.format(r)
+        key = self._key.format(r)
         try:
             if self.store is None:
                 return None

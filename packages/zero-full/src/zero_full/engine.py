@@ -37,6 +37,7 @@ from torch.profiler import record_function
 
 import zero_params
 from zero_comm import CommLedger, CommStreams, CommTotals, CommWatchdog, NoStreams, Topology, broadcast
+from zero_comm.devices import default_store
 from zero_comm.profiling import profile_range
 from zero_coord import Coordinator, StepStats
 from zero_full import checkpoint as _checkpoint
@@ -631,12 +632,17 @@ def _watchdog(config: ZeroConfig) -> CommWatchdog | None:
     r = config.robustness
     if not r.watchdog or dist.get_world_size() == 1:
         return None
+    rank, store = dist.get_rank(), default_store()
+    # The n-th engine of every rank gets namespace n: engines are built on every rank in one
+    # order, and a live engine's heartbeat never lands on another engine's record.
+    n = store.add(f"zero/engines/rank{rank}", 1) if store is not None else 0
     return CommWatchdog(
-        None,
-        dist.get_rank(),
+        store,
+        rank,
         dist.get_world_size(),
         timeout=r.comm_timeout,
         heartbeat_interval=r.heartbeat_interval,
+        namespace=f"engine{n}/",
     )  # its checks are armed once every rank agreed on them (CallGuard.arm)
 
 
