@@ -68,7 +68,7 @@ from benchmarks.kit.cli import BenchmarkParser
 from benchmarks.kit.impls import IMPLEMENTATIONS, ImplOptions
 from benchmarks.kit.measure import StepTiming, spawn_ranks, timed_across_ranks
 from benchmarks.kit.report import Report, command_line, environment, markdown_table
-from benchmarks.kit.workloads import QUICK_SHAPE, rank_batches, workload_of, workload_parser
+from benchmarks.kit.workloads import rank_batches, workload_of, workload_parser
 
 PAIRABLE = ("ddp", "fsdp2", "zero-1", "zero-2", "zero-3")
 """Implementations that can share a process (DeepSpeed's engines keep process-wide state)."""
@@ -344,12 +344,7 @@ def build_parser() -> BenchmarkParser:
     """The command line: the workload's shape, ``--impls``, ``--name``, stage 3's three bounds, the buckets
     and the reductions in flight."""
     parser = workload_parser(
-        "paired_steps",
-        __doc__,
-        quick={**QUICK_SHAPE, "warmup": 1, "steps": 4},
-        world=2,
-        warmup=3,
-        steps=60,
+        "paired_steps", __doc__, quick={"warmup": 1, "steps": 4}, world=2, warmup=3, steps=60
     )
     parser.add_argument("--impls", nargs="+", choices=PAIRABLE, default=["ddp", "zero-1", "zero-2", "zero-3"])
     parser.add_argument("--timeout", type=float, default=3600.0)

@@ -61,14 +61,7 @@ from benchmarks.kit.impls import IMPLEMENTATIONS, ImplOptions, ring_ideal_bytes
 from benchmarks.kit.measure import spawn_ranks
 from benchmarks.kit.report import Report, command_line, environment, markdown_table
 from benchmarks.kit.wire import comm_sweep, fit_cost, slowest
-from benchmarks.kit.workloads import (
-    QUICK_SHAPE,
-    Workload,
-    count_params,
-    rank_batches,
-    workload_of,
-    workload_parser,
-)
+from benchmarks.kit.workloads import Workload, count_params, rank_batches, workload_of, workload_parser
 
 BLOCK = DocsBlock("benchmarks.md", "profile-step")
 RELEASED = ImplOptions(persistence_threshold=0, prefetch_blocks=0.5, live_blocks=1.5)
@@ -532,7 +525,7 @@ def build_parser() -> BenchmarkParser:
     parser = workload_parser(
         "profile_step",
         __doc__,
-        quick={**QUICK_SHAPE, "warmup": 1, "steps": 2, "profile_steps": 1, "sweep_repeats": 1},
+        quick={"warmup": 1, "steps": 2, "profile_steps": 1, "sweep_repeats": 1},
         docs=True,
         world=2,
         warmup=3,

@@ -68,15 +68,7 @@ from benchmarks.kit.impls import (
 )
 from benchmarks.kit.measure import read_wchar, thread_minor_faults
 from benchmarks.kit.report import Report, command_line, environment, markdown_table, pyplot, save_figure
-from benchmarks.kit.workloads import (
-    ADAMW,
-    QUICK_SHAPE,
-    Workload,
-    count_params,
-    rank_batches,
-    workload_of,
-    workload_parser,
-)
+from benchmarks.kit.workloads import ADAMW, Workload, count_params, rank_batches, workload_of, workload_parser
 from zero_launch import RankContext, launch
 
 DISTRIBUTED = [name for name in IMPLEMENTATIONS if name != "single"]
@@ -465,7 +457,7 @@ def build_parser() -> BenchmarkParser:
     parser = workload_parser(
         "side_by_side",
         __doc__,
-        quick={**QUICK_SHAPE, "worlds": [2], "rounds": 1, "warmup": 1, "steps": 2},
+        quick={"worlds": [2], "rounds": 1, "warmup": 1, "steps": 2},
         docs=True,
         rounds=3,
         warmup=2,

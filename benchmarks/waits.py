@@ -34,7 +34,7 @@ from benchmarks.kit.cli import BenchmarkParser
 from benchmarks.kit.impls import IMPLEMENTATIONS, ImplOptions
 from benchmarks.kit.measure import spawn_ranks
 from benchmarks.kit.report import Report, command_line, environment, markdown_table
-from benchmarks.kit.workloads import QUICK_SHAPE, rank_batches, workload_of, workload_parser
+from benchmarks.kit.workloads import rank_batches, workload_of, workload_parser
 
 PHASES = ("forward", "backward", "step")
 
@@ -173,14 +173,7 @@ def report(
 
 
 def build_parser() -> BenchmarkParser:
-    parser = workload_parser(
-        "waits",
-        __doc__,
-        quick={**QUICK_SHAPE, "warmup": 1, "steps": 3},
-        world=2,
-        warmup=4,
-        steps=30,
-    )
+    parser = workload_parser("waits", __doc__, quick={"warmup": 1, "steps": 3}, world=2, warmup=4, steps=30)
     parser.add_argument("--impl", choices=("zero-1", "zero-2", "zero-3"), default="zero-3")
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--name", default="waits", help="results file name (without extension)")

@@ -15,6 +15,7 @@ ranks' gradients (what every data-parallel implementation does) gives its gradie
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -108,10 +109,13 @@ def shape_defaults() -> dict[str, int]:
     return {name: getattr(default, name) for name in SHAPE_FIELDS}
 
 
-def workload_parser(name: str, doc: str, **options: Any) -> BenchmarkParser:
+def workload_parser(
+    name: str, doc: str, *, quick: Mapping[str, Any] | None = None, **options: Any
+) -> BenchmarkParser:
     """:func:`benchmarks.kit.cli.benchmark_parser` with the workload's shape options first (``--layers``,
-    ..., ``--micro-batch``, defaults :func:`shape_defaults`); read them back with :func:`workload_of`."""
-    return benchmark_parser(name, doc, **shape_defaults(), **options)
+    ..., ``--micro-batch``, defaults :func:`shape_defaults`, ``--quick``: :data:`QUICK_SHAPE`, then
+    ``quick``); read them back with :func:`workload_of`."""
+    return benchmark_parser(name, doc, quick={**QUICK_SHAPE, **(quick or {})}, **shape_defaults(), **options)
 
 
 def workload_of(args: Any, kind: str = "gpt2") -> Workload:
