@@ -1,9 +1,10 @@
 """Every benchmark by name: what ``python -m benchmarks <name>`` runs and what ``nox -s bench`` runs.
 
 Standard library only: the noxfile reads this file before anything is installed. Each entry names
-the module (``benchmarks.<module>``, with ``build_parser()`` and ``main(argv)``), a line saying what
-it measures, whether it needs DeepSpeed kept on the CPU (``DS_ACCELERATOR=cpu``), and the runs
-``nox -s bench`` makes of it (argument lists; ``--out`` and, where ``docs``, ``--docs`` are added).
+the benchmark (its module is ``benchmarks.<name>``, with ``build_parser()`` and ``main(argv)``), a
+line saying what it measures, whether it needs DeepSpeed kept on the CPU (``DS_ACCELERATOR=cpu``),
+and the runs ``nox -s bench`` makes of it (argument lists; ``--out`` and, where ``docs``, ``--docs``
+are added).
 """
 
 from __future__ import annotations
@@ -28,12 +29,16 @@ class Benchmark:
     """A registered benchmark (see the module docstring)."""
 
     name: str
-    module: str
     summary: str
     deepspeed: bool = False
     runs: tuple[NoxRun, ...] = (NoxRun(),)
     session: str = "bench"
     """The nox session that runs it (``cluster-bench`` needs root)."""
+
+    @property
+    def module(self) -> str:
+        """The module under ``benchmarks/`` (a benchmark is ``benchmarks/<name>.py``)."""
+        return self.name
 
     def env(self) -> dict[str, str]:
         """The environment its runs get on top of one operator thread per rank."""
@@ -41,6 +46,8 @@ class Benchmark:
         return env | ({"DS_ACCELERATOR": "cpu"} if self.deepspeed else {})
 
 
+_DOCS = (NoxRun(docs=True),)
+"""The one run of a benchmark that fills its docs block."""
 _EVERY = ("--impls", "ddp", "fsdp2", "zero-1", "zero-2", "zero-3")
 # Each stage with its sizes left unset (sized from the model) against DeepSpeed's default sizes.
 _DEFAULT_SIZES = (
@@ -52,30 +59,26 @@ _DEFAULT_SIZES = (
 BENCHMARKS: tuple[Benchmark, ...] = (
     Benchmark(
         "comm",
-        "comm",
         "zero-comm's coalesced all-gather / reduce-scatter against torch's",
         runs=(NoxRun(("--world", "2")),),
     ),
-    Benchmark("quantize_kernels", "quantize_kernels", "ZeRO++ quantize / dequantize kernel throughput"),
-    Benchmark("quantized", "quantized", "ZeRO++ quantized collectives: time, bytes across nodes, error"),
-    Benchmark("mics", "mics", "MiCS against ZeRO-3: step time and bytes across the shard groups"),
-    Benchmark("generate", "generate", "generation with a sharded model: tokens per second"),
+    Benchmark("quantize_kernels", "ZeRO++ quantize / dequantize kernel throughput"),
+    Benchmark("quantized", "ZeRO++ quantized collectives: time, bytes across nodes, error"),
+    Benchmark("mics", "MiCS against ZeRO-3: step time and bytes across the shard groups"),
+    Benchmark("generate", "generation with a sharded model: tokens per second"),
     Benchmark(
-        "watchdog_overhead",
         "watchdog_overhead",
         "the collective watchdog's cost per step; --check calls: the divergence check's",
         runs=(NoxRun(), NoxRun(("--check", "calls"))),
     ),
-    Benchmark("offload", "offload", "CPU Adam, swap-file throughput, offloaded step time", deepspeed=True),
+    Benchmark("offload", "CPU Adam, swap-file throughput, offloaded step time", deepspeed=True),
     Benchmark(
-        "memory",
         "memory",
         "real memory per rank (RSS) of DDP, FSDP2, DeepSpeed and zero, fresh processes each",
         deepspeed=True,
-        runs=(NoxRun(docs=True),),
+        runs=_DOCS,
     ),
     Benchmark(
-        "side_by_side",
         "side_by_side",
         "step time, memory, bytes and loss of DDP, FSDP2, DeepSpeed and zero, interleaved rounds",
         deepspeed=True,
@@ -100,7 +103,6 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     ),
     Benchmark(
         "paired_steps",
-        "paired_steps",
         "DDP and zero stages stepped in turn in the same ranks: step time ratios to DDP",
         runs=(
             NoxRun(),
@@ -110,23 +112,16 @@ BENCHMARKS: tuple[Benchmark, ...] = (
     ),
     Benchmark(
         "profile_step",
-        "profile_step",
         "where one stage-3 step's time goes, against the DDP + wire floor",
         deepspeed=True,
-        runs=(NoxRun(docs=True),),
+        runs=_DOCS,
     ),
-    Benchmark("waits", "waits", "a zero step's waits for its collectives, position by position"),
+    Benchmark("waits", "a zero step's waits for its collectives, position by position"),
+    Benchmark("growth", "step time and memory against model size and world size", runs=_DOCS),
     Benchmark(
-        "growth",
-        "growth",
-        "step time and memory against model size and world size",
-        runs=(NoxRun(docs=True),),
-    ),
-    Benchmark(
-        "cluster",
         "cluster",
         "step time and inter-node bytes on a simulated two-node cluster (needs root)",
-        runs=(NoxRun(docs=True),),
+        runs=_DOCS,
         session="cluster-bench",
     ),
 )
