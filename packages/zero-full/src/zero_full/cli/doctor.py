@@ -71,25 +71,27 @@ def _backends(dist: object) -> dict[str, bool]:
     return found
 
 
+def _installed_version(dist: str) -> str | None:
+    """The version of distribution ``dist``; ``None`` when it is not installed."""
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
 def _triton_version() -> str | None:
     if importlib.util.find_spec("triton") is None:
         return None
-    try:
-        return importlib.metadata.version("triton")
-    except importlib.metadata.PackageNotFoundError:
+    version = _installed_version("triton")
+    if version is None:  # importable, but no distribution is named triton
         import triton
 
-        return str(getattr(triton, "__version__", "unknown"))
+        version = str(getattr(triton, "__version__", "unknown"))
+    return version
 
 
 def _package_versions() -> dict[str, str | None]:
-    versions: dict[str, str | None] = {}
-    for name in ZERO_DISTRIBUTIONS:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = None
-    return versions
+    return {name: _installed_version(name) for name in ZERO_DISTRIBUTIONS}
 
 
 def _missing_requirements() -> tuple[str, ...]:
@@ -105,9 +107,7 @@ def _missing_requirements() -> tuple[str, ...]:
             dep = re.match(r"[A-Za-z0-9_.-]+", req.strip())
             if dep is None:
                 continue
-            try:
-                importlib.metadata.version(dep.group(0))
-            except importlib.metadata.PackageNotFoundError:
+            if _installed_version(dep.group(0)) is None:
                 missing.append(f"{name} needs {req.split(';')[0].strip()}")
     return tuple(missing)
 
