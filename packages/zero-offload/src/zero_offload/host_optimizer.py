@@ -8,12 +8,7 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
-from zero_offload.optimizer import (
-    OffloadedOptimizer,
-    OffloadTarget,
-    OptimizerOffloadConfig,
-    check_one_per_group,
-)
+from zero_offload.optimizer import HostStepped, OffloadedOptimizer, OffloadTarget, OptimizerOffloadConfig
 from zero_offload.placement import HostMemory, HostPlacement, host_memory
 
 __all__ = ["HostOptimizer", "PartialOffload", "offload_optimizer_for", "twin_optimizer"]
@@ -71,7 +66,7 @@ def offload_optimizer_for(
     return HostOptimizer(optimizer, masters, grads, config, placement=placement)
 
 
-class HostOptimizer:
+class HostOptimizer(HostStepped):
     """Steps host copies of flat fp32 masters with a twin of any torch optimizer (see the module doc)."""
 
     def __init__(
@@ -90,12 +85,9 @@ class HostOptimizer:
                 f"offload_optimizer.device = nvme swaps Adam / AdamW state only, got {name}; use device "
                 "'cpu' (any torch optimizer steps in host memory) or Adam / AdamW"
             )
-        check_one_per_group(optimizer, masters, grads)
+        super().__init__(optimizer, masters, grads)
         memory: HostMemory = placement.memory if placement is not None else host_memory(config.pin_memory)
         self.split = placement is not None and placement.split
-        self.optimizer = optimizer
-        self.masters = tuple(masters)
-        self.grads = tuple(grads)
         if self.split:  # the host master and gradient partition themselves
             self.host_masters = self.masters
             self.host_grads = self.grads
@@ -104,11 +96,7 @@ class HostOptimizer:
             self.host_grads = tuple(memory.zeros(h.numel()).view(h.shape) for h in self.host_masters)
         for h, g in zip(self.host_masters, self.host_grads, strict=True):
             h.grad = g
-        groups = [
-            {**_hyper(g), "params": [h]}
-            for g, h in zip(optimizer.param_groups, self.host_masters, strict=True)
-        ]
-        self.host_optimizer = twin_optimizer(optimizer, groups)
+        self.host_optimizer = _twin_per_group(optimizer, self.host_masters)
         optimizer.state.clear()  # constructor-made state (Adagrad's sum) lives on the host twin only
         self.step_count = 0
 
@@ -132,21 +120,11 @@ class HostOptimizer:
         split = sum(m.numel() * m.element_size() * 2 for m in self.masters) if self.split else 0
         return state + split
 
-    @property
-    def resident_state_bytes(self) -> int:
-        """Host bytes held (from storages)."""
-        return sum(
-            {
-                t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.state_tensors()
-            }.values()
-        )
-
     def step(self, after: Callable[[int, int, int], None] | None = None) -> None:
         """Gradients down, the twin's ``step()`` on the host copies, masters back up (split: the
         twin steps the host masters in place); then ``after(group, 0, numel)`` per group."""
         with record_function("zero.offload.host_step"), torch.no_grad():
-            for hg, g in zip(self.host_optimizer.param_groups, self.optimizer.param_groups, strict=True):
-                hg.update(_hyper(g))
+            _refresh_hyper(self.host_optimizer, self.optimizer)
             if not self.split:
                 for hgrad, grad in zip(self.host_grads, self.grads, strict=True):
                     hgrad.copy_(grad)
@@ -155,9 +133,7 @@ class HostOptimizer:
                 for master, host in zip(self.masters, self.host_masters, strict=True):
                     master.copy_(host)
             self.step_count += 1
-            if after is not None:
-                for gi, master in enumerate(self.masters):
-                    after(gi, 0, master.numel())
+            _after_whole_groups(after, self.masters)
 
     def export_state(self) -> list[dict[str, Any]]:
         """Each group's state in the optimizer's own format (the twin's state, host tensors)."""
@@ -176,13 +152,11 @@ class HostOptimizer:
         with torch.no_grad():
             for host, master, s in zip(self.host_masters, self.masters, state, strict=True):
                 host.copy_(master)
-                if s:
-                    self.host_optimizer.state[host] = {
-                        k: v.detach().to(host.device, copy=True) if isinstance(v, torch.Tensor) else v
-                        for k, v in s.items()
-                    }
-                else:
-                    self.host_optimizer.state.pop(host, None)
+                host_state = {
+                    k: v.detach().to(host.device, copy=True) if isinstance(v, torch.Tensor) else v
+                    for k, v in s.items()
+                }
+                _set_state(self.host_optimizer, host, host_state)
 
     def close(self) -> None:
         """Nothing to release (no swap files)."""
@@ -190,6 +164,37 @@ class HostOptimizer:
 
 def _hyper(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"}
+
+
+def _twin_per_group(
+    optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]
+) -> torch.optim.Optimizer:
+    """A :func:`twin_optimizer` stepping ``params[i]`` with the options of ``optimizer``'s group ``i``."""
+    groups = [{**_hyper(g), "params": [p]} for g, p in zip(optimizer.param_groups, params, strict=True)]
+    return twin_optimizer(optimizer, groups)
+
+
+def _refresh_hyper(twin: torch.optim.Optimizer, optimizer: torch.optim.Optimizer) -> None:
+    """Copy each group's current options (a scheduled ``lr``, say) from ``optimizer`` to its twin."""
+    for tg, g in zip(twin.param_groups, optimizer.param_groups, strict=True):
+        tg.update(_hyper(g))
+
+
+def _after_whole_groups(
+    after: Callable[[int, int, int], None] | None, masters: Sequence[torch.Tensor]
+) -> None:
+    """``after(group, 0, numel)`` for every group's master (when given)."""
+    if after is not None:
+        for gi, master in enumerate(masters):
+            after(gi, 0, master.numel())
+
+
+def _set_state(optimizer: torch.optim.Optimizer, param: torch.Tensor, state: dict[str, Any]) -> None:
+    """``param``'s state in ``optimizer``: ``state``, or none when it is empty (no step taken)."""
+    if state:
+        optimizer.state[param] = state
+    else:
+        optimizer.state.pop(param, None)
 
 
 def offloaded_split(numel: int, sub_group_size: int, ratio: float) -> int:
@@ -234,10 +239,7 @@ class PartialOffload:
             tail.grad = g.narrow(0, k, g.numel() - k)
         self.device_optimizer: torch.optim.Optimizer | None = None
         if self.device_numel:
-            groups = [
-                {**_hyper(g), "params": [t]} for g, t in zip(optimizer.param_groups, self.tails, strict=True)
-            ]
-            self.device_optimizer = twin_optimizer(optimizer, groups)
+            self.device_optimizer = _twin_per_group(optimizer, self.tails)
         optimizer.state.clear()
 
     def state_tensors(self) -> list[torch.Tensor]:
@@ -255,14 +257,9 @@ class PartialOffload:
             if self.offloaded is not None:
                 self.offloaded.step()
             if self.device_optimizer is not None:
-                for dg, g in zip(
-                    self.device_optimizer.param_groups, self.optimizer.param_groups, strict=True
-                ):
-                    dg.update(_hyper(g))
+                _refresh_hyper(self.device_optimizer, self.optimizer)
                 self.device_optimizer.step()
-            if after is not None:
-                for gi, master in enumerate(self.masters):
-                    after(gi, 0, master.numel())
+            _after_whole_groups(after, self.masters)
 
     def export_state(self) -> list[dict[str, Any]]:
         """Each group's state in torch's format over the whole master (the two parts joined)."""
@@ -283,12 +280,8 @@ class PartialOffload:
         for s, master, tail, k in zip(state, self.masters, self.tails, self.splits, strict=True):
             heads.append({key: _part(v, master.numel(), 0, k) for key, v in s.items()})
             if self.device_optimizer is not None:
-                if s:
-                    self.device_optimizer.state[tail] = {
-                        key: _part(v, master.numel(), k, master.numel()) for key, v in s.items()
-                    }
-                else:
-                    self.device_optimizer.state.pop(tail, None)
+                tail_state = {key: _part(v, master.numel(), k, master.numel()) for key, v in s.items()}
+                _set_state(self.device_optimizer, tail, tail_state)
             n += 1
         if self.offloaded is not None:
             self.offloaded.import_state(heads)

@@ -20,7 +20,7 @@ from torch.profiler import record_function
 
 from zero_offload.cpu_adam import AdamHyper, AdamKernel, CpuAdam, adam_hyper_from_group, check_offloadable
 from zero_offload.destination import OffloadDestination, OffloadTarget
-from zero_offload.placement import HostMemory, HostPlacement, host_memory
+from zero_offload.placement import HostMemory, HostPlacement, host_memory, storage_bytes
 from zero_offload.pool import BufferPool, align_up
 from zero_offload.swap import AsyncSwapper, SwapHandle
 
@@ -247,7 +247,29 @@ def check_one_per_group(
         )
 
 
-class OffloadedOptimizer:
+class HostStepped:
+    """What the offloaded optimizers share: the torch optimizer they step for, one flat master and
+    gradient per param group (checked), and the host bytes of their :meth:`state_tensors`."""
+
+    def __init__(
+        self, optimizer: torch.optim.Optimizer, masters: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
+    ) -> None:
+        check_one_per_group(optimizer, masters, grads)
+        self.optimizer = optimizer
+        self.masters = tuple(masters)
+        self.grads = tuple(grads)
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The host tensors this optimizer keeps (for memory accounting)."""
+        raise NotImplementedError
+
+    @property
+    def resident_state_bytes(self) -> int:
+        """Host bytes holding optimizer state now, counted from storages."""
+        return storage_bytes(self.state_tensors())
+
+
+class OffloadedOptimizer(HostStepped):
     """Adam / AdamW steps of flat fp32 partitions with the state offloaded to host memory or NVMe."""
 
     def __init__(
@@ -263,10 +285,7 @@ class OffloadedOptimizer:
         """``placement``: split: ``masters`` and ``grads`` are host tensors (the flat fp32 master
         and gradient partition themselves), stepped in place without copies (``cpu``)."""
         check_offloadable(optimizer)
-        check_one_per_group(optimizer, masters, grads)
-        self.optimizer = optimizer
-        self.masters = tuple(masters)
-        self.grads = tuple(grads)
+        super().__init__(optimizer, masters, grads)
         self.config = config
         self.subgroups: tuple[_SubGroup, ...] = tuple(
             _SubGroup(gi, k, off, min(config.sub_group_size, m.numel() - off))
@@ -290,21 +309,12 @@ class OffloadedOptimizer:
         return self._store.swapper if isinstance(self._store, _SwapStore) else None
 
     @property
-    def resident_state_bytes(self) -> int:
-        """Host bytes holding optimizer state now (from storages): host state, or the buffer pool."""
-        return sum(
-            {
-                t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.state_tensors()
-            }.values()
-        )
-
-    @property
     def total_state_bytes(self) -> int:
         """Bytes of the whole offloaded state (fp32 master, ``exp_avg``, ``exp_avg_sq``)."""
         return sum(m.numel() for m in self.masters) * 4 * len(_SWAPPED)
 
     def state_tensors(self) -> list[torch.Tensor]:
-        """The host tensors this optimizer keeps (for memory accounting)."""
+        """The host tensors this optimizer keeps: host state, or the buffer pool (``nvme``)."""
         return self._store.tensors()
 
     @property

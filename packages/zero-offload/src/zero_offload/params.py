@@ -24,7 +24,7 @@ import torch
 from torch.profiler import record_function
 
 from zero_offload.destination import OffloadDestination, OffloadTarget
-from zero_offload.placement import host_memory
+from zero_offload.placement import host_memory, storage_bytes
 from zero_offload.pool import BufferPool
 from zero_offload.swap import AsyncSwapper, SwapHandle
 
@@ -184,8 +184,7 @@ class ParamSwapper:
     @property
     def resident_bytes(self) -> int:
         """Host bytes of :meth:`host_tensors`, counted from storages."""
-        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.host_tensors()}
-        return sum(storages.values())
+        return storage_bytes(self.host_tensors())
 
     # ------------------------------------------------------------------ operations
 

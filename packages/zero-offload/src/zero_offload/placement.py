@@ -23,6 +23,7 @@ offload path:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 import torch
@@ -60,6 +61,11 @@ class HostMemory:
     def copy_of(self, tensor: torch.Tensor) -> torch.Tensor:
         """A host copy of ``tensor`` (same shape and dtype)."""
         return self.empty(tensor.numel(), tensor.dtype).view(tensor.shape).copy_(tensor)
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (views of one storage count once)."""
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
 def host_memory(pin_memory: bool) -> HostMemory:
