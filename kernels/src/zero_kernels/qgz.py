@@ -82,11 +82,10 @@ if HAS_TRITON:
 
     from zero_kernels.quantize import (
         _launch_dequant_reduce,
+        _launch_over_sources,
         _launch_quantize,
-        _launch_tiles,
         _load_dequant_sum,
         _quantize_store,
-        _tile_index,
     )
 
     @triton.jit
@@ -104,21 +103,8 @@ if HAS_TRITON:
         BITS_OUT: tl.constexpr,
     ):
         """Requantize, group by group, the fp32 sum over ``n_sources`` chunks of ``n_rows`` groups."""
-        row, lane, row_ok, ok0, ok1 = _tile_index(n_rows, GROUP, LANES, ROWS)
-        x0, x1 = _load_dequant_sum(
-            src_codes_ptr,
-            src_scales_ptr,
-            row,
-            lane,
-            row_ok,
-            ok0,
-            ok1,
-            n_rows,
-            n_sources,
-            GROUP,
-            LANES,
-            ROWS,
-            BITS_IN,
+        row, lane, row_ok, ok0, ok1, x0, x1 = _load_dequant_sum(
+            src_codes_ptr, src_scales_ptr, n_rows, n_sources, GROUP, LANES, ROWS, BITS_IN
         )
         _quantize_store(x0, x1, row, lane, row_ok, ok0, ok1, codes_ptr, scales_ptr, GROUP, BITS_OUT)
 
@@ -147,18 +133,12 @@ if HAS_TRITON:
         q: QuantizedTensor, n_sources: int, config: QuantConfig
     ) -> QuantizedTensor:
         """Triton twin of :func:`dequant_reduce_requant`."""
-        n_rows = q.n_groups // n_sources
-        codes, scales = _empty_codes(n_rows, config, q.codes.device)
-        _launch_tiles(
+        codes, scales = _empty_codes(q.n_groups // n_sources, config, q.codes.device)
+        _launch_over_sources(
             _dequant_reduce_requant_kernel,
-            n_rows,
-            q.group_size,
-            q.codes,
-            q.scales,
-            codes,
-            scales,
-            n_rows,
+            q,
             n_sources,
+            (codes, scales),
             BITS_IN=q.bits,
             BITS_OUT=config.bits,
         )

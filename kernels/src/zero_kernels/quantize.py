@@ -174,11 +174,6 @@ if HAS_TRITON:
     def _load_dequant_sum(
         codes_ptr,
         scales_ptr,
-        row,
-        lane,
-        row_ok,
-        ok0,
-        ok1,
         n_rows,
         n_sources,
         GROUP: tl.constexpr,
@@ -186,7 +181,9 @@ if HAS_TRITON:
         ROWS: tl.constexpr,
         BITS: tl.constexpr,
     ):
-        """fp32 sum over ``n_sources`` chunks of ``n_rows`` groups of ``code * scale``, source 0 first."""
+        """This program's tile (:func:`_tile_index`) and, as even / odd lanes ``x0`` / ``x1``, the fp32
+        sum over ``n_sources`` chunks of ``n_rows`` groups of ``code * scale``, source 0 first."""
+        row, lane, row_ok, ok0, ok1 = _tile_index(n_rows, GROUP, LANES, ROWS)
         x0 = tl.zeros((ROWS, LANES), dtype=tl.float32)
         x1 = tl.zeros((ROWS, LANES), dtype=tl.float32)
         for s in range(n_sources):
@@ -203,7 +200,7 @@ if HAS_TRITON:
                 c1 = tl.load(codes_ptr + base + 1, mask=ok1, other=0).to(tl.int32)
             x0 += c0.to(tl.float32) * sc
             x1 += c1.to(tl.float32) * sc
-        return x0, x1
+        return row, lane, row_ok, ok0, ok1, x0, x1
 
     @triton.jit
     def _quantize_kernel(
@@ -248,9 +245,8 @@ if HAS_TRITON:
         OUT_BF16: tl.constexpr,
     ):
         """Write the first ``out_numel`` elements of the sum over ``n_sources`` chunks to ``out``."""
-        row, lane, row_ok, ok0, ok1 = _tile_index(n_rows, GROUP, LANES, ROWS)
-        x0, x1 = _load_dequant_sum(
-            codes_ptr, scales_ptr, row, lane, row_ok, ok0, ok1, n_rows, n_sources, GROUP, LANES, ROWS, BITS
+        row, lane, _, ok0, ok1, x0, x1 = _load_dequant_sum(
+            codes_ptr, scales_ptr, n_rows, n_sources, GROUP, LANES, ROWS, BITS
         )
         if OUT_BF16:
             # round to bfloat16 by hand, half to even, as torch does: the interpreter's own
@@ -309,18 +305,26 @@ if HAS_TRITON:
         )
         return codes, scales
 
-    def _launch_dequant_reduce(q: QuantizedTensor, n_sources: int, out: torch.Tensor) -> None:
-        """Sum of the ``n_sources`` chunks of ``q``, dequantized, into the flat contiguous ``out``."""
+    def _launch_over_sources(
+        kernel: Any, q: QuantizedTensor, n_sources: int, outputs: tuple[Any, ...], *args: Any, **meta: Any
+    ) -> None:
+        """Launch a kernel summing the ``n_sources`` chunks of ``q`` (see :func:`_load_dequant_sum`).
+
+        Its arguments: ``q``'s codes and scales, ``outputs``, the groups per chunk, ``n_sources``,
+        then ``args``; ``meta`` as for :func:`_launch_tiles`.
+        """
         n_rows = q.n_groups // n_sources
         _launch_tiles(
+            kernel, n_rows, q.group_size, q.codes, q.scales, *outputs, n_rows, n_sources, *args, **meta
+        )
+
+    def _launch_dequant_reduce(q: QuantizedTensor, n_sources: int, out: torch.Tensor) -> None:
+        """Sum of the ``n_sources`` chunks of ``q``, dequantized, into the flat contiguous ``out``."""
+        _launch_over_sources(
             _dequant_reduce_kernel,
-            n_rows,
-            q.group_size,
-            q.codes,
-            q.scales,
-            out,
-            n_rows,
+            q,
             n_sources,
+            (out,),
             out.numel(),
             BITS=q.bits,
             OUT_BF16=out.dtype == torch.bfloat16,
