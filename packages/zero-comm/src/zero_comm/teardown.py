@@ -24,6 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zero_comm.closing import ClosesOnExit
+
 __all__ = ["BoundedTimeouts", "bound_for"]
 
 
@@ -32,7 +34,7 @@ def bound_for(comm_timeout: float, heartbeat_interval: float) -> float:
     return float(comm_timeout) + 2.0 * float(heartbeat_interval) + 2.0
 
 
-class BoundedTimeouts:
+class BoundedTimeouts(ClosesOnExit):
     """Holds every live gloo process group's timeout at ``seconds`` until :meth:`close`.
 
     Args:
@@ -53,12 +55,6 @@ class BoundedTimeouts:
 
     def __repr__(self) -> str:
         return f"BoundedTimeouts(seconds={self.seconds:g}, backends={len(self._previous)})"
-
-    def __enter__(self) -> BoundedTimeouts:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     @property
     def backends(self) -> int:

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from zero_comm.call_sites import CallExchange
+from zero_comm.closing import ClosesOnExit
 from zero_comm.completion import wait_polled, wait_timed
 from zero_comm.devices import control_device, default_store
 from zero_comm.torch_compat import all_gather_single
@@ -126,7 +127,7 @@ class RankPosition:
         return text
 
 
-class CommWatchdog:
+class CommWatchdog(ClosesOnExit):
     """Records this rank's collectives, heartbeats them to a store, diagnoses stuck waits.
 
     Args:
@@ -233,12 +234,6 @@ class CommWatchdog:
 
     def __repr__(self) -> str:
         return f"CommWatchdog(rank={self.rank}, world_size={self.world_size}, timeout={self.timeout:g})"
-
-    def __enter__(self) -> CommWatchdog:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     @property
     def dead_after(self) -> float:

@@ -37,6 +37,7 @@ from torch.profiler import record_function
 
 import zero_params
 from zero_comm import CommLedger, CommStreams, CommTotals, CommWatchdog, NoStreams, Topology, broadcast
+from zero_comm.closing import ClosesOnExit
 from zero_comm.devices import default_store
 from zero_comm.profiling import profile_range
 from zero_coord import Coordinator, StepStats
@@ -121,7 +122,7 @@ class _Counter:
         setattr(engine.counters, self.name, value)
 
 
-class Engine:
+class Engine(ClosesOnExit):
     """A model trained with ZeRO (stage 0, 1, 2 or 3) over the default process group.
 
     Build it with :func:`initialize`.
@@ -352,12 +353,6 @@ class Engine:
         self._release.detach()  # nothing left for interpreter exit
         self._monitor.close()
         self._resources.close()
-
-    def __enter__(self) -> Engine:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # ------------------------------------------------------------------ MiCS
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from zero_comm.closing import ClosesOnExit
 from zero_comm.units import format_bytes
 from zero_offload.pool import ALIGNMENT, align_up, aligned_empty
 
@@ -157,7 +158,7 @@ def _shutdown(files: _Files, executor: concurrent.futures.ThreadPoolExecutor) ->
     files.remove_all()
 
 
-class AsyncSwapper:
+class AsyncSwapper(ClosesOnExit):
     """Tensors swapped to files in one directory through a pool of I/O threads."""
 
     def __init__(
@@ -231,12 +232,6 @@ class AsyncSwapper:
     def close(self) -> None:
         """Finish queued requests and delete every swap file (idempotent)."""
         self._finalizer()
-
-    def __enter__(self) -> AsyncSwapper:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # ------------------------------------------------------------------ I/O threads
 
