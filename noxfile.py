@@ -1,7 +1,7 @@
 """Every workflow of the zero monorepo.
 
-    nox -t ci                 everything CI runs (README's test command): suite, torch_smoke,
-                              lint, wheels
+    nox -t ci                 everything CI runs (README's test command): the session ci, which
+                              runs suite, torch_smoke, lint and wheels in lanes side by side
     nox -s suite              every package's unit tests, integration, docs and kernels, in one
                               venv that grows up the layer stack
     nox -s tests              unit tests, one session per package, each in its own venv
@@ -25,13 +25,18 @@ per checkout (.nox/_shared-torch) and every session's venv sees it (see ``_torch
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import importlib.util
 import os
 import pathlib
 import re
 import shutil
+import subprocess
 import sys
+import threading
+import time
 
 import nox
 
@@ -102,12 +107,25 @@ def _torch(session: nox.Session) -> None:
     pth = pathlib.Path(str(purelib).strip()) / "zero_shared_torch.pth"
     if marker.is_file() and marker.read_text() == want and pth.is_file():
         return  # this venv already sees the shared torch (a second _install in one session)
-    if not marker.is_file() or marker.read_text() != want:
-        shutil.rmtree(SHARED_TORCH, ignore_errors=True)
-        _pip(session, "--target", str(SHARED_TORCH), "-c", CONSTRAINTS, TORCH)
-        marker.write_text(want)
+    with _held(SHARED_TORCH.parent / "_shared-torch.lock"):  # CI's lanes may arrive together
+        if not marker.is_file() or marker.read_text() != want:
+            shutil.rmtree(SHARED_TORCH, ignore_errors=True)
+            _pip(session, "--target", str(SHARED_TORCH), "-c", CONSTRAINTS, TORCH)
+            marker.write_text(want)
     pth.write_text(str(SHARED_TORCH) + "\n")
     _pip(session, "-c", CONSTRAINTS, TORCH)  # already satisfied: checks the venv sees the pin
+
+
+@contextlib.contextmanager
+def _held(lock: pathlib.Path):
+    """An exclusive lock on the file ``lock`` (created if missing) while the block runs."""
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with lock.open("w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _internal_deps(dist: str, extras: tuple[str, ...] = ()) -> list[str]:
@@ -323,7 +341,7 @@ LAYERS = [
 ]
 
 
-@nox.session(tags=["ci"])
+@nox.session
 @_venv_discarded
 def suite(session: nox.Session) -> None:
     """Every test CI runs that needs torch, in one venv that grows up the layer stack.
@@ -409,7 +427,7 @@ SMOKE_PARITY = "mlp-stage1-w2 or mlp-stage2-w2 or mlp-stage3-w2"
 SMOKE = "pytest.mark.smoke"
 
 
-@nox.session(name="torch_smoke", tags=["ci"])
+@nox.session(name="torch_smoke")
 @_venv_discarded
 @nox.parametrize("release", list(TORCH_RANGE.values()), ids=list(TORCH_RANGE))
 def torch_smoke(session: nox.Session, release: str) -> None:
@@ -479,7 +497,7 @@ def _integration_tests(session: nox.Session) -> None:
         _pytest(session, ROOT / "benchmarks/tests")
 
 
-@nox.session(tags=["ci"])
+@nox.session
 @_venv_discarded
 def lint(session: nox.Session) -> None:
     """ruff (style, bugs, no bare assert in library code) and import-linter (the layer rule)."""
@@ -549,7 +567,7 @@ def build(session: nox.Session) -> None:
     _build_dists(session, ROOT / "dist")
 
 
-@nox.session(tags=["ci"])
+@nox.session
 @_venv_discarded
 def wheels(session: nox.Session) -> None:
     """Install zero-comm, then zero-full, by name from freshly built wheels (not editable, not the
@@ -591,6 +609,74 @@ def wheels(session: nox.Session) -> None:
         str(wheelhouse),
         "zero-full[demo]",
     )
+
+
+# What CI runs (README's test command), as lanes side by side; each lane runs its sessions one
+# after another. The suite keeps both cores busy through its tests; the other lanes are mostly
+# downloads and installs (each torch release of the matrix is a few GB from PyPI), then minutes of
+# tests, which fill the cores the suite leaves idle while it installs and runs one-process tests.
+CI_LANES = (
+    ("suite",),
+    ("torch_smoke(oldest)", "lint"),
+    ("torch_smoke(newest)", "wheels"),
+)
+
+
+class _Lane:
+    """One lane of :data:`CI_LANES`: a ``nox`` of its own, its output printed line by line with the
+    lane's name in front, its exit status and wall time kept."""
+
+    def __init__(self, sessions: tuple[str, ...], printing: threading.Lock) -> None:
+        self.sessions = sessions
+        self.name = sessions[0]
+        self._printing = printing
+        self.started = time.monotonic()
+        command = [sys.executable, "-m", "nox", "--noxfile", str(ROOT / "noxfile.py"), "-s", *sessions]
+        self._proc = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
+        )
+        self._reader = threading.Thread(target=self._relay, daemon=True)
+        self._reader.start()
+        self.seconds = 0.0
+
+    def _relay(self) -> None:
+        for line in self._proc.stdout:
+            with self._printing:
+                sys.stdout.write(f"[{self.name}] {line}")
+                sys.stdout.flush()
+
+    def wait(self) -> int:
+        code = self._proc.wait()
+        self._reader.join()
+        self.seconds = time.monotonic() - self.started
+        return code
+
+    def stop(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.terminate()
+
+
+@nox.session(venv_backend="none", tags=["ci"])
+def ci(session: nox.Session) -> None:
+    """Everything CI runs: suite, torch_smoke (both ends), lint and wheels, in :data:`CI_LANES`.
+
+    Each lane's lines carry its first session's name; the end lists each lane's time and result.
+    The sessions run alone too (``nox -s suite``, ...).
+    """
+    printing = threading.Lock()
+    lanes: list[_Lane] = []
+    try:
+        lanes = [_Lane(sessions, printing) for sessions in CI_LANES]
+        codes = [lane.wait() for lane in lanes]
+    finally:
+        for lane in lanes:
+            lane.stop()
+    for lane, code in zip(lanes, codes):
+        verdict = "passed" if code == 0 else f"FAILED (exit {code})"
+        session.log(f"lane {', '.join(lane.sessions)}: {verdict} in {lane.seconds / 60:.1f} min")
+    failed = [lane.name for lane, code in zip(lanes, codes) if code]
+    if failed:
+        session.error("failed lanes: " + ", ".join(failed))
 
 
 @nox.session
