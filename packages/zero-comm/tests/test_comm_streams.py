@@ -75,6 +75,18 @@ def test_gather_restores_the_compute_stream_when_the_issue_raises():
     assert source.log[-1] == ("enter", "compute")
 
 
+def _reduce_calls(i: int) -> list[tuple]:
+    """The log of reduction ``i`` (from 0): the reduce stream waits on grad-ready, issues, records."""
+    return [
+        ("record", "compute", f"compute#{i + 1}"),  # grad-ready
+        ("wait_event", "reduce", f"compute#{i + 1}"),
+        ("enter", "reduce"),
+        ("reduce_scatter", i, "reduce"),
+        ("enter", "compute"),
+        ("record", "reduce", f"reduce#{i + 1}"),
+    ]
+
+
 def test_reduce_waits_on_grad_ready_and_keeps_inputs_until_compute_waits():
     source = RecordingStreamSource()
     streams = CommStreams(source, keep=2)
@@ -86,24 +98,9 @@ def test_reduce_waits_on_grad_ready_and_keeps_inputs_until_compute_waits():
     assert kept == [[1], [2]]  # the oldest was released after compute waited on it
     assert not streams._pending
     assert log == [
-        ("record", "compute", "compute#1"),  # grad-ready
-        ("wait_event", "reduce", "compute#1"),
-        ("enter", "reduce"),
-        ("reduce_scatter", 0, "reduce"),
-        ("enter", "compute"),
-        ("record", "reduce", "reduce#1"),
-        ("record", "compute", "compute#2"),
-        ("wait_event", "reduce", "compute#2"),
-        ("enter", "reduce"),
-        ("reduce_scatter", 1, "reduce"),
-        ("enter", "compute"),
-        ("record", "reduce", "reduce#2"),
-        ("record", "compute", "compute#3"),
-        ("wait_event", "reduce", "compute#3"),
-        ("enter", "reduce"),
-        ("reduce_scatter", 2, "reduce"),
-        ("enter", "compute"),
-        ("record", "reduce", "reduce#3"),
+        *_reduce_calls(0),
+        *_reduce_calls(1),
+        *_reduce_calls(2),
         ("wait_event", "compute", "reduce#1"),  # over keep=2: compute waits on the oldest
         ("wait_event", "compute", "reduce#3"),  # wait_reduced: the last subsumes the others
     ]
