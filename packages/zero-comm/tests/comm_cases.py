@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -104,3 +106,39 @@ def watchdog_pair(
     finally:
         me.close()
         peer.close()
+
+
+class NeverDone:
+    """A collective's work that never completes; with ``error``, one that failed at once (``wait`` raises)."""
+
+    def __init__(self, error: str = "") -> None:
+        self.error = error
+
+    def is_completed(self) -> bool:
+        return bool(self.error)
+
+    def wait(self, timeout=None):
+        if not self.error:
+            raise AssertionError("polled, never waited on")
+        raise RuntimeError(self.error)
+
+
+class Done:
+    """A collective's work that has completed."""
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self, timeout=None) -> bool:
+        return True
+
+
+def failed_wait(
+    wd: CommWatchdog, error: type[Exception], work: Any = None, *, match: str | None = None
+) -> tuple[str, float]:
+    """``wd.wait(work)`` (``work``: a :class:`NeverDone` unless given) must raise ``error`` (its
+    message matching ``match``): the message and the seconds the wait took."""
+    start = time.monotonic()
+    with pytest.raises(error, match=match) as info:
+        wd.wait(NeverDone() if work is None else work)
+    return str(info.value), time.monotonic() - start

@@ -7,24 +7,14 @@ runs in the fault suite, integration_tests/test_integration_faults.py).
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 import torch.distributed as dist
-from comm_cases import watchdog_pair
+from comm_cases import Done, NeverDone, failed_wait, watchdog_pair
 
 from zero_comm import CommWatchdog, RanksDivergedError
 from zero_comm.call_sites import FIELDS, calls_differ, describe_call, mismatch_text, signature
 from zero_comm.watchdog import CollectiveTimeoutError
-
-
-class _NeverDone:
-    def is_completed(self):
-        return False
-
-    def wait(self, timeout=None):
-        raise AssertionError("polled, never waited on")
 
 
 @pytest.mark.parametrize("site", ["engine.forward", "engine.consolidated_state_dict", "é" * 16, ""])
@@ -69,13 +59,11 @@ def test_a_rank_that_abandons_is_named_by_the_peer_waiting_and_refuses_its_own_n
         me.note("reduces the gradients of `out`")
         me.issued("reduce_scatter")
         peer.abandon("raised ValueError in engine.backward at optimizer step 2, micro-step 2 (boom)")
-        start = time.monotonic()
-        with pytest.raises(RanksDivergedError) as info:
-            me.wait(_NeverDone())
-        assert time.monotonic() - start < 5  # one poll, not the 30 s timeout
+        message, waited = failed_wait(me, RanksDivergedError)
+        assert waited < 5  # one poll, not the 30 s timeout
         assert (
             "rank 0 reduces the gradients of `out` (call 1) while rank 1 raised ValueError in "
-            "engine.backward at optimizer step 2" in str(info.value)
+            "engine.backward at optimizer step 2" in message
         )
         with pytest.raises(
             RanksDivergedError, match=r"rank 1 calls engine.step after it left the other ranks"
@@ -93,7 +81,7 @@ def test_a_peer_that_closed_before_the_collective_is_named_at_once():
         with pytest.raises(
             RanksDivergedError, match=r"rank 1 closed its engine after call 1 \(ran fewer steps\)"
         ):
-            me.wait(_NeverDone())
+            me.wait(NeverDone())
 
 
 def test_a_live_peer_outside_any_collective_is_named_stuck_not_diverged():
@@ -102,9 +90,7 @@ def test_a_live_peer_outside_any_collective_is_named_stuck_not_diverged():
         peer.publish()
         me.issued("all_gather")
         me.issued("all_gather")
-        with pytest.raises(CollectiveTimeoutError) as info:
-            me.wait(_NeverDone())
-        message = str(info.value)
+        message, _ = failed_wait(me, CollectiveTimeoutError)
         assert "rank 1 is stuck outside any collective: alive (heartbeats on)" in message, message
         assert "ranks took different paths" not in message
 
@@ -154,14 +140,6 @@ def test_the_calls_since_the_last_check_are_compared_and_named():
     )
 
 
-class _Done:
-    def is_completed(self):
-        return True
-
-    def wait(self, timeout=None):
-        return True
-
-
 class _RecordingChecks(CommWatchdog):
     """A watchdog whose call check records what it would exchange, and the collectives issued before."""
 
@@ -184,7 +162,7 @@ def test_a_deferred_call_is_checked_just_before_its_first_collective_or_never():
         token = activate(wd)
         try:
             for _ in range(2):
-                watched_call("all_reduce", lambda t, async_op: _Done(), torch.zeros(1))
+                watched_call("all_reduce", lambda t, async_op: Done(), torch.zeros(1))
         finally:
             deactivate(token)
         assert wd.checked == [("engine.step", 4, 8, 0, 0)]  # once, before the first collective

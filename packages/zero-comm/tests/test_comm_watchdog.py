@@ -12,35 +12,11 @@ import time
 
 import pytest
 import torch.distributed as dist
-from comm_cases import watchdog_pair
+from comm_cases import Done, NeverDone, failed_wait, watchdog_pair
 
 import zero_comm
 from zero_comm import CollectiveTimeoutError, CommLedger, CommWatchdog, Topology
 from zero_comm.watched import active_watchdog, collective_label, watched_call
-
-
-class _NeverDone:
-    """Never completes; with ``error``, it failed at once (``wait`` raises it)."""
-
-    def __init__(self, error: str = "") -> None:
-        self.error = error
-
-    def is_completed(self):
-        return bool(self.error)
-
-    def wait(self, timeout=None):
-        raise RuntimeError(self.error)
-
-
-class _Done:
-    waited = 0
-
-    def is_completed(self):
-        return True
-
-    def wait(self, timeout=None):
-        _Done.waited += 1
-        return True
 
 
 class _Communicator:
@@ -99,31 +75,27 @@ def test_a_different_position_after_the_timeout_is_a_diverged_path():
         peer.note("reduces the gradients of `mid`")
         peer.issued("reduce_scatter")
         peer.issued("reduce_scatter")
-        start = time.monotonic()
-        with pytest.raises(CollectiveTimeoutError) as info:
-            me.wait(_NeverDone())
-        assert time.monotonic() - start < 3
-        message = str(info.value)
+        message, waited = failed_wait(me, CollectiveTimeoutError)
+        assert waited < 3
         assert "rank 0 gathers `out` (call 1) while rank 1 reduces the gradients of `mid` (call 2)" in message
         assert "ranks took different paths" in message and "comm_timeout = 0.5" in message
 
 
 def test_a_silent_peer_is_named_before_the_timeout():
     with watchdog_pair(timeout=60, interval=0.05, beat_peer=False) as (me, peer):
-        start = time.monotonic()
-        with pytest.raises(
-            CollectiveTimeoutError, match=r"rank 1 sent no heartbeat for \d+ s: it died or is stuck"
-        ):
-            me.wait(_NeverDone())
-        assert time.monotonic() - start < 5  # 5 heartbeat intervals, not the 60 s timeout
+        _, waited = failed_wait(
+            me, CollectiveTimeoutError, match=r"rank 1 sent no heartbeat for \d+ s: it died or is stuck"
+        )
+        assert waited < 5  # 5 heartbeat intervals, not the 60 s timeout
 
 
 def test_a_connection_error_names_the_dead_rank_not_the_socket():
     with watchdog_pair(timeout=60, interval=0.05, beat_peer=False) as (me, peer):
-        with pytest.raises(CollectiveTimeoutError) as info:
-            me.wait(_NeverDone("Connection reset by peer [127.0.0.1]:56473"))
-        assert str(info.value).startswith("rank 1 sent no heartbeat")
-        assert "Connection reset by peer" in str(info.value)  # the original, after the diagnosis
+        message, _ = failed_wait(
+            me, CollectiveTimeoutError, NeverDone("Connection reset by peer [127.0.0.1]:56473")
+        )
+        assert message.startswith("rank 1 sent no heartbeat")
+        assert "Connection reset by peer" in message  # the original, after the diagnosis
 
 
 def test_collectives_run_under_the_watchdog_of_the_active_ledger():
@@ -132,17 +104,17 @@ def test_collectives_run_under_the_watchdog_of_the_active_ledger():
 
         def fake_collective(*args, async_op=False, **kwargs):
             calls.append(async_op)
-            return _Done()
+            return Done()
 
         assert active_watchdog() is None
-        assert isinstance(watched_call("all_reduce", fake_collective, 1, async_op=False), _Done)
+        assert isinstance(watched_call("all_reduce", fake_collective, 1, async_op=False), Done)
         with CommLedger(Topology.__new__(Topology), watchdog=me):
             assert active_watchdog() is me
             with CommLedger(Topology.__new__(Topology)):  # an inner ledger without one inherits it
                 assert active_watchdog() is me
                 zero_comm.note_collectives("all-reduces the gradient norm")
                 assert watched_call("all_reduce", fake_collective, 1, async_op=False) is None
-                assert isinstance(watched_call("all_reduce", fake_collective, 1, async_op=True), _Done)
+                assert isinstance(watched_call("all_reduce", fake_collective, 1, async_op=True), Done)
         assert calls == [False, True, True]  # under the watchdog every collective is issued async
         assert me.position().call == 2 and me.position().what == "all-reduces the gradient norm"
 
@@ -234,11 +206,11 @@ def test_a_rank_that_departs_alone_raises_and_so_does_the_peer_waiting_for_it():
             "has 'out' (forward) (before call 2): ranks took different paths"
         ), str(info.value)
         with pytest.raises(zero_comm.RanksDivergedError) as waiting:  # rank 0, blocked in its gather
-            me.wait(_NeverDone())
+            me.wait(NeverDone())
         assert str(waiting.value) == str(info.value)
         # the departed rank may exit: its closed connection is still reported as the divergence
         with pytest.raises(zero_comm.RanksDivergedError):
-            me.wait(_NeverDone("Connection closed by peer [127.0.0.1]:53121"))
+            me.wait(NeverDone("Connection closed by peer [127.0.0.1]:53121"))
         assert time.monotonic() - start < 5
 
 
@@ -246,10 +218,8 @@ def test_a_peer_that_never_published_is_not_dead_before_the_timeout():
     store = dist.HashStore()
     me = CommWatchdog(store, 0, 2, timeout=1.0, heartbeat_interval=0.05)  # rank 1 never starts
     try:
-        start = time.monotonic()
-        with pytest.raises(CollectiveTimeoutError, match=r"never reached zero"):
-            me.wait(_NeverDone())
-        assert time.monotonic() - start >= 1.0  # not after 5 heartbeats (0.25 s): it may be slow to start
+        _, waited = failed_wait(me, CollectiveTimeoutError, match=r"never reached zero")
+        assert waited >= 1.0  # not after 5 heartbeats (0.25 s): it may be slow to start
     finally:
         me.close()
 
@@ -340,11 +310,8 @@ def test_a_late_rank_past_comm_timeout_is_named_and_the_communicator_lives():
         me.note("gathers `out`")
         me.issued("all_gather")
         peer.publish()  # late: it has not reached the gather yet
-        start = time.monotonic()
-        with pytest.raises(CollectiveTimeoutError) as info:
-            me.wait(_NcclWork(comm, after=30.0))
-        assert 1.0 <= time.monotonic() - start < 10
-        message = str(info.value)
+        message, waited = failed_wait(me, CollectiveTimeoutError, _NcclWork(comm, after=30.0))
+        assert 1.0 <= waited < 10
         assert "rank 0 gathers `out` (call 1) while rank 1 is outside any collective (call 0)" in message
         assert "comm_timeout = 1" in message
         assert not comm.aborted  # zero raised; the communicator is left to the backend
