@@ -11,11 +11,10 @@ other in the same processes, each with its own ``Trainer``.
 
 from __future__ import annotations
 
-import argparse
 import json
 
 import torch
-from trainer_models import BUILDERS, TokenDataset, token_data
+from trainer_models import BUILDERS, TokenDataset, token_data, worker_parser
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from zero_testing.scripts import run_each, write_from_rank_0
@@ -35,17 +34,12 @@ class EngineRecorder(TrainerCallback):
 
 def train(argv: list[str]) -> None:
     """One ``Trainer.train`` (and ``evaluate``) as ``argv`` says; rank 0 writes its JSON file."""
-    ap = argparse.ArgumentParser()
-    ap.add_argument("out")
+    ap = worker_parser()
     ap.add_argument("--stage", type=int, default=None)
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--accumulate", type=int, default=1)
     ap.add_argument("--max-steps", type=int, default=8)
     ap.add_argument("--save-steps", type=int, default=0)
     ap.add_argument("--output-dir", default="hf_out")
-    ap.add_argument("--resume", default=None)
     ap.add_argument("--save-model", default=None)
-    ap.add_argument("--model", default="gpt2", choices=sorted(BUILDERS))
     ap.add_argument("--lora", action="store_true", help="train LoRA adapters on the frozen model")
     ap.add_argument("--generate", action="store_true", help="record greedy tokens after training")
     ap.add_argument("--config", default=None, help="a zero config JSON (default: the stage with auto values)")

@@ -9,14 +9,13 @@ other in the same processes (one launch, one process group), each with its own `
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
-from trainer_models import BUILDERS, token_data
+from trainer_models import BUILDERS, token_data, worker_parser
 
 import zero_params
 from zero_testing.scripts import run_each, write_from_rank_0
@@ -62,18 +61,13 @@ class LitGPT2(pl.LightningModule):
 
 def train(argv: list[str]) -> None:
     """One ``Trainer.fit`` (and ``validate``) as ``argv`` says; rank 0 writes its JSON file."""
-    ap = argparse.ArgumentParser()
-    ap.add_argument("out")
+    ap = worker_parser()
     ap.add_argument("--strategy", default="auto")
-    ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--epochs", type=int, default=2)
-    ap.add_argument("--accumulate", type=int, default=1)
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--precision", default="32-true")
     ap.add_argument("--ckpt-dir", default=None)
-    ap.add_argument("--resume", default=None)
     ap.add_argument("--validate", action="store_true")
-    ap.add_argument("--model", default="gpt2", choices=sorted(BUILDERS))
     ap.add_argument("--config", default=None, help="a zero config as JSON: ZeroStrategy(config=...)")
     args = ap.parse_args(argv)
 

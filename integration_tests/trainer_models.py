@@ -2,10 +2,12 @@
 
 A GPT-2 and a LLaMA built from configs (no download), dropout off, a fixed token dataset: the
 reference (one process, the whole global batch) and each zero rank see the same model
-and the same global batches.
+and the same global batches. ``worker_parser``: the options both trainer workers take.
 """
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 
@@ -61,6 +63,18 @@ def build_llama():
 
 
 BUILDERS = {"gpt2": build_gpt2, "gpt2_wide": build_gpt2_wide, "llama": build_llama}
+
+
+def worker_parser() -> argparse.ArgumentParser:
+    """The options of both trainer workers: the JSON file rank 0 writes, the model, the batch per
+    device, gradient accumulation and a checkpoint to resume from."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("out")
+    ap.add_argument("--model", default="gpt2", choices=sorted(BUILDERS))
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--accumulate", type=int, default=1)
+    ap.add_argument("--resume", default=None)
+    return ap
 
 
 def token_data(samples: int = SAMPLES) -> torch.Tensor:
