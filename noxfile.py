@@ -1,15 +1,13 @@
 """Every workflow of the zero monorepo.
 
     nox -t ci                 everything CI runs (README's test command): the session ci, which
-                              runs integration, suite, torch_smoke, lint and wheels in lanes side
-                              by side, then faults alone
-    nox -s suite              every package's unit tests, docs and kernels, in one venv that
-                              grows up the layer stack
+                              runs suite, torch_smoke, lint and wheels in lanes side by side
+    nox -s suite              every package's unit tests, integration, docs and kernels, in one
+                              venv that grows up the layer stack
     nox -s tests              unit tests, one session per package, each in its own venv
                               holding only that package, its declared dependencies and torch
     nox -s kernels            Triton kernels vs their torch twins under TRITON_INTERPRET=1
     nox -s integration        multi-process end-to-end trainings (gloo on CPU)
-    nox -s faults             the fault tests that bound how long ranks take to fail and exit
     nox -s torch_smoke        the smoke set on the oldest and the newest supported torch
     nox -s lint               ruff + import-linter layer contracts
     nox -s docs               mkdocs build --strict (prints where the site is); -- serve: serve it
@@ -156,8 +154,7 @@ def _internal_deps(dist: str, extras: tuple[str, ...] = ()) -> list[str]:
 
 # pytest-xdist workers per suite (absent: one process). The integration tests spend much of their
 # time waiting (launchers, timeouts, rendezvous; the 2 cores were half idle), so two workers share
-# them; the tests that bound how long processes take to fail and exit (TIMED_INTEGRATION) run
-# alone (the session faults: a starved heartbeat thread would read as a dead rank).
+# them; the tests that bound how long processes take to exit (TIMED_INTEGRATION) run alone after.
 XDIST = "pytest-xdist>=3.7"  # 3.7: --no-loadscope-reorder
 WORKERS: dict[str, int] = {"integration": 2}
 TIMED_INTEGRATION = (
@@ -350,12 +347,12 @@ def suite(session: nox.Session) -> None:
     """Every test CI runs that needs torch, in one venv that grows up the layer stack.
 
     Each package is installed when only the packages below it are: it must import beside them;
-    then its unit tests run with its test extras. After zero-full: the docs site, and last the
-    Triton kernels under the interpreter (so no earlier step sees triton). One venv instead of
-    ten: each venv cost CI a minute or two of installing. A failed step does not stop the later
-    ones; the session fails at the end, naming each. ``nox -s tests`` (a package alone in its
-    venv), ``docs`` and ``kernels`` run the same steps one at a time; the integration tests are
-    sessions of their own (``integration``, ``faults``).
+    then its unit tests run with its test extras. After zero-full: the integration tests (with
+    the peers), the docs site, and last the Triton kernels under the interpreter (so no earlier
+    step sees triton). One venv instead of ten: each venv cost CI a minute or two of installing.
+    A failed step does not stop the later ones; the session fails at the end, naming each.
+    ``nox -s tests`` (a package alone in its venv), ``integration``, ``docs`` and ``kernels``
+    run the same steps one at a time.
     """
     for i, package in enumerate(LAYERS):
         below = _internal_deps(package, ("test",))[:-1]
@@ -370,6 +367,7 @@ def suite(session: nox.Session) -> None:
         for i, package in enumerate(LAYERS)
     ]
     steps += [
+        ("integration", functools.partial(_integration_tests, session)),
         ("docs", functools.partial(_docs_site, session)),
         ("kernels under the Triton interpreter", functools.partial(_kernels_with_triton, session)),
     ]
@@ -472,11 +470,13 @@ INTEGRATION_PEERS = ["deepspeed==0.19.8", "ninja", "accelerate>=1.0", "lightning
 @nox.session
 @_venv_discarded
 def integration(session: nox.Session) -> None:
-    """End-to-end multi-process runs of the whole stack, beside the peers; then benchmarks/tests.
-
-    Every file of integration_tests/ but :data:`TIMED_INTEGRATION` (the session ``faults``).
-    """
+    """End-to-end multi-process runs of the whole stack."""
     _install(session, "zero-full", "zero-testing")
+    _integration_tests(session)
+
+
+def _integration_tests(session: nox.Session) -> None:
+    """The peers beside zero-full and zero-testing, then integration_tests/ and benchmarks/tests."""
     tests_dir = ROOT / "integration_tests"
     # DeepSpeed: the peer the DeepSpeed-script and DeepSpeed-checkpoint tests run the same code under
     # (without its JIT-built ops: zero_testing.peers; ninja for a user's own runs); grimp: the
@@ -491,21 +491,10 @@ def integration(session: nox.Session) -> None:
     timed = tuple(tests_dir / name for name in TIMED_INTEGRATION)
     try:
         _pytest(session, tests_dir, workers=workers, ignore=timed)
-    finally:  # a failure above still lets the benchmarks' tests run
+    finally:  # a failure above still lets the timed tests and the benchmarks' tests run
+        _pytest(session, *timed)
         # The benchmarks' own helpers (formulas, storage counting, report files): fast, torch only.
         _pytest(session, ROOT / "benchmarks/tests")
-
-
-@nox.session
-@_venv_discarded
-def faults(session: nox.Session) -> None:
-    """The fault tests that bound how long ranks take to fail and exit, with nothing beside them.
-
-    :data:`TIMED_INTEGRATION`, one at a time; CI runs this session after its lanes.
-    """
-    _install(session, "zero-full", "zero-testing")
-    _pip(session, "-c", CONSTRAINTS, "pytest>=8")
-    _pytest(session, *(ROOT / "integration_tests" / name for name in TIMED_INTEGRATION))
 
 
 @nox.session
@@ -622,16 +611,15 @@ def wheels(session: nox.Session) -> None:
     )
 
 
-# What CI runs (README's test command): lanes side by side, each running its sessions one after
-# another, the longest first; then the sessions of CI_ALONE, with nothing beside them. The lanes
-# share the 2 cores: each spends part of its time installing (each torch release of the matrix is
-# a few GB) or in one-process tests, which leaves a core to the others.
+# What CI runs (README's test command), as lanes side by side; each lane runs its sessions one
+# after another. The suite keeps both cores busy through its tests; the other lanes are mostly
+# downloads and installs (each torch release of the matrix is a few GB from PyPI), then minutes of
+# tests, which fill the cores the suite leaves idle while it installs and runs one-process tests.
 CI_LANES = (
-    ("integration",),
-    ("suite", "lint"),
-    ("torch_smoke(oldest)", "torch_smoke(newest)", "wheels"),
+    ("suite",),
+    ("torch_smoke(oldest)", "lint"),
+    ("torch_smoke(newest)", "wheels"),
 )
-CI_ALONE = ("faults",)
 
 
 class _Lane:
@@ -656,12 +644,12 @@ class _Lane:
             with self._printing:
                 sys.stdout.write(f"[{self.name}] {line}")
                 sys.stdout.flush()
-        self._proc.wait()
-        self.seconds = time.monotonic() - self.started  # when this lane ended, not when asked
 
     def wait(self) -> int:
+        code = self._proc.wait()
         self._reader.join()
-        return self._proc.wait()
+        self.seconds = time.monotonic() - self.started
+        return code
 
     def stop(self) -> None:
         if self._proc.poll() is None:
@@ -670,25 +658,23 @@ class _Lane:
 
 @nox.session(venv_backend="none", tags=["ci"])
 def ci(session: nox.Session) -> None:
-    """Everything CI runs: :data:`CI_LANES` side by side, then :data:`CI_ALONE`.
+    """Everything CI runs: suite, torch_smoke (both ends), lint and wheels, in :data:`CI_LANES`.
 
     Each lane's lines carry its first session's name; the end lists each lane's time and result.
     The sessions run alone too (``nox -s suite``, ...).
     """
     printing = threading.Lock()
-    results: list[tuple[_Lane, int]] = []
-    for group in (CI_LANES, (CI_ALONE,)):
-        lanes: list[_Lane] = []
-        try:
-            lanes = [_Lane(sessions, printing) for sessions in group]
-            results += [(lane, lane.wait()) for lane in lanes]
-        finally:
-            for lane in lanes:
-                lane.stop()
-    for lane, code in results:
+    lanes: list[_Lane] = []
+    try:
+        lanes = [_Lane(sessions, printing) for sessions in CI_LANES]
+        codes = [lane.wait() for lane in lanes]
+    finally:
+        for lane in lanes:
+            lane.stop()
+    for lane, code in zip(lanes, codes):
         verdict = "passed" if code == 0 else f"FAILED (exit {code})"
         session.log(f"lane {', '.join(lane.sessions)}: {verdict} in {lane.seconds / 60:.1f} min")
-    failed = [lane.name for lane, code in results if code]
+    failed = [lane.name for lane, code in zip(lanes, codes) if code]
     if failed:
         session.error("failed lanes: " + ", ".join(failed))
 

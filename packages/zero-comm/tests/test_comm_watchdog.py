@@ -128,6 +128,32 @@ def test_the_heartbeat_thread_stops_with_close_and_with_the_watchdog():
         assert not {"zero-watchdog-rank0", "zero-watchdog-rank1"} & {t.name for t in threading.enumerate()}
 
 
+# A watchdog nobody closed. The hook is registered before torch is imported (before any
+# weakref.finalize exists), so it runs after every other exit hook, the finalizers' included.
+_NEVER_CLOSED = """
+import atexit
+seen = []
+atexit.register(lambda: print("heartbeat alive at exit:", any(t.is_alive() for t in seen)))
+import threading, time
+import torch.distributed as dist
+from zero_comm import CommWatchdog
+wd = CommWatchdog(dist.TCPStore("127.0.0.1", 0, 1, True), 0, 2, heartbeat_interval=1e-6)
+seen.append(next(t for t in threading.enumerate() if t.name == "zero-watchdog-rank0"))
+time.sleep(0.2)
+"""
+
+
+def test_a_watchdog_never_closed_stops_its_heartbeat_before_the_interpreter_finalizes():
+    # A daemon thread still in a store call at finalization aborts the process in C++
+    # ("terminate called without an active exception"): the heartbeat is stopped at exit first.
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _NEVER_CLOSED], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "terminate called" not in proc.stderr, proc.stderr[-2000:]
+    assert "heartbeat alive at exit: False" in proc.stdout, proc.stdout
+
+
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="must be > 0"):
         CommWatchdog(dist.HashStore(), 0, 2, timeout=0)

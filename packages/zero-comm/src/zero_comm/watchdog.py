@@ -172,6 +172,7 @@ class CommWatchdog(ClosesOnExit):
         "_recording",
         "_seen",
         "_stop",
+        "_stopper",
         "_store_lock",
         "_thread",
         "check_calls",
@@ -225,12 +226,16 @@ class CommWatchdog(ClosesOnExit):
         self._store_lock = threading.Lock()
         self.publish()
         self._thread: threading.Thread | None = None
+        self._stopper: weakref.finalize | None = None
         if self.store is not None and world_size > 1:
             self._thread = threading.Thread(
                 target=_heartbeat_loop, args=(weakref.ref(self), self._stop, heartbeat_interval), daemon=True
             )
             self._thread.name = f"zero-watchdog-rank{rank}"
             self._thread.start()
+            # Stopped by close(), when the watchdog is collected, or at the latest at interpreter
+            # exit, before daemon threads are frozen (see _stop_heartbeat).
+            self._stopper = weakref.finalize(self, _stop_heartbeat, self._stop, self._thread)
 
     def __repr__(self) -> str:
         return f"CommWatchdog(rank={self.rank}, world_size={self.world_size}, timeout={self.timeout:g})"
@@ -247,8 +252,8 @@ class CommWatchdog(ClosesOnExit):
             with contextlib.suppress(Exception):  # the store is gone (interpreter exit): nothing to tell
                 self.publish()
         self._stop.set()
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join(timeout=2 * self.heartbeat_interval)
+        if self._stopper is not None:
+            self._stopper()
         self._thread = None
 
     # ------------------------------------------------------------------ recording
@@ -753,6 +758,23 @@ def render_label(what: str | Callable[[], str]) -> str:
         except Exception:  # noqa: BLE001 - a label must never break a wait
             return ""
     return what
+
+
+# How long stopping waits for the heartbeat thread to finish the store write it may be in.
+_STOP_JOIN_S = 30.0
+
+
+def _stop_heartbeat(stop: threading.Event, thread: threading.Thread) -> None:
+    """Stop a heartbeat thread and wait until it left the store.
+
+    A daemon thread still inside a store call when the interpreter finalizes is ended by the
+    runtime in the middle of C++ code, which aborts the process ("terminate called without an
+    active exception"); so a watchdog never closed is stopped at exit, and closing waits for the
+    thread's last write instead of a fixed fraction of the interval.
+    """
+    stop.set()
+    if thread is not threading.current_thread():  # collected on the heartbeat thread itself
+        thread.join(timeout=_STOP_JOIN_S)
 
 
 def _heartbeat_loop(ref: weakref.ref[CommWatchdog], stop: threading.Event, interval: float) -> None:
