@@ -644,12 +644,12 @@ class _Lane:
             with self._printing:
                 sys.stdout.write(f"[{self.name}] {line}")
                 sys.stdout.flush()
+        self._proc.wait()
+        self.seconds = time.monotonic() - self.started  # when this lane ended, not when asked
 
     def wait(self) -> int:
-        code = self._proc.wait()
         self._reader.join()
-        self.seconds = time.monotonic() - self.started
-        return code
+        return self._proc.wait()
 
     def stop(self) -> None:
         if self._proc.poll() is None:
