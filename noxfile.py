@@ -631,13 +631,13 @@ class _Lane:
         self.name = sessions[0]
         self._printing = printing
         self.started = time.monotonic()
+        self.seconds = 0.0  # set by the reader when the lane ends
         command = [sys.executable, "-m", "nox", "--noxfile", str(ROOT / "noxfile.py"), "-s", *sessions]
         self._proc = subprocess.Popen(
             command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace"
         )
         self._reader = threading.Thread(target=self._relay, daemon=True)
         self._reader.start()
-        self.seconds = 0.0
 
     def _relay(self) -> None:
         for line in self._proc.stdout:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 from typing import TypeVar
 
 __all__ = ["ClosesOnExit"]
@@ -9,7 +10,7 @@ __all__ = ["ClosesOnExit"]
 _T = TypeVar("_T", bound="ClosesOnExit")
 
 
-class ClosesOnExit:
+class ClosesOnExit(abc.ABC):
     """Base of objects released by :meth:`close`: ``with X(...) as x:`` closes ``x`` on leaving,
     whether or not the block raised (exceptions propagate)."""
 
@@ -21,6 +22,6 @@ class ClosesOnExit:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    @abc.abstractmethod
     def close(self) -> None:
-        """Release what the object holds (subclasses define it)."""
-        raise NotImplementedError
+        """Release what the object holds."""

@@ -115,16 +115,17 @@ class RankPosition:
 
     def describe(self) -> str:
         """``rank 1 gathers `mid` (call 41)``."""
-        doing = self.what or _VERBS.get(self.op, self.op)
-        return f"rank {self.rank} {doing} (call {self.call})"
+        return f"rank {self.rank} {self._doing()}"
 
     def describe_call(self) -> str:
         """:meth:`describe` with the engine call the rank is in, when it said
         (``rank 1 calls engine.forward at optimizer step 3, micro-step 6 and gathers `mid` (call 41)``)."""
-        text = self.describe()
         if self.entered and self.entered != self.what:
-            text = text.replace(f"rank {self.rank} ", f"rank {self.rank} {self.entered} and ", 1)
-        return text
+            return f"rank {self.rank} {self.entered} and {self._doing()}"
+        return self.describe()
+
+    def _doing(self) -> str:
+        return f"{self.what or _VERBS.get(self.op, self.op)} (call {self.call})"
 
 
 class CommWatchdog(ClosesOnExit):
@@ -171,7 +172,6 @@ class CommWatchdog(ClosesOnExit):
         "_position",
         "_recording",
         "_seen",
-        "_stop",
         "_stopper",
         "_store_lock",
         "_thread",
@@ -222,20 +222,20 @@ class CommWatchdog(ClosesOnExit):
         self._broken = ""
         self._position = ("idle", 0, "", time.time(), False)
         self._seen: dict[int, tuple[int, float]] = {}  # rank -> (last beat, my monotonic time it changed)
-        self._stop = threading.Event()
         self._store_lock = threading.Lock()
         self.publish()
         self._thread: threading.Thread | None = None
         self._stopper: weakref.finalize | None = None
         if self.store is not None and world_size > 1:
+            stop = threading.Event()
             self._thread = threading.Thread(
-                target=_heartbeat_loop, args=(weakref.ref(self), self._stop, heartbeat_interval), daemon=True
+                target=_heartbeat_loop, args=(weakref.ref(self), stop, heartbeat_interval), daemon=True
             )
             self._thread.name = f"zero-watchdog-rank{rank}"
             self._thread.start()
             # Stopped by close(), when the watchdog is collected, or at the latest at interpreter
             # exit, before daemon threads are frozen (see _stop_heartbeat).
-            self._stopper = weakref.finalize(self, _stop_heartbeat, self._stop, self._thread)
+            self._stopper = weakref.finalize(self, _stop_heartbeat, stop, self._thread)
 
     def __repr__(self) -> str:
         return f"CommWatchdog(rank={self.rank}, world_size={self.world_size}, timeout={self.timeout:g})"
@@ -251,7 +251,6 @@ class CommWatchdog(ClosesOnExit):
             self._closed = True
             with contextlib.suppress(Exception):  # the store is gone (interpreter exit): nothing to tell
                 self.publish()
-        self._stop.set()
         if self._stopper is not None:
             self._stopper()
         self._thread = None

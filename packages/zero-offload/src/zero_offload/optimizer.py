@@ -8,6 +8,7 @@ sub-groups of at most ``sub_group_size`` elements; per sub-group a step is
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import threading
 from collections import deque
@@ -247,7 +248,7 @@ def check_one_per_group(
         )
 
 
-class HostStepped:
+class HostStepped(abc.ABC):
     """What the offloaded optimizers share: the torch optimizer they step for, one flat master and
     gradient per param group (checked), and the host bytes of their :meth:`state_tensors`."""
 
@@ -259,9 +260,9 @@ class HostStepped:
         self.masters = tuple(masters)
         self.grads = tuple(grads)
 
+    @abc.abstractmethod
     def state_tensors(self) -> list[torch.Tensor]:
         """The host tensors this optimizer keeps (for memory accounting)."""
-        raise NotImplementedError
 
     @property
     def resident_state_bytes(self) -> int:
