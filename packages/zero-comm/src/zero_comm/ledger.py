@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextvars
 import dataclasses
 from collections.abc import Iterable
-from types import TracebackType
 
 from torch.distributed import ProcessGroup
 
@@ -156,9 +155,7 @@ class CommLedger:
             self._watching = activate(self.watchdog)
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self._watching is not None:
             deactivate(self._watching)
         if self._token is not None:

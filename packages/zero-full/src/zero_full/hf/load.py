@@ -11,7 +11,6 @@ import re
 import struct
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -392,9 +391,7 @@ class MetaParameters:
         self._handle = register_module_parameter_registration_hook(self._to_meta)
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
