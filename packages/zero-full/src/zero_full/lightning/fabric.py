@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -31,13 +30,12 @@ from torch.optim import Optimizer
 from zero_full.checkpoint import read_client_state
 from zero_full.config.zero_config import ZeroConfig
 from zero_full.engine import Engine, Init, initialize
+from zero_full.lightning.base import ZeroStrategyBase
 from zero_full.lightning.config import fill_from_trainer, load_raw
 from zero_full.lightning.precision import PRECISIONS
 
 try:
-    from lightning.fabric.accelerators import Accelerator
-    from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
-    from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+    from lightning.fabric.plugins import Precision
     from lightning.fabric.plugins.precision.utils import _convert_fp_tensor
     from lightning.fabric.strategies import DDPStrategy
     from lightning.fabric.strategies.strategy import _Sharded
@@ -120,7 +118,7 @@ class ZeroFabricPrecision(Precision):
         return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=self._dtype)
 
 
-class ZeroFabricStrategy(DDPStrategy, _Sharded):
+class ZeroFabricStrategy(ZeroStrategyBase, DDPStrategy, _Sharded):
     """Fabric strategy training with zero: ``Fabric(strategy=ZeroFabricStrategy(config=cfg))``.
 
     Args:
@@ -135,28 +133,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         engine: The :class:`zero_full.Engine` (``None`` before ``fabric.setup``).
     """
 
-    def __init__(
-        self,
-        stage: int | None = None,
-        config: Mapping[str, Any] | str | None = None,
-        accelerator: Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-    ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-        )
-        self._raw = load_raw(config, stage)
-        self.engine: Engine | None = None
-        self._optimizer: ZeroFabricOptimizer | None = None
+    _optimizer: ZeroFabricOptimizer | None = None
 
     # ------------------------------------------------------------------ configuration
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import shutil
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +34,12 @@ from torch.optim import Optimizer
 import zero_params
 from zero_full.config.zero_config import ZeroConfig
 from zero_full.engine import Engine, Init, initialize
+from zero_full.lightning.base import ZeroStrategyBase
 from zero_full.lightning.config import fill_from_trainer, load_raw
 from zero_full.lightning.precision import PRECISIONS, ZeroPrecision
 
 try:
     import lightning.pytorch as pl
-    from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-    from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
     from lightning.fabric.utilities.types import _PATH
     from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
     from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
@@ -61,7 +59,7 @@ LIGHTNING_STATE = "lightning_state.pt"
 _PLUGINS = (Precision, MixedPrecision, HalfPrecision, ZeroPrecision)
 
 
-class ZeroStrategy(DDPStrategy):
+class ZeroStrategy(ZeroStrategyBase, DDPStrategy):
     """Lightning strategy training with zero.
 
     ``Trainer(strategy="zero_stage_3")`` after ``import zero_full.lightning``, or
@@ -82,28 +80,6 @@ class ZeroStrategy(DDPStrategy):
     """
 
     strategy_name = "zero"
-
-    def __init__(
-        self,
-        stage: int | None = None,
-        config: Mapping[str, Any] | str | None = None,
-        accelerator: pl.accelerators.Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-    ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-        )
-        self._raw = load_raw(config, stage)
-        self.engine: Engine | None = None
 
     # ------------------------------------------------------------------ configuration
 
