@@ -47,11 +47,12 @@ class ZeroStrategyBase:
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
+        # The first four are positional alike in Lightning's and Fabric's DDPStrategy.
         super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
+            accelerator,
+            parallel_devices,
+            cluster_environment,
+            checkpoint_io,
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
