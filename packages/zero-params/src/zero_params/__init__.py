@@ -44,11 +44,8 @@ __all__ = [
     "release",
     "unregister_external_parameter",
 ]
-__all__ += commit.__all__
-__all__ += frozen.__all__
-__all__ += gathered_parameters.__all__
-__all__ += grad_reduce.__all__
-__all__ += init.__all__
-__all__ += offload.__all__
-__all__ += spec.__all__
-__all__ += state.__all__
+__all__ += [
+    name
+    for module in (commit, frozen, gathered_parameters, grad_reduce, init, offload, spec, state)
+    for name in module.__all__
+]
