@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import abc
 import collections
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -59,6 +60,7 @@ class GradientReduction(Protocol):
         ...
 
 
+@dataclasses.dataclass(eq=False, slots=True)
 class BoundaryReduction:
     """Stages 0 and 1: autograd accumulates whole gradients; one bucketed reduction at the boundary.
 
@@ -69,19 +71,10 @@ class BoundaryReduction:
         streams: The reduce side stream (``NO_STREAMS``: the current stream).
     """
 
-    __slots__ = ("max_inflight", "plan", "reduce_fn", "streams")
-
-    def __init__(
-        self,
-        plan: BucketPlan,
-        reduce_fn: ReduceFn,
-        max_inflight: int = 1,
-        streams: CommStreams | NoStreams = NO_STREAMS,
-    ) -> None:
-        self.plan = plan
-        self.reduce_fn = reduce_fn
-        self.max_inflight = max_inflight
-        self.streams = streams
+    plan: BucketPlan
+    reduce_fn: ReduceFn
+    max_inflight: int = 1
+    streams: CommStreams | NoStreams = NO_STREAMS
 
     def begin_micro_step(self, is_boundary: bool) -> None:
         """Nothing to do: autograd accumulates whole gradients until :meth:`at_boundary`."""
