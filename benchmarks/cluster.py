@@ -351,21 +351,12 @@ def plot(result: dict[str, Any], out: pathlib.Path, stem: str) -> list[pathlib.P
     return [save_figure(fig, out / f"{stem}.png")]
 
 
+DEFAULTS = dict(burst_kib=64, layers=2, width=256, vocab=4096, seq=32, micro=1, warmup=2, steps=5)
+QUICK = dict(width=64, vocab=512, warmup=1, steps=2)
+
+
 def build_parser() -> BenchmarkParser:
-    parser = benchmark_parser(
-        "cluster",
-        __doc__,
-        quick={"width": 64, "vocab": 512, "warmup": 1, "steps": 2},
-        docs=True,
-        burst_kib=64,
-        layers=2,
-        width=256,
-        vocab=4096,
-        seq=32,
-        micro=1,
-        warmup=2,
-        steps=5,
-    )
+    parser = benchmark_parser("cluster", __doc__, quick=QUICK, docs=True, **DEFAULTS)
     parser.add_argument("--rate-mbit", type=float, default=20.0, help="inter-node link rate; 0: unshaped")
     parser.add_argument("--variants", nargs="*", default=list(VARIANTS), choices=list(VARIANTS))
     return parser

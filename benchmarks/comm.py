@@ -179,17 +179,12 @@ def report(args: argparse.Namespace, result: dict, command: str) -> Report:
     return Report("comm", {"meta": meta, **result}, text, command)
 
 
+DEFAULTS = dict(world=2, ranks_per_node=None, tensors=64, numel=4_000_000, repeats=10)
+QUICK = dict(tensors=8, numel=200_000, repeats=2)
+
+
 def build_parser() -> BenchmarkParser:
-    return benchmark_parser(
-        "comm",
-        __doc__,
-        quick={"tensors": 8, "numel": 200_000, "repeats": 2},
-        world=2,
-        ranks_per_node=None,
-        tensors=64,
-        numel=4_000_000,
-        repeats=10,
-    )
+    return benchmark_parser("comm", __doc__, quick=QUICK, **DEFAULTS)
 
 
 def main(argv: Sequence[str]) -> None:

@@ -176,20 +176,12 @@ def report(args: argparse.Namespace, rows: list[dict], command: str) -> Report:
     return Report("generate", {"meta": meta, "rows": rows, "summary": summary}, text, command)
 
 
+DEFAULTS = dict(world=2, layers=4, width=256, vocab=8192, batch=1, prompt=8, new_tokens=64, repeats=3)
+QUICK = dict(layers=2, width=64, vocab=512, new_tokens=8, repeats=1)
+
+
 def build_parser() -> BenchmarkParser:
-    return benchmark_parser(
-        "generate",
-        __doc__,
-        quick={"layers": 2, "width": 64, "vocab": 512, "new_tokens": 8, "repeats": 1},
-        world=2,
-        layers=4,
-        width=256,
-        vocab=8192,
-        batch=1,
-        prompt=8,
-        new_tokens=64,
-        repeats=3,
-    )
+    return benchmark_parser("generate", __doc__, quick=QUICK, **DEFAULTS)
 
 
 def main(argv: Sequence[str]) -> None:

@@ -199,20 +199,12 @@ def report(args: argparse.Namespace, rows: list[dict], command: str) -> Report:
     return Report("mics", {"meta": meta, "rows": rows}, text, command)
 
 
+DEFAULTS = dict(layers=2, width=128, vocab=4096, seq=64, micro=2, accum=2, warmup=2, steps=6)
+QUICK = dict(width=64, vocab=512, seq=16, warmup=1, steps=2)
+
+
 def build_parser() -> BenchmarkParser:
-    return benchmark_parser(
-        "mics",
-        __doc__,
-        quick={"width": 64, "vocab": 512, "seq": 16, "warmup": 1, "steps": 2},
-        layers=2,
-        width=128,
-        vocab=4096,
-        seq=64,
-        micro=2,
-        accum=2,
-        warmup=2,
-        steps=6,
-    )
+    return benchmark_parser("mics", __doc__, quick=QUICK, **DEFAULTS)
 
 
 def main(argv: Sequence[str]) -> None:

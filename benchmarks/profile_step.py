@@ -521,18 +521,12 @@ def markdown(result: dict[str, Any], docs: bool = False) -> str:
     )
 
 
+DEFAULTS = dict(world=2, warmup=3, steps=8, profile_steps=2, sweep_repeats=5)
+QUICK = dict(warmup=1, steps=2, profile_steps=1, sweep_repeats=1)
+
+
 def build_parser() -> BenchmarkParser:
-    parser = workload_parser(
-        "profile_step",
-        __doc__,
-        quick={"warmup": 1, "steps": 2, "profile_steps": 1, "sweep_repeats": 1},
-        docs=True,
-        world=2,
-        warmup=3,
-        steps=8,
-        profile_steps=2,
-        sweep_repeats=5,
-    )
+    parser = workload_parser("profile_step", __doc__, quick=QUICK, docs=True, **DEFAULTS)
     parser.add_argument(
         "--impl",
         choices=("zero-1", "zero-2", "zero-3"),

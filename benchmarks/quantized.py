@@ -336,18 +336,12 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+DEFAULTS = dict(world=4, ranks_per_node=2, numel=10_000_000, repeats=5, ss_repeats=3, kernel_repeats=7)
+QUICK = dict(numel=400_000, repeats=2, ss_repeats=1, kernel_repeats=2)
+
+
 def build_parser() -> BenchmarkParser:
-    return benchmark_parser(
-        "quantized",
-        __doc__,
-        quick={"numel": 400_000, "repeats": 2, "ss_repeats": 1, "kernel_repeats": 2},
-        world=4,
-        ranks_per_node=2,
-        numel=10_000_000,
-        repeats=5,
-        ss_repeats=3,
-        kernel_repeats=7,
-    )
+    return benchmark_parser("quantized", __doc__, quick=QUICK, **DEFAULTS)
 
 
 def main(argv: Sequence[str]) -> None:

@@ -137,18 +137,12 @@ def summarize(times: dict[str, list[float]], checks_per_step: float = 0.0) -> di
     }
 
 
+DEFAULTS = dict(layers=4, hidden=256, micro_batch=4, world=2, warmup=3, pairs=60)
+QUICK = dict(layers=2, hidden=64, warmup=1, pairs=4)
+
+
 def build_parser() -> BenchmarkParser:
-    parser = benchmark_parser(
-        "watchdog_overhead",
-        __doc__,
-        quick={"layers": 2, "hidden": 64, "warmup": 1, "pairs": 4},
-        layers=4,
-        hidden=256,
-        micro_batch=4,
-        world=2,
-        warmup=3,
-        pairs=60,
-    )
+    parser = benchmark_parser("watchdog_overhead", __doc__, quick=QUICK, **DEFAULTS)
     parser.add_argument("--workload", choices=("gpt2", "mlp", "linear"), default="gpt2")
     parser.add_argument("--timeout", type=float, default=3600.0)
     parser.add_argument(
