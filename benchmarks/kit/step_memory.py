@@ -65,11 +65,9 @@ RELEASE = ImplOptions(
     persistence_threshold=0,
     prefetch_blocks=1.0,
     live_blocks=2.0,
-    bucket_blocks=1.0,
-    sub_group_blocks=1.0,
-    overlap_comm=None,
+    **dict.fromkeys(("bucket_blocks", "sub_group_blocks"), 1.0),
+    **dict.fromkeys(("overlap_comm", "reduce_max_inflight"), None),
     leaf_blocks=False,
-    reduce_max_inflight=None,
 )
 MEASURED_ENV = {"MALLOC_MMAP_THRESHOLD_": "1048576", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
 
