@@ -341,6 +341,27 @@ def table(rows: list[dict]) -> str:
     return markdown_table(headers, cells, align="lrrrrrrrrrrrr")
 
 
+NOTES = (
+    "step ms: per step the slowest rank, median over steps, median over rounds. "
+    "x DDP: ratio to DDP's step time in the same round, median over rounds. "
+    "CPU ms: CPU time of the rank's process (all its threads, gloo's included) per step, mean over ranks, "
+    "median over rounds; CPU x DDP likewise, per round: less sensitive than wall time to other jobs on a "
+    "shared machine. "
+    "Page faults/step: minor page faults of the rank's training thread per measured step (pages the "
+    "allocator took fresh from the kernel), mean over ranks, median over rounds. "
+    "Model states: distinct tensor storages reachable from the module, optimizer and engine after backward "
+    "(params, grads, optimizer state, buffers), largest rank. "
+    "Formula: fp32 AdamW ZeRO formula (DDP 16P, stage 1 8P+8P/N, stage 2 4P+12P/N, stage 3 and FSDP2 16P/N). "
+    "Real memory (RSS) per rank: see the memory benchmark (python -m benchmarks memory), which runs each "
+    "implementation in fresh processes. "
+    "MB sent: wchar of /proc/self/io per rank per step; ring ideal: 2P(N-1)/N x 4 bytes (3P(N-1)/N at stage "
+    "3 and FSDP2). "
+    "Loss diff: against the single process on the same global batch, every step. "
+    "MB = 1e6 bytes."
+)
+"""What the report's columns measure (its last paragraph)."""
+
+
 def markdown(result: dict[str, Any]) -> str:
     """The whole report: a header with the conditions, one table per world size."""
     meta, plan = result["meta"], result["plan"]
@@ -363,25 +384,7 @@ def markdown(result: dict[str, Any]) -> str:
     for world in plan["worlds"]:
         rows = [r for r in result["rows"] if r["world"] == world]
         lines += [f"World {world}:", "", table(rows), ""]
-    notes = [
-        "step ms: per step the slowest rank, median over steps, median over rounds.",
-        "x DDP: ratio to DDP's step time in the same round, median over rounds.",
-        "CPU ms: CPU time of the rank's process (all its threads, gloo's included) per step, mean over",
-        "ranks, median over rounds; CPU x DDP likewise, per round: less sensitive than wall time to other",
-        "jobs on a shared machine.",
-        "Page faults/step: minor page faults of the rank's training thread per measured step (pages the",
-        "allocator took fresh from the kernel), mean over ranks, median over rounds.",
-        "Model states: distinct tensor storages reachable from the module, optimizer and engine after",
-        "backward (params, grads, optimizer state, buffers), largest rank.",
-        "Formula: fp32 AdamW ZeRO formula (DDP 16P, stage 1 8P+8P/N, stage 2 4P+12P/N, stage 3 and FSDP2",
-        "16P/N). Real memory (RSS) per rank: see the memory benchmark (python -m benchmarks memory),",
-        "which runs each implementation in fresh processes. MB sent: wchar of /proc/self/io per rank per",
-        "step; ring",
-        "ideal: 2P(N-1)/N x 4 bytes",
-        "(3P(N-1)/N at stage 3 and FSDP2). Loss diff: against the single process on the same global batch,",
-        "every step. MB = 1e6 bytes.",
-    ]
-    lines.append(" ".join(notes))
+    lines.append(NOTES)
     return "\n".join(lines) + "\n"
 
 
