@@ -51,7 +51,7 @@ import statistics
 import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -238,6 +238,13 @@ def summarize(plan: Plan, world: int, psi: int, ref: dict[str, Any], raw: list[d
         ranks = by[(impl, rnd)]
         return sum(r["cpu_s"] for r in ranks) / len(ranks)
 
+    def median_and_ratio(of: Callable[[str, int], float], impl: str) -> tuple[float, float | None]:
+        """The median over rounds of ``of(impl, round)``, and of its ratio to DDP's in the same round."""
+        per_round = [of(impl, rnd) for rnd in range(plan.rounds)]
+        ratios = (v / of("ddp", rnd) for rnd, v in enumerate(per_round))
+        ratio = statistics.median(ratios) if "ddp" in plan.impls else None
+        return statistics.median(per_round), ratio
+
     rows = []
     for impl in ("single", *[i for i in plan.impls]):
         if impl == "single":
@@ -247,20 +254,8 @@ def summarize(plan: Plan, world: int, psi: int, ref: dict[str, Any], raw: list[d
             cpu_s = ref["cpu_s"]
         else:
             runs = [by[(impl, rnd)] for rnd in range(plan.rounds)]
-            per_round = [round_step_s(impl, rnd) for rnd in range(plan.rounds)]
-            step_s = statistics.median(per_round)
-            ratio = (
-                statistics.median(s / round_step_s("ddp", rnd) for rnd, s in enumerate(per_round))
-                if "ddp" in plan.impls
-                else None
-            )
-            cpu_rounds = [round_cpu_s(impl, rnd) for rnd in range(plan.rounds)]
-            cpu_s = statistics.median(cpu_rounds)
-            cpu_ratio = (
-                statistics.median(c / round_cpu_s("ddp", rnd) for rnd, c in enumerate(cpu_rounds))
-                if "ddp" in plan.impls
-                else None
-            )
+            step_s, ratio = median_and_ratio(round_step_s, impl)
+            cpu_s, cpu_ratio = median_and_ratio(round_cpu_s, impl)
         ranks_n = len(runs[0])
         losses = [[sum(x) / ranks_n for x in zip(*(r["losses"] for r in ranks))] for ranks in runs]
         loss_diff = max(abs(a - b) for run in losses for a, b in zip(run, ref["losses"]))
@@ -396,46 +391,29 @@ def plots(result: dict[str, Any], out: pathlib.Path, name: str) -> list[pathlib.
     impls = [i for i in result["plan"]["impls"]]
     rows = {(r["impl"], r["world"]): r for r in result["rows"]}
     width = 0.8 / len(worlds)
+    # Per plot: the file's suffix, the y axis, the bars' label format, what the values are divided by,
+    # the row keys of the bars and of the markers, and the markers' legend label.
     specs = [
-        (
-            f"{name}_step_time.png",
-            "Step time relative to DDP, same run (bars: CPU time; marker: wall clock)",
-            "x DDP",
-            lambda r: r["cpu_ratio_to_ddp"],
-            lambda r: r["ratio_to_ddp"],
-            "wall clock x DDP",
-            "%.2f",
-        ),
-        (
-            f"{name}_memory.png",
-            "Model-state MB per rank (marker: ZeRO formula)",
-            "MB",
-            lambda r: r["model_state_bytes"] / 1e6,
-            lambda r: r["formula_state_bytes"] / 1e6,
-            "ZeRO formula",
-            "%.0f",
-        ),
-        (
-            f"{name}_bytes.png",
-            "MB sent per rank per step (marker: ring ideal)",
-            "MB",
-            lambda r: r["wchar_bytes_per_step"] / 1e6,
-            lambda r: r["ring_ideal_bytes_per_step"] / 1e6,
-            "ring ideal",
-            "%.1f",
-        ),
+        ("step_time", "x DDP", "%.2f", 1, "cpu_ratio_to_ddp", "ratio_to_ddp", "wall clock x DDP"),
+        ("memory", "MB", "%.0f", 1e6, "model_state_bytes", "formula_state_bytes", "ZeRO formula"),
+        ("bytes", "MB", "%.1f", 1e6, "wchar_bytes_per_step", "ring_ideal_bytes_per_step", "ring ideal"),
     ]
+    titles = {
+        "step_time": "Step time relative to DDP, same run (bars: CPU time; marker: wall clock)",
+        "memory": "Model-state MB per rank (marker: ZeRO formula)",
+        "bytes": "MB sent per rank per step (marker: ring ideal)",
+    }
     paths = []
-    for filename, title, ylabel, value, marker, marker_label, fmt in specs:
+    for suffix, ylabel, fmt, unit, bar, marker, marker_label in specs:
         fig, ax = plt.subplots(figsize=(9, 4))
         for k, world in enumerate(worlds):
             xs = [i + (k - (len(worlds) - 1) / 2) * width for i in range(len(impls))]
-            ys = [value(rows[(i, world)]) or 0.0 for i in impls]
+            ys = [(rows[(i, world)][bar] or 0.0) / unit for i in impls]
             bars = ax.bar(xs, ys, width, label=f"world {world}")
             ax.bar_label(bars, fmt=fmt, fontsize=7)
             ax.scatter(
                 xs,
-                [marker(rows[(i, world)]) or 0.0 for i in impls],
+                [(rows[(i, world)][marker] or 0.0) / unit for i in impls],
                 color="black",
                 marker="_",
                 s=200,
@@ -446,9 +424,9 @@ def plots(result: dict[str, Any], out: pathlib.Path, name: str) -> list[pathlib.
             ax.axhline(1.0, color="grey", linewidth=0.8)
         ax.set_xticks(range(len(impls)), impls, rotation=20)
         ax.set_ylabel(ylabel)
-        ax.set_title(title)
+        ax.set_title(titles[suffix])
         ax.legend(fontsize=8)
-        paths.append(save_figure(fig, out / filename))
+        paths.append(save_figure(fig, out / f"{name}_{suffix}.png"))
     return paths
 
 
