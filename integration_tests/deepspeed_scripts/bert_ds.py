@@ -98,21 +98,22 @@ class RobertaMLMModel(RobertaPreTrainedModel):
 
 def create_model() -> RobertaMLMModel:
     torch.manual_seed(42)
-    config = RobertaConfig(
-        attention_probs_dropout_prob=0.0,
-        hidden_dropout_prob=0.0,
-        hidden_size=32,
-        intermediate_size=64,
-        max_position_embeddings=SEQ + 4,
-        num_attention_heads=2,
-        num_hidden_layers=2,
-        pad_token_id=1,
-        bos_token_id=0,
-        eos_token_id=2,
-        type_vocab_size=1,
-        vocab_size=VOCAB,
-        layer_norm_eps=1e-5,
-    )
+    roberta_config_dict = {
+        "attention_probs_dropout_prob": 0.0,
+        "bos_token_id": 0,
+        "eos_token_id": 2,
+        "hidden_dropout_prob": 0.0,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "layer_norm_eps": 1e-05,
+        "max_position_embeddings": SEQ + 4,
+        "num_attention_heads": 2,
+        "num_hidden_layers": 2,
+        "pad_token_id": 1,
+        "type_vocab_size": 1,
+        "vocab_size": VOCAB,
+    }
+    config = RobertaConfig.from_dict(roberta_config_dict)
     return RobertaMLMModel(config, RobertaModel(config))
 
 

@@ -76,16 +76,8 @@ def pretrained_state() -> dict[str, torch.Tensor]:
 
 
 def model_config() -> GPT2Config:
-    return GPT2Config(
-        vocab_size=VOCAB,
-        n_positions=SEQ,
-        n_embd=32,
-        n_layer=2,
-        n_head=2,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
+    no_dropout = dict.fromkeys(("resid_pdrop", "embd_pdrop", "attn_pdrop"), 0.0)
+    return GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2, **no_dropout)
 
 
 def create_hf_model(ds_config: dict) -> GPT2LMHeadModel:

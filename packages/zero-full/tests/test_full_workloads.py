@@ -13,15 +13,14 @@ from zero_full.cli.train.workloads import GPT2Workload, enable_hf_checkpointing
 
 def _by_hand(layers: int, hidden: int, heads: int, vocab: int, positions: int) -> GPT2LMHeadModel:
     """The GPT-2 the demo, the benchmarks and the integration tests each built themselves."""
+    no_dropout = dict.fromkeys(("attn_pdrop", "resid_pdrop", "embd_pdrop"), 0.0)
     cfg = GPT2Config(
         n_layer=layers,
         n_embd=hidden,
         n_head=heads,
+        **no_dropout,
         vocab_size=vocab,
         n_positions=positions,
-        attn_pdrop=0.0,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
         bos_token_id=0,
         eos_token_id=0,
     )
