@@ -156,6 +156,17 @@ def test_csv_and_tensorboard_hold_the_engines_loss_and_lr_per_step(dist, tmp_pat
     assert {"Train/Samples/step_time_ms", "Train/Samples/peak_rss_bytes"} <= set(scalars)
 
 
+def _opener(calls: dict, key: str, handle: type):
+    """A double of a tracker's ``init`` / ``start``: records its keyword arguments in ``calls[key]``
+    and returns a new ``handle``."""
+
+    def open_run(**kwargs):
+        calls[key].append(kwargs)
+        return handle()
+
+    return open_run
+
+
 def _fake_wandb(fake: types.ModuleType, calls: dict) -> None:
     calls.update(init=[], log=[], finish=0)
 
@@ -163,11 +174,7 @@ def _fake_wandb(fake: types.ModuleType, calls: dict) -> None:
         def finish(self) -> None:
             calls["finish"] += 1
 
-    def init(**kwargs):
-        calls["init"].append(kwargs)
-        return Run()
-
-    fake.init = init
+    fake.init = _opener(calls, "init", Run)
     fake.log = lambda data, step=None: calls["log"].append((step, dict(data)))
 
 
@@ -184,11 +191,7 @@ def _fake_comet(fake: types.ModuleType, calls: dict) -> None:
         def end(self) -> None:
             calls["end"] += 1
 
-    def start(**kwargs):
-        calls["start"].append(kwargs)
-        return Experiment()
-
-    fake.start = start
+    fake.start = _opener(calls, "start", Experiment)
 
 
 def _train_beside_double(rank, config: dict, api: str, package: str, build) -> dict:
