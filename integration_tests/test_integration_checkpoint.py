@@ -6,14 +6,7 @@ from __future__ import annotations
 import pytest
 import safetensors.torch
 import torch
-from models import (
-    build,
-    make_optimizer,
-    reference_run,
-    save_then_continue,
-    train_steps,
-    zero_config,
-)
+from models import build, make_optimizer, reference_run, save_then_continue, train_steps, zero_config
 
 import zero_full
 from zero_full.checkpoint.safetensors import consolidate_checkpoint

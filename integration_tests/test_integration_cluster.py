@@ -26,18 +26,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from zero_testing import RankFailure
-from zero_testing.netns import (
-    LinkShape,
-    SimulatedCluster,
-    interface_counters,
-    needs_cluster,
-    retransmitted_bytes,
-    run_on_cluster,
-)
+from zero_testing import RankFailure, netns
 from zero_testing.traffic import node_egress_bytes
 
-pytestmark = needs_cluster()
+pytestmark = netns.needs_cluster()
 
 WORLD, PER_NODE, STEPS, VOCAB, SEQ = 4, 2, 3, 97, 16
 RELEASED = {
@@ -75,7 +67,7 @@ def _train(rank, on_cluster: bool) -> dict:
     for _ in range(STEPS):
         ids = torch.randint(0, VOCAB, (2, SEQ), generator=gen)
         dist.barrier()
-        tx0 = (interface_counters(), retransmitted_bytes()) if on_cluster else None
+        tx0 = (netns.interface_counters(), netns.retransmitted_bytes()) if on_cluster else None
         dist.barrier()  # every rank has read the counters before any rank sends
         with CommLedger(Topology()) as ledger:
             loss = engine.module(input_ids=ids, labels=ids).loss
@@ -84,7 +76,7 @@ def _train(rank, on_cluster: bool) -> dict:
         dist.barrier()
         veth = None
         if tx0 is not None:
-            veth = ((interface_counters() - tx0[0]).payload_bytes, retransmitted_bytes() - tx0[1])
+            veth = ((netns.interface_counters() - tx0[0]).payload_bytes, netns.retransmitted_bytes() - tx0[1])
         losses.append(loss.item())
         records = [(r.op, r.group_ranks, r.payload_bytes, r.wire_bytes) for r in ledger.records]
         steps.append((records, ledger.totals(link=LinkKind.INTER_NODE).wire_bytes, veth))
@@ -98,12 +90,12 @@ def _netns_names() -> set[str]:
 
 
 def test_zero3_on_two_nodes_matches_loopback_and_sends_the_formula_bytes() -> None:
-    with SimulatedCluster(2, LinkShape(rate_mbit=1000)) as cluster:
+    with netns.SimulatedCluster(2, netns.LinkShape(rate_mbit=1000)) as cluster:
         names = set(cluster.namespaces())
         assert names <= _netns_names()
-        ranks = run_on_cluster(cluster, WORLD, _train, True, ranks_per_node=PER_NODE)
+        ranks = netns.run_on_cluster(cluster, WORLD, _train, True, ranks_per_node=PER_NODE)
     assert not names & _netns_names(), f"namespaces left behind: {sorted(names & _netns_names())}"
-    loopback = run_on_cluster(None, WORLD, _train, False, ranks_per_node=PER_NODE)
+    loopback = netns.run_on_cluster(None, WORLD, _train, False, ranks_per_node=PER_NODE)
 
     for r in range(WORLD):
         assert ranks[r]["losses"] == loopback[r]["losses"], f"rank {r}: losses differ from loopback"
@@ -139,7 +131,7 @@ def _fail(rank) -> None:
 
 def test_cluster_is_removed_when_a_rank_fails() -> None:
     with pytest.raises(RankFailure, match="planned failure"):
-        with SimulatedCluster(2, LinkShape(rate_mbit=None)) as cluster:
+        with netns.SimulatedCluster(2, netns.LinkShape(rate_mbit=None)) as cluster:
             names = set(cluster.namespaces())
-            run_on_cluster(cluster, WORLD, _fail, ranks_per_node=PER_NODE, timeout=120)
+            netns.run_on_cluster(cluster, WORLD, _fail, ranks_per_node=PER_NODE, timeout=120)
     assert not names & _netns_names(), f"namespaces left behind: {sorted(names & _netns_names())}"

@@ -19,19 +19,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import models
 import pytest
 import torch
 import torch.distributed as dist
-from models import (
-    assert_ranks_agree_and_match,
-    build,
-    global_batch,
-    make_optimizer,
-    mean_over_ranks,
-    rank_slice,
-    reference_run,
-    zero_config,
-)
 
 import zero_full
 import zero_params
@@ -49,7 +40,7 @@ def _case(model: str, checkpointing: str) -> str:
 
 @functools.cache
 def _reference(name: str) -> dict:
-    return reference_run(name, "sgd", STEPS, BATCH)
+    return models.reference_run(name, "sgd", STEPS, BATCH)
 
 
 def _saved_param_views(saved: list) -> tuple:
@@ -71,12 +62,12 @@ def _train_and_check_release(rank, name: str) -> dict:
     for every view of a parameter autograd saved in forward and that was released by the end
     of forward, the bytes its storage still holds."""
     world = dist.get_world_size()
-    model = build(name)
-    config = zero_config(stage3_max_live_parameters=1, stage3_max_reuse_distance=0)
-    engine = zero_full.initialize(model, config, make_optimizer("sgd"))
+    model = models.build(name)
+    config = models.zero_config(stage3_max_live_parameters=1, stage3_max_reuse_distance=0)
+    engine = zero_full.initialize(model, config, models.make_optimizer("sgd"))
     losses, held, checked, kept_available = [], [], set(), set()
     for step in range(STEPS):
-        batch = rank_slice(global_batch(name, step, BATCH), rank.rank, world)
+        batch = models.rank_slice(models.global_batch(name, step, BATCH), rank.rank, world)
         if step == CHECK_STEP:
             saved: list = []
             with torch.autograd.graph.saved_tensors_hooks(*_saved_param_views(saved)):
@@ -98,7 +89,7 @@ def _train_and_check_release(rank, name: str) -> dict:
             loss = engine(*batch)
         engine.backward(loss)
         engine.step()
-        losses.append(mean_over_ranks(loss.item()))
+        losses.append(models.mean_over_ranks(loss.item()))
     with zero_params.GatheredParameters(list(model.parameters())):
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
     engine.close()
@@ -135,7 +126,7 @@ def test_released_parameters_free_what_autograd_saved_and_train_like_one_process
 ):
     name = _case(model, checkpointing)
     results = dist.run(world, _train_and_check_release, name)
-    assert_ranks_agree_and_match(results, _reference(name), "sgd")
+    models.assert_ranks_agree_and_match(results, _reference(name), "sgd")
     for r, res in enumerate(results):
         assert res["held"] == [], f"rank {r}: released parameters still hold bytes: {res['held']}"
         assert len(res["checked"]) >= _MIN_CHECKED[model, checkpointing], (r, res["checked"], res["kept"])
