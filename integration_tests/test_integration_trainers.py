@@ -60,9 +60,19 @@ LLAMA = ("--model", "llama")
 INT8_BASE = {"stage": 3, "stage3_param_persistence_threshold": 0, "zero_quantized_nontrainable_weights": True}
 
 
-@pytest.fixture(scope="module")
-def hf_ref_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("hf_ref")
+def _module_dir(name: str):
+    """A module-scoped fixture: a fresh directory ``name`` that the runs of this module write to."""
+
+    @pytest.fixture(scope="module")
+    def directory(tmp_path_factory) -> Path:
+        return tmp_path_factory.mktemp(name)
+
+    return directory
+
+
+hf_ref_dir = _module_dir("hf_ref")
+hf_run_dir = _module_dir("hf_runs")
+lightning_run_dir = _module_dir("pl_runs")
 
 
 @pytest.fixture(scope="module")
@@ -82,11 +92,6 @@ def hf_references(hf_ref_dir) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def hf_reference(hf_references) -> dict:
     return hf_references["gpt2"]
-
-
-@pytest.fixture(scope="module")
-def hf_run_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("hf_runs")
 
 
 @pytest.fixture(scope="module")
@@ -176,11 +181,6 @@ def lightning_references(tmp_path_factory) -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def lightning_reference(lightning_references) -> dict:
     return lightning_references["gpt2"]
-
-
-@pytest.fixture(scope="module")
-def lightning_run_dir(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("pl_runs")
 
 
 @pytest.fixture(scope="module")
