@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from datetime import timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -36,6 +36,9 @@ class ZeroStrategyBase:
         process_group_backend, timeout: As for the ``DDPStrategy`` that follows in the bases.
     """
 
+    _NO_ENGINE_YET: ClassVar[str] = "the zero engine is not built yet"
+    """The error of a call that needs the engine before the strategy built it: says what builds it."""
+
     def __init__(
         self,
         stage: int | None = None,
@@ -58,3 +61,9 @@ class ZeroStrategyBase:
         )
         self._raw = load_raw(config, stage)
         self.engine: Engine | None = None
+
+    def _require_engine(self) -> Engine:
+        """The engine; ``RuntimeError`` naming what builds it when it is not built yet."""
+        if self.engine is None:
+            raise RuntimeError(self._NO_ENGINE_YET)
+        return self.engine

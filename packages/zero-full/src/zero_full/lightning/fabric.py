@@ -134,6 +134,7 @@ class ZeroFabricStrategy(ZeroStrategyBase, DDPStrategy, _Sharded):
     """
 
     _optimizer: ZeroFabricOptimizer | None = None
+    _NO_ENGINE_YET = "the zero engine is built by fabric.setup(model, optimizer); call it first"
 
     # ------------------------------------------------------------------ configuration
 
@@ -165,11 +166,6 @@ class ZeroFabricStrategy(ZeroStrategyBase, DDPStrategy, _Sharded):
         if not isinstance(self.precision, ZeroFabricPrecision):
             self.precision = ZeroFabricPrecision(flag)
         super().setup_environment()
-
-    def _require_engine(self) -> Engine:
-        if self.engine is None:
-            raise RuntimeError("the zero engine is built by fabric.setup(model, optimizer); call it first")
-        return self.engine
 
     # ------------------------------------------------------------------ model and optimizer
 

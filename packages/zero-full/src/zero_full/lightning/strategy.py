@@ -33,7 +33,7 @@ from torch.optim import Optimizer
 
 import zero_params
 from zero_full.config.zero_config import ZeroConfig
-from zero_full.engine import Engine, Init, initialize
+from zero_full.engine import Init, initialize
 from zero_full.lightning.base import ZeroStrategyBase
 from zero_full.lightning.config import fill_from_trainer, load_raw
 from zero_full.lightning.precision import PRECISIONS, ZeroPrecision
@@ -80,6 +80,7 @@ class ZeroStrategy(ZeroStrategyBase, DDPStrategy):
     """
 
     strategy_name = "zero"
+    _NO_ENGINE_YET = "the zero engine is built in ZeroStrategy.setup; nothing may train before it"
 
     # ------------------------------------------------------------------ configuration
 
@@ -135,11 +136,6 @@ class ZeroStrategy(ZeroStrategyBase, DDPStrategy):
         if self.lightning_module is None:
             raise RuntimeError("ZeroStrategy has no LightningModule: Trainer.fit / validate connects one")
         return self.lightning_module
-
-    def _require_engine(self) -> Engine:
-        if self.engine is None:
-            raise RuntimeError("the zero engine is built in ZeroStrategy.setup; nothing may train before it")
-        return self.engine
 
     @contextmanager
     def model_sharded_context(self) -> Generator[None, None, None]:
