@@ -143,7 +143,6 @@ def test_python_sample_runs(block: Block, tmp_path: Path):
             capture_output=True,
             text=True,
             timeout=TIMEOUT_S,
-            check=False,
         )
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"{block.where}: the code sample did not finish within {TIMEOUT_S} s\n{exc.stdout or ''}")
