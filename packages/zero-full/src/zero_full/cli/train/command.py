@@ -24,24 +24,30 @@ def add_train_parser(sub: Any) -> None:
         "and print memory per rank vs DDP, bytes communicated per step and parameter traffic. "
         "Needs pip install zero-full[demo].",
     )
+    d = TrainOptions()  # the defaults
     ints = (
-        ("--world", 2, "local ranks (default 2)"),
-        ("--stage", None, "ZeRO stage (default: the config's, else 3)"),
-        ("--steps", 30, "optimizer steps (default 30)"),
-        ("--layers", 2, "transformer blocks (default 2)"),
-        ("--hidden", 128, "hidden size (default 128)"),
-        ("--heads", 4, "attention heads (default 4)"),
-        ("--vocab", 1024, "vocabulary size (default 1024)"),
-        ("--seq", 64, "tokens per sequence (default 64)"),
-        ("--micro-batch", None, "sequences per rank per micro-step (default: the config's, else 4)"),
-        ("--ranks-per-node", None, "simulated ranks per node (default: --world)"),
-        ("--seed", 0, "seed of the weights and the data (default 0)"),
+        ("--world", d.world, "local ranks"),
+        ("--stage", d.stage, "ZeRO stage (default: the config's, else 3)"),
+        ("--steps", d.steps, "optimizer steps"),
+        ("--layers", d.layers, "transformer blocks"),
+        ("--hidden", d.hidden, "hidden size"),
+        ("--heads", d.heads, "attention heads"),
+        ("--vocab", d.vocab, "vocabulary size"),
+        ("--seq", d.seq, "tokens per sequence"),
+        ("--micro-batch", d.micro_batch, "sequences per rank per micro-step (default: the config's, else 4)"),
+        ("--ranks-per-node", d.ranks_per_node, "simulated ranks per node (default: --world)"),
+        ("--seed", d.seed, "seed of the weights and the data"),
     )
     for flag, default, text in ints:
-        p.add_argument(flag, type=int, default=default, metavar="N", help=text)
+        shown = text if default is None else f"{text} (default {default})"
+        p.add_argument(flag, type=int, default=default, metavar="N", help=shown)
     p.add_argument("--config", metavar="DS.JSON", help="DeepSpeed-style JSON config (flags override it)")
     p.add_argument(
-        "--timeout", type=float, default=300.0, metavar="S", help="limit on every distributed wait (300)"
+        "--timeout",
+        type=float,
+        default=d.timeout,
+        metavar="S",
+        help=f"limit on every distributed wait ({d.timeout:g})",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--crash-rank", type=int, default=None, help=argparse.SUPPRESS)  # failure-path check

@@ -22,6 +22,8 @@ _DEFAULT_LR = 3e-3
 # gathered. The default config scales them to the model: matrices are partitioned (biases and
 # norms persist), half a block is prefetched, 1.5 blocks may be live, nothing kept for reuse.
 _DEMO_PERSISTENCE_THRESHOLD = 4096
+_DEMO_MODEL = GPT2Workload()
+"""The demo model's default shape: the defaults of the model flags."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,11 +38,11 @@ class TrainOptions:
     world: int = 2
     stage: int | None = None
     steps: int = 30
-    layers: int = 2
-    hidden: int = 128
-    heads: int = 4
-    vocab: int = 1024
-    seq: int = 64
+    layers: int = _DEMO_MODEL.layers
+    hidden: int = _DEMO_MODEL.hidden
+    heads: int = _DEMO_MODEL.heads
+    vocab: int = _DEMO_MODEL.vocab
+    seq: int = _DEMO_MODEL.seq
     micro_batch: int | None = None
     ranks_per_node: int | None = None
     config: str | None = None
