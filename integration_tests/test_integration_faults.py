@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 
 from zero_full.checkpoint.safetensors import consolidate_checkpoint
+from zero_launch import pid_alive
 
 WORKER = Path(__file__).with_name("fault_worker.py")
 COMM_TIMEOUT = 3.0
@@ -93,7 +94,7 @@ def _torchrun(mode: str, tmp: Path, *, limit: float = 450, **extra: str) -> dict
         deadline = time.monotonic() + limit
         while proc.poll() is None and time.monotonic() < deadline:
             live = _reports(out).get(0, {})
-            if "raised_at" in live and not _alive(live["pid"]):
+            if "raised_at" in live and not pid_alive(live["pid"]):
                 for pid in _stopped_children(proc.pid):
                     os.kill(pid, signal.SIGKILL)
             time.sleep(0.05)
@@ -120,14 +121,6 @@ def _stopped_children(parent: int) -> list[int]:
         if fields[0] == "T" and int(fields[1]) == parent:
             stopped.append(int(stat.parent.name))
     return stopped
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except OSError:
-        return False
-    return True
 
 
 def _reports(out: Path) -> dict[int, dict]:

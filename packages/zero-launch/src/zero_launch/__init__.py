@@ -8,7 +8,8 @@ underneath, for callers that talk to their ranks (the test pool of zero-testing)
 
 from __future__ import annotations
 
-from zero_launch import ranks
+from zero_launch import pids, ranks
+from zero_launch.pids import pid_alive
 from zero_launch.ranks import (
     LaunchError,
     RankAnswer,
@@ -20,5 +21,4 @@ from zero_launch.ranks import (
     send_failure,
 )
 
-__all__: list[str] = []
-__all__ += ranks.__all__
+__all__ = [*pids.__all__, *ranks.__all__]

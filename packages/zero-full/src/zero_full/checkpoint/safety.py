@@ -9,6 +9,7 @@ import socket
 from pathlib import Path
 
 from zero_full.checkpoint.io import LATEST, MANIFEST, CheckpointError
+from zero_launch import pid_alive
 
 __all__ = [
     "WRITER_FILE",
@@ -138,14 +139,4 @@ def owner_is_gone(entry: Path) -> bool:
         lock = WriterLock(int(pid), me.host) if pid.isdigit() else None
     if lock is None or lock.host != me.host:
         return False
-    return lock.pid == me.pid or not _alive(lock.pid)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
+    return lock.pid == me.pid or not pid_alive(lock.pid)
