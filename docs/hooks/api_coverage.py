@@ -25,25 +25,37 @@ def _package_dir(dist: str) -> Path:
 
 
 def public_names(init: Path) -> list[str]:
-    """The ``__all__`` of a module file (empty when it has none): its literal list, and the names
-    ``__all__ += module.__all__`` adds from a sibling module of the package."""
+    """The ``__all__`` of a module file (empty when it has none): its literal names, and those of a
+    sibling module's ``__all__`` it takes in (``+= module.__all__`` or ``[..., *module.__all__]``)."""
     names: list[str] = []
     for node in ast.parse(init.read_text(encoding="utf-8")).body:
         if isinstance(node, ast.Assign | ast.AnnAssign):
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             if any(getattr(t, "id", None) == "__all__" for t in targets):
-                names = list(ast.literal_eval(node.value))
+                names = _names(node.value, init)
         elif isinstance(node, ast.AugAssign) and getattr(node.target, "id", None) == "__all__":
-            value = node.value
-            if (
-                isinstance(value, ast.Attribute)
-                and value.attr == "__all__"
-                and isinstance(value.value, ast.Name)
-            ):
-                names += public_names(init.parent / f"{value.value.id}.py")
-            else:
-                names += ast.literal_eval(value)
+            names += _names(node.value, init)
     return names
+
+
+def _sibling_all(node: ast.expr, init: Path) -> list[str] | None:
+    """The names of ``module.__all__`` for a sibling ``module`` of ``init``; ``None``: not that form."""
+    if isinstance(node, ast.Attribute) and node.attr == "__all__" and isinstance(node.value, ast.Name):
+        return public_names(init.parent / f"{node.value.id}.py")
+    return None
+
+
+def _names(value: ast.expr, init: Path) -> list[str]:
+    """The names an ``__all__`` expression holds (see :func:`public_names`)."""
+    sibling = _sibling_all(value, init)
+    if sibling is not None:
+        return sibling
+    if isinstance(value, ast.List | ast.Tuple):
+        names: list[str] = []
+        for elt in value.elts:
+            names += _names(elt.value, init) if isinstance(elt, ast.Starred) else [ast.literal_eval(elt)]
+        return names
+    return list(ast.literal_eval(value))
 
 
 def on_page_content(html: str, page: Any, **kwargs: Any) -> str:

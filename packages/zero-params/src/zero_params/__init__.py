@@ -43,9 +43,12 @@ __all__ = [
     "register_external_parameter",
     "release",
     "unregister_external_parameter",
-]
-__all__ += [
-    name
-    for module in (commit, frozen, gathered_parameters, grad_reduce, init, offload, spec, state)
-    for name in module.__all__
+    *commit.__all__,
+    *frozen.__all__,
+    *gathered_parameters.__all__,
+    *grad_reduce.__all__,
+    *init.__all__,
+    *offload.__all__,
+    *spec.__all__,
+    *state.__all__,
 ]
