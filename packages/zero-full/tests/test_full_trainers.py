@@ -177,3 +177,41 @@ def test_lightning_clip_by_value_and_auto_without_a_source_are_refused():
     with pytest.raises(ValueError, match="reduce_bucket_size"):
         strategy.zero_config(trainer(GradClipAlgorithmType.NORM))
     assert ZeroStrategy(stage=3).zero_config(trainer(GradClipAlgorithmType.NORM)).gradient_clipping == 1.0
+
+
+@pytest.mark.parametrize("kind", ["trainer", "fabric"])
+def test_a_strategy_hands_every_ddp_argument_on_and_keeps_the_config(kind):
+    from datetime import timedelta
+
+    import torch
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning.fabric.plugins.io import TorchCheckpointIO
+
+    import zero_full.lightning as zl
+
+    if kind == "trainer":
+        from lightning.pytorch.accelerators import CPUAccelerator
+
+        cls, built_by = zl.ZeroStrategy, "ZeroStrategy.setup"
+    else:
+        from lightning.fabric.accelerators import CPUAccelerator
+
+        cls, built_by = zl.ZeroFabricStrategy, "fabric.setup"
+    accelerator, env, io = CPUAccelerator(), LightningEnvironment(), TorchCheckpointIO()
+    devices = [torch.device("cpu")] * 3
+    strategy = cls(
+        stage=2,
+        config={"zero_optimization": {"stage": "auto"}, "gradient_clipping": 0.5},
+        accelerator=accelerator,
+        parallel_devices=devices,
+        cluster_environment=env,
+        checkpoint_io=io,
+        process_group_backend="gloo",
+        timeout=timedelta(seconds=77),
+    )
+    assert strategy.accelerator is accelerator and strategy.parallel_devices == devices
+    assert strategy.cluster_environment is env and strategy.checkpoint_io is io
+    assert strategy._process_group_backend == "gloo" and strategy._timeout == timedelta(seconds=77)
+    assert strategy._raw == {"zero_optimization": {"stage": 2}, "gradient_clipping": 0.5}
+    with pytest.raises(RuntimeError, match=built_by):
+        strategy._require_engine()
