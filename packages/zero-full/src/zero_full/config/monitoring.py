@@ -13,7 +13,7 @@ from typing import Annotated, ClassVar, Literal
 from pydantic import SecretStr
 
 from zero_full.config.base import Section
-from zero_full.config.types import IMPLEMENTED, Flag, Ignored, Int, Key
+from zero_full.config.types import USED, Flag, Ignored, Int, Key
 
 __all__ = [
     "CometConfig",
@@ -24,18 +24,17 @@ __all__ = [
     "WandbConfig",
 ]
 
-_USED = Key(IMPLEMENTED)
 _JOB = "DeepSpeedJobName"
 
 
 class _JobDirectorySection(Section):
     """A monitoring section whose writer puts its files in the directory ``output_path/job_name``."""
 
-    enabled: Annotated[Flag, _USED] = False
+    enabled: Annotated[Flag, USED] = False
     """Write the step's events to this section's files (rank 0)."""
-    output_path: Annotated[str, _USED] = ""
+    output_path: Annotated[str, USED] = ""
     """Directory of the job directories (``""``: the working directory)."""
-    job_name: Annotated[str, _USED] = _JOB
+    job_name: Annotated[str, USED] = _JOB
     """The directory inside ``output_path`` the files are written to."""
 
 
@@ -51,13 +50,13 @@ class WandbConfig(Section):
 
     _PATH: ClassVar[tuple[str, ...]] = ("wandb",)
 
-    enabled: Annotated[Flag, _USED] = False
+    enabled: Annotated[Flag, USED] = False
     """Start a run with ``wandb.init`` and ``wandb.log`` each event (rank 0)."""
-    group: Annotated[str | None, _USED] = None
+    group: Annotated[str | None, USED] = None
     """The run's group (``wandb.init(group=...)``)."""
-    team: Annotated[str | None, _USED] = None
+    team: Annotated[str | None, USED] = None
     """The team, W&B's entity (``wandb.init(entity=...)``)."""
-    project: Annotated[str, _USED] = "deepspeed"
+    project: Annotated[str, USED] = "deepspeed"
     """The project (``wandb.init(project=...)``)."""
 
 
@@ -70,24 +69,24 @@ class CometConfig(Section):
 
     _PATH: ClassVar[tuple[str, ...]] = ("comet",)
 
-    enabled: Annotated[Flag, _USED] = False
+    enabled: Annotated[Flag, USED] = False
     """Start an experiment with ``comet_ml.start`` and log each event to it (rank 0)."""
-    samples_log_interval: Annotated[Int(0), _USED] = 100
+    samples_log_interval: Annotated[Int(0), USED] = 100
     """An event is logged again only after this many more samples (its first value always; 0:
     every step)."""
-    project: Annotated[str | None, _USED] = None
+    project: Annotated[str | None, USED] = None
     """The Comet project."""
-    workspace: Annotated[str | None, _USED] = None
+    workspace: Annotated[str | None, USED] = None
     """The Comet workspace."""
-    api_key: Annotated[SecretStr | None, _USED] = None
+    api_key: Annotated[SecretStr | None, USED] = None
     """The Comet API key (kept out of the config's dumps: checkpoint manifests, agreement messages)."""
-    experiment_name: Annotated[str | None, _USED] = None
+    experiment_name: Annotated[str | None, USED] = None
     """The experiment's name (``experiment.set_name``)."""
-    experiment_key: Annotated[str | None, _USED] = None
+    experiment_key: Annotated[str | None, USED] = None
     """The key of the experiment to log to (32 to 50 alphanumeric characters)."""
-    online: Annotated[bool | None, _USED] = None
+    online: Annotated[bool | None, USED] = None
     """Log to the Comet server (``false``: an offline experiment stored locally)."""
-    mode: Annotated[Literal["get", "create", "get_or_create"] | None, _USED] = None
+    mode: Annotated[Literal["get", "create", "get_or_create"] | None, USED] = None
     """``"get"``, ``"create"`` or ``"get_or_create"`` (Comet's default)."""
 
 
@@ -107,13 +106,13 @@ class CommsLoggerConfig(Section):
 
     _PATH: ClassVar[tuple[str, ...]] = ("comms_logger",)
 
-    enabled: Annotated[Flag, _USED] = False
+    enabled: Annotated[Flag, USED] = False
     """Count the engine's collectives and print their table at ``close()``."""
-    verbose: Annotated[Flag, _USED] = False
+    verbose: Annotated[Flag, USED] = False
     """Also log every collective (operation, message size, bytes sent) after each optimizer step."""
-    prof_all: Annotated[Flag, _USED] = True
+    prof_all: Annotated[Flag, USED] = True
     """Count every operation (``false``: only those in ``prof_ops``)."""
-    prof_ops: Annotated[tuple[str, ...], _USED] = ()
+    prof_ops: Annotated[tuple[str, ...], USED] = ()
     """Operations counted when ``prof_all`` is false (zero's names: ``all_gather``,
     ``reduce_scatter``, ``all_reduce``, ``broadcast``, ``all_to_all``)."""
     debug: Annotated[
@@ -127,17 +126,17 @@ class FlopsProfilerConfig(Section):
 
     _PATH: ClassVar[tuple[str, ...]] = ("flops_profiler",)
 
-    enabled: Annotated[Flag, _USED] = False
+    enabled: Annotated[Flag, USED] = False
     """Profile the forwards of one optimizer step on rank 0."""
-    recompute_fwd_factor: Annotated[float, _USED] = 0.0
+    recompute_fwd_factor: Annotated[float, USED] = 0.0
     """Share of the forward recomputed in the backward (activation checkpointing), added to the estimate."""
-    profile_step: Annotated[Int(0), _USED] = 1
+    profile_step: Annotated[Int(0), USED] = 1
     """The optimizer step (counted from 0) whose forwards are profiled."""
-    module_depth: Annotated[Int(-1), _USED] = -1
+    module_depth: Annotated[Int(-1), USED] = -1
     """Deepest module level shown (-1: every level)."""
-    top_modules: Annotated[Int(1), _USED] = 1
+    top_modules: Annotated[Int(1), USED] = 1
     """Modules shown per level, most FLOPs first."""
-    detailed: Annotated[Flag, _USED] = True
+    detailed: Annotated[Flag, USED] = True
     """Show the per-module table (``false``: the totals only)."""
-    output_file: Annotated[str | None, _USED] = None
+    output_file: Annotated[str | None, USED] = None
     """Write the report to this file instead of printing it."""

@@ -10,6 +10,7 @@ from pydantic import model_validator
 from zero_full.config.base import Section, TypedSection
 from zero_full.config.types import (
     IMPLEMENTED,
+    USED,
     Betas,
     Choice,
     Flag,
@@ -30,8 +31,6 @@ __all__ = [
     "OptimizerType",
     "SGDParams",
 ]
-
-_USED = Key(IMPLEMENTED)
 
 
 class OptimizerType(str, enum.Enum):
@@ -74,15 +73,15 @@ class AdamParams(Section):
     _PATH = ("optimizer", "params")
     _REJECTED: ClassVar[dict[str, Rejected]] = {"max_grad_norm": _NO_MAX_GRAD_NORM}
 
-    lr: Annotated[Real(0), _USED] = 1e-3
+    lr: Annotated[Real(0), USED] = 1e-3
     """Learning rate."""
-    betas: Annotated[Betas, _USED] = (0.9, 0.999)
+    betas: Annotated[Betas, USED] = (0.9, 0.999)
     """Coefficients of the running averages of the gradient and its square."""
-    eps: Annotated[Real(0), _USED] = 1e-8
+    eps: Annotated[Real(0), USED] = 1e-8
     """Term added to the denominator."""
-    weight_decay: Annotated[Real(0), _USED] = 0.0
+    weight_decay: Annotated[Real(0), USED] = 0.0
     """Weight decay; DeepSpeed's default 0.0 (torch's ``AdamW`` defaults to 0.01)."""
-    amsgrad: Annotated[Flag, _USED] = False
+    amsgrad: Annotated[Flag, USED] = False
     """The AMSGrad variant."""
     adam_w_mode: Annotated[Flag, Key(IMPLEMENTED, when=_ADAM_ONLY)] = True
     """Decoupled weight decay for type ``Adam`` (DeepSpeed's default: true). No effect on ``AdamW``."""
@@ -102,15 +101,15 @@ class SGDParams(Section):
     _PATH = ("optimizer", "params")
     _REJECTED: ClassVar[dict[str, Rejected]] = {"max_grad_norm": _NO_MAX_GRAD_NORM}
 
-    lr: Annotated[Real(0), _USED] = 1e-3
+    lr: Annotated[Real(0), USED] = 1e-3
     """Learning rate."""
-    momentum: Annotated[Real(0), _USED] = 0.0
+    momentum: Annotated[Real(0), USED] = 0.0
     """Momentum factor."""
-    dampening: Annotated[Real(0), _USED] = 0.0
+    dampening: Annotated[Real(0), USED] = 0.0
     """Dampening of the momentum."""
-    weight_decay: Annotated[Real(0), _USED] = 0.0
+    weight_decay: Annotated[Real(0), USED] = 0.0
     """L2 penalty."""
-    nesterov: Annotated[Flag, _USED] = False
+    nesterov: Annotated[Flag, USED] = False
     """Nesterov momentum (needs ``momentum`` > 0 and ``dampening`` 0)."""
 
     @model_validator(mode="after")
@@ -129,15 +128,15 @@ class AdagradParams(Section):
     _PATH = ("optimizer", "params")
     _REJECTED: ClassVar[dict[str, Rejected]] = {"max_grad_norm": _NO_MAX_GRAD_NORM}
 
-    lr: Annotated[Real(0), _USED] = 0.01
+    lr: Annotated[Real(0), USED] = 0.01
     """Learning rate."""
-    lr_decay: Annotated[Real(0), _USED] = 0.0
+    lr_decay: Annotated[Real(0), USED] = 0.0
     """Learning-rate decay per step: ``lr / (1 + (step - 1) * lr_decay)``."""
-    weight_decay: Annotated[Real(0), _USED] = 0.0
+    weight_decay: Annotated[Real(0), USED] = 0.0
     """L2 penalty."""
-    initial_accumulator_value: Annotated[Real(0), _USED] = 0.0
+    initial_accumulator_value: Annotated[Real(0), USED] = 0.0
     """Start value of the sum of squared gradients."""
-    eps: Annotated[Real(0), _USED] = 1e-10
+    eps: Annotated[Real(0), USED] = 1e-10
     """Term added to the denominator."""
 
 
@@ -150,21 +149,21 @@ class LambParams(Section):
         "amsgrad": Rejected("Lamb has no AMSGrad variant (DeepSpeed's FusedLamb refuses it too)"),
     }
 
-    lr: Annotated[Real(0), _USED] = 1e-3
+    lr: Annotated[Real(0), USED] = 1e-3
     """Learning rate."""
-    bias_correction: Annotated[Flag, _USED] = True
+    bias_correction: Annotated[Flag, USED] = True
     """Fold Adam's bias correction into the step size."""
-    betas: Annotated[Betas, _USED] = (0.9, 0.999)
+    betas: Annotated[Betas, USED] = (0.9, 0.999)
     """Coefficients of the running averages of the gradient and its square."""
-    eps: Annotated[Real(0), _USED] = 1e-8
+    eps: Annotated[Real(0), USED] = 1e-8
     """Term added to the denominator."""
-    eps_inside_sqrt: Annotated[Flag, _USED] = False
+    eps_inside_sqrt: Annotated[Flag, USED] = False
     """Add ``eps`` under the square root (``sqrt(v + eps)``) instead of after it."""
-    weight_decay: Annotated[Real(0), _USED] = 0.0
+    weight_decay: Annotated[Real(0), USED] = 0.0
     """Weight decay, added to the update before the trust ratio."""
-    max_coeff: Annotated[Real(0), _USED] = 10.0
+    max_coeff: Annotated[Real(0), USED] = 10.0
     """Upper bound of the trust ratio."""
-    min_coeff: Annotated[Real(0), _USED] = 0.01
+    min_coeff: Annotated[Real(0), USED] = 0.01
     """Lower bound of the trust ratio."""
 
 
@@ -178,12 +177,12 @@ class LionParams(Section):
     _PATH = ("optimizer", "params")
     _REJECTED: ClassVar[dict[str, Rejected]] = {"max_grad_norm": _NO_MAX_GRAD_NORM}
 
-    lr: Annotated[Real(0), _USED] = 1e-3
+    lr: Annotated[Real(0), USED] = 1e-3
     """Learning rate."""
-    betas: Annotated[Betas, _USED] = (0.9, 0.999)
+    betas: Annotated[Betas, USED] = (0.9, 0.999)
     """Interpolation factor of the update (``beta1``) and of the momentum (``beta2``); DeepSpeed's
     default ``[0.9, 0.999]``."""
-    weight_decay: Annotated[Real(0), _USED] = 0.0
+    weight_decay: Annotated[Real(0), USED] = 0.0
     """Decoupled weight decay."""
 
 
@@ -209,12 +208,12 @@ class OptimizerConfig(TypedSection):
     _PARAMS_BY_TYPE: ClassVar[dict[OptimizerType, type[Section]]] = _PARAMS_BY_TYPE
     _REFUSED_TYPES: ClassVar[dict[str, str]] = _REFUSED_TYPES
 
-    type: Annotated[Choice(OptimizerType), _USED]
+    type: Annotated[Choice(OptimizerType), USED]
     """``Adam``, ``AdamW``, ``SGD``, ``Adagrad``, ``Lamb`` or ``Lion``, any case. ``Adam`` with
     ``adam_w_mode`` (the default) builds ``torch.optim.AdamW``, as DeepSpeed does. DeepSpeed's 1-bit
     optimizers (``OneBitAdam``, ``ZeroOneAdam``, ``OneBitLamb``), the muP ones and ``Muon`` are
     refused by name, with the reason."""
-    params: Annotated[AdamParams | SGDParams | AdagradParams | LambParams | LionParams, _USED]
+    params: Annotated[AdamParams | SGDParams | AdagradParams | LambParams | LionParams, USED]
     """The optimizer's keyword arguments, checked for its ``type`` (tables below). Omitted: every
     default."""
 

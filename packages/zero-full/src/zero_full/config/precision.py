@@ -5,11 +5,10 @@ from __future__ import annotations
 from typing import Annotated
 
 from zero_full.config.base import Section
-from zero_full.config.types import IMPLEMENTED, Flag, Int, Key, Real, Refused, UsedWhen
+from zero_full.config.types import IMPLEMENTED, USED, Flag, Int, Key, Real, Refused, UsedWhen
 
 __all__ = ["BF16Config", "FP16Config"]
 
-_USED = Key(IMPLEMENTED)
 
 _FP16_ON = UsedWhen("fp16 is enabled", lambda fp16, _: fp16.enabled)
 _DYNAMIC = UsedWhen(
@@ -23,7 +22,7 @@ class FP16Config(Section):
 
     _PATH = ("fp16",)
 
-    enabled: Annotated[Flag, _USED] = False
+    enabled: Annotated[Flag, USED] = False
     """Train in fp16 with loss scaling (working copies of parameters and gradients in fp16, fp32
     master weights and optimizer state)."""
     auto_cast: Annotated[Flag, Key(Refused("casting inputs to fp16", supported=False), when=_FP16_ON)] = False
@@ -58,6 +57,6 @@ class BF16Config(Section):
 
     _PATH = ("bf16",)
 
-    enabled: Annotated[Flag, _USED] = False
+    enabled: Annotated[Flag, USED] = False
     """Train in bfloat16 (working copies of parameters and gradients in bf16, fp32 master weights
     and optimizer state); no loss scaling."""

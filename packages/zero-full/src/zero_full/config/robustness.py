@@ -6,11 +6,9 @@ import enum
 from typing import Annotated
 
 from zero_full.config.base import Section
-from zero_full.config.types import IMPLEMENTED, Choice, Flag, Key, Real
+from zero_full.config.types import USED, Choice, Flag, Real
 
 __all__ = ["NonFinitePolicy", "RobustnessConfig"]
-
-_USED = Key(IMPLEMENTED)
 
 
 class NonFinitePolicy(str, enum.Enum):
@@ -29,28 +27,28 @@ class RobustnessConfig(Section):
 
     _PATH = ("robustness",)
 
-    comm_timeout: Annotated[Real(0, lo_open=True), _USED] = 300.0
+    comm_timeout: Annotated[Real(0, lo_open=True), USED] = 300.0
     """Seconds a rank waits for one collective of the engine (forward, backward, step; each exchange of a
     checkpoint save / load, which then raises ``zero_full.CheckpointError``) before every live
     rank raises ``zero_comm.CollectiveTimeoutError`` saying which rank is where (which operation,
     call number, module or parameter), or which rank stopped sending heartbeats. Default 300 s:
     well under the process group's own 30 minutes, well above any healthy collective. Raise it for
     very slow links or very large first gathers."""
-    heartbeat_interval: Annotated[Real(0, lo_open=True), _USED] = 2.0
+    heartbeat_interval: Annotated[Real(0, lo_open=True), USED] = 2.0
     """Seconds between two heartbeats (and position reports) each rank's watchdog thread writes to
     the process group's store; a rank silent for ``5 * heartbeat_interval`` seconds while the
     others wait is reported as dead or stuck."""
-    watchdog: Annotated[Flag, _USED] = True
+    watchdog: Annotated[Flag, USED] = True
     """Run the collective watchdog (``false``: collectives block until the process group's own
     timeout, with torch's message)."""
-    nonfinite_gradients: Annotated[Choice(NonFinitePolicy), _USED] = NonFinitePolicy.SKIP
+    nonfinite_gradients: Annotated[Choice(NonFinitePolicy), USED] = NonFinitePolicy.SKIP
     """fp32 / bf16: what a step does when some rank's gradients hold an inf or nan (found by the
     gradient-clipping norm, or by one all-reduce of a flag without clipping). ``skip`` (default):
     the step is skipped on every rank (the optimizer state does not move), with one warning naming
     the first non-finite parameter and the rank holding it; ``raise``: every rank raises
     ``zero_full.NonFiniteGradientError`` naming it. fp16 keeps its loss-scaler rule (skip and
     lower the scale)."""
-    check_calls: Annotated[Flag, _USED] = True
+    check_calls: Annotated[Flag, USED] = True
     """Start every engine call that communicates (forward, backward, step, checkpoint save /
     load, ``consolidated_state_dict``, ``save_pretrained``, ...) with one all-gather of a 64-byte
     signature (call, optimizer step, micro-step, calls since the last check) and raise
@@ -61,7 +59,7 @@ class RobustnessConfig(Section):
     forward, a backward before the accumulation boundary) are counted into the next signature,
     not checked: a skipped backward is named at the next checked call. Needs the watchdog. On
     by default (cost: see the benchmarks page); ``false`` turns off the signature exchange only."""
-    check_paths: Annotated[Flag, _USED] = False
+    check_paths: Annotated[Flag, USED] = False
     """Before every collective of every step, all-gather a small signature (operation, call
     number, what it is for) and raise ``zero_comm.RanksDivergedError`` on every rank at the first
     difference, naming each rank's position. Off by default: it adds one small collective per
@@ -71,7 +69,7 @@ class RobustnessConfig(Section):
     Turn it on for collectives that differ inside one engine call (your own code between
     modules); with gloo mismatched sizes otherwise abort the process in C++ ("Received data size
     doesn't match expected size"), before any timeout could fire."""
-    check_rank_agreement: Annotated[Flag, _USED] = True
+    check_rank_agreement: Annotated[Flag, USED] = True
     """At ``initialize``, compare every rank's parameter names, shapes, dtypes, ``requires_grad``
     flags and effective config values (one all-gather of digests) and raise on every rank naming
     the first difference, instead of aborting in the communication library later."""

@@ -16,6 +16,7 @@ from pydantic import model_validator
 from zero_full.config.base import Section, TypedSection
 from zero_full.config.types import (
     IMPLEMENTED,
+    USED,
     Choice,
     Flag,
     Int,
@@ -36,8 +37,6 @@ __all__ = [
     "WarmupLRParams",
     "WarmupType",
 ]
-
-_USED = Key(IMPLEMENTED)
 
 
 class SchedulerType(str, enum.Enum):
@@ -69,25 +68,25 @@ class WarmupLRParams(Section):
 
     _PATH = _PATH
 
-    warmup_min_lr: Annotated[PerGroup, _USED] = 0.0
+    warmup_min_lr: Annotated[PerGroup, USED] = 0.0
     """Learning rate at the start of the warm-up (one number, or one per parameter group)."""
-    warmup_max_lr: Annotated[OptionalPerGroup, _USED] = None
+    warmup_max_lr: Annotated[OptionalPerGroup, USED] = None
     """Learning rate at the end of the warm-up (``null``: each group's learning rate of the
     optimizer, as DeepSpeed 0.19 does)."""
-    warmup_num_steps: Annotated[Int(1), _USED] = 1000
+    warmup_num_steps: Annotated[Int(1), USED] = 1000
     """Optimizer steps of the warm-up (at least 2 are used)."""
-    warmup_type: Annotated[Choice(WarmupType), _USED] = WarmupType.LOG
+    warmup_type: Annotated[Choice(WarmupType), USED] = WarmupType.LOG
     """``log`` or ``linear`` rise."""
-    last_batch_iteration: Annotated[Int(-1), _USED] = -1
+    last_batch_iteration: Annotated[Int(-1), USED] = -1
     """The index of the last step already taken; -1 starts the schedule from its beginning."""
 
 
 class WarmupDecayLRParams(WarmupLRParams):
     """``scheduler.params`` of ``WarmupDecayLR``: warm-up, then linear decay to 0 at ``total_num_steps``."""
 
-    warmup_max_lr: Annotated[OptionalPerGroup, _USED] = 0.001
+    warmup_max_lr: Annotated[OptionalPerGroup, USED] = 0.001
     """Learning rate at the end of the warm-up (DeepSpeed's default for this type: 0.001)."""
-    total_num_steps: Annotated[Int(1), _USED]
+    total_num_steps: Annotated[Int(1), USED]
     """Optimizer steps of the whole schedule; the learning rate reaches 0 there."""
 
 
@@ -100,17 +99,17 @@ class WarmupCosineLRParams(Section):
 
     _PATH = _PATH
 
-    total_num_steps: Annotated[Int(1), _USED]
+    total_num_steps: Annotated[Int(1), USED]
     """Optimizer steps of the whole schedule."""
-    warmup_min_ratio: Annotated[Real(0), _USED] = 0.0
+    warmup_min_ratio: Annotated[Real(0), USED] = 0.0
     """Ratio of the learning rate at the start of the warm-up."""
-    warmup_num_steps: Annotated[Int(1), _USED] = 1000
+    warmup_num_steps: Annotated[Int(1), USED] = 1000
     """Optimizer steps of the warm-up (at least 2 are used)."""
-    cos_min_ratio: Annotated[Real(0), _USED] = 0.0001
+    cos_min_ratio: Annotated[Real(0), USED] = 0.0001
     """Ratio of the learning rate at the end of the cosine."""
-    warmup_type: Annotated[Choice(WarmupType), _USED] = WarmupType.LOG
+    warmup_type: Annotated[Choice(WarmupType), USED] = WarmupType.LOG
     """``log`` or ``linear`` rise."""
-    last_batch_iteration: Annotated[Int(-1), _USED] = -1
+    last_batch_iteration: Annotated[Int(-1), USED] = -1
     """The index of the last step already taken; -1 starts the schedule from its beginning."""
 
 
@@ -124,23 +123,23 @@ class OneCycleParams(Section):
 
     _PATH = _PATH
 
-    cycle_min_lr: Annotated[PerGroup, _USED]
+    cycle_min_lr: Annotated[PerGroup, USED]
     """Learning rate at the start and end of the cycle."""
-    cycle_max_lr: Annotated[PerGroup, _USED]
+    cycle_max_lr: Annotated[PerGroup, USED]
     """Learning rate at the peak of the cycle."""
-    decay_lr_rate: Annotated[Real(0), _USED] = 0.0
+    decay_lr_rate: Annotated[Real(0), USED] = 0.0
     """Decay rate of the learning rate after the cycle (0: none)."""
-    cycle_first_step_size: Annotated[Int(1), _USED] = 2000
+    cycle_first_step_size: Annotated[Int(1), USED] = 2000
     """Optimizer steps of the rising half."""
-    cycle_second_step_size: Annotated[Int(0, none_ok=True), _USED] = None
+    cycle_second_step_size: Annotated[Int(0, none_ok=True), USED] = None
     """Optimizer steps of the falling half (``null``: ``cycle_first_step_size``)."""
-    cycle_first_stair_count: Annotated[Int(0), _USED] = 0
+    cycle_first_stair_count: Annotated[Int(0), USED] = 0
     """Stairs of the rising half (0: continuous)."""
-    cycle_second_stair_count: Annotated[Int(0, none_ok=True), _USED] = None
+    cycle_second_stair_count: Annotated[Int(0, none_ok=True), USED] = None
     """Stairs of the falling half (``null``: ``cycle_first_stair_count``)."""
-    decay_step_size: Annotated[Int(0), _USED] = 0
+    decay_step_size: Annotated[Int(0), USED] = 0
     """Steps per decay interval after the cycle (0: no decay)."""
-    cycle_momentum: Annotated[Flag, _USED] = True
+    cycle_momentum: Annotated[Flag, USED] = True
     """Cycle ``beta1`` inversely to the learning rate (optimizers with ``betas`` only)."""
     cycle_min_mom: Annotated[PerGroup, Key(IMPLEMENTED, when=_CYCLES_MOMENTUM)] = 0.8
     """``beta1`` at the peak of the learning rate."""
@@ -148,7 +147,7 @@ class OneCycleParams(Section):
     """``beta1`` at the start and end of the cycle."""
     decay_mom_rate: Annotated[Real(0), Key(IMPLEMENTED, when=_CYCLES_MOMENTUM)] = 0.0
     """Growth rate of ``beta1`` after the cycle (0: none)."""
-    last_batch_iteration: Annotated[Int(-1), _USED] = -1
+    last_batch_iteration: Annotated[Int(-1), USED] = -1
     """The index of the last step already taken; -1 starts the schedule from its beginning."""
 
     @model_validator(mode="after")
@@ -171,15 +170,15 @@ class LRRangeTestParams(Section):
 
     _PATH = _PATH
 
-    lr_range_test_min_lr: Annotated[PerGroup, _USED] = 0.001
+    lr_range_test_min_lr: Annotated[PerGroup, USED] = 0.001
     """Learning rate at the start."""
-    lr_range_test_step_size: Annotated[Int(1), _USED] = 2000
+    lr_range_test_step_size: Annotated[Int(1), USED] = 2000
     """Optimizer steps per interval of growth."""
-    lr_range_test_step_rate: Annotated[Real(0), _USED] = 1.0
+    lr_range_test_step_rate: Annotated[Real(0), USED] = 1.0
     """Growth per interval."""
-    lr_range_test_staircase: Annotated[Flag, _USED] = False
+    lr_range_test_staircase: Annotated[Flag, USED] = False
     """Grow in whole intervals (stairs) instead of continuously."""
-    last_batch_iteration: Annotated[Int(-1), _USED] = -1
+    last_batch_iteration: Annotated[Int(-1), USED] = -1
     """The index of the last step already taken; -1 starts the schedule from its beginning."""
 
 
@@ -203,11 +202,11 @@ class SchedulerConfig(TypedSection):
     _TYPES = SchedulerType
     _PARAMS_BY_TYPE: ClassVar[dict[SchedulerType, type[Section]]] = _PARAMS_BY_TYPE
 
-    type: Annotated[Choice(SchedulerType), _USED]
+    type: Annotated[Choice(SchedulerType), USED]
     """``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR``, ``OneCycle`` or ``LRRangeTest``, any case
     (DeepSpeed's schedules; for a torch schedule, pass it to ``initialize``)."""
     params: Annotated[
         WarmupLRParams | WarmupDecayLRParams | WarmupCosineLRParams | OneCycleParams | LRRangeTestParams,
-        _USED,
+        USED,
     ]
     """The schedule's keyword arguments, checked for its ``type`` (tables below)."""

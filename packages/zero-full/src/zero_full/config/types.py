@@ -30,6 +30,7 @@ __all__ = [
     "Real",
     "Refused",
     "Rejected",
+    "USED",
     "UsedWhen",
     "check_betas",
     "check_flag",
@@ -234,3 +235,7 @@ class Key:
     stages: frozenset[int] = ALL_STAGES
     when: UsedWhen | None = None
     default_text: str | None = None
+
+
+USED = Key(IMPLEMENTED)
+"""The declaration of a key that has its effect at every stage, wherever its section is used."""

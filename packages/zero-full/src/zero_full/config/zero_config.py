@@ -32,7 +32,7 @@ from zero_full.config.optimizer import AdamParams, OptimizerConfig, OptimizerTyp
 from zero_full.config.precision import BF16Config, FP16Config
 from zero_full.config.robustness import RobustnessConfig
 from zero_full.config.scheduler import SchedulerConfig
-from zero_full.config.types import IMPLEMENTED, Choice, Flag, Ignored, Int, Key, Real, Rejected
+from zero_full.config.types import USED, Choice, Flag, Ignored, Int, Key, Real, Rejected
 from zero_full.config.zero_optimization import (
     OffloadDevice,
     OffloadOptimizerConfig,
@@ -97,7 +97,6 @@ _TOP_REJECTED: dict[str, Rejected] = {
     "prescale_gradients": _AVERAGED,
     "gradient_predivide_factor": _AVERAGED,
 }
-_USED = Key(IMPLEMENTED)
 _CommDtype = Choice(Precision)
 
 
@@ -111,15 +110,15 @@ class ZeroConfig(Section):
     _ALIASES: ClassVar[dict[str, tuple[str, ...]]] = {"bf16": ("bf16", "bfloat16")}
     _REJECTED: ClassVar[dict[str, Rejected]] = _TOP_REJECTED
 
-    train_batch_size: Annotated[Int(1, none_ok=True), _USED] = None
+    train_batch_size: Annotated[Int(1, none_ok=True), USED] = None
     """Global batch per optimizer step (``null``: derived, see *Batch sizes*)."""
-    train_micro_batch_size_per_gpu: Annotated[Int(1, none_ok=True), _USED] = None
+    train_micro_batch_size_per_gpu: Annotated[Int(1, none_ok=True), USED] = None
     """Batch per rank per forward/backward (``null``: derived)."""
-    gradient_accumulation_steps: Annotated[Int(1, none_ok=True), _USED] = None
+    gradient_accumulation_steps: Annotated[Int(1, none_ok=True), USED] = None
     """Micro-batches per optimizer step (``null``: derived)."""
-    gradient_clipping: Annotated[Real(0), _USED] = 0.0
+    gradient_clipping: Annotated[Real(0), USED] = 0.0
     """Maximum global gradient norm; 0 disables clipping."""
-    steps_per_print: Annotated[Int(1), _USED] = 10
+    steps_per_print: Annotated[Int(1), USED] = 10
     """Optimizer steps between two progress lines on rank 0: ``zero_full.deepspeed``'s engine prints
     DeepSpeed's line, zero's engine logs one at INFO (logger ``zero.monitor``)."""
     wall_clock_breakdown: Annotated[
@@ -133,37 +132,35 @@ class ZeroConfig(Section):
         ),
     ] = False
     """DeepSpeed: time the phases of each step and print them."""
-    fp16: Annotated[FP16Config, _USED] = Field(default_factory=FP16Config)
+    fp16: Annotated[FP16Config, USED] = Field(default_factory=FP16Config)
     """Half precision and loss scaling (section below)."""
-    bf16: Annotated[BF16Config, _USED] = Field(default_factory=BF16Config)
+    bf16: Annotated[BF16Config, USED] = Field(default_factory=BF16Config)
     """bfloat16 precision (section below; also spelled ``bfloat16``, DeepSpeed's older name)."""
-    optimizer: Annotated[OptimizerConfig | None, _USED] = None
+    optimizer: Annotated[OptimizerConfig | None, USED] = None
     """The optimizer to build (section below), or ``null`` when ``initialize`` receives one."""
-    scheduler: Annotated[SchedulerConfig | None, _USED] = None
+    scheduler: Annotated[SchedulerConfig | None, USED] = None
     """The learning-rate schedule to build over the optimizer (section below), or ``null``."""
-    zero_optimization: Annotated[ZeroOptimizationConfig, _USED] = Field(
-        default_factory=ZeroOptimizationConfig
-    )
+    zero_optimization: Annotated[ZeroOptimizationConfig, USED] = Field(default_factory=ZeroOptimizationConfig)
     """The ZeRO stage and its knobs (section below)."""
-    communication_data_type: Annotated[_CommDtype | None, _USED] = None
+    communication_data_type: Annotated[_CommDtype | None, USED] = None
     """The dtype gradients are reduced in (every stage) and, when it is narrower than the working
     dtype, stage-3 parameters are gathered in: ``"fp32"``, ``"bf16"`` or ``"fp16"`` (``null``: the
     working dtype). Reductions sum and average in the working dtype after the cast back (no
     prescaling); fp32 training with ``"bf16"`` halves the bytes. Not with ``mics_shard_size``
     (see the Precision page of the docs)."""
-    tensorboard: Annotated[TensorBoardConfig, _USED] = Field(default_factory=TensorBoardConfig)
+    tensorboard: Annotated[TensorBoardConfig, USED] = Field(default_factory=TensorBoardConfig)
     """TensorBoard events of each optimizer step (section below)."""
-    wandb: Annotated[WandbConfig, _USED] = Field(default_factory=WandbConfig)
+    wandb: Annotated[WandbConfig, USED] = Field(default_factory=WandbConfig)
     """Weights & Biases logging of each optimizer step (section below)."""
-    comet: Annotated[CometConfig, _USED] = Field(default_factory=CometConfig)
+    comet: Annotated[CometConfig, USED] = Field(default_factory=CometConfig)
     """Comet logging of each optimizer step (section below)."""
-    csv_monitor: Annotated[CsvMonitorConfig, _USED] = Field(default_factory=CsvMonitorConfig)
+    csv_monitor: Annotated[CsvMonitorConfig, USED] = Field(default_factory=CsvMonitorConfig)
     """CSV files of each optimizer step's events (section below)."""
-    comms_logger: Annotated[CommsLoggerConfig, _USED] = Field(default_factory=CommsLoggerConfig)
+    comms_logger: Annotated[CommsLoggerConfig, USED] = Field(default_factory=CommsLoggerConfig)
     """A table of the engine's collectives (section below)."""
-    flops_profiler: Annotated[FlopsProfilerConfig, _USED] = Field(default_factory=FlopsProfilerConfig)
+    flops_profiler: Annotated[FlopsProfilerConfig, USED] = Field(default_factory=FlopsProfilerConfig)
     """The forward's FLOPs at one step (section below)."""
-    robustness: Annotated[RobustnessConfig, _USED] = Field(default_factory=RobustnessConfig)
+    robustness: Annotated[RobustnessConfig, USED] = Field(default_factory=RobustnessConfig)
     """Collective watchdog, non-finite gradient policy, rank agreement (section below; not a
     DeepSpeed section)."""
 

@@ -15,6 +15,7 @@ from pydantic import Field, model_validator
 from zero_full.config.base import Section, key_report
 from zero_full.config.types import (
     IMPLEMENTED,
+    USED,
     Choice,
     Flag,
     Ignored,
@@ -52,7 +53,6 @@ class OffloadDevice(str, enum.Enum):
 
 
 Device = Choice(OffloadDevice)
-_USED = Key(IMPLEMENTED)  # implemented, at every stage the section is used
 _STAGE3 = frozenset({3})
 _STAGE12 = frozenset({1, 2})
 _REDUCES_ASYNC = UsedWhen(
@@ -66,7 +66,7 @@ _NVME = UsedWhen("`device` is `nvme`", lambda section, _: section.device is Offl
 class _OffloadSection(Section):
     """What ``offload_param`` and ``offload_optimizer`` share: the device, its NVMe directory, pinning."""
 
-    device: Annotated[Device, _USED] = OffloadDevice.NONE
+    device: Annotated[Device, USED] = OffloadDevice.NONE
     """``none``, ``cpu`` or ``nvme``."""
     nvme_path: Annotated[OptionalPath, Key(IMPLEMENTED, when=_NVME)] = None
     """Directory for swap files; required with ``nvme``."""
@@ -100,13 +100,13 @@ class OffloadParamConfig(_OffloadSection):
 
     _PATH = ("zero_optimization", "offload_param")
 
-    buffer_count: Annotated[Int(0), _USED] = 5
+    buffer_count: Annotated[Int(0), USED] = 5
     """Swap buffers for parameters."""
-    buffer_size: Annotated[Int(0), _USED] = 100_000_000
+    buffer_size: Annotated[Int(0), USED] = 100_000_000
     """Elements per swap buffer."""
-    max_in_cpu: Annotated[Int(0), _USED] = 1_000_000_000
+    max_in_cpu: Annotated[Int(0), USED] = 1_000_000_000
     """Elements of parameters kept in CPU memory with ``nvme``."""
-    pin_memory: Annotated[Flag, _USED] = False
+    pin_memory: Annotated[Flag, USED] = False
     """Page-locked CPU buffers (faster, overlapping copies to an accelerator). Left unset, they are
     pinned beside an accelerator (DeepSpeed leaves them plain); an explicit ``false`` keeps them plain."""
 
@@ -134,20 +134,20 @@ class OffloadOptimizerConfig(_OffloadSection):
 
     _PATH = ("zero_optimization", "offload_optimizer")
 
-    buffer_count: Annotated[Int(0), _USED] = 4
+    buffer_count: Annotated[Int(0), USED] = 4
     """Swap buffers for optimizer state."""
-    pin_memory: Annotated[Flag, _USED] = False
+    pin_memory: Annotated[Flag, USED] = False
     """Page-locked CPU buffers (faster, overlapping copies to an accelerator). Left unset, they are
     pinned beside an accelerator (DeepSpeed leaves them plain); an explicit ``false`` keeps them plain."""
-    pipeline_read: Annotated[Flag, _USED] = False
+    pipeline_read: Annotated[Flag, USED] = False
     """Overlap reading swapped state with the step."""
-    pipeline_write: Annotated[Flag, _USED] = False
+    pipeline_write: Annotated[Flag, USED] = False
     """Overlap writing swapped state with the step."""
     fast_init: Annotated[
         Flag, Key(Ignored("zero writes the initial swap files in one pass whatever this says"))
     ] = False
     """DeepSpeed: skip initialising swap files on creation."""
-    ratio: Annotated[Real(0, 1), _USED] = 1.0
+    ratio: Annotated[Real(0, 1), USED] = 1.0
     """Fraction of each group's sub-groups whose optimizer step and state are offloaded (< 1: partial
     offload, stage 3 only; the rest is stepped on the device; the split is
     ``engine.optimizer.offload.offloaded_numel`` / ``device_numel``)."""
@@ -179,11 +179,11 @@ class ZeroppLocoConfig(Section):
 
     _PATH = ("zero_optimization", "zeropp_loco_param")
 
-    err_beta: Annotated[Real(0, 1, hi_open=True), _USED] = 0.8
+    err_beta: Annotated[Real(0, 1, hi_open=True), USED] = 0.8
     """Moving-average factor of the qgZ error buffer, in [0, 1): each reduction folds this rank's
     int4 quantization error into the buffer as ``e = err_beta * e + (1 - err_beta) * error`` and
     adds the buffer to the next gradient before quantizing it (0: classic error feedback)."""
-    reset_T: Annotated[Int(1), _USED] = 1024  # noqa: N815 - DeepSpeed's key
+    reset_T: Annotated[Int(1), USED] = 1024  # noqa: N815 - DeepSpeed's key
     """Optimizer steps between resets of the qgZ error buffers to zero."""
 
     def to_feedback_config(self) -> ErrorFeedbackConfig:
@@ -245,7 +245,7 @@ class ZeroOptimizationConfig(Section):
         ),
     }
 
-    stage: Annotated[Int(0, 3), _USED] = 0
+    stage: Annotated[Int(0, 3), USED] = 0
     """0: plain data parallelism (DDP); 1: optimizer state sharded; 2: + gradients; 3: + parameters."""
     overlap_comm: Annotated[
         Flag, Key(IMPLEMENTED, stages=frozenset({2, 3}), default_text="`true` at stage 3, else `false`")
