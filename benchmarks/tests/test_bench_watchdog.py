@@ -35,3 +35,30 @@ def test_the_median_pair_ratio_comes_with_a_bootstrap_interval_around_it():
     times = {"on": [0.103, 0.5, 0.102, 0.104], "off": [0.1, 0.1, 0.1, 0.1]}
     low, high = summarize(times)["pair_ratio_interval"]
     assert 1.019 < low <= 1.035 <= high <= 5.0  # ratios 1.02, 1.03, 1.04 and the 5x outlier
+
+
+@pytest.mark.parametrize("check", ["watchdog", "calls"])
+def test_both_ab_runs_finish_and_write_their_report(tmp_path, check):
+    # The watchdog A/B's "off" engine has no watchdog: the run must not ask it for collectives.
+    import json
+
+    from benchmarks.watchdog_overhead import main
+
+    main(
+        [
+            "--quick",
+            "--layers",
+            "1",
+            "--hidden",
+            "32",
+            "--pairs",
+            "2",
+            "--check",
+            check,
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    (written,) = tmp_path.glob("*.json")
+    result = json.loads(written.read_text())
+    assert result["args"]["check"] == check and result["pairs"] == 2 and result["median_off_s"] > 0
