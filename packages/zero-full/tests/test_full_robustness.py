@@ -232,6 +232,8 @@ def test_leftovers_of_dead_writers_are_removed_live_and_foreign_ones_kept(dist, 
             ("global_step7.tmp-0123456789ab", gone.pid, host),  # a writer that died: removed
             ("global_step8.tmp-aaaaaaaaaaaa", live.pid, host),  # alive: kept
             ("global_step9.tmp-bbbbbbbbbbbb", gone.pid, "another-host"),  # cannot tell: kept
+            ("global_step5.tmp-dddddddddddd", 0, host),  # names no process (a group): kept
+            ("global_step4.tmp-eeeeeeeeeeee", -1, host),  # names no process (all of them): kept
         ]:
             stale = tmp_path / name
             stale.mkdir()
@@ -239,12 +241,16 @@ def test_leftovers_of_dead_writers_are_removed_live_and_foreign_ones_kept(dist, 
             (stale / ".writer").write_text(json.dumps({"pid": pid, "host": where}))
         (tmp_path / "global_step6.tmp-cccccccccccc").mkdir()  # no lock: kept
         (tmp_path / f".latest.tmp-{gone.pid}").write_text("global_step7")  # dead writer: removed
+        (tmp_path / ".latest.tmp-0").write_text("global_step5")  # names no process: kept
         dist.run(2, _stale_cleanup, str(tmp_path), when)
     finally:
         live.kill()
         live.wait()
     assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".latest.tmp-0",
         "global_step1",
+        "global_step4.tmp-eeeeeeeeeeee",
+        "global_step5.tmp-dddddddddddd",
         "global_step6.tmp-cccccccccccc",
         "global_step8.tmp-aaaaaaaaaaaa",
         "global_step9.tmp-bbbbbbbbbbbb",

@@ -1,4 +1,4 @@
-"""pid_alive: a running process, a reaped one, another user's (the probe is refused)."""
+"""pid_alive: a running process, a reaped one, another user's (the probe is refused), no pid."""
 
 from __future__ import annotations
 
@@ -27,3 +27,9 @@ def test_a_process_the_probe_may_not_signal_is_alive(monkeypatch: pytest.MonkeyP
 
     monkeypatch.setattr(os, "kill", refused)
     assert pid_alive(12345)
+
+
+@pytest.mark.parametrize("pid", [0, -1, -4242, True, 3.0, "12"])
+def test_what_is_not_a_process_id_is_refused_by_name(pid):
+    with pytest.raises(ValueError, match=f"pid_alive: {pid!r} is not a process id"):
+        pid_alive(pid)

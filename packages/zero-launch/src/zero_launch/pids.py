@@ -8,7 +8,13 @@ __all__ = ["pid_alive"]
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists on this host (another user's included: signal 0 only probes)."""
+    """Whether process ``pid`` exists on this host (another user's included: signal 0 only probes).
+
+    Raises:
+        ValueError: ``pid`` is not a process id (> 0); 0 and negative values name process groups.
+    """
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 0:
+        raise ValueError(f"pid_alive: {pid!r} is not a process id (an integer > 0)")
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -117,12 +117,13 @@ class WriterLock:
 
     @classmethod
     def read(cls, directory: Path) -> WriterLock | None:
-        """The lock of ``directory`` (``None``: none, or unreadable)."""
+        """The lock of ``directory`` (``None``: none, or unreadable, or not naming a process)."""
         try:
             data = json.loads((directory / WRITER_FILE).read_text())
-            return cls(int(data["pid"]), str(data["host"]))
+            lock = cls(int(data["pid"]), str(data["host"]))
         except (OSError, ValueError, KeyError, TypeError):
             return None
+        return lock if lock.pid > 0 else None
 
 
 def owner_is_gone(entry: Path) -> bool:
@@ -136,7 +137,7 @@ def owner_is_gone(entry: Path) -> bool:
         lock = WriterLock.read(entry)
     else:  # ``.latest.tmp-<pid>``: written by write_text_atomic on the writer's host
         pid = entry.name.rpartition(".tmp-")[2]
-        lock = WriterLock(int(pid), me.host) if pid.isdigit() else None
+        lock = WriterLock(int(pid), me.host) if pid.isdigit() and int(pid) > 0 else None
     if lock is None or lock.host != me.host:
         return False
     return lock.pid == me.pid or not pid_alive(lock.pid)
