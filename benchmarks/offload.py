@@ -302,8 +302,8 @@ STEP_SCRIPT = textwrap.dedent(
     extra = {}
     if shards is not None:
         st = shards.stats
-        extra = {"swap_ins": st.swap_ins, "prefetched": st.prefetched, "prefetch_hits": st.prefetch_hits,
-                 "fetches": st.fetches, "resident_shard_bytes": shards.swapper.resident_bytes}
+        extra = {"swap_ins": st.swap_ins.count, "fetches": st.fetches.count, "prefetched": st.prefetched,
+                 "prefetch_hits": st.prefetch_hits, "resident_shard_bytes": shards.swapper.resident_bytes}
     engine.close()
     print("RESULT", json.dumps({"step_s": statistics.median(times[2:]), "params": n, **extra}))
     dist.destroy_process_group()

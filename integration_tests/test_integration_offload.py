@@ -175,11 +175,11 @@ def test_transfers_and_swap_bytes_are_counted(dist, tmp_path):
     for r, res in enumerate(dist.run(2, count_transfers, str(tmp_path))):
         t, n, k = res["transfers"], res["numel"], res["subgroups"]
         assert k == -(-n // 100), f"rank {r}: {k} sub-groups for {n} elements"
-        assert (t.steps, t.grad_down, t.param_up) == (3, 3 * k, 3 * k)
-        assert t.grad_down_bytes == t.param_up_bytes == 3 * n * 4
+        assert t.steps == 3
+        assert t.grad_down == t.param_up == zero_offload.Transfers(3 * k, 3 * n * 4)
         s = res["swap"]
-        assert s.reads == 3 * 3 * k and s.bytes_read == 3 * 3 * n * 4
-        assert s.writes == 3 * k + 3 * 3 * k and s.bytes_written == 4 * 3 * n * 4  # initial + 3 steps
+        assert s.reads == zero_offload.Transfers(3 * 3 * k, 3 * 3 * n * 4)
+        assert s.writes == zero_offload.Transfers(3 * k + 3 * 3 * k, 4 * 3 * n * 4)  # initial + 3 steps
 
 
 class Wide(nn.Module):
@@ -388,11 +388,11 @@ def test_param_offload_prefetches_counts_transfers_and_bounds_host_memory(dist, 
     for r, res in enumerate(dist.run(2, param_offload_counts, str(tmp_path))):
         st, coord = res["stats"], res["coord"]
         assert res["count"] == 48
-        assert st["stores"] == PARAM_STEPS * 48 and st["store_bytes"] == PARAM_STEPS * res["shard_bytes"]
+        assert st["stores"] == {"count": PARAM_STEPS * 48, "nbytes": PARAM_STEPS * res["shard_bytes"]}
         assert st["prefetched"] == coord.shard_prefetches > 0, f"rank {r}: {st}"
         assert 0 < st["prefetch_hits"] <= st["prefetched"], f"rank {r}: {st}"
-        assert st["fetches"] >= PARAM_STEPS * 48, f"rank {r}: {st}"  # every shard gathered each step
-        assert st["swap_ins"] <= st["fetches"] + st["prefetched"]
+        assert st["fetches"]["count"] >= PARAM_STEPS * 48, f"rank {r}: {st}"  # every shard gathered each step
+        assert st["swap_ins"]["count"] <= st["fetches"]["count"] + st["prefetched"]
         assert st["max_resident_elements"] <= 2 * 128 * 64 and res["peak"] <= 2 * 128 * 64
         assert res["resident"] <= res["pool"], f"rank {r}: {res}"
         assert res["shard_bytes"] >= 10 * res["pool"], f"rank {r}: model too small to show the bound: {res}"

@@ -43,13 +43,13 @@ def _swap_ahead(rank, prefetch: bool):
         coord.install()
         errors, stats = [], []
         for step in range(3):
-            before = (home.stats.prefetched, home.stats.prefetch_hits, home.stats.swap_ins)
+            before = (home.stats.prefetched, home.stats.prefetch_hits, home.stats.swap_ins.count)
             x = rank_input(step, rank.rank, (4, WIDTH))
             out = model(x)
             out.pow(2).sum().backward()
             with torch.no_grad():
                 errors.append((out - ref(x)).abs().max().item())
-            after = (home.stats.prefetched, home.stats.prefetch_hits, home.stats.swap_ins)
+            after = (home.stats.prefetched, home.stats.prefetch_hits, home.stats.swap_ins.count)
             stats.append((*(a - b for a, b in zip(after, before)), coord.last_step_stats.shard_prefetches))
         coord.remove()
         home.close()

@@ -13,6 +13,7 @@ from zero_offload import (
     ShardResidence,
     SwapError,
     SwapSpaceError,
+    Transfers,
     align_up,
 )
 
@@ -49,7 +50,7 @@ def test_nvme_round_trip_and_residence_bound(tmp_path):
     # two buffers of 512 fp32 elements, each rounded up to a page, plus a page of alignment slack
     assert sw.resident_bytes == 2 * (align_up(512 * 4) + ALIGNMENT)
     assert sw.stats.evictions >= len(keys)
-    assert sw.stats.fetches == 2 * len(keys)
+    assert sw.stats.fetches.count == 2 * len(keys)
     # store writes new values that the next swap-in returns
     new = _values(99, SIZES[2], torch.bfloat16)
     sw.store(keys[2], new)
@@ -79,12 +80,12 @@ def test_prefetch_issues_reads_before_the_fetch(tmp_path):
     sw.evict_all()
     keys = sw.keys()
     started = sw.prefetch((k, True) for k in keys[:3])
-    assert started == 3 and sw.stats.swap_ins == 3
+    assert started == 3 and sw.stats.swap_ins.count == 3
     assert {sw.residence(k) for k in keys[:3]} <= {ShardResidence.SWAPPING_IN, ShardResidence.RESIDENT}
     # no room for more without evicting prefetched shards: prefetch stops, never blocks
     assert sw.prefetch((k, True) for k in keys[3:]) == 0
     outs = sw.fetch(keys[:3])
-    assert sw.stats.prefetch_hits == 3 and sw.stats.swap_ins == 3  # no second read
+    assert sw.stats.prefetch_hits == 3 and sw.stats.swap_ins.count == 3  # no second read
     for i, out in enumerate(outs):
         assert torch.equal(out, _values(i, SIZES[i], out.dtype))
     # pinned shards are never evicted: a fourth shard does not fit
@@ -111,7 +112,7 @@ def test_cpu_keeps_every_shard_resident_and_counts_transfers():
     assert sw.prefetch([("a", True), ("b", True)]) == 0
     a, b = sw.fetch(["a", "b"])
     assert torch.equal(a, torch.arange(5.0)) and torch.equal(b, torch.ones(3, dtype=torch.float64))
-    assert sw.stats.fetches == 2 and sw.stats.fetch_bytes == 5 * 4 + 3 * 8 and sw.stats.stores == 2
+    assert sw.stats.fetches == Transfers(2, 5 * 4 + 3 * 8) and sw.stats.stores.count == 2
     assert sw.residence("a") is ShardResidence.RESIDENT and sw.resident_bytes == 5 * 4 + 3 * 8
 
 

@@ -86,7 +86,7 @@ def test_the_host_master_is_stepped_in_place_and_published_through_the_side_stre
         if s:  # the host waited for the last step's copies before stepping the masters again
             first_copy = log.index(copies[0])
             assert next(i for i, e in enumerate(log) if e[0] == "synchronize") < first_copy
-    assert opt.offload.transfers.grad_down == opt.offload.transfers.param_up == 0
+    assert opt.offload.transfers.grad_down.count == opt.offload.transfers.param_up.count == 0
     for a, b in zip(ref.parameters(), model.parameters()):
         assert torch.equal(a, b)
 
@@ -99,7 +99,7 @@ def test_a_cpu_engine_offloads_as_before():
     assert all(g.working is g.master for g in opt.groups)
     _step(model, opt, 0)
     numel = sum(g.numel for g in opt.groups)
-    assert opt.offload.transfers.grad_down_bytes == opt.offload.transfers.param_up_bytes == numel * 4
+    assert opt.offload.transfers.grad_down.nbytes == opt.offload.transfers.param_up.nbytes == numel * 4
     assert opt.offloaded_device_bytes == numel * 4 * 2  # the moments only
 
 

@@ -1,6 +1,16 @@
 """CPU / NVMe placement of optimizer state and parameters, async swapping, CPU Adam."""
 
-from zero_offload import cpu_adam, destination, host_optimizer, optimizer, params, placement, pool, swap
+from zero_offload import (
+    cpu_adam,
+    destination,
+    host_optimizer,
+    optimizer,
+    params,
+    placement,
+    pool,
+    swap,
+    transfers,
+)
 from zero_offload.cpu_adam import AdamHyper, AdamKernel, CpuAdam, adam_hyper_from_group, check_offloadable
 from zero_offload.destination import OffloadDestination, OffloadTarget
 from zero_offload.host_optimizer import HostOptimizer, PartialOffload, offload_optimizer_for, twin_optimizer
@@ -27,6 +37,7 @@ from zero_offload.swap import (
     detect_io_mode,
     payload_checksum,
 )
+from zero_offload.transfers import Transfers
 
 __all__: list[str] = []
 __all__ += cpu_adam.__all__
@@ -37,3 +48,4 @@ __all__ += params.__all__
 __all__ += placement.__all__
 __all__ += pool.__all__
 __all__ += swap.__all__
+__all__ += transfers.__all__

@@ -24,6 +24,7 @@ from zero_offload.destination import OffloadDestination, OffloadTarget
 from zero_offload.placement import HostMemory, HostPlacement, host_memory, storage_bytes
 from zero_offload.pool import BufferPool, align_up
 from zero_offload.swap import AsyncSwapper, SwapHandle
+from zero_offload.transfers import Transfers
 
 __all__ = ["OffloadedOptimizer", "OptimizerOffloadConfig", "TransferStats"]
 
@@ -63,12 +64,11 @@ class OptimizerOffloadConfig(OffloadDestination):
 
 @dataclasses.dataclass
 class TransferStats:
-    """Explicit host <-> device copies of the offloaded step."""
+    """Explicit host <-> device copies of the offloaded step: gradients down and updated fp32
+    masters up, one per sub-group and step."""
 
-    grad_down: int = 0
-    grad_down_bytes: int = 0
-    param_up: int = 0
-    param_up_bytes: int = 0
+    grad_down: Transfers = dataclasses.field(default_factory=Transfers)
+    param_up: Transfers = dataclasses.field(default_factory=Transfers)
     steps: int = 0
 
 
@@ -364,12 +364,10 @@ class OffloadedOptimizer(HostStepped):
         # blocking copies: the host record is read by the CPU Adam right away and reused (pool)
         # right after; swap I/O of the neighbouring sub-groups overlaps them
         t["grad"].copy_(grad)
-        self.transfers.grad_down += 1
-        self.transfers.grad_down_bytes += sg.numel * 4
+        self.transfers.grad_down.add(sg.numel * 4)
         self.adam.step(t["master"], t["grad"], t["exp_avg"], t["exp_avg_sq"], self.step_count, hyper)
         self.masters[sg.group].narrow(0, sg.offset, sg.numel).copy_(t["master"])
-        self.transfers.param_up += 1
-        self.transfers.param_up_bytes += sg.numel * 4
+        self.transfers.param_up.add(sg.numel * 4)
 
     def export_state(self) -> list[dict[str, torch.Tensor]]:
         """Each group's state in ``torch.optim.Adam``'s format (``step``, ``exp_avg``, ``exp_avg_sq``).

@@ -27,6 +27,7 @@ from zero_offload.destination import OffloadDestination, OffloadTarget
 from zero_offload.placement import host_memory, storage_bytes
 from zero_offload.pool import BufferPool
 from zero_offload.swap import AsyncSwapper, SwapHandle
+from zero_offload.transfers import Transfers
 
 __all__ = ["ParamOffloadConfig", "ParamSwapper", "ParamTransferStats", "ShardResidence"]
 
@@ -63,14 +64,12 @@ class ParamOffloadConfig(OffloadDestination):
 
 @dataclasses.dataclass
 class ParamTransferStats:
-    """Counters of the parameter swapper."""
+    """Counters of the parameter swapper: shard fetches (gathers reading a host or NVMe shard),
+    stores (write-backs) and swap-ins (NVMe reads), with their bytes, and the prefetch counts."""
 
-    fetches: int = 0
-    fetch_bytes: int = 0
-    stores: int = 0
-    store_bytes: int = 0
-    swap_ins: int = 0
-    swap_in_bytes: int = 0
+    fetches: Transfers = dataclasses.field(default_factory=Transfers)
+    stores: Transfers = dataclasses.field(default_factory=Transfers)
+    swap_ins: Transfers = dataclasses.field(default_factory=Transfers)
     prefetched: int = 0
     prefetch_hits: int = 0
     evictions: int = 0
@@ -198,8 +197,7 @@ class ParamSwapper:
         src = values.detach().reshape(-1)
         if src.numel() != s.numel:
             raise ValueError(f"parameter swapper: {s.numel} elements expected for {key!r}, got {src.numel()}")
-        self.stats.stores += 1
-        self.stats.store_bytes += s.nbytes
+        self.stats.stores.add(s.nbytes)
         if not self.nvme:
             self._host[key].copy_(src)
             return
@@ -277,8 +275,7 @@ class ParamSwapper:
             out = []
             for s in shards:
                 out.append(_view(s))
-                self.stats.fetches += 1
-                self.stats.fetch_bytes += s.nbytes
+                self.stats.fetches.add(s.nbytes)
         return out
 
     def unpin(self, keys: Sequence[str]) -> None:
@@ -327,8 +324,7 @@ class ParamSwapper:
     def _read(self, s: _Shard) -> None:
         s.handle = self._io().read(s.key, _view(s))
         s.status = ShardResidence.SWAPPING_IN
-        self.stats.swap_ins += 1
-        self.stats.swap_in_bytes += s.nbytes
+        self.stats.swap_ins.add(s.nbytes)
 
     def _claim(
         self,

@@ -29,6 +29,7 @@ import torch
 from zero_comm.closing import ClosesOnExit
 from zero_comm.units import format_bytes
 from zero_offload.pool import ALIGNMENT, align_up, aligned_empty
+from zero_offload.transfers import Transfers
 
 __all__ = [
     "AsyncSwapper",
@@ -73,10 +74,8 @@ class IoMode(enum.Enum):
 class SwapStats:
     """Counters of completed requests (updated by the I/O threads under a lock)."""
 
-    writes: int = 0
-    reads: int = 0
-    bytes_written: int = 0
-    bytes_read: int = 0
+    writes: Transfers = dataclasses.field(default_factory=Transfers)
+    reads: Transfers = dataclasses.field(default_factory=Transfers)
     bounced_bytes: int = 0
 
 
@@ -256,8 +255,7 @@ class AsyncSwapper(ClosesOnExit):
         finally:
             os.close(fd)
         with self._stats_lock:
-            self.stats.writes += 1
-            self.stats.bytes_written += nbytes
+            self.stats.writes.add(nbytes)
 
     def _read(self, tensor_id: str, out: torch.Tensor, path: Path) -> None:
         try:
@@ -285,8 +283,7 @@ class AsyncSwapper(ClosesOnExit):
         if payload_checksum(out) != crc:
             raise SwapError(f"swap file {path} of tensor {tensor_id!r} is corrupt: payload checksum mismatch")
         with self._stats_lock:
-            self.stats.reads += 1
-            self.stats.bytes_read += nbytes
+            self.stats.reads.add(nbytes)
 
     def _direct_payload(
         self, fd: int, tensor: torch.Tensor, nbytes: int, path: Path, *, write: bool, tensor_id: str = ""
