@@ -4,23 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import coord_cases as cases
 import pytest
 import torch
-from coord_cases import (
-    DeferredSink,
-    Experts,
-    MoEModel,
-    build,
-    capture_coord_logs,
-    coordinate,
-    gathered_params,
-    grad_partition_errors,
-    hook_counts,
-    over_worlds,
-    rank_input,
-    reference_grads,
-    release_logs,
-)
 from torch import nn
 
 from zero_coord import (
@@ -35,31 +21,31 @@ from zero_coord import (
 
 def _moe_with_leaf(rank, how: str):
     world = rank.world_size
-    model, ref = build(MoEModel)
-    marked = set_leaf_modules(model, [Experts] if how == "class" else [how])
-    sink = DeferredSink(list(model.parameters()))
-    coord = coordinate(model, None, sink)
-    inner_hooks = {name: hook_counts(m) for name, m in model.moe.named_modules() if name}
-    leaf_hooks = hook_counts(model.moe)
+    model, ref = cases.build(cases.MoEModel)
+    marked = set_leaf_modules(model, [cases.Experts] if how == "class" else [how])
+    sink = cases.DeferredSink(list(model.parameters()))
+    coord = cases.coordinate(model, None, sink)
+    inner_hooks = {name: cases.hook_counts(m) for name, m in model.moe.named_modules() if name}
+    leaf_hooks = cases.hook_counts(model.moe)
     loss_fn = lambda out: out.sum()  # noqa: E731 - tiny test loss
     out_errors, leaks = [], []
     for step in range(3):
-        x = rank_input(step, rank.rank, (5, 6)) * (rank.rank + 1)
+        x = cases.rank_input(step, rank.rank, (5, 6)) * (rank.rank + 1)
         with torch.no_grad():
             ref_out = ref(x)
         out = model(x)
         out_errors.append((out - ref_out).abs().max().item())
         loss_fn(out).backward()
-        leaks.append(gathered_params(model))
-    inputs = [(rank_input(step, r, (5, 6)) * (r + 1),) for step in range(3) for r in range(world)]
-    errors = grad_partition_errors(model, reference_grads(ref, inputs, loss_fn, world))
+        leaks.append(cases.gathered_params(model))
+    inputs = [(cases.rank_input(step, r, (5, 6)) * (r + 1),) for step in range(3) for r in range(world)]
+    errors = cases.grad_partition_errors(model, cases.reference_grads(ref, inputs, loss_fn, world))
     events = [(e.module, e.backward) for e in coord.trace(Phase.TRAIN).events]
     stats = coord.last_step_stats
     coord.remove()
     return [m is model.moe for m in marked], inner_hooks, leaf_hooks, out_errors, errors, leaks, events, stats
 
 
-@over_worlds
+@cases.over_worlds
 def test_a_data_dependent_moe_leaf_matches_the_reference(dist, world):
     for how in ("class", "Experts", "moe"):
         for r, result in enumerate(dist.run(world, _moe_with_leaf, how)):
@@ -77,11 +63,11 @@ def test_a_data_dependent_moe_leaf_matches_the_reference(dist, world):
 
 
 def _experts_run(rank):
-    model, _ = build(MoEModel)
+    model, _ = cases.build(cases.MoEModel)
     runs = []
     with torch.no_grad():
         for step in range(3):  # the inputs of _moe_with_leaf
-            x = rank_input(step, rank.rank, (5, 6)) * (rank.rank + 1)
+            x = cases.rank_input(step, rank.rank, (5, 6)) * (rank.rank + 1)
             runs.append(sorted(set(model.moe.router(torch.tanh(model.inp(x))).argmax(-1).tolist())))
     return runs
 
@@ -97,8 +83,8 @@ def test_set_leaf_modules_marks_outermost_and_names_unmatched_entries():
     class Outer(nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.a = Experts()
-            self.b = nn.Sequential(Experts(), nn.Linear(6, 6))
+            self.a = cases.Experts()
+            self.b = nn.Sequential(cases.Experts(), nn.Linear(6, 6))
 
     model = Outer()
     marked = set_leaf_modules(model, ["Experts"])
@@ -188,26 +174,26 @@ def test_granularity_leaves_follow_deepspeeds_rule_parents_first() -> None:
 
 def _granular_run(rank, threshold: int):
     world = rank.world_size
-    model, ref = build(_Stack)
-    sink = DeferredSink(list(model.parameters()))
+    model, ref = cases.build(_Stack)
+    sink = cases.DeferredSink(list(model.parameters()))
     config = CoordinatorConfig(prefetch_bucket_size=400, max_live_parameters=800, max_reuse_distance=0)
-    handler = capture_coord_logs()
-    coord = coordinate(model, dataclasses.replace(config, module_granularity_threshold=threshold), sink)
-    logs = release_logs(handler)
-    inner = sum(hook_counts(m) for m in model.blocks[0].modules() if m is not model.blocks[0])
+    handler = cases.capture_coord_logs()
+    coord = cases.coordinate(model, dataclasses.replace(config, module_granularity_threshold=threshold), sink)
+    logs = cases.release_logs(handler)
+    inner = sum(cases.hook_counts(m) for m in model.blocks[0].modules() if m is not model.blocks[0])
     loss_fn = lambda out: out.pow(2).mean()  # noqa: E731 - tiny test loss
     leaks = []
     for step in range(3):
-        loss_fn(model(rank_input(step, rank.rank, (4, 5)))).backward()
-        leaks.append(gathered_params(model))
-    inputs = [(rank_input(step, r, (4, 5)),) for step in range(3) for r in range(world)]
-    errors = grad_partition_errors(model, reference_grads(ref, inputs, loss_fn, world))
+        loss_fn(model(cases.rank_input(step, rank.rank, (4, 5)))).backward()
+        leaks.append(cases.gathered_params(model))
+    inputs = [(cases.rank_input(step, r, (4, 5)),) for step in range(3) for r in range(world)]
+    errors = cases.grad_partition_errors(model, cases.reference_grads(ref, inputs, loss_fn, world))
     leaves, gathers = coord.leaf_modules, coord.last_step_stats.gathers
     coord.remove()
     return leaves, inner, leaks, max(errors.values()), gathers, logs
 
 
-@over_worlds
+@cases.over_worlds
 def test_module_granularity_threshold_gathers_blocks_as_leaves_with_the_reference_gradients(dist, world):
     block = _block_granularity(7)[0]
     per_module = dist.run(world, _granular_run, 0)
@@ -240,10 +226,10 @@ def test_coordinated_leaves_are_the_marked_and_the_selected_outermost_first() ->
 
 
 def _installed_with_threshold(rank, threshold):
-    model, _ = build(_Stack)
-    handler = capture_coord_logs()
-    coord = coordinate(model, CoordinatorConfig(module_granularity_threshold=threshold))
-    logs = release_logs(handler)
+    model, _ = cases.build(_Stack)
+    handler = cases.capture_coord_logs()
+    coord = cases.coordinate(model, CoordinatorConfig(module_granularity_threshold=threshold))
+    logs = cases.release_logs(handler)
     leaves = coord.leaf_modules
     coord.remove()
     return leaves, [(level, message) for level, message in logs if level == "WARNING"]
@@ -251,9 +237,9 @@ def _installed_with_threshold(rank, threshold):
 
 def _flat_model_threshold(rank):
     model = nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3))  # a container of layers: no leaf
-    handler = capture_coord_logs()
-    coord = coordinate(model, CoordinatorConfig(module_granularity_threshold=10**6))
-    logs = release_logs(handler)
+    handler = cases.capture_coord_logs()
+    coord = cases.coordinate(model, CoordinatorConfig(module_granularity_threshold=10**6))
+    logs = cases.release_logs(handler)
     leaves = coord.leaf_modules
     coord.remove()
     return leaves, [message for level, message in logs if level == "WARNING"]
