@@ -7,7 +7,14 @@ import itertools
 import pytest
 import torch
 
-from zero_offload import AdamKernel, OffloadedOptimizer, OffloadTarget, OptimizerOffloadConfig, Transfers
+from zero_offload import (
+    AdamKernel,
+    OffloadedOptimizer,
+    OffloadTarget,
+    OptimizerOffloadConfig,
+    Transfers,
+    offload_optimizer_for,
+)
 
 SIZES = [1037, 1, 13]  # three groups, odd sizes
 PIPES = list(itertools.product([False, True], repeat=2))
@@ -118,3 +125,17 @@ def test_config_is_checked(tmp_path):
         OffloadedOptimizer(
             torch.optim.SGD([p], lr=1.0), [p.detach()], [torch.zeros(3)], OptimizerOffloadConfig()
         )
+
+
+@pytest.mark.parametrize("ratio", [1.0, 0.5])
+@pytest.mark.parametrize("optimizer_class", [torch.optim.AdamW, torch.optim.SGD])
+def test_every_offload_wants_one_master_and_gradient_per_group(optimizer_class, ratio):
+    """Fast path, host twin and partial offload alike refuse masters that do not match the groups."""
+    p = torch.nn.Parameter(torch.zeros(5))
+    user = optimizer_class([p], lr=0.1)
+    config = OptimizerOffloadConfig(sub_group_size=2, ratio=ratio)
+    two = [torch.zeros(5), torch.zeros(3)]
+    with pytest.raises(ValueError, match="2 masters and 2 gradients for 1 param groups"):
+        offload_optimizer_for(user, [t.clone() for t in two], two, config)
+    with pytest.raises(ValueError, match="1 masters and 2 gradients for 1 param groups"):
+        offload_optimizer_for(user, two[:1], two, config)

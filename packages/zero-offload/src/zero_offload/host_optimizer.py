@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -9,7 +10,7 @@ import torch
 from torch.profiler import record_function
 
 from zero_offload.optimizer import HostStepped, OffloadedOptimizer, OffloadTarget, OptimizerOffloadConfig
-from zero_offload.placement import HostMemory, HostPlacement, host_memory
+from zero_offload.placement import HostMemory, HostPlacement
 
 __all__ = ["HostOptimizer", "PartialOffload", "offload_optimizer_for", "twin_optimizer"]
 
@@ -53,46 +54,30 @@ def offload_optimizer_for(
         ValueError: a split placement with ``config.ratio < 1`` (the device part needs its
             master on the device).
     """
-    split = placement is not None and placement.split
+    chosen: type[OffloadedOptimizer | HostOptimizer | PartialOffload] = HostOptimizer
     if config.ratio < 1.0:
-        if split:
-            raise ValueError(
-                "partial optimizer offload (offload_optimizer.ratio < 1) keeps the fp32 master on the "
-                "device; it cannot take a host master"
-            )
-        return PartialOffload(optimizer, masters, grads, config, rank=rank)
-    if _is_fast_path(optimizer):
-        return OffloadedOptimizer(optimizer, masters, grads, config, rank=rank, placement=placement)
-    return HostOptimizer(optimizer, masters, grads, config, placement=placement)
+        chosen = PartialOffload
+    elif _is_fast_path(optimizer):
+        chosen = OffloadedOptimizer
+    return chosen(optimizer, masters, grads, config, rank=rank, placement=placement)
 
 
 class HostOptimizer(HostStepped):
     """Steps host copies of flat fp32 masters with a twin of any torch optimizer (see the module doc)."""
 
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        masters: Sequence[torch.Tensor],
-        grads: Sequence[torch.Tensor],
-        config: OptimizerOffloadConfig,
-        *,
-        placement: HostPlacement | None = None,
-    ) -> None:
-        """``placement`` (split): ``masters`` and ``grads`` are host tensors, stepped in place."""
-        name = f"{type(optimizer).__module__}.{type(optimizer).__name__}"
-        if config.device is OffloadTarget.NVME:
+    def _place(self, memory: HostMemory, rank: int) -> None:
+        optimizer = self.optimizer
+        if self.config.device is OffloadTarget.NVME:
+            name = f"{type(optimizer).__module__}.{type(optimizer).__name__}"
             raise ValueError(
                 f"offload_optimizer.device = nvme swaps Adam / AdamW state only, got {name}; use device "
                 "'cpu' (any torch optimizer steps in host memory) or Adam / AdamW"
             )
-        super().__init__(optimizer, masters, grads)
-        memory: HostMemory = placement.memory if placement is not None else host_memory(config.pin_memory)
-        self.split = placement is not None and placement.split
         if self.split:  # the host master and gradient partition themselves
             self.host_masters = self.masters
             self.host_grads = self.grads
         else:
-            self.host_masters = tuple(memory.copy_of(m) for m in masters)
+            self.host_masters = tuple(memory.copy_of(m) for m in self.masters)
             self.host_grads = tuple(memory.zeros(h.numel()).view(h.shape) for h in self.host_masters)
         for h, g in zip(self.host_masters, self.host_grads, strict=True):
             h.grad = g
@@ -204,27 +189,24 @@ def offloaded_split(numel: int, sub_group_size: int, ratio: float) -> int:
     return min(numel, round(ratio * n) * sub_group_size)
 
 
-class PartialOffload:
+class PartialOffload(HostStepped):
     """Partial optimizer offload (``offload_optimizer.ratio`` < 1): each group's flat master is
     split at a sub-group boundary (:func:`offloaded_split`); the first part is offloaded
     (:class:`OffloadedOptimizer` or :class:`HostOptimizer`, over views of the masters), the rest
     is stepped on the device by a twin of the optimizer (same class and ``defaults``) whose state
     lives with the masters.
+
+    Raises:
+        ValueError: a split placement (the device part needs its master on the device).
     """
 
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        masters: Sequence[torch.Tensor],
-        grads: Sequence[torch.Tensor],
-        config: OptimizerOffloadConfig,
-        *,
-        rank: int = 0,
-    ) -> None:
-        import dataclasses
-
-        self.optimizer = optimizer
-        self.masters = tuple(masters)
+    def _place(self, memory: HostMemory, rank: int) -> None:
+        if self.split:
+            raise ValueError(
+                "partial optimizer offload (offload_optimizer.ratio < 1) keeps the fp32 master on the "
+                "device; it cannot take a host master"
+            )
+        optimizer, masters, grads, config = self.optimizer, self.masters, self.grads, self.config
         self.splits = tuple(offloaded_split(m.numel(), config.sub_group_size, config.ratio) for m in masters)
         self.offloaded_numel = sum(self.splits)
         self.device_numel = sum(m.numel() for m in masters) - self.offloaded_numel

@@ -250,15 +250,34 @@ def check_one_per_group(
 
 class HostStepped(abc.ABC):
     """What the offloaded optimizers share: the torch optimizer they step for, one flat master and
-    gradient per param group (checked), and the host bytes of their :meth:`state_tensors`."""
+    gradient per param group (checked), the offload config, where host buffers live, and the host
+    bytes of their :meth:`state_tensors`.
+
+    ``placement`` (split): ``masters`` and ``grads`` are host tensors (the flat fp32 master and
+    gradient partition themselves), stepped where they are. ``rank`` names this rank's swap files.
+    """
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, masters: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]
+        self,
+        optimizer: torch.optim.Optimizer,
+        masters: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor],
+        config: OptimizerOffloadConfig,
+        *,
+        rank: int = 0,
+        placement: HostPlacement | None = None,
     ) -> None:
         check_one_per_group(optimizer, masters, grads)
         self.optimizer = optimizer
         self.masters = tuple(masters)
         self.grads = tuple(grads)
+        self.config = config
+        self.split = placement is not None and placement.split
+        self._place(placement.memory if placement is not None else host_memory(config.pin_memory), rank)
+
+    @abc.abstractmethod
+    def _place(self, memory: HostMemory, rank: int) -> None:
+        """Check the optimizer and config, and set up the state: host buffers from ``memory``."""
 
     @abc.abstractmethod
     def state_tensors(self) -> list[torch.Tensor]:
@@ -273,36 +292,22 @@ class HostStepped(abc.ABC):
 class OffloadedOptimizer(HostStepped):
     """Adam / AdamW steps of flat fp32 partitions with the state offloaded to host memory or NVMe."""
 
-    def __init__(
-        self,
-        optimizer: torch.optim.Optimizer,
-        masters: Sequence[torch.Tensor],
-        grads: Sequence[torch.Tensor],
-        config: OptimizerOffloadConfig,
-        *,
-        rank: int = 0,
-        placement: HostPlacement | None = None,
-    ) -> None:
-        """``placement``: split: ``masters`` and ``grads`` are host tensors (the flat fp32 master
-        and gradient partition themselves), stepped in place without copies (``cpu``)."""
-        check_offloadable(optimizer)
-        super().__init__(optimizer, masters, grads)
-        self.config = config
+    def _place(self, memory: HostMemory, rank: int) -> None:
+        check_offloadable(self.optimizer)
+        config = self.config
         self.subgroups: tuple[_SubGroup, ...] = tuple(
             _SubGroup(gi, k, off, min(config.sub_group_size, m.numel() - off))
-            for gi, m in enumerate(masters)
+            for gi, m in enumerate(self.masters)
             for k, off in enumerate(range(0, m.numel(), config.sub_group_size))
         )
         self.adam = CpuAdam(config.kernel)
         self.transfers = TransferStats()
         self.step_count = 0
-        self.split = placement is not None and placement.split
-        memory = placement.memory if placement is not None else host_memory(config.pin_memory)
         self._store: _HostStore | _SwapStore
         if config.device is OffloadTarget.NVME:
-            self._store = _SwapStore(masters, self.subgroups, config, rank)
+            self._store = _SwapStore(self.masters, self.subgroups, config, rank)
         else:
-            self._store = _HostStore(masters, grads, self.subgroups, memory, self.split)
+            self._store = _HostStore(self.masters, self.grads, self.subgroups, memory, self.split)
 
     @property
     def swapper(self) -> AsyncSwapper | None:
