@@ -53,7 +53,8 @@ from zero_full.hf import load as hf_load
 from zero_full.hf import save as hf_save
 from zero_full.inference import gathered_for_inference
 from zero_full.lifecycle import EngineResources, track
-from zero_full.memory.report import MemoryReport, build_memory_report, model_state_bytes, reset_peak_memory
+from zero_full.memory.rank_memory import reset_peak_memory
+from zero_full.memory.report import MemoryReport, build_memory_report, model_state_bytes
 from zero_full.monitor import TrainingMonitor
 from zero_full.wiring.compiled import check_not_precompiled, compile_model, explain_graph_break
 from zero_full.wiring.init import ConfigLike, Init

@@ -17,6 +17,7 @@ __all__ = [
     "read_device_memory",
     "read_process_memory",
     "reset_device_peak",
+    "reset_peak_memory",
     "reset_process_peak",
 ]
 
@@ -140,3 +141,9 @@ def reset_device_peak() -> bool:
         return False
     torch.accelerator.reset_peak_memory_stats(torch.accelerator.current_device_index())
     return True
+
+
+def reset_peak_memory() -> bool:
+    """Reset the process's peak RSS and the accelerator's peak; whether the process peak was reset."""
+    reset_device_peak()
+    return reset_process_peak()

@@ -24,17 +24,9 @@ from zero_comm.units import format_bytes
 from zero_full.checkpoint.state import TrainState
 from zero_full.config.zero_config import Precision
 from zero_full.memory.estimate import EstimatePrecision, estimate_model_states
-from zero_full.memory.rank_memory import (
-    DeviceMemory,
-    ProcessMemory,
-    read_device_memory,
-    read_process_memory,
-    reset_device_peak,
-    reset_process_peak,
-)
-from zero_optim import PartitionedOptimizer
+from zero_full.memory.rank_memory import DeviceMemory, ProcessMemory, read_device_memory, read_process_memory
 
-__all__ = ["MemoryReport", "build_memory_report", "model_state_bytes", "reset_peak_memory"]
+__all__ = ["MemoryReport", "build_memory_report", "model_state_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +126,7 @@ def build_memory_report(state: TrainState, rank: int, world: int) -> MemoryRepor
     )
 
 
-def model_state_bytes(module: nn.Module, optimizer: PartitionedOptimizer) -> int:
+def model_state_bytes(module: nn.Module, optimizer: zero_optim.PartitionedOptimizer) -> int:
     """Bytes of this rank's model states: parameters, gradients and optimizer state.
 
     Counted from tensor storages, each storage once: parameter storages (empty for
@@ -169,9 +161,3 @@ def model_state_bytes(module: nn.Module, optimizer: PartitionedOptimizer) -> int
         if storage.nbytes():
             storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
-
-
-def reset_peak_memory() -> bool:
-    """Reset the process's peak RSS and the accelerator's peak; whether the process peak was reset."""
-    reset_device_peak()
-    return reset_process_peak()
