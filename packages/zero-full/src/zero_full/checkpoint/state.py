@@ -45,15 +45,18 @@ class StepCounters:
 
 @dataclasses.dataclass(frozen=True)
 class TrainState:
-    """Everything of a training run a checkpoint touches, owned by the engine and passed in."""
+    """Everything of a training run a checkpoint touches, owned by the engine and passed in.
+
+    Every field is given: ``None`` says the run has no loss scaler (not fp16), no MiCS groups or
+    no LR scheduler."""
 
     module: nn.Module
     optimizer: PartitionedOptimizer
     config: ZeroConfig
     counters: StepCounters
-    scaler: LossScaler | None = None
-    mics: MicsGroups | None = None
-    lr_scheduler: LRSchedulerLike | None = None
+    scaler: LossScaler | None
+    mics: MicsGroups | None
+    lr_scheduler: LRSchedulerLike | None
 
     @property
     def timeout(self) -> float:
